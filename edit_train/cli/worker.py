@@ -1,0 +1,34 @@
+"""One rank of a locally spawned job: `python -m edit_train.cli.worker RUN_DIR/launch_config.json`.
+The config is the launcher's resolved JSON, so every rank agrees on it and on the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from edit_train.cli.common import fail, one_line, setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        fail("usage: python -m edit_train.cli.worker CONFIG.json")
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from edit_train.cli.train import _user_errors
+    from edit_train.config import from_container
+    from edit_train.train.trainer import train
+
+    try:
+        cfg = from_container(json.loads(open(args[0]).read()))
+        train(cfg)
+    except _user_errors() as exc:
+        fail(f"rank {rank}: {one_line(exc)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Structured configs for `edit-train`, registered in Hydra's ConfigStore, plus validation.
+
+The dataclasses are the schema: a typo'd key or a wrong type on the command line fails in Hydra with
+a message naming the key. `validate(cfg)` checks the cross-field rules Hydra cannot express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from edit_train.local_sgd.outer import OuterConfig
+from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.model.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A configuration a user can fix; the message names the field."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    name: str = "demo"  # experiment name (W&B group)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib", a glob of text files, a directory, or a .jsonl file/glob
+    tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
+    cache_dir: str | None = None  # default: $EDIT_TRAIN_CACHE or ~/.cache/edit-train
+    val_fraction: float = 0.02
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 600
+    batch_size: int = 16  # sequences per rank per micro-batch
+    seq_len: int = 128
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    lr_warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "ddp"  # ddp | post_local_sgd | diloco | edit | a_edit
+    local_sgd: bool = False  # False: gradients all-reduced across groups every step (ddp)
+    schedule: str = "step"  # step | time
+    interval: int = 32  # local steps between syncs (schedule=step)
+    warmup_steps: int = 0  # fully synchronous steps before local SGD starts
+    sync_time_s: float = 10.0  # A-EDiT wall-clock budget tau (schedule=time)
+    min_steps: int = 1
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+
+
+@dataclass
+class SyncConfig:
+    mode: str = "layerwise"  # layerwise | at_end | overlap
+    prefetch: bool = True
+
+
+@dataclass
+class LinkConfig:
+    bandwidth_mbps: float = 0.0  # 0 = unlimited (no simulated WAN)
+    latency_ms: float = 0.0
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    groups: int = 1
+    shard_size: int = 1
+    slowdown: list[float] = field(default_factory=list)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"  # wandb | none
+    project: str = "edit-train"
+    entity: str | None = None
+    mode: str | None = None  # online | offline | disabled; default offline unless a key is configured
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints (0 = only at the end)
+    keep: int = 2
+    at_end: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    resume: str = "false"  # false | auto (true is accepted as auto)
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register the schema and its groups' schemas in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    cs.store(group="algo", name="schema", node=AlgoConfig)
+    cs.store(group="cluster", name="schema", node=ClusterConfig)
+    cs.store(group="logger", name="schema", node=LoggerConfig)
+
+
+def _need(cond: bool, field_name: str, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field_name}: {why}")
+
+
+def validate(cfg: Config) -> None:
+    """Check cross-field rules; raise ConfigError naming the field and what to do."""
+    cfg.model.validate()
+    t, a, c = cfg.train, cfg.algo, cfg.cluster
+    _need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")
+    _need(t.batch_size > 0, "train.batch_size", f"must be > 0, got {t.batch_size}")
+    _need(t.seq_len > 1, "train.seq_len", f"must be > 1, got {t.seq_len}")
+    _need(t.seq_len <= cfg.model.max_position_embeddings, "train.seq_len",
+          f"{t.seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
+    _need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    _need(t.precision in ("fp32", "bf16"), "train.precision", f"must be fp32 or bf16, got {t.precision!r}")
+    _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
+    _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every/eval_batches", "must be >= 0 / >= 1")
+    _need(a.name in ("ddp", "post_local_sgd", "diloco", "edit", "a_edit"), "algo.name",
+          f"unknown algorithm {a.name!r}; choose ddp, post_local_sgd, diloco, edit or a_edit")
+    _need(a.schedule in ("step", "time"), "algo.schedule", f"must be step or time, got {a.schedule!r}")
+    _need(a.interval >= 1, "algo.interval", f"must be >= 1, got {a.interval}")
+    _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
+    _need(a.sync_time_s > 0, "algo.sync_time_s", "must be > 0")
+    a.outer.validate()
+    a.penalty.validate()
+    _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
+          f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
+    _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")
+    _need(c.shard_size >= 1, "cluster.shard_size", f"must be >= 1, got {c.shard_size}")
+    _need(not c.slowdown or len(c.slowdown) == c.groups, "cluster.slowdown",
+          f"needs one factor per group ({c.groups}), got {len(c.slowdown)}")
+    _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")
+    _need(c.backend in ("auto", "gloo", "nccl"), "cluster.backend", f"must be auto, gloo or nccl, got {c.backend!r}")
+    _need(cfg.logger.kind in ("wandb", "none"), "logger.kind", f"must be wandb or none, got {cfg.logger.kind!r}")
+    _need(str(cfg.resume).lower() in ("false", "true", "auto"), "resume",
+          f"must be false or auto, got {cfg.resume!r}")
+    _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every/keep", "must be >= 0 / >= 1")
+
+
+def to_container(cfg: Any) -> dict[str, Any]:
+    """A plain, JSON-serialisable dict of a (possibly OmegaConf) config."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(cfg):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    import dataclasses
+
+    return dataclasses.asdict(cfg)
+
+
+def from_container(data: dict[str, Any]) -> Config:
+    """Rebuild a typed Config object from a plain dict (e.g. the run's resolved config.json)."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.merge(OmegaConf.structured(Config), data)
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]

@@ -1,0 +1,250 @@
+"""Anchor θ̄ and outer optimizer per module, on plain (local-shard) tensors (EDiT §4 step 5).
+
+``OuterState`` never touches ``torch.distributed``: the caller hands it the rank's live local tensors
+(e.g. ``p.to_local()`` of FSDP2 DTensors) and the already-reduced pseudo-gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["OuterConfig", "OuterState"]
+
+_PREFIX = "algo.outer"  # where the config lives in the Hydra tree (for error messages)
+
+
+@dataclass
+class OuterConfig:
+    """Outer optimizer: any ``torch.optim`` class by name (default Nesterov SGD)."""
+
+    optimizer: str = "SGD"
+    lr: float = 0.7
+    momentum: float = 0.8
+    nesterov: bool = True
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    offload: bool = False
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        cls = getattr(torch.optim, self.optimizer, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(
+                f"{_PREFIX}.optimizer must name a torch.optim optimizer (e.g. 'SGD'), got {self.optimizer!r}"
+            )
+        return cls
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """``lr`` + momentum/nesterov where the class accepts them + ``kwargs`` (which win)."""
+        accepted = inspect.signature(self.optimizer_class().__init__).parameters
+        kw: dict[str, Any] = {"lr": self.lr}
+        if "momentum" in accepted:
+            kw["momentum"] = self.momentum
+        if "nesterov" in accepted:
+            kw["nesterov"] = self.nesterov
+        kw.update(self.kwargs)
+        return kw
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending field."""
+        cls = self.optimizer_class()
+        if not self.lr > 0:
+            raise ValueError(f"{_PREFIX}.lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"{_PREFIX}.momentum must be in [0, 1), got {self.momentum}")
+        kw = self.optimizer_kwargs()
+        if kw.get("nesterov") and not kw.get("momentum"):
+            raise ValueError(
+                f"{_PREFIX}.nesterov=true requires {_PREFIX}.momentum > 0 (set {_PREFIX}.nesterov=false)"
+            )
+        try:
+            cls([torch.zeros(1)], **kw)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{_PREFIX}.kwargs rejected by torch.optim.{self.optimizer}: {e}") from e
+
+
+def _anchor_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
+
+
+class OuterState:
+    """Per-module anchors θ̄ and one outer optimizer per module (so modules step independently)."""
+
+    def __init__(self, modules: dict[str, list[Tensor]], cfg: OuterConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.params: dict[str, list[Tensor]] = {n: list(ps) for n, ps in modules.items()}
+        self._pin = cfg.offload and torch.cuda.is_available()
+        self.anchors: dict[str, list[Tensor]] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._resident: set[str] = set()
+        cls, kw = cfg.optimizer_class(), cfg.optimizer_kwargs()
+        with torch.no_grad():
+            for name, ps in self.params.items():
+                if not ps:
+                    raise ValueError(f"outer: module {name!r} has no parameters")
+                anchors = []
+                for p in ps:
+                    dev = torch.device("cpu") if cfg.offload else p.device
+                    a = torch.empty(p.shape, dtype=_anchor_dtype(p.dtype), device=dev, pin_memory=self._pin)
+                    a.copy_(p.detach())
+                    anchors.append(a)
+                self.anchors[name] = anchors
+                self.optimizers[name] = cls(anchors, **kw)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def module_names(self) -> list[str]:
+        return list(self.params)
+
+    def numel(self, name: str) -> int:
+        return sum(a.numel() for a in self.anchors[name])
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of the module's anchor tensors (= one fp32 pseudo-gradient)."""
+        return sum(a.numel() * a.element_size() for a in self.anchors[name])
+
+    def _state_tensors(self, name: str) -> list[tuple[dict, str, int]]:
+        """(state dict, key, param index) for every non-scalar optimizer state tensor of ``name``."""
+        opt = self.optimizers[name]
+        out = []
+        for i, a in enumerate(self.anchors[name]):
+            for k, v in opt.state.get(a, {}).items():
+                if isinstance(v, Tensor) and v.dim() > 0:
+                    out.append((opt.state[a], k, i))
+        return out
+
+    # ---------------------------------------------------------------- offload
+    def prefetch(self, name: str) -> None:
+        """Offload only: copy the module's anchor and optimizer state to the params' devices."""
+        if not self.cfg.offload or name in self._resident:
+            return
+        ps = self.params[name]
+        for a, p in zip(self.anchors[name], ps):
+            a.data = a.data.to(p.device, non_blocking=True)
+        for st, k, i in self._state_tensors(name):
+            st[k] = st[k].to(ps[i].device, non_blocking=True)
+        self._resident.add(name)
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self._pin)
+        host.copy_(t, non_blocking=self._pin)
+        return host
+
+    def release(self, name: str) -> None:
+        """Offload only: move the module's anchor and optimizer state back to (pinned) CPU memory."""
+        if not self.cfg.offload or name not in self._resident:
+            return
+        for a in self.anchors[name]:
+            a.data = self._to_host(a.data)
+        for st, k, _ in self._state_tensors(name):
+            st[k] = self._to_host(st[k])
+        self._resident.discard(name)
+
+    def _sync_host(self) -> None:
+        if self._pin:
+            torch.cuda.synchronize()
+
+    # ---------------------------------------------------------------- algorithm
+    @torch.no_grad()
+    def pseudo_grad(self, name: str) -> list[Tensor]:
+        """``Δ = θ̄ − θ`` on the live params' devices, fp32 (or wider)."""
+        out = []
+        for a, p in zip(self.anchors[name], self.params[name]):
+            out.append(a.to(p.device, non_blocking=True) - p.detach().to(a.dtype))
+        return out
+
+    @torch.no_grad()
+    def step(self, name: str, delta: Sequence[Tensor]) -> None:
+        """``θ̄.grad = Δ``; step this module's outer optimizer. Does not touch the live params."""
+        anchors = self.anchors[name]
+        if len(delta) != len(anchors):
+            raise ValueError(f"OuterState.step({name!r}): got {len(delta)} tensors, module has {len(anchors)}")
+        own = self.cfg.offload and name not in self._resident
+        if own:
+            self.prefetch(name)
+        try:
+            for a, d in zip(anchors, delta):
+                if d.shape != a.shape:
+                    raise ValueError(
+                        f"OuterState.step({name!r}): delta shape {tuple(d.shape)} != anchor {tuple(a.shape)}"
+                    )
+                a.grad = d.detach().to(device=a.device, dtype=a.dtype)
+            opt = self.optimizers[name]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        finally:
+            if own:
+                self.release(name)
+
+    @torch.no_grad()
+    def reset(self, name: str) -> None:
+        """Live params ← anchor (cast to the params' dtype)."""
+        for a, p in zip(self.anchors[name], self.params[name]):
+            p.copy_(a, non_blocking=True)
+
+    def skip(self, name: str) -> None:
+        """Every worker anomalous: no outer step, live params ← anchor."""
+        self.reset(name)
+
+    # ---------------------------------------------------------------- checkpoint
+    def state_dict(self) -> dict[str, Tensor]:
+        """Flat ``{"<module>/anchor/<i>", "<module>/<state_key>/<i>": CPU tensor}`` (safetensors-ready)."""
+        self._sync_host()
+        sd: dict[str, Tensor] = {}
+        for name, anchors in self.anchors.items():
+            opt = self.optimizers[name]
+            for i, a in enumerate(anchors):
+                sd[f"{name}/anchor/{i}"] = a.detach().to("cpu", copy=True).contiguous()
+                for k, v in opt.state.get(a, {}).items():
+                    if v is None:
+                        continue
+                    t = v if isinstance(v, Tensor) else torch.tensor(v)
+                    sd[f"{name}/{k}/{i}"] = t.detach().to("cpu", copy=True).contiguous()
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None:
+        """Restore anchors and optimizer state exactly (live params are not touched; call ``reset``)."""
+        self._sync_host()
+        per_mod: dict[str, list[tuple[str, int, Tensor]]] = {}
+        for key, val in sd.items():
+            parts = key.rsplit("/", 2)
+            if len(parts) != 3 or not parts[2].isdigit():
+                raise ValueError(f"outer state: unexpected key {key!r} (expected '<module>/<kind>/<index>')")
+            name, kind, idx = parts[0], parts[1], int(parts[2])
+            if name not in self.anchors:
+                raise ValueError(f"outer state: key {key!r} names unknown module {name!r}")
+            if idx >= len(self.anchors[name]):
+                raise ValueError(f"outer state: key {key!r} index out of range")
+            per_mod.setdefault(name, []).append((kind, idx, val))
+        for name, anchors in self.anchors.items():
+            got = {(k, i) for k, i, _ in per_mod.get(name, [])}
+            missing = [i for i in range(len(anchors)) if ("anchor", i) not in got]
+            if missing:
+                raise ValueError(f"outer state: module {name!r} lacks anchor tensors {missing}")
+        for name, entries in per_mod.items():
+            anchors, opt = self.anchors[name], self.optimizers[name]
+            opt.state.clear()
+            for kind, i, val in entries:
+                a = anchors[i]
+                if kind == "anchor":
+                    if tuple(val.shape) != tuple(a.shape):
+                        raise ValueError(
+                            f"outer state: {name}/anchor/{i} has shape {tuple(val.shape)}, "
+                            f"expected {tuple(a.shape)}"
+                        )
+                    a.copy_(val)
+                elif val.dim() > 0:
+                    pin = self._pin and a.device.type == "cpu"
+                    t = torch.empty(val.shape, dtype=val.dtype, device=a.device, pin_memory=pin)
+                    t.copy_(val)
+                    opt.state[a][kind] = t
+                else:
+                    opt.state[a][kind] = val.detach().clone()

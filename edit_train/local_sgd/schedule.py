@@ -1,0 +1,155 @@
+"""When to sync: warm-up, fixed step interval (EDiT/DiLoCo) and A-EDiT's wall-clock planner.
+
+Pure Python; the cross-group exchange of measured step times is done by the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ScheduleConfig", "StepSchedule", "TimePlanner", "StepTimer"]
+
+_KINDS = ("step", "time")
+
+
+@dataclass
+class ScheduleConfig:
+    """Sync schedule. ``kind="step"``: every ``interval`` local steps; ``"time"``: A-EDiT budget τ."""
+
+    kind: str = "step"
+    interval: int = 32
+    warmup_steps: int = 0
+    sync_time_s: float = 10.0
+    min_steps: int = 1
+    max_steps: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending field."""
+        if self.kind not in _KINDS:
+            raise ValueError(f"algo.schedule must be one of {_KINDS}, got {self.kind!r}")
+        if self.interval < 1:
+            raise ValueError(f"algo.interval must be >= 1 local step, got {self.interval}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"algo.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not (self.sync_time_s > 0 and math.isfinite(self.sync_time_s)):
+            raise ValueError(f"algo.sync_time_s must be finite seconds > 0, got {self.sync_time_s}")
+        if self.min_steps < 1:
+            raise ValueError(f"algo.min_steps must be >= 1, got {self.min_steps}")
+        if self.max_steps < 0:
+            raise ValueError(f"algo.max_steps must be >= 0 (0 = no cap), got {self.max_steps}")
+        if self.max_steps and self.max_steps < self.min_steps:
+            raise ValueError(
+                f"algo.max_steps ({self.max_steps}) must be >= algo.min_steps ({self.min_steps}) or 0"
+            )
+
+
+class StepSchedule:
+    """Warm-up then a fixed number of local steps between syncs."""
+
+    def __init__(self, cfg: ScheduleConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+
+    def is_warmup(self, step: int) -> bool:
+        """True for the first ``warmup_steps`` (0-based global) steps, which are fully synchronous."""
+        return step < self.cfg.warmup_steps
+
+    def should_sync(self, local_steps_since_sync: int) -> bool:
+        """True once ``interval`` local steps have been taken since the last sync."""
+        return local_steps_since_sync >= self.cfg.interval
+
+
+class TimePlanner:
+    """A-EDiT: each worker plans ``Hᵢ = max(min_steps, ⌊τ / secs_per_stepᵢ⌋)`` (capped by max_steps).
+
+    A missing measurement (NaN, ≤ 0) falls back to ``interval``; an infinite one gives ``min_steps``.
+    """
+
+    def __init__(self, cfg: ScheduleConfig, num_workers: int) -> None:
+        cfg.validate()
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.cfg = cfg
+        self.num_workers = num_workers
+        self.last_plan: list[int] = self.initial_plan()
+
+    def _clamp(self, h: int) -> int:
+        h = max(self.cfg.min_steps, h)
+        return min(h, self.cfg.max_steps) if self.cfg.max_steps > 0 else h
+
+    def initial_plan(self) -> list[int]:
+        """Plan before any step time is known: ``interval`` for everyone (clamped)."""
+        return [self._clamp(self.cfg.interval)] * self.num_workers
+
+    def steps_for(self, secs_per_step: float) -> int:
+        """Local steps that fit in τ at ``secs_per_step`` seconds per step."""
+        s = float(secs_per_step)
+        if math.isnan(s) or s <= 0:
+            return self._clamp(self.cfg.interval)
+        if math.isinf(s):
+            return self._clamp(self.cfg.min_steps)
+        # The epsilon keeps e.g. 0.7 / 0.1 = 6.9999… from flooring to 6.
+        return self._clamp(int(math.floor(self.cfg.sync_time_s / s + 1e-9)))
+
+    def plan(self, secs_per_step: Sequence[float]) -> list[int]:
+        """One ``Hᵢ`` per worker from every worker's measured seconds per local step."""
+        if len(secs_per_step) != self.num_workers:
+            raise ValueError(f"plan: expected {self.num_workers} step times, got {len(secs_per_step)}")
+        self.last_plan = [self.steps_for(s) for s in secs_per_step]
+        return list(self.last_plan)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_plan": list(self.last_plan)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        plan = [int(h) for h in sd["last_plan"]]
+        if len(plan) != self.num_workers:
+            raise ValueError(
+                f"schedule state: plan for {len(plan)} workers but there are {self.num_workers}; "
+                "the checkpoint was written with a different cluster.groups"
+            )
+        self.last_plan = plan
+
+
+class StepTimer:
+    """Seconds per local step since the last sync: plain mean, or an EWMA when ``ewma`` is set."""
+
+    def __init__(self, ewma: float | None = None) -> None:
+        if ewma is not None and not 0.0 < ewma <= 1.0:
+            raise ValueError(f"StepTimer ewma must be in (0, 1], got {ewma}")
+        self.ewma = ewma
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self._avg = math.nan
+
+    def record(self, seconds: float) -> None:
+        """Add one step's duration; non-finite values are ignored, negative ones rejected."""
+        seconds = float(seconds)
+        if not math.isfinite(seconds):
+            return
+        if seconds < 0:
+            raise ValueError(f"StepTimer.record: negative duration {seconds}")
+        self.count += 1
+        self.total += seconds
+        if self.ewma is None or self.count == 1:
+            self._avg = self.total / self.count if self.ewma is None else seconds
+        else:
+            self._avg += self.ewma * (seconds - self._avg)
+
+    def mean(self) -> float:
+        """Mean seconds per step (NaN before any record, which :class:`TimePlanner` treats as unknown)."""
+        return self._avg
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "total": self.total, "avg": None if math.isnan(self._avg) else self._avg}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.count = int(sd["count"])
+        self.total = float(sd["total"])
+        self._avg = math.nan if sd.get("avg") is None else float(sd["avg"])

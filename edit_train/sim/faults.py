@@ -1,0 +1,88 @@
+"""Fault injection: make one worker group misbehave for a window of steps.
+
+`faults` is a list of `{kind, group, start, end, ...}` (steps are 0-based, `end` exclusive):
+* `garbage_data` — the group trains on uniform random tokens;
+* `lr_spike`     — the group's inner LR is multiplied by `factor` (default 10);
+* `nan_grad`     — the group's gradients become NaN (tests the numerical-safety path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+KINDS = ("garbage_data", "lr_spike", "nan_grad")
+
+
+class FaultError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    group: int
+    start: int
+    end: int
+    factor: float = 10.0
+
+    def active(self, step: int, group: int) -> bool:
+        return self.group == group and self.start <= step < self.end
+
+
+def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
+    faults = []
+    for i, spec in enumerate(specs or []):
+        spec = dict(spec)
+        kind = spec.get("kind")
+        if kind not in KINDS:
+            raise FaultError(f"faults[{i}].kind: {kind!r} is not one of {', '.join(KINDS)}")
+        unknown = set(spec) - {"kind", "group", "start", "end", "factor"}
+        if unknown:
+            raise FaultError(f"faults[{i}]: unknown field(s) {sorted(unknown)}; use kind, group, start, end, factor")
+        try:
+            fault = Fault(kind, int(spec.get("group", 0)), int(spec.get("start", 0)),
+                          int(spec.get("end", 1 << 62)), float(spec.get("factor", 10.0)))
+        except (TypeError, ValueError) as exc:
+            raise FaultError(f"faults[{i}]: {exc}") from None
+        if fault.end <= fault.start:
+            raise FaultError(f"faults[{i}]: end ({fault.end}) must be > start ({fault.start})")
+        faults.append(fault)
+    return faults
+
+
+class FaultInjector:
+    """Applies the faults that concern this rank's group."""
+
+    def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234) -> None:
+        self.faults = [f for f in parse_faults(specs) if f.group == group]
+        self.group = group
+        self.vocab_size = vocab_size
+        self._gen = torch.Generator().manual_seed(seed + group)
+
+    def _active(self, kind: str, step: int) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind and f.active(step, self.group)]
+
+    def lr_scale(self, step: int) -> float:
+        scale = 1.0
+        for f in self._active("lr_spike", step):
+            scale *= f.factor
+        return scale
+
+    def corrupt_batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._active("garbage_data", step):
+            return x, y
+        seq = torch.randint(0, self.vocab_size, (x.shape[0], x.shape[1] + 1), generator=self._gen)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    @torch.no_grad()
+    def corrupt_grads(self, step: int, model: nn.Module) -> None:
+        if not self._active("nan_grad", step):
+            return
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                g.fill_(float("nan"))

@@ -1,0 +1,328 @@
+"""The training loop. One process = one rank; the loop is the same for every algorithm.
+
+The cross-group algorithm is an object wrapped around the loop (`edit_train.local_sgd.algorithms`):
+it sees the gradients after backward (synchronous warm-up), the step boundary (sync decisions) and the
+forward pass (layer-wise sync hooks). Everything else here is plain training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from edit_train.config import Config, to_container, validate
+from edit_train.data.loader import TokenLoader, eval_batches
+from edit_train.data.prepare import ensure_dataset
+from edit_train.dist.comm import all_gather_json, broadcast_json
+from edit_train.dist.mesh import Topology, init_topology, parallelize
+from edit_train.model import CausalLM, count_params
+from edit_train.sim.faults import FaultInjector
+from edit_train.train.build import build_algorithm
+from edit_train.train.checkpoint import CheckpointManager
+from edit_train.train.lr import lr_at
+from edit_train.train.metrics import JsonlSink, MetricsLogger
+from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
+                                    optimizer_tensors, restore_rng, rng_json, rng_tensors)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0  # this group's tokens
+    skipped_steps: int = 0
+    wall_offset: float = 0.0  # wall seconds of earlier (resumed) segments
+    losses: list[float] = field(default_factory=list)
+
+
+def agree_on_config(cfg: Config, topo: Topology) -> Config:
+    """Every rank adopts rank 0's resolved config (Hydra's `${now:}` may differ between ranks)."""
+    if not topo.distributed:
+        return cfg
+    from edit_train.config import from_container
+
+    return from_container(broadcast_json(to_container(cfg) if topo.rank == 0 else None, 0, topo.device))
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        validate(cfg)
+        self.topo = init_topology(cfg.cluster.groups, cfg.cluster.shard_size, cfg.train.device, cfg.cluster.backend)
+        self.cfg = cfg = agree_on_config(cfg, self.topo)
+        topo = self.topo
+        self.run_dir = Path(cfg.run.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        self.is_main = topo.rank == 0
+
+        # ---- data (prepared once by rank 0, cached for everyone else)
+        t = cfg.train
+        self.group_batch = t.batch_size * topo.shard_size
+        min_tokens = cfg.cluster.groups * self.group_batch * (t.seq_len + 1)
+        if self.is_main:
+            self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
+                                           val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
+                                           min_tokens=min_tokens)
+        self._barrier()
+        if not self.is_main:
+            self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
+                                           val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
+                                           min_tokens=min_tokens)
+        meta = json.loads((Path(self.data_dir) / "meta.json").read_text())
+        if meta["vocab_size"] > cfg.model.vocab_size:
+            from edit_train.config import ConfigError
+
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                              f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
+        self.loader = TokenLoader(self.data_dir, "train", self.group_batch, t.seq_len, part=topo.group_index,
+                                  num_parts=topo.groups, seed=cfg.seed)
+
+        # ---- model, replicated per group, sharded inside it
+        counts = count_params(cfg.model)
+        self.param_counts = counts
+        if self.is_main:
+            log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
+                     f"{counts['active_params']:,}")
+        self.model = CausalLM(cfg.model).to(topo.device)
+        parallelize(self.model, topo)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                           eps=t.eps, weight_decay=t.weight_decay)
+        self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size)
+        self.progress = Progress()
+
+        # ---- output
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", topo.rank, topo.world_size,
+                                      cfg.checkpoint.keep, barrier=self._barrier)
+        sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
+        self.wandb = None
+        if cfg.logger.kind == "wandb" and topo.is_group_leader:
+            from edit_train.train.wandb_sink import WandbSink
+
+            self.wandb = WandbSink(self.run_dir, cfg.logger.project, cfg.logger.entity, cfg.logger.mode,
+                                   experiment=cfg.run.name, job_type=f"{cfg.cluster.name}-group{topo.group_index}",
+                                   name=f"{cfg.run.name}-g{topo.group_index}", config=to_container(cfg),
+                                   tags=list(cfg.logger.tags))
+            sinks.append(self.wandb)
+        self.metrics = MetricsLogger(sinks)
+        self.algo = build_algorithm(cfg, self.model, topo, self.metrics)
+        if self.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
+        if str(cfg.resume).lower() in ("true", "auto"):
+            self._maybe_resume()
+
+    # ------------------------------------------------------------------ utils
+    def _barrier(self) -> None:
+        if self.topo.distributed:
+            dist.barrier()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.topo.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.topo.shard_size > 1:
+            value = value.to(self.topo.device)
+            dist.all_reduce(value, group=self.topo.shard_pg)
+            value = value.cpu() / self.topo.shard_size
+        return value
+
+    def _reshard(self) -> None:
+        """FSDP2 keeps the root unit gathered after a forward with no backward (eval): shard it again so
+        parameters, optimizer state and the sync engine all see the sharded parameters."""
+        for module in self.model.modules():
+            if hasattr(module, "reshard"):
+                module.reshard()
+
+    def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.loader.next_batch()
+        b, r = self.cfg.train.batch_size, self.topo.shard_rank
+        return x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+
+    # ------------------------------------------------------------------- eval
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t, topo = self.cfg.train, self.topo
+        self.algo.flush()
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        for x, y in eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches,
+                                 part=topo.rank, num_parts=topo.world_size):
+            with self._autocast():
+                out = self.model(x.to(topo.device), y.to(topo.device))
+            total += torch.tensor([float(out.ce_loss) * y.numel(), y.numel()], dtype=torch.float64)
+        if topo.distributed:
+            total = total.to(topo.device)
+            dist.all_reduce(total)
+            total = total.cpu()
+        self._reshard()
+        self.model.train()
+        return float(total[0] / total[1])
+
+    # ------------------------------------------------------------ checkpoint
+    def save_checkpoint(self) -> None:
+        p = self.progress
+        tensors = {"model": model_tensors(self.model), "optim": optimizer_tensors(self.optimizer, self.model),
+                   "rng": rng_tensors()}
+        tensors.update(self.algo.state_tensors())
+        state = {"step": p.step, "tokens": p.tokens, "skipped_steps": p.skipped_steps,
+                 "wall_s": p.wall_offset + (time.time() - self.t0), "loader": self.loader.state_dict(),
+                 "rng": rng_json(), "algo": self.algo.state_json(), "config": to_container(self.cfg),
+                 "wandb_run_id": self.wandb.run_id if self.wandb else None}
+        path = self.ckpt.save(p.step, tensors, state)
+        if self.is_main:
+            log.info("checkpoint saved: %s", path)
+
+    def _maybe_resume(self) -> None:
+        path = self.ckpt.latest_valid()
+        if path is None:
+            if self.is_main:
+                log.info("resume: no complete checkpoint in %s, starting fresh", self.ckpt.root)
+            return
+        tensors, state = self.ckpt.load(path)
+        load_model_tensors(self.model, tensors["model"])
+        load_optimizer_tensors(self.optimizer, self.model, tensors["optim"])
+        self.algo.load_state(tensors, state["algo"])
+        self.loader.load_state_dict(state["loader"])
+        restore_rng(tensors["rng"], state["rng"])
+        self.progress = Progress(step=state["step"], tokens=state["tokens"],
+                                 skipped_steps=state["skipped_steps"], wall_offset=state["wall_s"])
+        if self.is_main:
+            log.info("resumed from %s (step %d)", path, state["step"])
+
+    # ------------------------------------------------------------------- loop
+    def train_step(self, step: int) -> tuple[float, bool]:
+        """One inner step (with gradient accumulation). Returns (loss, applied)."""
+        t, topo = self.cfg.train, self.topo
+        lr = lr_at(step, t.lr, t.steps, t.lr_warmup_steps, t.min_lr_ratio) * self.faults.lr_scale(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.set_step(step)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for _ in range(t.grad_accum):
+            x, y = self._local_batch()
+            x, y = self.faults.corrupt_batch(step, x, y)
+            with self._autocast():
+                out = self.model(x.to(topo.device), y.to(topo.device))
+            (out.loss / t.grad_accum).backward()
+            loss_sum += float(out.ce_loss.detach()) / t.grad_accum
+        self.faults.corrupt_grads(step, self.model)
+        self.algo.after_backward(step)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
+        finite = bool(torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._last_out = out
+        self._lr = lr
+        return float(loss_sum), finite
+
+    def run(self) -> dict[str, Any]:
+        cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.progress
+        self.t0 = time.time()
+        tokens_per_step = self.group_batch * t.seq_len * t.grad_accum
+        bar = tqdm(total=t.steps, initial=p.step, disable=not (self.is_main and t.progress),
+                   desc=f"{cfg.algo.name}", unit="step", dynamic_ncols=True)
+        init_val = self.evaluate() if p.step == 0 else None
+        if init_val is not None and self.is_main:
+            self.metrics.log("eval", step=0, val_loss=init_val, val_ppl=math.exp(min(init_val, 50)))
+        window_t, window_tokens = time.time(), 0
+        val_loss = init_val
+        while p.step < t.steps:
+            step = p.step
+            step_t0 = time.time()
+            loss, applied = self.train_step(step)
+            if not applied:
+                p.skipped_steps += 1
+                log.warning("group %d step %d: non-finite gradient, inner step skipped", topo.group_index, step)
+            p.step += 1
+            p.tokens += tokens_per_step
+            window_tokens += tokens_per_step
+            self.algo.after_step(step, time.time() - step_t0, self.metrics)
+            if (p.step % t.log_every == 0 or p.step == t.steps) and True:
+                loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
+                now = time.time()
+                tps = window_tokens / max(now - window_t, 1e-9)
+                window_t, window_tokens = now, 0
+                if topo.is_group_leader:
+                    self.metrics.log("train", step=p.step, group=topo.group_index, loss=float(loss_t),
+                                     lr=self._lr, tokens=p.tokens, tokens_per_s=tps,
+                                     wall=p.wall_offset + now - self.t0, skipped=not applied)
+                    self._log_moe(p.step)
+                bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+            if t.eval_every and p.step % t.eval_every == 0 and p.step < t.steps:
+                val_loss = self.evaluate()
+                if self.is_main:
+                    self.metrics.log("eval", step=p.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+            if cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and p.step < t.steps:
+                self.algo.flush()
+                self.save_checkpoint()
+        bar.close()
+        self.algo.finish()
+        val_loss = self.evaluate()
+        if self.is_main:
+            self.metrics.log("eval", step=p.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+        if cfg.checkpoint.at_end:
+            self.save_checkpoint()
+        summary = self._summary(val_loss, init_val)
+        self.metrics.close(summary)
+        if topo.distributed:
+            dist.barrier()
+        return summary
+
+    def _log_moe(self, step: int) -> None:
+        out = self._last_out
+        loads = [load.tolist() for load in self.model.expert_load()]
+        self.metrics.log("moe", step=step, group=self.topo.group_index, expert_load=loads,
+                         aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
+
+    def _summary(self, val_loss: float, init_val: float | None) -> dict[str, Any]:
+        topo, p = self.topo, self.progress
+        wall = p.wall_offset + time.time() - self.t0
+        mine = {"tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats()}
+        everyone = all_gather_json(mine, topo.device) if topo.distributed else [mine]
+        per_group: dict[str, dict[str, Any]] = {}
+        for g in range(topo.groups):
+            ranks = everyone[g * topo.shard_size:(g + 1) * topo.shard_size]
+            lead = ranks[0]
+            per_group[str(g)] = {
+                "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
+                "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"],
+                "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
+                "blocked_s": max(r["blocked_s"] for r in ranks),
+            }
+        groups = per_group.values()
+        tokens = sum(g["tokens"] for g in groups)
+        summary = {"algo": self.cfg.algo.name, "completed": True, "steps": p.step, "tokens": tokens,
+                   "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9), "final_val_loss": val_loss,
+                   "initial_val_loss": init_val, "cross_group_bytes": sum(g["cross_group_bytes"] for g in groups),
+                   "syncs": max(g["syncs"] for g in groups), "anomalies": sum(g["anomalies"] for g in groups),
+                   "blocked_s": max(g["blocked_s"] for g in groups),
+                   "total_params": self.param_counts["total_params"],
+                   "active_params": self.param_counts["active_params"], "per_group": per_group}
+        if self.is_main:
+            tmp = self.run_dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(summary, indent=1))
+            tmp.replace(self.run_dir / "summary.json")
+        return summary
+
+
+def train(cfg: Config) -> dict[str, Any]:
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        if trainer.topo.distributed and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,230 @@
+"""Pure-math tests for the anomaly-aware pseudo-gradient aggregator (DESIGN §4 steps 2–4)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from edit_train.local_sgd.penalty import (
+    EWMAStats,
+    PenaltyConfig,
+    PseudoGradAggregator,
+    aggregate,
+    clip_coef,
+    clip_coef_from_sqnorm,
+    weights,
+)
+
+
+def ewma_ref(xs: list[float], alpha: float) -> tuple[float, float]:
+    mu, m2 = xs[0], 0.0
+    for x in xs[1:]:
+        d = x - mu
+        mu_new = mu + alpha * d
+        m2 = (1 - alpha) * (m2 + alpha * d * (x - mu_new))
+        mu = mu_new
+    return mu, m2
+
+
+def test_ewma_closed_form() -> None:
+    xs = [1.0, 1.5, 0.7, 2.0, 1.1, 0.9]
+    st = EWMAStats(2, alpha=0.1)
+    for x in xs:
+        st.update(torch.tensor([x, 2 * x], dtype=torch.float64), torch.tensor([True, True]))
+    for w, scale in ((0, 1.0), (1, 2.0)):
+        mu, m2 = ewma_ref([scale * x for x in xs], 0.1)
+        assert st.mu[w].item() == pytest.approx(mu, rel=1e-12)
+        assert st.m2[w].item() == pytest.approx(m2, rel=1e-12)
+        assert st.sigma[w].item() == pytest.approx(math.sqrt(m2), rel=1e-12)
+    assert st.count.tolist() == [len(xs), len(xs)]
+    z = st.zscore(torch.tensor([3.0, 3.0]))
+    mu0, m20 = ewma_ref(xs, 0.1)
+    assert z[0].item() == pytest.approx((3.0 - mu0) / math.sqrt(m20))
+
+
+def test_zscore_zero_sigma() -> None:
+    st = EWMAStats(3, alpha=0.02)
+    st.update(torch.tensor([1.0, 1.0, 1.0]), torch.ones(3, dtype=torch.bool))
+    assert st.zscore(torch.tensor([1.0, 2.0, 0.5])).tolist() == [0.0, math.inf, -math.inf]
+
+
+def test_update_only_accepted() -> None:
+    st = EWMAStats(2, alpha=0.5)
+    st.update(torch.tensor([1.0, 1.0]), torch.tensor([True, False]))
+    st.update(torch.tensor([float("nan"), 3.0]), torch.tensor([True, True]))  # NaN never accepted
+    assert st.count.tolist() == [1, 1]
+    assert st.mu.tolist() == [1.0, 3.0]
+
+
+def _feed(agg: PseudoGradAggregator, values: list[list[float]]) -> None:
+    for v in values:
+        agg.decide("layers.0", torch.tensor(v, dtype=torch.float64))
+
+
+def test_warmup_never_flags_finite_but_flags_nonfinite() -> None:
+    cfg = PenaltyConfig(warmup_syncs=5)
+    agg = PseudoGradAggregator(cfg, 2)
+    for i in range(5):
+        big = 1.0 if i < 3 else 1e9
+        d = agg.decide("m", torch.tensor([big, float("nan") if i == 4 else 1.0]))
+        assert d.anomalous[0] is False
+    assert d.anomalous == [False, True]
+    assert d.weights[1] == 0.0 and d.weights[0] == 1.0
+    assert agg.stats["m"].count.tolist() == [5, 4]
+
+
+def test_spike_after_warmup_flagged_and_not_folded() -> None:
+    cfg = PenaltyConfig(warmup_syncs=10, ewma_alpha=0.1)
+    agg = PseudoGradAggregator(cfg, 2)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        _feed(agg, [(1.0 + 0.1 * torch.randn(2, generator=gen, dtype=torch.float64)).tolist()])
+    st = agg.stats["layers.0"]
+    mu, m2, count = st.mu.clone(), st.m2.clone(), st.count.clone()
+    sigma = m2.sqrt()
+    spike = (mu[0] + 10 * sigma[0]).item()
+    ok = (mu[1] + 1 * sigma[1]).item()
+    d = agg.decide("layers.0", torch.tensor([spike, ok]))
+    assert d.anomalous == [True, False]
+    assert d.z[0] == pytest.approx(10.0) and d.z[1] == pytest.approx(1.0)
+    assert d.weights == [0.0, 1.0]
+    # the spike does not move worker 0's stats; worker 1's accepted value does
+    assert st.mu[0] == mu[0] and st.m2[0] == m2[0] and st.count[0] == count[0]
+    assert st.count[1] == count[1] + 1
+    mu1_ref, m21_ref = mu[1].item(), m2[1].item()
+    dd = ok - mu1_ref
+    mu1_new = mu1_ref + 0.1 * dd
+    assert st.mu[1].item() == pytest.approx(mu1_new)
+    assert st.m2[1].item() == pytest.approx(0.9 * (m21_ref + 0.1 * dd * (ok - mu1_new)))
+
+
+def test_anomaly_disabled_only_nonfinite() -> None:
+    agg = PseudoGradAggregator(PenaltyConfig(anomaly=False, warmup_syncs=2), 2)
+    _feed(agg, [[1.0, 1.0], [1.1, 0.9], [1.0, 1.05]])
+    d = agg.decide("layers.0", torch.tensor([1e6, math.inf]))
+    assert d.anomalous == [False, True]
+
+
+def test_all_anomalous() -> None:
+    agg = PseudoGradAggregator(PenaltyConfig(), 3)
+    d = agg.decide("m", torch.tensor([math.nan, math.inf, -math.inf]))
+    assert d.all_anomalous and d.weights == [0.0, 0.0, 0.0]
+    json.dumps(d.as_dict(), allow_nan=False)
+
+
+def softmax_ref(gs: list[float], t: float) -> list[float]:
+    e = [math.exp(-g / t) for g in gs]
+    return [x / sum(e) for x in e]
+
+
+def test_softmax_weights_closed_form_and_temperature() -> None:
+    g = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    none = torch.zeros(3, dtype=torch.bool)
+    for t in (0.5, 1.0, 10.0):
+        w = weights(g, none, PenaltyConfig(temperature=t))
+        assert w.tolist() == pytest.approx(softmax_ref([1.0, 2.0, 4.0], t), rel=1e-12)
+    # higher temperature → flatter
+    w_lo = weights(g, none, PenaltyConfig(temperature=0.5))
+    w_hi = weights(g, none, PenaltyConfig(temperature=10.0))
+    assert w_hi.max() - w_hi.min() < w_lo.max() - w_lo.min()
+    # numerically stable for huge norms
+    w = weights(torch.tensor([1e6, 1e6 + 1.0]), torch.zeros(2, dtype=torch.bool), PenaltyConfig())
+    assert w.tolist() == pytest.approx(softmax_ref([0.0, 1.0], 1.0))
+
+
+def test_weights_exclude_anomalous_and_renormalise() -> None:
+    g = torch.tensor([1.0, 2.0, 3.0])
+    w = weights(g, torch.tensor([False, True, False]), PenaltyConfig())
+    ref = softmax_ref([1.0, 3.0], 1.0)
+    assert w.tolist() == pytest.approx([ref[0], 0.0, ref[1]])
+    u = weights(g, torch.tensor([False, True, False]), PenaltyConfig(weighting="uniform"))
+    assert u.tolist() == [0.5, 0.0, 0.5]
+    assert weights(g, torch.ones(3, dtype=torch.bool), PenaltyConfig()).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_step_share_blending() -> None:
+    g = torch.tensor([1.0, 2.0, 3.0])
+    an = torch.tensor([False, False, True])
+    cfg = PenaltyConfig(step_weight_ratio=0.25)
+    w = weights(g, an, cfg, steps=torch.tensor([30.0, 10.0, 99.0]))
+    sm = softmax_ref([1.0, 2.0], 1.0)
+    s = [0.75, 0.25]
+    ref = [0.75 * sm[i] + 0.25 * s[i] for i in range(2)] + [0.0]
+    assert w.tolist() == pytest.approx(ref)
+    assert float(w.sum()) == pytest.approx(1.0)
+    # ratio 0 or no steps: plain softmax
+    assert weights(g, an, cfg).tolist() == pytest.approx(sm + [0.0])
+
+
+def test_clip_closed_form() -> None:
+    cfg = PenaltyConfig(clip_threshold=10.0)
+    assert clip_coef(5.0, cfg) == 1.0
+    assert clip_coef(40.0, cfg) == pytest.approx(10.0 / (40.0 + 1e-6))
+    assert clip_coef_from_sqnorm(1600.0, cfg) == pytest.approx(10.0 / (40.0 + 1e-6))
+    assert clip_coef(1e9, PenaltyConfig(clip=False)) == 1.0
+
+
+def test_aggregate_weighted_sum_and_clip() -> None:
+    gen = torch.Generator().manual_seed(1)
+    deltas = [[torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)] for _ in range(3)]
+    w = [0.2, 0.3, 0.5]
+    out, coef = aggregate(deltas, w, PenaltyConfig(clip=False))
+    assert coef == 1.0
+    for k in range(2):
+        torch.testing.assert_close(out[k], sum(wi * d[k] for wi, d in zip(w, deltas)))
+    big = [[100 * t for t in d] for d in deltas]
+    out, coef = aggregate(big, w, PenaltyConfig(clip_threshold=1.0))
+    ref = [sum(wi * d[k] for wi, d in zip(w, big)) for k in range(2)]
+    norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in ref))
+    assert coef == pytest.approx(1.0 / (norm + 1e-6))
+    total = math.sqrt(sum(float(t.double().pow(2).sum()) for t in out))
+    assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def test_nan_worker_is_ignored() -> None:
+    gen = torch.Generator().manual_seed(2)
+    deltas = [[torch.randn(6, generator=gen)] for _ in range(3)]
+    deltas[1][0][2] = float("nan")
+    norms = torch.tensor([float(torch.linalg.vector_norm(d[0])) for d in deltas], dtype=torch.float64)
+    agg = PseudoGradAggregator(PenaltyConfig(weighting="uniform", clip=False), 3)
+    dec = agg.decide("layers.0", norms)
+    assert dec.anomalous == [False, True, False]
+    assert dec.weights == [0.5, 0.0, 0.5]
+    out, _ = aggregate(deltas, dec.weights, PenaltyConfig(clip=False))
+    assert torch.isfinite(out[0]).all()
+    ref, _ = aggregate([deltas[0], deltas[2]], [0.5, 0.5], PenaltyConfig(clip=False))
+    torch.testing.assert_close(out[0], ref[0])
+
+
+def test_state_dict_round_trip() -> None:
+    agg = PseudoGradAggregator(PenaltyConfig(warmup_syncs=2), 2)
+    _feed(agg, [[1.0, 2.0], [1.2, 2.1], [0.9, 1.9]])
+    agg.decide("head", torch.tensor([3.0, 4.0]))
+    sd = agg.state_dict()
+    assert set(sd) == {f"{m}/{f}" for m in ("layers.0", "head") for f in ("mu", "m2", "count")}
+    other = PseudoGradAggregator(PenaltyConfig(warmup_syncs=2), 2)
+    other.load_state_dict(sd)
+    x = torch.tensor([5.0, 2.05])
+    assert other.decide("layers.0", x) == agg.decide("layers.0", x)
+    with pytest.raises(ValueError, match="workers"):
+        PseudoGradAggregator(PenaltyConfig(), 3).load_state_dict(sd)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"temperature": 0.0}, "temperature"),
+        ({"weighting": "max"}, "weighting"),
+        ({"ewma_alpha": 1.5}, "ewma_alpha"),
+        ({"clip_threshold": -1.0}, "clip_threshold"),
+        ({"step_weight_ratio": 2.0}, "step_weight_ratio"),
+        ({"warmup_syncs": -1}, "warmup_syncs"),
+        ({"z_threshold": 0.0}, "z_threshold"),
+    ],
+)
+def test_validate(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"penalty.{field}"):
+        PenaltyConfig(**kw).validate()
