@@ -68,14 +68,13 @@ class RoutedExperts(nn.Module):
             topk_weight: ``[N, k]`` routing weight of each slot.
 
         Returns:
-            ``(y [N, H], counts [E])`` where ``counts`` is the number of tokens each expert processed.
+            ``(y [N, H], counts [E])``: ``y[n] = sum_j topk_weight[n, j] * expert_{topk_idx[n, j]}(x[n])`` and
+            ``counts`` the number of tokens each expert processed.
         """
-        n, k = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)  # slot positions grouped by expert
-        token_idx = order // k  # the token each sorted slot belongs to
+        order = torch.argsort(flat_idx, stable=True)  # flat slot of each sorted position, grouped by expert
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
-        w_sorted = topk_weight.reshape(-1).index_select(0, order)
+        plan = _Plan(order, topk_idx.shape[1], counts.tolist())
 
         dtype = x.dtype
         device_type = x.device.type
@@ -83,76 +82,102 @@ class RoutedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(device_type)
         weights = [p if p.dtype == dtype else p.to(dtype)
                    for p in (self.gate_proj, self.up_proj, self.down_proj)]
-        xs = x.to(dtype).index_select(0, token_idx)  # each token once per slot, grouped by expert
         with torch.autocast(device_type=device_type, enabled=False):
-            ys = _GroupedSwiGLU.apply(xs, w_sorted.to(dtype), *weights, counts.tolist())
-        y = ys.new_zeros(n, x.shape[-1]).index_add_(0, token_idx, ys)
+            y = _SortedMoE.apply(x.to(dtype), topk_weight.to(dtype), *weights, plan)
         return y, counts
 
 
-def _slices(counts: list[int]) -> list[tuple[int, int, int]]:
-    """``(expert, start, end)`` of every non-empty expert in the sorted slot order."""
-    out, start = [], 0
-    for e, c in enumerate(counts):
-        if c:
-            out.append((e, start, start + c))
-        start += c
-    return out
+class _Plan:
+    """Index bookkeeping of one dispatch (no gradients): sorted order, its inverse, per-expert slices."""
+
+    def __init__(self, order: torch.Tensor, top_k: int, counts: list[int]) -> None:
+        self.order = order
+        self.top_k = top_k
+        self.token_idx = order // top_k  # token of each sorted position
+        self.inv_order = torch.empty_like(order)
+        self.inv_order[order] = torch.arange(order.numel(), device=order.device)
+        self.slices: list[tuple[int, int, int]] = []  # (expert, start, end) of every non-empty expert
+        self.empty: list[int] = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                self.slices.append((e, start, start + c))
+            else:
+                self.empty.append(e)
+            start += c
 
 
-class _GroupedSwiGLU(torch.autograd.Function):
-    """``w[:, None] * down_e(silu(gate_e(x)) * up_e(x))`` over expert-sorted slots, with a hand-written backward.
+def _combine(out_sorted: torch.Tensor, plan: _Plan, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Un-sort expert outputs to ``[N, k, H]`` (a gather, not a scatter) and take the weighted sum over k."""
+    n, k = w.shape
+    out_u = out_sorted.index_select(0, plan.inv_order).view(n, k, -1)
+    y = out_u[:, 0] * w[:, :1]
+    for j in range(1, k):
+        y.addcmul_(out_u[:, j], w[:, j:j + 1])
+    return y, out_u
 
-    One matmul per expert and projection written straight into preallocated buffers (no cat/split/stack),
-    the element-wise SwiGLU done once over all slots, and the weight gradients written straight into
-    ``[E, ...]`` tensors. Saves ``xs, gate, up`` and the un-weighted output; ``silu(gate) * up`` is recomputed.
+
+class _SortedMoE(torch.autograd.Function):
+    """``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))``, ``e = topk_idx[n, j]``.
+
+    Forward and backward are written by hand so that every data movement is a gather (no scatter-add), each
+    expert runs one matmul per projection straight into a preallocated buffer (no cat / split / stack), the
+    element-wise SwiGLU runs once over all slots, and weight gradients land directly in ``[E, ...]`` tensors.
+    Saves ``gate(x)``, ``up(x)`` (sorted) and the un-weighted expert outputs; ``x`` is re-gathered.
     """
 
     @staticmethod
-    def forward(ctx, xs, w, gate_proj, up_proj, down_proj, counts):  # type: ignore[override]
-        slices = _slices(counts)
-        s, hdim = xs.shape
-        idim = gate_proj.shape[1]
-        g = xs.new_empty(s, idim)
-        u = xs.new_empty(s, idim)
-        for e, a, b in slices:
+    def forward(ctx, x, w, gate_proj, up_proj, down_proj, plan):  # type: ignore[override]
+        s = plan.order.numel()
+        idim, hdim = gate_proj.shape[1], x.shape[-1]
+        xs = x.index_select(0, plan.token_idx)
+        g = x.new_empty(s, idim)
+        u = x.new_empty(s, idim)
+        for e, a, b in plan.slices:
             torch.mm(xs[a:b], gate_proj[e].t(), out=g[a:b])
             torch.mm(xs[a:b], up_proj[e].t(), out=u[a:b])
+        del xs
         h = F.silu(g).mul_(u)
-        out = xs.new_empty(s, hdim)
-        for e, a, b in slices:
+        out = x.new_empty(s, hdim)
+        for e, a, b in plan.slices:
             torch.mm(h[a:b], down_proj[e].t(), out=out[a:b])
-        ctx.slices = slices
-        ctx.save_for_backward(xs, w, gate_proj, up_proj, down_proj, g, u, out)
-        return out * w.unsqueeze(-1)
+        del h
+        y, out_u = _combine(out, plan, w)
+        ctx.plan = plan
+        ctx.save_for_backward(x, w, gate_proj, up_proj, down_proj, g, u, out_u)
+        return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        xs, w, gate_proj, up_proj, down_proj, g, u, out = ctx.saved_tensors
-        slices = ctx.slices
+        x, w, gate_proj, up_proj, down_proj, g, u, out_u = ctx.saved_tensors
+        plan: _Plan = ctx.plan
         need_x, need_w, need_g, need_u, need_d = ctx.needs_input_grad[:5]
         dy = dy.contiguous()
-        dw = (dy * out).sum(-1) if need_w else None
-        dout = dy * w.unsqueeze(-1)
-        sig = torch.sigmoid(g)
-        silu_g = g * sig
-        # down projection
+        dw = torch.bmm(out_u, dy.unsqueeze(-1)).squeeze(-1) if need_w else None  # [N, k]
+        del out_u
+        # gradient of each sorted slot's expert output: dy of its token times its weight
+        dout = dy.index_select(0, plan.token_idx)
+        dout.mul_(w.reshape(-1).index_select(0, plan.order).unsqueeze(-1))
+
+        silu_g = F.silu(g)
         dh = torch.empty_like(g)
-        d_down = torch.zeros_like(down_proj) if need_d else None
+        d_down = torch.empty_like(down_proj) if need_d else None
         h = silu_g * u if need_d else None
-        for e, a, b in slices:
+        for e, a, b in plan.slices:
             torch.mm(dout[a:b], down_proj[e], out=dh[a:b])
             if need_d:
                 torch.mm(dout[a:b].t(), h[a:b], out=d_down[e])
-        del h
-        # SwiGLU: h = silu(g) * u
+        del h, dout
         du = dh * silu_g
-        dg = dh.mul_(u).mul_(sig.mul_(1.0 + g * (1.0 - sig)))  # dh * u * silu'(g)
-        del silu_g, sig
-        dxs = torch.empty_like(xs) if need_x else None
-        d_gate = torch.zeros_like(gate_proj) if need_g else None
-        d_up = torch.zeros_like(up_proj) if need_u else None
-        for e, a, b in slices:
+        del silu_g
+        dg = torch.ops.aten.silu_backward(dh.mul_(u), g)
+        del dh
+
+        xs = x.index_select(0, plan.token_idx) if (need_g or need_u) else None
+        dxs = torch.empty(g.shape[0], x.shape[-1], dtype=x.dtype, device=x.device) if need_x else None
+        d_gate = torch.empty_like(gate_proj) if need_g else None
+        d_up = torch.empty_like(up_proj) if need_u else None
+        for e, a, b in plan.slices:
             if need_x:
                 torch.mm(dg[a:b], gate_proj[e], out=dxs[a:b])
                 dxs[a:b].addmm_(du[a:b], up_proj[e])
@@ -160,7 +185,14 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 torch.mm(dg[a:b].t(), xs[a:b], out=d_gate[e])
             if need_u:
                 torch.mm(du[a:b].t(), xs[a:b], out=d_up[e])
-        return dxs, dw, d_gate, d_up, d_down, None
+        for grad in (d_gate, d_up, d_down):
+            if grad is not None and plan.empty:
+                grad[plan.empty] = 0
+        dx = None
+        if need_x:
+            n, k = w.shape
+            dx = dxs.index_select(0, plan.inv_order).view(n, k, -1).sum(1)
+        return dx, dw, d_gate, d_up, d_down, None
 
 
 def balance_loss(probs: torch.Tensor, counts: torch.Tensor, num_experts_per_tok: int,

@@ -1,0 +1,190 @@
+"""Shared helpers for the training benchmarks: run one `edit-train` job as a subprocess, read what it
+wrote (`summary.json`, `metrics.jsonl`, DESIGN.md §5), write JSON results, plots (matplotlib, Agg) and tables.
+
+Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` puts this folder on
+``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+RUNS_DIR = RESULTS_DIR / "runs"
+
+# Every benchmark job: no W&B, no progress bar, no end-of-run checkpoint (saves time and disk).
+BASE_OVERRIDES = ("logger=none", "train.progress=false", "checkpoint.at_end=false")
+
+
+class JobError(RuntimeError):
+    """An `edit-train` job failed; the message carries the tail of its log."""
+
+
+@dataclass
+class Job:
+    """One finished `edit-train` run."""
+
+    name: str
+    run_dir: Path
+    overrides: list[str]
+    wall_s: float  # wall-clock seconds of the whole subprocess (spawn, data, train, eval)
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.metrics if m.get("event") == kind]
+
+    def eval_curve(self) -> tuple[list[int], list[float]]:
+        """(steps, val_loss) from the `eval` events, sorted by step."""
+        ev = sorted(self.events("eval"), key=lambda e: e["step"])
+        return [int(e["step"]) for e in ev], [float(e["val_loss"]) for e in ev]
+
+
+def edit_train_cmd() -> list[str]:
+    """The `edit-train` console script, or the module with this interpreter if it is not on PATH."""
+    exe = shutil.which("edit-train")
+    return [exe] if exe else [sys.executable, "-m", "edit_train.cli.train"]
+
+
+def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: float | None = None,
+            verbose: bool = True) -> Job:
+    """Run `edit-train <overrides> run.dir=<run_dir>` in a fresh `run_dir`; stdout+stderr go to
+    `<run_dir>/job.log`. Raises JobError (with the log's tail) if it fails or writes no summary."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    args = [*BASE_OVERRIDES, *overrides, f"run.dir={run_dir}"]
+    cmd = edit_train_cmd() + args
+    log_path = run_dir / "job.log"
+    if verbose:
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: edit-train {' '.join(args)}", flush=True)
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env=dict(os.environ), cwd=str(BENCH_DIR.parent))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    summary_path = run_dir / "summary.json"
+    if rc != 0 or not summary_path.exists():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise JobError(f"{name}: edit-train failed (rc={rc}); log {log_path}:\n{tail}")
+    job = Job(name, run_dir, list(args), wall, read_summary(run_dir), read_metrics(run_dir))
+    if verbose:
+        s = job.summary
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f}s, val loss "
+              f"{s.get('final_val_loss', float('nan')):.4f}, {s.get('cross_group_bytes', 0) / 1e6:.1f} MB "
+              "cross-group", flush=True)
+    return job
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event of `metrics.jsonl` (a torn last line is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def tokens_per_step(summary: dict[str, Any]) -> float:
+    """Tokens all groups consume per optimizer step (from the summary)."""
+    return summary["tokens"] / max(summary["steps"], 1)
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe: non-finite floats -> None, paths -> str."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_fig(fig: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
+
+
+def fmt(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return format(v, spec) if math.isfinite(v) else str(v)
+    return str(v)
+
+
+def table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A plain-text table. `columns` = (key, header, format spec) triples."""
+    rows = list(rows)
+    cells = [[h for _, h, _ in columns]] + [[fmt(r.get(k), spec) for k, _, spec in columns] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
