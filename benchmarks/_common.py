@@ -174,8 +174,10 @@ def fmt(v: Any, spec: str = ".4f") -> str:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    if isinstance(v, float):
-        return format(v, spec) if math.isfinite(v) else str(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, (int, float)) and spec:
+        return format(v, spec)
     return str(v)
 
 

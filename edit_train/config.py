@@ -35,7 +35,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 600
+    steps: int = 600  # a_edit: the run ends at the first sync after any group has taken this many steps
+    time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128
     grad_accum: int = 1
@@ -85,7 +86,8 @@ class ClusterConfig:
     name: str = "local"
     groups: int = 1
     shard_size: int = 1
-    slowdown: list[float] = field(default_factory=list)
+    slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per group (simulated slower hardware)
+    slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{group, step, factor}] mid-run changes
     link: LinkConfig = field(default_factory=LinkConfig)
     backend: str = "auto"  # auto | gloo | nccl
 
@@ -169,6 +171,15 @@ def validate(cfg: Config) -> None:
           f"needs one factor per group ({c.groups}), got {len(c.slowdown)}")
     _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")
     _need(c.backend in ("auto", "gloo", "nccl"), "cluster.backend", f"must be auto, gloo or nccl, got {c.backend!r}")
+    _need(cfg.sync.mode != "overlap" or a.local_sgd, "sync.mode",
+          f"overlap needs a local-SGD algorithm (edit, a_edit, diloco, post_local_sgd), not {a.name}")
+    _need(t.time_budget_s >= 0, "train.time_budget_s", "must be >= 0")
+    from edit_train.sim.hetero import parse_schedule
+
+    try:
+        parse_schedule(list(c.slowdown_schedule), c.groups)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     _need(cfg.logger.kind in ("wandb", "none"), "logger.kind", f"must be wandb or none, got {cfg.logger.kind!r}")
     _need(str(cfg.resume).lower() in ("false", "true", "auto"), "resume",
           f"must be false or auto, got {cfg.resume!r}")

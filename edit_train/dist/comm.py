@@ -79,15 +79,23 @@ class CrossGroupComm:
         self.bytes_sent = 0
         self.blocked_s = 0.0
         self.collectives = 0
+        self._link_free_at = 0.0  # transfers share the link's bandwidth: they queue behind each other
 
     @property
     def active(self) -> bool:
         return self.pg is not None and self.num_groups > 1
 
     def _account(self, nbytes: int) -> float:
+        """Count the bytes; return when the simulated link delivers them (transfers queue for bandwidth)."""
         self.bytes_sent += nbytes
         self.collectives += 1
-        return time.perf_counter() + (self.link.seconds(nbytes) if self.link.enabled else 0.0)
+        now = time.perf_counter()
+        if not self.link.enabled:
+            return now
+        start = max(now, self._link_free_at)
+        transfer = self.link.seconds(nbytes) - self.link.latency_ms / 1000.0
+        self._link_free_at = start + transfer
+        return start + transfer + self.link.latency_ms / 1000.0
 
     def all_reduce_(self, tensors: list[torch.Tensor], async_op: bool = False) -> Pending:
         """In-place SUM all-reduce of `tensors` (flattened into one buffer, one collective)."""

@@ -16,6 +16,7 @@ sync before eval / checkpoint) and `finish()`.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,8 @@ from torch import nn
 from edit_train.dist.comm import CrossGroupComm
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.penalty import PenaltyConfig, PseudoGradAggregator
-from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule, StepTimer
+from edit_train.local_sgd.overlap import OverlapSync
+from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule, StepTimer, TimePlanner
 from edit_train.local_sgd.sync import SyncEngine, SyncReport, Unit, summarize
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class LocalSGDConfig:
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
+    total_steps: int = 0  # step schedule: every group stops here; time schedule: first group to reach it ends the run
+    time_budget_s: float = 0.0  # stop at the first exchange after this many seconds (0 = off)
 
 
 def build_units(model: nn.Module, unit_modules: list[nn.Module]) -> list[Unit]:
@@ -59,7 +63,7 @@ def build_units(model: nn.Module, unit_modules: list[nn.Module]) -> list[Unit]:
 
 
 class LocalSGD:
-    """Drives ddp / local SGD / EDiT around a training loop, on one rank."""
+    """Drives ddp / local SGD / EDiT / A-EDiT around a training loop, on one rank."""
 
     def __init__(self, cfg: LocalSGDConfig, model: nn.Module, unit_modules: list[nn.Module],
                  comm: CrossGroupComm, group_index: int, shard_pg: Any = None, shard_size: int = 1,
@@ -73,15 +77,24 @@ class LocalSGD:
         self.emit = emit
         self.is_group_leader = is_group_leader
         self.schedule = StepSchedule(cfg.schedule)
+        self.planner = TimePlanner(cfg.schedule, comm.num_groups) if cfg.schedule.kind == "time" else None
+        self.planned = cfg.schedule.interval  # local steps this group takes before its next sync
         self.timer = StepTimer()
         self.units = build_units(model, unit_modules)
         self.sync_index = 0
         self._sync_step = 0
         self._last_step = 0
         self.local_steps = 0
+        self.total_steps = 0  # this group's steps so far
+        self.global_step = 0  # max over groups, as of the last exchange
         self.anomalies = 0
         self.syncs_done = 0
+        self.history: list[int] = []  # local steps of each completed sync
+        self.stopped = False  # every group agreed to stop (time schedule / time budget)
+        self._t0 = time.time()
+        self._blocked_mark = 0.0
         self.engine: SyncEngine | None = None
+        self.overlap: OverlapSync | None = None
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
             self._start_local_phase()
 
@@ -95,6 +108,22 @@ class LocalSGD:
         self.engine.on_complete = self._on_sync_complete
         if self.cfg.mode == "layerwise":
             self.engine.install_hooks()
+        if self.cfg.mode == "overlap":
+            self.overlap = OverlapSync(self.engine)
+
+    @property
+    def lockstep(self) -> bool:
+        """Do all groups take the same number of steps (so step-based stop/eval is agreed)?"""
+        return not (self.cfg.local_sgd and self.cfg.schedule.kind == "time")
+
+    def _want_stop(self) -> bool:
+        over_budget = self.cfg.time_budget_s > 0 and time.time() - self._t0 >= self.cfg.time_budget_s
+        return over_budget or (not self.lockstep and self.total_steps >= self.cfg.total_steps)
+
+    def should_stop(self, step: int) -> bool:
+        if self.stopped:
+            return True
+        return self.lockstep and step >= self.cfg.total_steps
 
     def _grads_allreduce(self) -> None:
         grads = []
@@ -102,51 +131,91 @@ class LocalSGD:
             if p.grad is not None:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 grads.append(g)
+        vote = None
+        if self.cfg.time_budget_s > 0:
+            vote = torch.tensor([1.0 if self._want_stop() else 0.0], device=self.comm.device)
+            grads.append(vote)
         self.comm.all_reduce_(grads)
         if self.comm.active:
             for g in grads:
                 g.div_(self.comm.num_groups)
+        if vote is not None and float(vote.item()) > 0:
+            self.stopped = True
 
     def after_backward(self, step: int) -> None:
         if not self.cfg.local_sgd or self.schedule.is_warmup(step):
             self._grads_allreduce()
 
     def after_step(self, step: int, seconds: float, *_: Any) -> None:
+        self.total_steps = step + 1
+        self._last_step = step + 1
         if not self.cfg.local_sgd:
+            self.global_step = step + 1
             return
         if self.schedule.is_warmup(step):
+            self.global_step = step + 1
             if step + 1 == self.cfg.schedule.warmup_steps:
                 self._start_local_phase()
             return
-        self._last_step = step + 1
+        if self.lockstep:
+            self.global_step = step + 1
         self.local_steps += 1
-        self.timer.record(seconds)
-        if self.schedule.should_sync(self.local_steps):
+        # compute speed only: time spent blocked on other groups / the link is not this group's speed
+        self.timer.record(max(seconds - (self.comm.blocked_s - self._blocked_mark), 1e-6))
+        if self.overlap is not None and self.overlap.pending and self.overlap.poll():
+            self._after_exchange(self.overlap.gathered_extra)
+        if self.local_steps >= self.planned:
             self.start_sync(step + 1)
+        self._blocked_mark = self.comm.blocked_s
 
     def start_sync(self, step: int) -> None:
         assert self.engine is not None
-        self.flush()  # a previous layer-wise sync must have finished (it has, after a forward)
+        self.flush()
         self.sync_index += 1
         self._sync_step = step
-        self.engine.begin(self.sync_index, self.local_steps, extra=[float(self.local_steps), self.timer.mean()])
+        extra = [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self._want_stop())]
         self.local_steps = 0
         self.timer.reset()
+        if self.overlap is not None:
+            self.overlap.begin(self.sync_index, int(extra[0]), extra)
+            return
+        self._after_exchange(self.engine.begin(self.sync_index, int(extra[0]), extra=extra))
         if self.cfg.mode != "layerwise":
             self.engine.sync_all()
 
+    def _after_exchange(self, gathered: torch.Tensor | None) -> None:
+        """Every group now knows every group's [local_steps, secs/step, total_steps, stop vote]."""
+        if gathered is None:
+            return
+        secs = gathered[:, 1].tolist()
+        if not self.lockstep:
+            self.global_step = int(gathered[:, 2].max().item())
+        if gathered[:, 3].max().item() > 0:
+            self.stopped = True
+        if self.planner is not None:
+            self.planned = self.planner.plan(secs)[self.group_index]
+
     def flush(self) -> None:
+        """Finish any sync in flight (before eval, checkpoints and the next sync)."""
+        if self.overlap is not None and self.overlap.pending:
+            self.overlap.poll(block=True)
+            self._after_exchange(self.overlap.gathered_extra)
         if self.engine is not None and self.engine.pending:
             self.engine.sync_all()
 
     def finish(self) -> None:
-        """End of training: a final sync if local steps are outstanding, so every group ends on θ̄."""
-        if self.engine is not None and self.local_steps > 0:
-            self.start_sync(self._last_step)
+        """End of training: a final blocking sync if local steps are outstanding, so every group ends
+        on θ̄ (all groups reach this point after the same number of syncs)."""
         self.flush()
+        if self.engine is not None and self.local_steps > 0:
+            overlap, self.overlap = self.overlap, None
+            self.start_sync(self._last_step)
+            self.flush()
+            self.overlap = overlap
 
     def _on_sync_complete(self, report: SyncReport) -> None:
         self.syncs_done += 1
+        self.history.append(report.local_steps)
         record = summarize(report, self.group_index)
         # the group's bytes are every rank's own shard traffic; blocked time is the slowest rank's
         t = torch.tensor([float(record["bytes"]), record["blocked_s"]], dtype=torch.float64, device=self.comm.device)
@@ -168,7 +237,7 @@ class LocalSGD:
     def group_stats(self) -> dict[str, Any]:
         """This rank's totals (the trainer gathers one per group)."""
         return {"bytes_sent": self.comm.bytes_sent, "blocked_s": self.comm.blocked_s,
-                "syncs": self.syncs_done, "anomalies": self.anomalies}
+                "syncs": self.syncs_done, "anomalies": self.anomalies, "local_steps_per_sync": self.history}
 
     # ------------------------------------------------------------ checkpoint
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -178,8 +247,9 @@ class LocalSGD:
 
     def state_json(self) -> dict[str, Any]:
         return {"sync_index": self.sync_index, "local_steps": self.local_steps, "anomalies": self.anomalies,
-                "syncs_done": self.syncs_done, "local_phase": self.engine is not None,
-                "timer": self.timer.state_dict(), "bytes_sent": self.comm.bytes_sent,
+                "syncs_done": self.syncs_done, "history": self.history, "local_phase": self.engine is not None,
+                "timer": self.timer.state_dict(), "bytes_sent": self.comm.bytes_sent, "planned": self.planned,
+                "planner": self.planner.state_dict() if self.planner else None, "global_step": self.global_step,
                 "blocked_s": self.comm.blocked_s}
 
     def load_state(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
@@ -187,7 +257,12 @@ class LocalSGD:
         self.local_steps = state["local_steps"]
         self.anomalies = state["anomalies"]
         self.syncs_done = state["syncs_done"]
+        self.history = list(state.get("history", []))
         self.timer.load_state_dict(state["timer"])
+        self.planned = state.get("planned", self.planned)
+        self.global_step = state.get("global_step", 0)
+        if self.planner is not None and state.get("planner"):
+            self.planner.load_state_dict(state["planner"])
         self.comm.bytes_sent = state["bytes_sent"]
         self.comm.blocked_s = state["blocked_s"]
         if state["local_phase"]:

@@ -30,14 +30,15 @@ class DenseMLP(nn.Module):
 
 
 class Router(nn.Linear):
-    """The router (``mlp.gate``): a bias-free linear layer whose logits are always computed in fp32."""
+    """The router (``mlp.gate``): a bias-free linear layer whose logits are computed in (at least) fp32."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__(hidden_size, num_experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> fp32 [N, E]
+        dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class RoutedExperts(nn.Module):
@@ -203,14 +204,16 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, num_experts_per_tok:
     gradient) and ``P_i`` the mean router probability of expert ``i`` over the tokens.
     """
     n, e = probs.shape
-    f = counts.to(torch.float32) / max(n * num_experts_per_tok, 1)
-    p = probs.float().mean(0)
+    dtype = torch.promote_types(probs.dtype, torch.float32)
+    f = counts.to(dtype) / max(n * num_experts_per_tok, 1)
+    p = probs.to(dtype).mean(0)
     return coef * e * torch.sum(f * p)
 
 
 def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
     """Router z-loss ``coef * mean_tokens(logsumexp(logits)^2)`` on the fp32 pre-softmax logits."""
-    return coef * torch.logsumexp(logits.float(), dim=-1).square().mean()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return coef * torch.logsumexp(logits.to(dtype), dim=-1).square().mean()
 
 
 class MoEBlock(nn.Module):

@@ -17,7 +17,8 @@ def local_sgd_config(cfg: Config) -> LocalSGDConfig:
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
-                          mode=cfg.sync.mode, prefetch=cfg.sync.prefetch)
+                          mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
+                          time_budget_s=cfg.train.time_budget_s)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger) -> LocalSGD:

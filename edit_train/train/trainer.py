@@ -27,6 +27,7 @@ from edit_train.dist.comm import all_gather_json, broadcast_json
 from edit_train.dist.mesh import Topology, init_topology, parallelize
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
+from edit_train.sim.hetero import Slowdown
 from edit_train.train.build import build_algorithm
 from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import lr_at
@@ -99,6 +100,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
         self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size)
+        self.slowdown = Slowdown(topo.group_index, list(cfg.cluster.slowdown), list(cfg.cluster.slowdown_schedule),
+                                 topo.groups)
         self.progress = Progress()
 
         # ---- output
@@ -152,23 +155,38 @@ class Trainer:
 
     # ------------------------------------------------------------------- eval
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, scope: str = "world") -> float:
+        """Mean val loss. `world`: the global model after a flush, every rank takes part.
+        `group`: this group's current replica, only its own ranks take part (no cross-group wait)."""
         t, topo = self.cfg.train, self.topo
-        self.algo.flush()
+        if scope == "world":
+            self.algo.flush()
+            part, parts, pg = topo.rank, topo.world_size, None
+        else:
+            part, parts, pg = topo.shard_rank, topo.shard_size, topo.shard_pg
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        for x, y in eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches,
-                                 part=topo.rank, num_parts=topo.world_size):
+        for x, y in eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches, part=part, num_parts=parts):
             with self._autocast():
                 out = self.model(x.to(topo.device), y.to(topo.device))
             total += torch.tensor([float(out.ce_loss) * y.numel(), y.numel()], dtype=torch.float64)
-        if topo.distributed:
+        if topo.distributed and (scope == "world" or topo.shard_size > 1):
             total = total.to(topo.device)
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=pg)
             total = total.cpu()
         self._reshard()
         self.model.train()
         return float(total[0] / total[1])
+
+    def _log_eval(self, val_loss: float, scope: str = "world") -> None:
+        p = self.progress
+        record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
+                  "tokens": p.tokens * (self.topo.groups if scope == "world" else 1),
+                  "wall": p.wall_offset + time.time() - self.t0}
+        if scope == "world" and self.is_main:
+            self.metrics.log("eval", **record)
+        elif scope == "group" and self.topo.is_group_leader:
+            self.metrics.log("eval", group=self.topo.group_index, scope="group", **record)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
@@ -180,7 +198,8 @@ class Trainer:
                  "wall_s": p.wall_offset + (time.time() - self.t0), "loader": self.loader.state_dict(),
                  "rng": rng_json(), "algo": self.algo.state_json(), "config": to_container(self.cfg),
                  "wandb_run_id": self.wandb.run_id if self.wandb else None}
-        path = self.ckpt.save(p.step, tensors, state)
+        # groups of a time-scheduled run have different step counts: name the checkpoint by the agreed one
+        path = self.ckpt.save(p.step if self.algo.lockstep else self.algo.global_step, tensors, state)
         if self.is_main:
             log.info("checkpoint saved: %s", path)
 
@@ -235,14 +254,15 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=p.step, disable=not (self.is_main and t.progress),
                    desc=f"{cfg.algo.name}", unit="step", dynamic_ncols=True)
         init_val = self.evaluate() if p.step == 0 else None
-        if init_val is not None and self.is_main:
-            self.metrics.log("eval", step=0, val_loss=init_val, val_ppl=math.exp(min(init_val, 50)))
+        if init_val is not None:
+            self._log_eval(init_val)
         window_t, window_tokens = time.time(), 0
         val_loss = init_val
-        while p.step < t.steps:
+        while not self.algo.should_stop(p.step):
             step = p.step
             step_t0 = time.time()
             loss, applied = self.train_step(step)
+            self.slowdown.after_step(step, time.time() - step_t0)
             if not applied:
                 p.skipped_steps += 1
                 log.warning("group %d step %d: non-finite gradient, inner step skipped", topo.group_index, step)
@@ -262,18 +282,17 @@ class Trainer:
                     self._log_moe(p.step)
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
-            if t.eval_every and p.step % t.eval_every == 0 and p.step < t.steps:
-                val_loss = self.evaluate()
-                if self.is_main:
-                    self.metrics.log("eval", step=p.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
-            if cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and p.step < t.steps:
+            if t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
+                scope = "world" if self.algo.lockstep else "group"
+                self._log_eval(self.evaluate(scope), scope)
+            if (cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and self.algo.lockstep
+                    and not self.algo.should_stop(p.step)):
                 self.algo.flush()
                 self.save_checkpoint()
         bar.close()
         self.algo.finish()
         val_loss = self.evaluate()
-        if self.is_main:
-            self.metrics.log("eval", step=p.step, val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+        self._log_eval(val_loss)
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
         summary = self._summary(val_loss, init_val)
@@ -291,7 +310,8 @@ class Trainer:
     def _summary(self, val_loss: float, init_val: float | None) -> dict[str, Any]:
         topo, p = self.topo, self.progress
         wall = p.wall_offset + time.time() - self.t0
-        mine = {"tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats()}
+        mine = {"tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats(),
+                "slowdown_slept_s": self.slowdown.slept_s}
         everyone = all_gather_json(mine, topo.device) if topo.distributed else [mine]
         per_group: dict[str, dict[str, Any]] = {}
         for g in range(topo.groups):
@@ -301,7 +321,8 @@ class Trainer:
                 "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
                 "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"],
                 "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
-                "blocked_s": max(r["blocked_s"] for r in ranks),
+                "blocked_s": max(r["blocked_s"] for r in ranks), "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
+                "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
             }
         groups = per_group.values()
         tokens = sum(g["tokens"] for g in groups)

@@ -1,0 +1,65 @@
+"""Heterogeneous clusters on one host: a per-group slowdown factor.
+
+A group with slowdown s takes s times as long per step: after each step it sleeps (s − 1) × the
+measured compute time, which costs no CPU (so the other groups' speed is unaffected). A
+`slowdown_schedule` changes a group's factor mid-run: `[{group: 1, step: 200, factor: 5.0}, …]`
+(the factor applies from that local step of that group on).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+class HeteroError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SlowdownChange:
+    group: int
+    step: int
+    factor: float
+
+
+def parse_schedule(specs: list[dict[str, Any]] | None, groups: int) -> list[SlowdownChange]:
+    out = []
+    for i, spec in enumerate(specs or []):
+        unknown = set(spec) - {"group", "step", "factor"}
+        if unknown or not {"group", "step", "factor"} <= set(spec):
+            raise HeteroError(f"cluster.slowdown_schedule[{i}]: needs exactly group, step, factor; got {sorted(spec)}")
+        change = SlowdownChange(int(spec["group"]), int(spec["step"]), float(spec["factor"]))
+        if not 0 <= change.group < groups:
+            raise HeteroError(f"cluster.slowdown_schedule[{i}].group: {change.group} is not in [0, {groups})")
+        if change.factor < 1.0:
+            raise HeteroError(f"cluster.slowdown_schedule[{i}].factor: must be >= 1.0, got {change.factor}")
+        out.append(change)
+    return sorted(out, key=lambda c: c.step)
+
+
+class Slowdown:
+    """Sleeps to make this group `factor` times slower than the hardware it runs on."""
+
+    def __init__(self, group: int, factors: list[float] | None, schedule: list[dict[str, Any]] | None = None,
+                 groups: int = 1) -> None:
+        self.group = group
+        self.base = float(factors[group]) if factors else 1.0
+        self.changes = [c for c in parse_schedule(schedule, groups) if c.group == group]
+        self.slept_s = 0.0
+
+    def factor(self, step: int) -> float:
+        f = self.base
+        for c in self.changes:
+            if step >= c.step:
+                f = c.factor
+        return f
+
+    def after_step(self, step: int, compute_s: float) -> float:
+        """Sleep the extra fraction for `step`; returns the seconds slept."""
+        extra = (self.factor(step) - 1.0) * compute_s
+        if extra > 0:
+            time.sleep(extra)
+            self.slept_s += extra
+        return max(extra, 0.0)

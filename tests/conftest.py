@@ -1,0 +1,112 @@
+"""Shared fixtures: an isolated data cache, a small deterministic corpus, tiny-run overrides, CLI helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The smallest training run that still exercises log / eval / checkpoint paths.
+TINY = [
+    "model=tiny",
+    "train.steps=6",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.eval_every=3",
+    "train.eval_batches=2",
+    "train.log_every=2",
+    "logger=none",
+    "train.progress=false",
+]
+
+CORPUS_FILES = 30
+CORPUS_MIN_BYTES = 300_000
+
+
+@pytest.fixture(scope="session", autouse=True)
+def edit_train_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every test (and every subprocess it starts) uses a fresh cache, never ~/.cache/edit-train: a CI
+    machine must prepare corpora itself."""
+    cache = tmp_path_factory.mktemp("edit-train-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDIT_TRAIN_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`data.source` glob of ~30 stdlib modules (sorted, so deterministic for a Python version), >= 300 KB."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    total = n = 0
+    for f in sorted(root.glob("*.py")):
+        size = f.stat().st_size
+        if 5_000 <= size <= 40_000:
+            shutil.copyfile(f, out / f.name)
+            total += size
+            n += 1
+            if n >= CORPUS_FILES and total >= CORPUS_MIN_BYTES:
+                break
+    assert total >= CORPUS_MIN_BYTES, f"stdlib too small for the test corpus ({total} bytes in {n} files)"
+    return f"{out}/*.py"
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Two shared cores: torch's default of one intra-op thread per core oversubscribes them badly
+    (a tiny step goes from ~0.05 s to ~1 s under load). In-process runs use one thread; restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_overrides(run_dir: Path | str, source: str | None = None, *extra: str) -> list[str]:
+    """TINY plus run.dir, the data source and any overrides (later ones win)."""
+    out = [*TINY, f"run.dir={run_dir}"]
+    if source is not None:
+        out.append(f"data.source={source}")
+    return [*out, *extra]
+
+
+def run_train(overrides: list[str]) -> dict[str, Any]:
+    """Compose the config as `edit-train` would and train in this process."""
+    from edit_train.cli.common import compose
+    from edit_train.train.trainer import train
+
+    return train(compose(overrides))
+
+
+def read_events(path: Path | str) -> list[dict[str, Any]]:
+    """Every line of a metrics.jsonl, strictly (a line that is not JSON fails the test)."""
+    lines = Path(path).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"})
+    env.update(extra)
+    return env
+
+
+def script_cmd(script: str, module: str) -> list[str]:
+    """The installed console script if it is on PATH, else `python -m module`."""
+    exe = shutil.which(script)
+    return [exe] if exe else [sys.executable, "-m", module]
+
+
+def run_cli(script: str, module: str, args: list[str], timeout: float = 180, cwd: Path | None = None,
+            **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*script_cmd(script, module), *args], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(**env), cwd=cwd)
