@@ -123,7 +123,7 @@ class OverlapSync:
                 report.clip[unit.name] = 0.0
             # θ ← θ̄_new + (θ − θ_snap): the local progress made while the reduction was in flight
             for p, a, s in zip(live, e.outer.anchors[unit.name], self._snap[unit.name]):
-                p.add_(a.to(p.device, p.dtype) - s)
+                p.sub_(s).add_(a.to(p.device, p.dtype))  # (θ − θ_snap) first: exact when no progress
         self._snap.clear()
         self.phase = "idle"
         self._report = None

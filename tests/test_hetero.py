@@ -1,0 +1,156 @@
+"""Heterogeneous clusters: the WAN-link model, overlapped sync, slowdown and A-EDiT planning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from edit_train.dist.comm import CrossGroupComm, LinkModel
+from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.outer import OuterConfig
+from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.schedule import ScheduleConfig
+from edit_train.sim.hetero import HeteroError, Slowdown, parse_schedule
+from mp_utils import run_ranks
+
+PLAIN = PenaltyConfig(anomaly=False, weighting="uniform", clip=False)
+
+
+def _toy() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+
+def _local_sgd(model: nn.Sequential, comm: CrossGroupComm, group: int, mode: str, outer: OuterConfig,
+               interval: int = 2) -> LocalSGD:
+    cfg = LocalSGDConfig(schedule=ScheduleConfig(interval=interval), outer=outer, penalty=PLAIN, mode=mode,
+                         total_steps=1000)
+    return LocalSGD(cfg, model, [model[0], model[1]], comm, group)
+
+
+# ------------------------------------------------------------------ link model
+def _blocking_link(rank: int, world: int) -> dict:
+    comm = CrossGroupComm(dist.group.WORLD, world, torch.device("cpu"), LinkModel(bandwidth_mbps=8, latency_ms=50))
+    t = torch.full((12_500,), float(rank + 1))  # 50 kB -> 0.05 s at 8 Mbit/s
+    t0 = time.perf_counter()
+    comm.all_reduce_([t])
+    return {"elapsed": time.perf_counter() - t0, "value": float(t[0]), "bytes": comm.bytes_sent,
+            "blocked": comm.blocked_s}
+
+
+def test_blocking_sync_pays_latency_plus_transfer() -> None:
+    for r in run_ranks(_blocking_link, 2):
+        assert r["value"] == 3.0 and r["bytes"] == 50_000
+        assert r["elapsed"] >= 0.05 + 50_000 * 8 / 8e6 - 1e-3
+        assert r["blocked"] >= 0.099
+
+
+def test_link_seconds_and_queueing() -> None:
+    link = LinkModel(bandwidth_mbps=100, latency_ms=50)
+    assert link.seconds(1_250_000) == pytest.approx(0.05 + 0.1)
+    comm = CrossGroupComm(None, 2, torch.device("cpu"), link)
+    t0 = time.perf_counter()
+    first, second = comm._account(1_250_000), comm._account(1_250_000)
+    # two transfers share the bandwidth: the second lands one transfer time after the first
+    assert second - first == pytest.approx(0.1, abs=1e-3)
+    assert first - t0 == pytest.approx(0.15, abs=5e-3)
+
+
+# ------------------------------------------------------------ overlapped sync
+def _overlap_vs_blocking(rank: int, world: int) -> dict:
+    out = {}
+    outer = OuterConfig(lr=0.7, momentum=0.8, nesterov=True)
+    for mode in ("at_end", "overlap"):
+        model = _toy()
+        comm = CrossGroupComm(dist.group.WORLD, world, torch.device("cpu"))
+        algo = _local_sgd(model, comm, rank, mode, outer)
+        for step in range(6):
+            with torch.no_grad():
+                for i, p in enumerate(model.parameters()):
+                    p.add_(torch.sin(torch.arange(p.numel(), dtype=p.dtype).view_as(p) * (rank + 1) + step + i))
+            algo.after_step(step, 0.01)
+            algo.flush()  # land at once: no local steps in flight
+        out[mode] = [p.detach().flatten().tolist() for p in model.parameters()]
+    return out
+
+
+def test_overlap_without_steps_in_flight_equals_blocking() -> None:
+    results = run_ranks(_overlap_vs_blocking, 2)
+    for r in results:
+        for a, b in zip(r["at_end"], r["overlap"]):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
+    # and both groups hold the same anchor
+    for a, b in zip(results[0]["overlap"], results[1]["overlap"]):
+        assert torch.equal(torch.tensor(a), torch.tensor(b))
+
+
+def test_overlap_carries_local_progress_exactly() -> None:
+    """theta_0 -a-> theta_1 (sync starts, snapshot) -b-> theta_2, then it lands:
+    with outer SGD lr=0.5, no momentum and one group: anchor' = theta_0 - 0.5(theta_0 - theta_1),
+    theta = anchor' + (theta_2 - theta_1) = theta_0 + 0.5 a + b."""
+    model = _toy()
+    theta0 = [p.detach().clone() for p in model.parameters()]
+    algo = _local_sgd(model, CrossGroupComm(None, 1, torch.device("cpu")), 0, "overlap",
+                      OuterConfig(lr=0.5, momentum=0.0, nesterov=False), interval=1)
+    a = [torch.randn_like(p) for p in model.parameters()]
+    b = [torch.randn_like(p) for p in model.parameters()]
+    with torch.no_grad():
+        for p, d in zip(model.parameters(), a):
+            p.add_(d)
+    algo.after_step(0, 0.01)  # interval 1: the sync starts here, in the background
+    assert algo.overlap is not None and algo.overlap.pending
+    with torch.no_grad():
+        for p, d in zip(model.parameters(), b):
+            p.add_(d)
+    algo.flush()
+    for p, t0, da, db in zip(model.parameters(), theta0, a, b):
+        assert torch.allclose(p.detach(), t0 + 0.5 * da + db, atol=1e-6)
+
+
+# -------------------------------------------------------------- heterogeneity
+def test_slowdown_factor_follows_schedule() -> None:
+    s = Slowdown(1, [1.0, 3.0], [{"group": 1, "step": 10, "factor": 5.0}, {"group": 0, "step": 2, "factor": 9}],
+                 groups=2)
+    assert [s.factor(i) for i in (0, 9, 10, 50)] == [3.0, 3.0, 5.0, 5.0]
+    assert s.after_step(0, 0.01) == pytest.approx(0.02)
+    with pytest.raises(HeteroError, match="slowdown_schedule\\[0\\].group"):
+        parse_schedule([{"group": 4, "step": 1, "factor": 2}], groups=2)
+    with pytest.raises(HeteroError, match="factor"):
+        parse_schedule([{"group": 0, "step": 1, "factor": 0.5}], groups=2)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import sysconfig
+
+    out = tmp_path_factory.mktemp("corpus")
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]:
+        (out / f.name).write_bytes(f.read_bytes())
+    return str(out / "*.py")
+
+
+def test_a_edit_follows_a_group_that_slows_down(tmp_path: Path, corpus: str) -> None:
+    """Group 1 becomes 8x slower at its step 12: its planned local steps drop at the next sync."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "edit_train.cli.train", "cluster=local_2x1", "algo=a_edit", "logger=none",
+           "train.progress=false", f"data.source={corpus}", f"run.dir={run_dir}", "train.seq_len=32",
+           "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=60",
+           "algo.interval=4", "algo.sync_time_s=0.6", "model.num_hidden_layers=2",
+           "cluster.slowdown_schedule=[{group:1,step:12,factor:8.0}]"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    syncs = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if e["event"] == "sync" and e["group"] == 1]
+    before = [e["local_steps"] for e in syncs if e["step"] <= 12][1:]  # first interval is the fixed `interval`
+    after = [e["local_steps"] for e in syncs if e["step"] > 12 + max(before or [4])][1:]
+    assert before and after, syncs
+    assert max(after) < min(before), (before, after)
