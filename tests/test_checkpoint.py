@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -117,8 +118,6 @@ def test_crash_mid_save_keeps_previous(tmp_path):
 
     # a .tmp that even got as far as a complete manifest is still not picked (rename never happened)
     (root / "step_00000002.tmp").rename(root / "step_00000009.tmp")
-    import shutil
-
     shutil.copytree(good, root / "step_00000008.tmp")
     assert mgr.list_steps() == [1] and mgr.latest_valid() == good
 

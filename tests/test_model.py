@@ -222,6 +222,19 @@ def test_routing_warmup_alpha_reaches_one_at_step_w_and_eval_has_no_noise():
     torch.testing.assert_close(warm(x), plain.eval()(x))  # no noise in eval mode
 
 
+def test_routing_warmup_running_stats_fold_in_at_set_step():
+    block = _skewed_block(warmup=10).train()
+    x = torch.randn(256, 16)
+    block(x)
+    assert block.logit_mean.item() == 0.0 and block.logit_std.item() == 1.0  # not during forward
+    logits = block.gate(x)
+    block.set_step(1)
+    torch.testing.assert_close(block.logit_mean, 0.01 * logits.mean().detach())
+    torch.testing.assert_close(block.logit_std, 0.99 + 0.01 * logits.std().detach())
+    block.set_step(2)  # nothing new to fold
+    torch.testing.assert_close(block.logit_mean, 0.01 * logits.mean().detach())
+
+
 def test_set_step_propagates_to_every_moe_block():
     model = CausalLM(tiny(routing_warmup_steps=4))
     model.set_step(3)

@@ -157,6 +157,21 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path, small_corpus):
     assert s["steps"] == 2 and s["initial_val_loss"] is not None
 
 
+@pytest.mark.parametrize("change", ["model.num_hidden_layers=5", "model.moe_intermediate_size=64"])
+def test_resume_with_another_model_is_a_user_error(tmp_path, small_corpus, change):
+    """A checkpoint from another model config is a mistake the user made: it must surface as one of the
+    errors `edit-train` turns into one `error:` line (not a traceback), naming what does not match."""
+    from edit_train.cli.train import _user_errors
+
+    run_dir = tmp_path / "run"
+    quick = ("train.steps=2", "train.eval_every=0", "train.eval_batches=1")
+    run_train(tiny_overrides(run_dir, small_corpus, *quick))
+    with pytest.raises(_user_errors()) as exc:
+        run_train(tiny_overrides(run_dir, small_corpus, *quick, "train.steps=4", "resume=auto", change))
+    field = change.split("=")[0]
+    assert field in str(exc.value) and "different model" in str(exc.value)
+
+
 # ------------------------------------------------------------------------------------------ W&B offline
 def _wandb_records(path: Path) -> list:
     """Decode a `.wandb` transaction log with wandb's own protobuf schema.

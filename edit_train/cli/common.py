@@ -26,7 +26,7 @@ def one_line(exc: BaseException) -> str:
         for line in str(cur).splitlines():
             line = line.strip()
             if line and not line.startswith(("full_key", "reference_type", "object_type", "To append",
-                                             "Set the environment")) and line not in parts:
+                                             "Set the environment")) and "$VALUE" not in line and line not in parts:
                 parts.append(line)
                 break
         cur = cur.__cause__ or cur.__context__

@@ -1,8 +1,10 @@
 """Mixture-of-Experts block of the Ling (BailingMoe) model: router, routed experts, losses.
 
-Dispatch is *dropless* and sorted: every (token, slot) assignment is sorted by expert, the tokens are
-gathered once, each expert runs its SwiGLU on one contiguous slice, and the weighted outputs are scattered
-back with a single ``index_add_``. No capacity factor, no token is ever dropped.
+Dispatch is *dropless* and sorted: every (token, slot) assignment is sorted by expert (stable argsort), the
+tokens are gathered once, each expert runs its SwiGLU on one contiguous slice (a loop over experts, not
+tokens; empty experts skipped), and the weighted outputs are combined back per token. No capacity factor, no
+token is ever dropped. Forward and backward of the routed experts are one hand-written autograd Function
+(``_SortedMoE``) in which every data movement is a gather — scatter-adds (``index_add_``) are slow on CPU.
 
 Pure torch; nothing here knows about distribution.
 """
@@ -108,28 +110,20 @@ class _Plan:
             start += c
 
 
-def _combine(out_sorted: torch.Tensor, plan: _Plan, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Un-sort expert outputs to ``[N, k, H]`` (a gather, not a scatter) and take the weighted sum over k."""
-    n, k = w.shape
-    out_u = out_sorted.index_select(0, plan.inv_order).view(n, k, -1)
-    y = out_u[:, 0] * w[:, :1]
-    for j in range(1, k):
-        y.addcmul_(out_u[:, j], w[:, j:j + 1])
-    return y, out_u
-
-
 class _SortedMoE(torch.autograd.Function):
     """``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))``, ``e = topk_idx[n, j]``.
 
     Forward and backward are written by hand so that every data movement is a gather (no scatter-add), each
     expert runs one matmul per projection straight into a preallocated buffer (no cat / split / stack), the
-    element-wise SwiGLU runs once over all slots, and weight gradients land directly in ``[E, ...]`` tensors.
-    Saves ``gate(x)``, ``up(x)`` (sorted) and the un-weighted expert outputs; ``x`` is re-gathered.
+    element-wise SwiGLU runs once over all slots, large buffers are reused, and weight gradients land
+    directly in ``[E, ...]`` tensors. Saves ``gate(x)``, ``up(x)`` and the un-weighted expert outputs (all in
+    expert-sorted order); ``x`` is re-gathered in backward.
     """
 
     @staticmethod
     def forward(ctx, x, w, gate_proj, up_proj, down_proj, plan):  # type: ignore[override]
         s = plan.order.numel()
+        n, k = w.shape
         idim, hdim = gate_proj.shape[1], x.shape[-1]
         xs = x.index_select(0, plan.token_idx)
         g = x.new_empty(s, idim)
@@ -137,62 +131,72 @@ class _SortedMoE(torch.autograd.Function):
         for e, a, b in plan.slices:
             torch.mm(xs[a:b], gate_proj[e].t(), out=g[a:b])
             torch.mm(xs[a:b], up_proj[e].t(), out=u[a:b])
-        del xs
         h = F.silu(g).mul_(u)
-        out = x.new_empty(s, hdim)
+        out = xs  # reuse the gathered-input buffer for the expert outputs
         for e, a, b in plan.slices:
             torch.mm(h[a:b], down_proj[e].t(), out=out[a:b])
         del h
-        y, out_u = _combine(out, plan, w)
+        # combine: y[n] = sum_j w[n, j] * out[inv_order[n*k + j]]  (k gathers, no scatter)
+        inv = plan.inv_order.view(n, k)
+        y = out.index_select(0, inv[:, 0]).mul_(w[:, :1])
+        if k > 1:
+            tmp = torch.empty_like(y)
+            for j in range(1, k):
+                y.addcmul_(torch.index_select(out, 0, inv[:, j], out=tmp), w[:, j:j + 1])
         ctx.plan = plan
-        ctx.save_for_backward(x, w, gate_proj, up_proj, down_proj, g, u, out_u)
+        ctx.save_for_backward(x, w, gate_proj, up_proj, down_proj, g, u, out)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, w, gate_proj, up_proj, down_proj, g, u, out_u = ctx.saved_tensors
+        x, w, gate_proj, up_proj, down_proj, g, u, out = ctx.saved_tensors
         plan: _Plan = ctx.plan
         need_x, need_w, need_g, need_u, need_d = ctx.needs_input_grad[:5]
-        dy = dy.contiguous()
-        dw = torch.bmm(out_u, dy.unsqueeze(-1)).squeeze(-1) if need_w else None  # [N, k]
-        del out_u
-        # gradient of each sorted slot's expert output: dy of its token times its weight
-        dout = dy.index_select(0, plan.token_idx)
-        dout.mul_(w.reshape(-1).index_select(0, plan.order).unsqueeze(-1))
+        n, k = w.shape
+        w_sorted = w.reshape(-1).index_select(0, plan.order).unsqueeze(-1)
+        dout = dy.index_select(0, plan.token_idx)  # dL/d(weighted out) of each sorted slot
+        dw = None
+        if need_w:
+            dw = torch.linalg.vecdot(dout, out).index_select(0, plan.inv_order).view(n, k)
+        del out
+        dout.mul_(w_sorted)  # dL/d(expert output)
 
         silu_g = F.silu(g)
         dh = torch.empty_like(g)
         d_down = torch.empty_like(down_proj) if need_d else None
-        h = silu_g * u if need_d else None
+        h = silu_g * u if need_d else torch.empty_like(g)
         for e, a, b in plan.slices:
             torch.mm(dout[a:b], down_proj[e], out=dh[a:b])
             if need_d:
                 torch.mm(dout[a:b].t(), h[a:b], out=d_down[e])
-        del h, dout
-        du = dh * silu_g
-        del silu_g
-        dg = torch.ops.aten.silu_backward(dh.mul_(u), g)
-        del dh
+        du = torch.mul(dh, silu_g, out=h)  # reuse h's buffer
+        dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(u), g, grad_input=silu_g)  # reuse silu_g's
 
-        xs = x.index_select(0, plan.token_idx) if (need_g or need_u) else None
-        dxs = torch.empty(g.shape[0], x.shape[-1], dtype=x.dtype, device=x.device) if need_x else None
         d_gate = torch.empty_like(gate_proj) if need_g else None
         d_up = torch.empty_like(up_proj) if need_u else None
-        for e, a, b in plan.slices:
-            if need_x:
+        if need_g or need_u:
+            xs = torch.index_select(x, 0, plan.token_idx, out=dout)  # dout is dead: reuse its buffer
+            for e, a, b in plan.slices:
+                if need_g:
+                    torch.mm(dg[a:b].t(), xs[a:b], out=d_gate[e])
+                if need_u:
+                    torch.mm(du[a:b].t(), xs[a:b], out=d_up[e])
+            del xs
+        dx = None
+        if need_x:
+            dxs = dout  # the gathered inputs are dead too
+            for e, a, b in plan.slices:
                 torch.mm(dg[a:b], gate_proj[e], out=dxs[a:b])
                 dxs[a:b].addmm_(du[a:b], up_proj[e])
-            if need_g:
-                torch.mm(dg[a:b].t(), xs[a:b], out=d_gate[e])
-            if need_u:
-                torch.mm(du[a:b].t(), xs[a:b], out=d_up[e])
+            inv = plan.inv_order.view(n, k)
+            dx = dxs.index_select(0, inv[:, 0])
+            if k > 1:
+                tmp = torch.empty_like(dx)
+                for j in range(1, k):
+                    dx.add_(torch.index_select(dxs, 0, inv[:, j], out=tmp))
         for grad in (d_gate, d_up, d_down):
             if grad is not None and plan.empty:
                 grad[plan.empty] = 0
-        dx = None
-        if need_x:
-            n, k = w.shape
-            dx = dxs.index_select(0, plan.inv_order).view(n, k, -1).sum(1)
         return dx, dw, d_gate, d_up, d_down, None
 
 
@@ -239,9 +243,11 @@ class MoEBlock(nn.Module):
         else:
             self.shared_experts = None
         # running (detached) statistics of the router logits, used by the routing warmup noise
+        # (folded in once per optimizer step, in ``set_step``, so a recomputed forward sees the same stats)
         self.register_buffer("logit_mean", torch.zeros(()), persistent=False)
         self.register_buffer("logit_std", torch.ones(()), persistent=False)
         self.step = 0
+        self._batch_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.last_expert_load: torch.Tensor | None = None
@@ -259,9 +265,19 @@ class MoEBlock(nn.Module):
         with torch.no_grad():
             self.logit_mean.fill_(0.0)
             self.logit_std.fill_(1.0)
+        self._batch_stats = None
 
     def set_step(self, step: int) -> None:
+        """Set the optimizer step (drives the warmup) and fold the last batch's logit statistics into the
+        running ``logit_mean`` / ``logit_std`` (EMA with ``stats_momentum``)."""
         self.step = int(step)
+        if self._batch_stats is not None:
+            mean, std = self._batch_stats
+            m = self.stats_momentum
+            with torch.no_grad():
+                self.logit_mean.mul_(m).add_((1 - m) * mean)
+                self.logit_std.mul_(m).add_((1 - m) * std)
+            self._batch_stats = None
 
     def warmup_alpha(self) -> float:
         """Mixing coefficient ``a = i / W`` of the routing warmup (1.0 = logits untouched)."""
@@ -274,20 +290,19 @@ class MoEBlock(nn.Module):
 
         Returns ``(logits, probs, topk_idx, topk_weight)``: fp32 clean logits ``[N, E]``, fp32 routing
         probabilities ``[N, E]`` (after the warmup mixing, if any), and the top-k choice ``[N, k]``.
+
+        Stochastic routing warmup (Ling eq. 3): while training at step ``i < W`` the routing logits are
+        ``a * s + (1 - a) * (mu + sigma * eps)`` with ``a = i / W``, ``eps ~ N(0, I)`` and ``mu, sigma`` the
+        running (detached) mean / std of the logits.
         """
         logits = self.gate(x)
         routing_logits = logits
-        if self.training:
-            if self.warmup_steps > 0:
-                with torch.no_grad():
-                    m = self.stats_momentum
-                    self.logit_mean.mul_(m).add_((1 - m) * logits.mean())
-                    if logits.numel() > 1:
-                        self.logit_std.mul_(m).add_((1 - m) * logits.std())
+        if self.training and self.warmup_alpha() < 1.0:
             a = self.warmup_alpha()
-            if a < 1.0:
-                noise = self.logit_mean + self.logit_std * torch.randn_like(logits)
-                routing_logits = a * logits + (1.0 - a) * noise
+            flat = logits.detach()
+            self._batch_stats = (flat.mean(), flat.std() if flat.numel() > 1 else flat.new_ones(()))
+            noise = self.logit_mean + self.logit_std * torch.randn_like(logits)
+            routing_logits = a * logits + (1.0 - a) * noise
         probs = torch.softmax(routing_logits, dim=-1)
         topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob and self.top_k > 1:

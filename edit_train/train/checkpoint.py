@@ -176,7 +176,11 @@ class CheckpointManager:
             if not name.startswith(prefix):
                 continue
             if name.endswith(".safetensors"):
-                tensors[name[len(prefix):-len(".safetensors")]] = load_file(str(path / name))
+                try:
+                    tensors[name[len(prefix):-len(".safetensors")]] = load_file(str(path / name))
+                except Exception as exc:  # noqa: BLE001 - safetensors refuses anything else (no unpickling)
+                    raise CheckpointError(f"{path / name}: not a valid safetensors file ({exc}); delete this "
+                                          f"checkpoint or resume from an older one") from None
             elif not name.endswith("-state.json"):
                 raise CheckpointError(f"{path / name}: unexpected file type; only safetensors and JSON are loaded")
         state_path = path / f"{prefix}state.json"

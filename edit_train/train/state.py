@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from edit_train.dist.mesh import local_tensor
+from edit_train.train.checkpoint import CheckpointError
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -24,10 +25,10 @@ def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
     for name, p in model.named_parameters():
         key = f"param/{name}"
         if key not in tensors:
-            raise KeyError(f"checkpoint has no tensor for parameter {name!r} (different model config?)")
+            raise CheckpointError(f"checkpoint has no tensor for parameter {name!r} (different model config?)")
         dst = local_tensor(p.data)
         if dst.shape != tensors[key].shape:
-            raise ValueError(f"parameter {name!r}: checkpoint shape {tuple(tensors[key].shape)} "
+            raise CheckpointError(f"parameter {name!r}: checkpoint shape {tuple(tensors[key].shape)} "
                              f"!= model shard shape {tuple(dst.shape)} (different model or world layout?)")
         dst.copy_(tensors[key])
     for name, b in model.named_buffers():
@@ -57,7 +58,7 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
     for key, value in tensors.items():
         name, _, field = key.rpartition("/")
         if name not in params:
-            raise KeyError(f"optimizer state for unknown parameter {name!r}")
+            raise CheckpointError(f"optimizer state for unknown parameter {name!r} (different model config?)")
         per_param.setdefault(name, {})[field] = value
     for name, st in per_param.items():
         p = params[name]

@@ -29,7 +29,7 @@ from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
 from edit_train.sim.hetero import Slowdown
 from edit_train.train.build import build_algorithm
-from edit_train.train.checkpoint import CheckpointManager
+from edit_train.train.checkpoint import CheckpointError, CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
@@ -107,6 +107,7 @@ class Trainer:
         # ---- output
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", topo.rank, topo.world_size,
                                       cfg.checkpoint.keep, barrier=self._barrier)
+        resume_from = self._find_resume() if str(cfg.resume).lower() in ("true", "auto") else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
         if cfg.logger.kind == "wandb" and topo.is_group_leader:
@@ -115,14 +116,15 @@ class Trainer:
             self.wandb = WandbSink(self.run_dir, cfg.logger.project, cfg.logger.entity, cfg.logger.mode,
                                    experiment=cfg.run.name, job_type=f"{cfg.cluster.name}-group{topo.group_index}",
                                    name=f"{cfg.run.name}-g{topo.group_index}", config=to_container(cfg),
-                                   tags=list(cfg.logger.tags))
+                                   tags=list(cfg.logger.tags),
+                                   run_id=resume_from[2].get("wandb_run_id") if resume_from else None)
             sinks.append(self.wandb)
         self.metrics = MetricsLogger(sinks)
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics)
         if self.is_main:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
-        if str(cfg.resume).lower() in ("true", "auto"):
-            self._maybe_resume()
+        if resume_from is not None:
+            self._resume(*resume_from)
 
     # ------------------------------------------------------------------ utils
     def _barrier(self) -> None:
@@ -203,13 +205,23 @@ class Trainer:
         if self.is_main:
             log.info("checkpoint saved: %s", path)
 
-    def _maybe_resume(self) -> None:
+    def _find_resume(self) -> tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]] | None:
+        """The newest verified checkpoint (loaded), or None; refuses one written for another model."""
         path = self.ckpt.latest_valid()
         if path is None:
             if self.is_main:
                 log.info("resume: no complete checkpoint in %s, starting fresh", self.ckpt.root)
-            return
+            return None
         tensors, state = self.ckpt.load(path)
+        saved = state.get("config", {}).get("model", {})
+        now = to_container(self.cfg)["model"]
+        changed = sorted(k for k in now if k != "init_from" and k in saved and saved[k] != now[k])
+        if changed:
+            raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {saved[changed[0]]!r} "
+                                  f"there, {now[changed[0]]!r} now); resume with the same model or use a new run.dir")
+        return path, tensors, state
+
+    def _resume(self, path: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
         load_model_tensors(self.model, tensors["model"])
         load_optimizer_tensors(self.optimizer, self.model, tensors["optim"])
         self.algo.load_state(tensors, state["algo"])

@@ -76,4 +76,4 @@ class WandbSink:
             for key, value in summary.items():
                 if isinstance(value, (int, float, str, bool)):
                     self.run.summary[key] = value
-        self.run.finish(quiet=True)
+        self.run.finish()

@@ -1,0 +1,232 @@
+"""Heterogeneous clusters at a fixed wall-clock budget: ddp, EDiT, A-EDiT and A-EDiT + overlapped sync.
+
+Two worker groups of one rank (one thread) each; group 1 is 3x slower (`cluster.slowdown=[1.0,3.0]`) and
+they are joined by a simulated WAN link of 100 Mbit/s + 50 ms (`cluster=hetero_2x1`). Every run stops at
+an agreed point after `train.time_budget_s=T` (`train.steps` is set out of reach). First each group is
+measured alone (`cluster=local cluster.slowdown=[s]`, same batch, sequence length and budget), then every
+algorithm runs on `cluster=hetero_2x1`. Reported per algorithm (from `summary.json`):
+
+  * throughput ratio = aggregate tokens/s / (sum of the two standalone tokens/s);
+  * blocked fraction = max over groups of blocked_s / wall_s (time waiting on cross-group sync);
+  * final val loss of the global model after the last sync, at the (roughly) equal wall-clock budget;
+  * for A-EDiT, the planned local steps per group H_i (median over the syncs between the first, which
+    uses `algo.interval`, and the final one, which is cut short) and H_0/H_1 vs the measured speed ratio.
+
+Targets (reported, not asserted): a_edit+overlap >= 0.95 of the standalone sum with <= 2% blocked;
+a_edit's final val loss below ddp's and edit's.
+
+    python benchmarks/heterogeneity.py --quick    # 6 runs x 45 s budget + start-up: ~6 min on 2 cores
+    python benchmarks/heterogeneity.py            # 6 runs x 240 s, batch 16 x 128, tau 10 s, H 32
+    python benchmarks/heterogeneity.py --budget 120 --sync-time 8 --out r.json --plot r.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+DEFAULT_OUT = C.RESULTS_DIR / "heterogeneity.json"
+DEFAULT_PLOT = C.RESULTS_DIR / "heterogeneity.png"
+SLOWDOWN = (1.0, 3.0)
+# name -> (algo, extra overrides); all on cluster=hetero_2x1
+RUNS: dict[str, tuple[str, list[str]]] = {
+    "ddp": ("ddp", []),
+    "edit": ("edit", []),
+    "a_edit": ("a_edit", []),
+    "a_edit+overlap": ("a_edit", ["sync.mode=overlap"]),
+}
+COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="45 s per run, batch 4 x 64, tau 5 s, H 16")
+    ap.add_argument("--budget", type=float, default=None, help="train.time_budget_s of every run (s)")
+    ap.add_argument("--sync-time", type=float, default=None, help="algo.sync_time_s (A-EDiT tau)")
+    ap.add_argument("--interval", type=int, default=None, help="algo.interval (EDiT H; A-EDiT's first interval)")
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (per group for a_edit)")
+    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra override for every job (repeatable)")
+    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "heterogeneity", help="run directories")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    a = ap.parse_args(argv)
+    q = a.quick
+    a.budget = a.budget or (45.0 if q else 240.0)
+    a.sync_time = a.sync_time or (5.0 if q else 10.0)
+    a.interval = a.interval or (16 if q else 32)
+    a.batch_size = a.batch_size or (4 if q else 16)
+    a.seq_len = a.seq_len or (64 if q else 128)
+    a.eval_every = a.eval_every if a.eval_every is not None else (20 if q else 50)
+    return a
+
+
+def common_overrides(a: argparse.Namespace) -> list[str]:
+    return ["model=tiny", f"seed={a.seed}", "train.steps=100000000", f"train.time_budget_s={a.budget:g}",
+            f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
+            f"train.eval_batches={a.eval_batches}", *a.extra]
+
+
+def run_overrides(name: str, a: argparse.Namespace) -> list[str]:
+    algo, extra = RUNS[name]
+    out = ["cluster=hetero_2x1", f"cluster.slowdown=[{SLOWDOWN[0]:g},{SLOWDOWN[1]:g}]",
+           "cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50", f"algo={algo}"]
+    if algo != "ddp":
+        out += [f"algo.interval={a.interval}", "algo.warmup_steps=0"]
+    if algo == "a_edit":
+        out.append(f"algo.sync_time_s={a.sync_time:g}")
+    return out + extra + common_overrides(a)
+
+
+def plan_stats(summary: dict[str, Any]) -> dict[str, Any]:
+    """Median planned local steps per group, skipping the first (fixed) and the last (cut-short) sync."""
+    per = summary["per_group"]
+    hist = {g: list(per[g].get("local_steps") or []) for g in sorted(per, key=int)}
+    med = {g: (statistics.median(h[1:-1]) if len(h) > 2 else None) for g, h in hist.items()}
+    h0, h1 = med.get("0"), med.get("1")
+    return {"local_steps": hist, "median_H": med, "H0_over_H1": h0 / h1 if h0 and h1 else None}
+
+
+def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float) -> dict[str, Any]:
+    s, pg = job.summary, job.summary["per_group"]
+    blocked = max(g["blocked_s"] / s["wall_s"] for g in pg.values())
+    row = {"run": name, "algo": s["algo"], "wall_s": s["wall_s"], "tokens": s["tokens"],
+           "tokens_per_s": s["tokens_per_s"], "throughput_ratio": s["tokens_per_s"] / sum_tps,
+           "blocked_frac": blocked, "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),
+           "cross_group_bytes": s.get("cross_group_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
+           "per_group": {g: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
+                                               "slowdown_slept_s", "syncs") if k in v} for g, v in pg.items()},
+           "tps_g0": pg["0"]["tokens_per_s"], "tps_g1": pg["1"]["tokens_per_s"]}
+    if s["algo"] == "a_edit":
+        row.update(plan_stats(s))
+        row["speed_ratio_standalone"] = speed_ratio
+    return row
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ov = rows.get("a_edit+overlap")
+    if ov:
+        out["a_edit+overlap_throughput_ge_0.95"] = ov["throughput_ratio"] >= 0.95
+        out["a_edit+overlap_blocked_le_0.02"] = ov["blocked_frac"] <= 0.02
+    for name in ("a_edit", "a_edit+overlap"):
+        for other in ("ddp", "edit"):
+            if name in rows and other in rows:
+                out[f"{name}_loss_below_{other}"] = rows[name]["final_val_loss"] < rows[other]["final_val_loss"]
+    return out
+
+
+def eval_series(job: C.Job) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]]]:
+    """World evals [(wall, val_loss)] and per-group evals {group: [(wall, val_loss)]} (A-EDiT)."""
+    world, groups = [], {}
+    for e in job.events("eval"):
+        point = (float(e["wall"]), float(e["val_loss"]))
+        if e.get("scope") == "group":
+            groups.setdefault(int(e["group"]), []).append(point)
+        else:
+            world.append(point)
+    return sorted(world), {g: sorted(v) for g, v in groups.items()}
+
+
+def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Namespace) -> Path:
+    plt = C.pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.35, 1]})
+    finals = []
+    for name, job in jobs.items():
+        color = COLORS.get(name)
+        world, groups = eval_series(job)
+        if groups.get(0):  # a_edit: group 0's replica between syncs, then the global model at the end
+            g0 = [world[0], *groups[0]] if world else groups[0]
+            ax.plot(*zip(*g0), ls="--", lw=1.2, color=color, alpha=0.8, label=f"{name} (group-0 replica)")
+        if world:
+            ax.plot(*zip(*world), marker="o", ms=4, color=color, label=f"{name} (global model)")
+            finals.append(world[-1][1])
+    ax.axvline(a.budget, color="gray", ls=":", lw=1)
+    ax.text(a.budget, ax.get_ylim()[1], " budget", color="gray", va="top", fontsize=8)
+    if finals:  # zoom on the interesting part; the step-0 eval is far above
+        ax.set_ylim(min(finals) - 0.15, max(finals) + 0.9)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"val loss vs wall time (slowdown 1:3, 100 Mbit/s + 50 ms, T={a.budget:g} s)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    names = list(rows)
+    x = range(len(names))
+    w = 0.38
+    b1 = ax2.bar([i - w / 2 for i in x], [rows[n]["throughput_ratio"] for n in names], w,
+                 label="tokens/s ÷ sum of standalone", color="tab:green")
+    b2 = ax2.bar([i + w / 2 for i in x], [rows[n]["blocked_frac"] for n in names], w,
+                 label="blocked fraction (max over groups)", color="tab:gray")
+    for bars in (b1, b2):
+        ax2.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax2.axhline(0.95, color="tab:green", ls="--", lw=1, label="target throughput 0.95")
+    ax2.axhline(0.02, color="black", ls="--", lw=1, label="target blocked 0.02")
+    ax2.set_xticks(list(x), names)
+    ax2.set_ylim(0, 1.15)
+    ax2.set_title("throughput and time blocked on cross-group sync", fontsize=10)
+    ax2.legend(fontsize=8, loc="upper left")
+    ax2.grid(alpha=0.3, axis="y")
+    return C.save_fig(fig, a.plot)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (inherited by the job and its workers)
+    alone: dict[str, C.Job] = {}
+    for s in SLOWDOWN:
+        name = f"standalone_x{s:g}"
+        alone[name] = C.run_job(name, a.workdir / name, ["cluster=local", f"cluster.slowdown=[{s:g}]", "algo=ddp",
+                                                         *common_overrides(a)], timeout=a.budget * 4 + 300)
+    tps = [j.summary["tokens_per_s"] for j in alone.values()]
+    sum_tps, speed_ratio = sum(tps), tps[0] / tps[1]
+    jobs = {n: C.run_job(n, a.workdir / n.replace("+", "_"), run_overrides(n, a), timeout=a.budget * 4 + 300)
+            for n in a.runs}
+    rows = {n: row_for(n, j, sum_tps, speed_ratio) for n, j in jobs.items()}
+    result = {
+        "benchmark": "heterogeneity", "quick": a.quick,
+        "setup": {"cluster": "hetero_2x1", "slowdown": list(SLOWDOWN), "link": "100 Mbit/s + 50 ms",
+                  "model": "tiny", "budget_s": a.budget, "sync_time_s": a.sync_time, "interval": a.interval,
+                  "batch_size": a.batch_size, "seq_len": a.seq_len, "eval_every": a.eval_every,
+                  "eval_batches": a.eval_batches, "seed": a.seed, "OMP_NUM_THREADS": 1,
+                  "commands": {n: " ".join(["edit-train", *j.overrides]) for n, j in {**alone, **jobs}.items()}},
+        "standalone": {n: {"tokens_per_s": j.summary["tokens_per_s"], "wall_s": j.summary["wall_s"],
+                           "tokens": j.summary["tokens"], "steps": j.summary["steps"],
+                           "final_val_loss": j.summary["final_val_loss"]} for n, j in alone.items()},
+        "standalone_sum_tokens_per_s": sum_tps, "standalone_speed_ratio": speed_ratio,
+        "results": rows, "targets": targets(rows),
+        "curves": {n: dict(zip(("world", "group"), eval_series(j))) for n, j in jobs.items()},
+        "env": C.environment(),
+    }
+    C.write_json(a.out, result)
+    plot(jobs, rows, a)
+    print(f"standalone tokens/s: " + ", ".join(f"{n} {t:,.0f}" for n, t in zip(alone, tps))
+          + f"; sum {sum_tps:,.0f}; speed ratio {speed_ratio:.2f}")
+    cols = [("run", "run", ""), ("tokens_per_s", "tok/s", ",.0f"), ("tps_g0", "g0 tok/s", ",.0f"),
+            ("tps_g1", "g1 tok/s", ",.0f"), ("throughput_ratio", "/sum alone", ".3f"),
+            ("blocked_frac", "blocked", ".3f"), ("final_val_loss", "val loss", ".4f"), ("wall_s", "wall s", ".1f"),
+            ("syncs", "syncs", ""), ("H0_over_H1", "H0/H1", ".2f")]
+    print(C.table(rows.values(), cols))
+    for n, r in rows.items():
+        if "median_H" in r:
+            print(f"  {n}: median H per group {r['median_H']} (H0/H1 {C.fmt(r['H0_over_H1'], '.2f')}, standalone "
+                  f"speed ratio {speed_ratio:.2f}); local steps per sync {r['local_steps']}")
+    for k, v in result["targets"].items():
+        print(f"  {k}: {C.fmt(v)}")
+    print(f"wrote {a.out} and {a.plot}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
