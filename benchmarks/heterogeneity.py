@@ -15,6 +15,10 @@ algorithm runs on `cluster=hetero_2x1`. Reported per algorithm (from `summary.js
 Targets (reported, not asserted): a_edit+overlap >= 0.95 of the standalone sum with <= 2% blocked;
 a_edit's final val loss below ddp's and edit's.
 
+A-EDiT's first interval is `algo.interval` local steps for every group (no step time is known yet), so the
+fast group waits (s_1 - s_0) x interval at the first sync; `--first-interval` (default 4) keeps that short.
+`--reuse` re-reads finished run directories instead of training again (to redo the table and plot).
+
     python benchmarks/heterogeneity.py --quick    # 6 runs x 45 s budget + start-up: ~6 min on 2 cores
     python benchmarks/heterogeneity.py            # 6 runs x 240 s, batch 16 x 128, tau 10 s, H 32
     python benchmarks/heterogeneity.py --budget 120 --sync-time 8 --out r.json --plot r.png
@@ -50,16 +54,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="45 s per run, batch 4 x 64, tau 5 s, H 16")
     ap.add_argument("--budget", type=float, default=None, help="train.time_budget_s of every run (s)")
     ap.add_argument("--sync-time", type=float, default=None, help="algo.sync_time_s (A-EDiT tau)")
-    ap.add_argument("--interval", type=int, default=None, help="algo.interval (EDiT H; A-EDiT's first interval)")
+    ap.add_argument("--interval", type=int, default=None, help="algo.interval of edit (local steps per sync)")
+    ap.add_argument("--first-interval", type=int, default=4,
+                    help="algo.interval of a_edit: its first interval, taken by every group before any timing")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (per group for a_edit)")
-    ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every job (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "heterogeneity", help="run directories")
+    ap.add_argument("--reuse", action="store_true", help="re-read runs that already have a summary.json (replot)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     a = ap.parse_args(argv)
@@ -69,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.interval = a.interval or (16 if q else 32)
     a.batch_size = a.batch_size or (4 if q else 16)
     a.seq_len = a.seq_len or (64 if q else 128)
-    a.eval_every = a.eval_every if a.eval_every is not None else (20 if q else 50)
+    a.eval_every = a.eval_every if a.eval_every is not None else (25 if q else 50)
     return a
 
 
@@ -83,10 +90,10 @@ def run_overrides(name: str, a: argparse.Namespace) -> list[str]:
     algo, extra = RUNS[name]
     out = ["cluster=hetero_2x1", f"cluster.slowdown=[{SLOWDOWN[0]:g},{SLOWDOWN[1]:g}]",
            "cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50", f"algo={algo}"]
-    if algo != "ddp":
+    if algo == "edit":
         out += [f"algo.interval={a.interval}", "algo.warmup_steps=0"]
     if algo == "a_edit":
-        out.append(f"algo.sync_time_s={a.sync_time:g}")
+        out += [f"algo.interval={a.first_interval}", "algo.warmup_steps=0", f"algo.sync_time_s={a.sync_time:g}"]
     return out + extra + common_overrides(a)
 
 
@@ -147,14 +154,16 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     for name, job in jobs.items():
         color = COLORS.get(name)
         world, groups = eval_series(job)
-        if groups.get(0):  # a_edit: group 0's replica between syncs, then the global model at the end
-            g0 = [world[0], *groups[0]] if world else groups[0]
+        if groups.get(0):  # a_edit: group 0's replica between syncs, joined to the global model at the end
+            g0 = [*world[:1], *groups[0], *world[-1:]]
             ax.plot(*zip(*g0), ls="--", lw=1.2, color=color, alpha=0.8, label=f"{name} (group-0 replica)")
-        if world:
+            ax.plot(*zip(*world), ls="none", marker="s", ms=6, color=color, label=f"{name} (global model)")
+        elif world:
             ax.plot(*zip(*world), marker="o", ms=4, color=color, label=f"{name} (global model)")
+        if world:
             finals.append(world[-1][1])
     ax.axvline(a.budget, color="gray", ls=":", lw=1)
-    ax.text(a.budget, ax.get_ylim()[1], " budget", color="gray", va="top", fontsize=8)
+    ax.text(a.budget, 0.98, " budget T", color="gray", va="top", fontsize=8, transform=ax.get_xaxis_transform())
     if finals:  # zoom on the interesting part; the step-0 eval is far above
         ax.set_ylim(min(finals) - 0.15, max(finals) + 0.9)
     ax.set_xlabel("wall time (s)")
@@ -181,23 +190,31 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     return C.save_fig(fig, a.plot)
 
 
+def job(name: str, run_dir: Path, overrides: list[str], a: argparse.Namespace) -> C.Job:
+    if a.reuse and (run_dir / "summary.json").exists():
+        s = C.read_summary(run_dir)
+        return C.Job(name, run_dir, [*C.BASE_OVERRIDES, *overrides, f"run.dir={run_dir.resolve()}"], s["wall_s"], s,
+                     C.read_metrics(run_dir))
+    return C.run_job(name, run_dir, overrides, timeout=a.budget * 4 + 300)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (inherited by the job and its workers)
     alone: dict[str, C.Job] = {}
     for s in SLOWDOWN:
         name = f"standalone_x{s:g}"
-        alone[name] = C.run_job(name, a.workdir / name, ["cluster=local", f"cluster.slowdown=[{s:g}]", "algo=ddp",
-                                                         *common_overrides(a)], timeout=a.budget * 4 + 300)
+        alone[name] = job(name, a.workdir / name, ["cluster=local", f"cluster.slowdown=[{s:g}]", "algo=ddp",
+                                                   *common_overrides(a)], a)
     tps = [j.summary["tokens_per_s"] for j in alone.values()]
     sum_tps, speed_ratio = sum(tps), tps[0] / tps[1]
-    jobs = {n: C.run_job(n, a.workdir / n.replace("+", "_"), run_overrides(n, a), timeout=a.budget * 4 + 300)
-            for n in a.runs}
+    jobs = {n: job(n, a.workdir / n.replace("+", "_"), run_overrides(n, a), a) for n in a.runs}
     rows = {n: row_for(n, j, sum_tps, speed_ratio) for n, j in jobs.items()}
     result = {
         "benchmark": "heterogeneity", "quick": a.quick,
         "setup": {"cluster": "hetero_2x1", "slowdown": list(SLOWDOWN), "link": "100 Mbit/s + 50 ms",
                   "model": "tiny", "budget_s": a.budget, "sync_time_s": a.sync_time, "interval": a.interval,
+                  "a_edit_first_interval": a.first_interval,
                   "batch_size": a.batch_size, "seq_len": a.seq_len, "eval_every": a.eval_every,
                   "eval_batches": a.eval_batches, "seed": a.seed, "OMP_NUM_THREADS": 1,
                   "commands": {n: " ".join(["edit-train", *j.overrides]) for n, j in {**alone, **jobs}.items()}},

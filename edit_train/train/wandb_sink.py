@@ -77,3 +77,5 @@ class WandbSink:
                 if isinstance(value, (int, float, str, bool)):
                     self.run.summary[key] = value
         self.run.finish()
+        # one W&B run per process: shutting the service down here guarantees the offline files are complete
+        self._wandb.teardown()
