@@ -128,3 +128,16 @@ def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> N
     first = group_params(ckpts[0], 0, 2)
     last = group_params(ckpts[-1], 0, 2)
     assert max_diff(first, last) > 0  # it did train
+
+
+@pytest.mark.parametrize("algo", ["post_local_sgd", "diloco", "a_edit"])
+def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> None:
+    run_dir = run_job(tmp_path, algo, f"algo={algo}", "cluster=local_2x2", "train.steps=4", "algo.interval=2",
+                      "train.batch_size=2", "algo.sync_time_s=0.5", corpus=corpus)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] and summary["algo"] == algo and summary["syncs"] >= 1
+    assert set(summary["per_group"]) == {"0", "1"} and summary["cross_group_bytes"] > 0
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {"train", "eval", "sync", "moe"} <= {e["event"] for e in events}
+    g0, g1 = group_params(last_ckpt(run_dir), 0, 2), group_params(last_ckpt(run_dir), 1, 2)
+    assert max_diff(g0, g1) == 0.0  # the run ends on the anchor in every group

@@ -113,11 +113,15 @@ class _Plan:
 class _SortedMoE(torch.autograd.Function):
     """``y[n] = sum_j w[n, j] * down_e(silu(gate_e(x[n])) * up_e(x[n]))``, ``e = topk_idx[n, j]``.
 
-    Forward and backward are written by hand so that every data movement is a gather (no scatter-add), each
-    expert runs one matmul per projection straight into a preallocated buffer (no cat / split / stack), the
-    element-wise SwiGLU runs once over all slots, large buffers are reused, and weight gradients land
-    directly in ``[E, ...]`` tensors. Saves ``gate(x)``, ``up(x)`` and the un-weighted expert outputs (all in
-    expert-sorted order); ``x`` is re-gathered in backward.
+    Forward and backward are written by hand so that
+
+    * every data movement is a gather (no scatter-add);
+    * the work is blocked per expert: an expert's slice of tokens is gathered, multiplied, passed through
+      SwiGLU and its gradients computed while it is hot in cache, with matmuls writing straight into
+      preallocated buffers (no cat / split / stack) and weight gradients landing directly in ``[E, ...]``
+      tensors;
+    * only ``gate(x)``, ``up(x)`` and the un-weighted expert outputs (expert-sorted) are saved; ``x`` is
+      re-gathered and ``silu(gate) * up`` recomputed in backward.
     """
 
     @staticmethod
@@ -125,17 +129,14 @@ class _SortedMoE(torch.autograd.Function):
         s = plan.order.numel()
         n, k = w.shape
         idim, hdim = gate_proj.shape[1], x.shape[-1]
-        xs = x.index_select(0, plan.token_idx)
         g = x.new_empty(s, idim)
         u = x.new_empty(s, idim)
+        out = x.new_empty(s, hdim)
         for e, a, b in plan.slices:
-            torch.mm(xs[a:b], gate_proj[e].t(), out=g[a:b])
-            torch.mm(xs[a:b], up_proj[e].t(), out=u[a:b])
-        h = F.silu(g).mul_(u)
-        out = xs  # reuse the gathered-input buffer for the expert outputs
-        for e, a, b in plan.slices:
-            torch.mm(h[a:b], down_proj[e].t(), out=out[a:b])
-        del h
+            xe = x.index_select(0, plan.token_idx[a:b])
+            ge = torch.mm(xe, gate_proj[e].t(), out=g[a:b])
+            ue = torch.mm(xe, up_proj[e].t(), out=u[a:b])
+            torch.mm(F.silu(ge).mul_(ue), down_proj[e].t(), out=out[a:b])
         # combine: y[n] = sum_j w[n, j] * out[inv_order[n*k + j]]  (k gathers, no scatter)
         inv = plan.inv_order.view(n, k)
         y = out.index_select(0, inv[:, 0]).mul_(w[:, :1])
@@ -154,49 +155,45 @@ class _SortedMoE(torch.autograd.Function):
         need_x, need_w, need_g, need_u, need_d = ctx.needs_input_grad[:5]
         n, k = w.shape
         w_sorted = w.reshape(-1).index_select(0, plan.order).unsqueeze(-1)
-        dout = dy.index_select(0, plan.token_idx)  # dL/d(weighted out) of each sorted slot
-        dw = None
-        if need_w:
-            dw = torch.linalg.vecdot(dout, out).index_select(0, plan.inv_order).view(n, k)
-        del out
-        dout.mul_(w_sorted)  # dL/d(expert output)
-
-        silu_g = F.silu(g)
-        dh = torch.empty_like(g)
-        d_down = torch.empty_like(down_proj) if need_d else None
-        h = silu_g * u if need_d else torch.empty_like(g)
-        for e, a, b in plan.slices:
-            torch.mm(dout[a:b], down_proj[e], out=dh[a:b])
-            if need_d:
-                torch.mm(dout[a:b].t(), h[a:b], out=d_down[e])
-        du = torch.mul(dh, silu_g, out=h)  # reuse h's buffer
-        dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(u), g, grad_input=silu_g)  # reuse silu_g's
-
+        # dL/d(weighted output) of every sorted slot; each expert's slice is overwritten by its dL/dx
+        dxs = dy.index_select(0, plan.token_idx)
+        dw_sorted = dxs.new_empty(dxs.shape[0]) if need_w else None
         d_gate = torch.empty_like(gate_proj) if need_g else None
         d_up = torch.empty_like(up_proj) if need_u else None
-        if need_g or need_u:
-            xs = torch.index_select(x, 0, plan.token_idx, out=dout)  # dout is dead: reuse its buffer
-            for e, a, b in plan.slices:
+        d_down = torch.empty_like(down_proj) if need_d else None
+        for e, a, b in plan.slices:
+            do = dxs[a:b]
+            if need_w:
+                torch.linalg.vecdot(do, out[a:b], out=dw_sorted[a:b])
+            do.mul_(w_sorted[a:b])  # dL/d(expert output)
+            ge, ue = g[a:b], u[a:b]
+            silu_g = F.silu(ge)
+            h = silu_g * ue
+            dh = torch.mm(do, down_proj[e])
+            if need_d:
+                torch.mm(do.t(), h, out=d_down[e])
+            du = torch.mul(dh, silu_g, out=h)
+            dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(ue), ge, grad_input=silu_g)
+            if need_g or need_u:
+                xe = x.index_select(0, plan.token_idx[a:b])
                 if need_g:
-                    torch.mm(dg[a:b].t(), xs[a:b], out=d_gate[e])
+                    torch.mm(dg.t(), xe, out=d_gate[e])
                 if need_u:
-                    torch.mm(du[a:b].t(), xs[a:b], out=d_up[e])
-            del xs
+                    torch.mm(du.t(), xe, out=d_up[e])
+            if need_x:
+                torch.mm(dg, gate_proj[e], out=do).addmm_(du, up_proj[e])
+        for grad in (d_gate, d_up, d_down):
+            if grad is not None and plan.empty:
+                grad[plan.empty] = 0
+        dw = dw_sorted.index_select(0, plan.inv_order).view(n, k) if need_w else None
         dx = None
         if need_x:
-            dxs = dout  # the gathered inputs are dead too
-            for e, a, b in plan.slices:
-                torch.mm(dg[a:b], gate_proj[e], out=dxs[a:b])
-                dxs[a:b].addmm_(du[a:b], up_proj[e])
             inv = plan.inv_order.view(n, k)
             dx = dxs.index_select(0, inv[:, 0])
             if k > 1:
                 tmp = torch.empty_like(dx)
                 for j in range(1, k):
                     dx.add_(torch.index_select(dxs, 0, inv[:, j], out=tmp))
-        for grad in (d_gate, d_up, d_down):
-            if grad is not None and plan.empty:
-                grad[plan.empty] = 0
         return dx, dw, d_gate, d_up, d_down, None
 
 

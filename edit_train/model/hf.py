@@ -1,0 +1,530 @@
+"""Hugging Face interop: our :class:`CausalLM` <-> a BailingMoe (Ling) checkpoint directory.
+
+A BailingMoe directory holds ``config.json`` (``architectures: ["BailingMoeForCausalLM"]``, ``model_type:
+"bailing_moe"``) and ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``). Loaders
+that read it: vLLM / SGLang natively, ``transformers`` with Ling's ``modeling_bailing_moe.py``
+(``trust_remote_code``).
+
+Name mapping (ours -> BailingMoe); every tensor keeps its layout except the routed experts, which we store
+stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) and BailingMoe stores as one
+``nn.Linear`` per expert (weight ``[out, in]``: ``[I, H]`` and ``[H, I]``), so expert ``e`` is slice ``e``::
+
+    word_embeddings.weight                        model.word_embeddings.weight
+    layers.{i}.input_layernorm.weight             model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.query_key_value.weight   model.layers.{i}.attention.query_key_value.weight (q, k, v rows)
+    layers.{i}.attention.dense.weight             model.layers.{i}.attention.dense.weight
+    layers.{i}.post_attention_layernorm.weight    model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.mlp.{gate,up,down}_proj.weight     model.layers.{i}.mlp.{gate,up,down}_proj.weight   (dense layers)
+    layers.{i}.mlp.gate.weight                    model.layers.{i}.mlp.gate.weight                  (router)
+    layers.{i}.mlp.experts.{gate,up,down}_proj[e] model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight
+    layers.{i}.mlp.shared_experts.{..}_proj.weight model.layers.{i}.mlp.shared_experts.{..}_proj.weight
+    norm.weight                                   model.norm.weight
+    lm_head.weight                                lm_head.weight (absent when tie_word_embeddings)
+
+``lm_head.weight`` is exported raw (not column-normalised): with ``norm_head`` BailingMoe normalises it in
+its forward, exactly as our ``NormHead`` does.
+
+Nothing here unpickles: tensors are read with ``safetensors`` and metadata with ``json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from edit_train.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "BailingMoeForCausalLM"
+MODEL_TYPE = "bailing_moe"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+
+#: ModelConfig fields that are also BailingMoe config.json keys (same name, same meaning).
+HF_FIELDS: tuple[str, ...] = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "num_experts", "num_shared_experts", "num_experts_per_tok", "moe_intermediate_size", "intermediate_size",
+    "first_k_dense_replace", "norm_topk_prob", "norm_head", "rope_theta", "rms_norm_eps",
+    "max_position_embeddings", "tie_word_embeddings", "initializer_range",
+)
+#: Fields that change the weights' shapes or the forward math: a loaded directory must agree on them.
+#: (``max_position_embeddings`` and ``initializer_range`` do neither for our model.)
+ARCH_FIELDS: tuple[str, ...] = tuple(f for f in HF_FIELDS if f not in ("max_position_embeddings",
+                                                                       "initializer_range"))
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+# ---------------------------------------------------------------------------------------------- config
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"unsupported export dtype {dtype}; use one of {', '.join(_DTYPES)}")
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"float32"`` / ``"bfloat16"`` / ``"float16"`` (or ``"fp32"``, ``"bf16"``, ``"fp16"``) -> torch dtype."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    alias = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+    key = alias.get(str(name).lower(), str(name).lower())
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[key]
+
+
+def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_token_id: int | None = None,
+                 bos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
+    """The BailingMoe ``config.json`` of a model config.
+
+    BailingMoe builds an MoE block when ``num_experts is not None`` and shared experts when
+    ``num_shared_experts is not None``, so our ``0`` ("none") is written as ``null``. Every BailingMoe key whose
+    default would change the model (biases, dropouts, eps, pad id) is written explicitly.
+    """
+    cfg.validate()
+    for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id),
+                      ("pad_token_id", pad_token_id)):
+        if tid is not None and not 0 <= tid < cfg.vocab_size:
+            raise ValueError(f"{name}={tid} is outside the vocabulary (vocab_size={cfg.vocab_size})")
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        **{f: getattr(cfg, f) for f in HF_FIELDS},
+        "hidden_act": "silu",
+        "use_bias": False,
+        "use_qkv_bias": False,
+        "embedding_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "output_dropout": 0.0,
+        "rope_scaling": None,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "max_window_layers": cfg.num_hidden_layers,
+        "output_router_logits": False,
+        # explicit null: BailingMoe's default pad id (126081) would not even fit a small vocabulary, and a pad
+        # id that equals eos would freeze the eos embedding row (nn.Embedding padding_idx) when fine-tuning
+        "pad_token_id": pad_token_id,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": dtype_name(dtype),
+    }
+    if cfg.num_experts == 0:
+        d["num_experts"] = None
+    if cfg.num_shared_experts == 0:
+        d["num_shared_experts"] = None
+    return d
+
+
+def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG_NAME) -> ModelConfig:
+    """A :class:`ModelConfig` from a BailingMoe ``config.json`` dict (unknown keys ignored; training-only
+    fields keep their defaults). ``source`` names the file in error messages."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    archs = d.get("architectures")
+    if d.get("model_type") != MODEL_TYPE or (archs is not None and ARCHITECTURE not in archs):
+        raise ValueError(f"{source}: not a BailingMoe config (model_type={d.get('model_type')!r}, "
+                         f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE}")
+    unsupported = {"hidden_act": ("silu", None), "use_bias": (False, None), "use_qkv_bias": (False, None),
+                   "rope_scaling": (None,), "use_qk_norm": (False, None)}
+    for key, ok in unsupported.items():
+        if key in d and d[key] not in ok:
+            raise ValueError(f"{source}: {key}={d[key]!r} is not supported by edit-train's model "
+                             f"(supported: {' or '.join(repr(v) for v in ok if v is not None)})")
+    defaults = ModelConfig()
+    kw: dict[str, Any] = {}
+    for f in HF_FIELDS:
+        if f in d and d[f] is not None:
+            kw[f] = d[f]
+    if "num_experts" in d and d["num_experts"] is None:
+        kw["num_experts"] = 0
+    if "num_shared_experts" in d and d["num_shared_experts"] is None:
+        kw["num_shared_experts"] = 0
+    if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
+        kw["head_dim"] = int(d["hidden_size"]) // int(d["num_attention_heads"])  # BailingMoe's fallback
+    for f, v in list(kw.items()):  # JSON numbers -> the dataclass field's type
+        want = type(getattr(defaults, f))
+        if want is bool and not isinstance(v, bool):
+            raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
+        if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
+        if want is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{source}: {f} must be a number, got {v!r}")
+            kw[f] = float(v)
+    cfg = dataclasses.replace(defaults, **kw)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    return cfg
+
+
+def read_hf_config(directory: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Any]]:
+    """``(ModelConfig, raw dict)`` of ``directory/config.json``; ValueError naming the file if unusable."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise ValueError(f"{path}: not found; expected a Hugging Face BailingMoe directory "
+                         f"(config.json + {WEIGHTS_NAME}), e.g. one written by edit-train-export")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: unreadable JSON ({exc})") from None
+    return from_hf_config(raw, path), raw
+
+
+def relevant_arch_fields(cfg: ModelConfig) -> list[str]:
+    """The :data:`ARCH_FIELDS` that matter for this config (MoE fields only if it has MoE layers, the dense
+    MLP width only if it has dense layers)."""
+    has_moe = cfg.num_experts > 0 and cfg.first_k_dense_replace < cfg.num_hidden_layers
+    has_dense = cfg.num_experts == 0 or cfg.first_k_dense_replace > 0
+    moe_only = {"num_experts_per_tok", "moe_intermediate_size", "num_shared_experts", "norm_topk_prob"}
+    out = []
+    for f in ARCH_FIELDS:
+        if f in moe_only and not has_moe:
+            continue
+        if f == "intermediate_size" and not has_dense:
+            continue
+        if f == "first_k_dense_replace" and cfg.num_experts == 0:
+            continue
+        out.append(f)
+    return out
+
+
+def check_same_architecture(ours: ModelConfig, theirs: ModelConfig, source: str | os.PathLike[str]) -> None:
+    """ValueError naming the first architecture field on which ``theirs`` (read from ``source``) differs."""
+    fields = relevant_arch_fields(ours)
+    if (ours.num_experts > 0) != (theirs.num_experts > 0):
+        fields = ["num_experts", *fields]
+    for f in fields:
+        a, b = getattr(ours, f), getattr(theirs, f)
+        if a != b:
+            raise ValueError(f"{source}: {f}={b!r} there but model.{f}={a!r} in this model; set model.{f}={b!r} "
+                             f"(or pick the matching model preset) to load these weights")
+
+
+# ----------------------------------------------------------------------------------------- state dicts
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our parameter names (in ``named_parameters`` order, a tied head once) and full shapes.
+
+    Written out from ``transformer.py`` / ``moe.py`` rather than read off a meta-device model: the first
+    ``normal_`` on a meta tensor imports torch's reference decompositions (seconds). ``tests/test_hf.py``
+    pins this against ``CausalLM(cfg).named_parameters()``.
+    """
+    h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    shapes: dict[str, tuple[int, ...]] = {"word_embeddings.weight": (v, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "attention.query_key_value.weight"] = ((nq + 2 * nkv) * hd, h)
+        shapes[p + "attention.dense.weight"] = (h, nq * hd)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.num_experts > 0 and i >= cfg.first_k_dense_replace:
+            e, m = cfg.num_experts, cfg.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_proj"] = (e, m, h)
+            shapes[p + "mlp.experts.up_proj"] = (e, m, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, m)
+            mlps = [("mlp.shared_experts.", cfg.num_shared_experts * m)] if cfg.num_shared_experts > 0 else []
+        else:
+            mlps = [("mlp.", cfg.intermediate_size)]
+        for prefix, width in mlps:
+            shapes[p + prefix + "gate_proj.weight"] = (width, h)
+            shapes[p + prefix + "up_proj.weight"] = (width, h)
+            shapes[p + prefix + "down_proj.weight"] = (h, width)
+    shapes["norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def _hf_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """BailingMoe name(s) and shape(s) of one of our parameters."""
+    m = _EXPERT_RE.match(name)
+    if m:
+        i, proj = m.groups()
+        return [(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", tuple(shape[1:])) for e in range(shape[0])]
+    if name == "lm_head.weight":
+        return [(name, shape)]
+    return [(f"model.{name}", shape)]
+
+
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The BailingMoe tensor names and shapes an export of ``cfg`` holds."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in param_shapes(cfg).items():
+        out.update(_hf_names(name, shape))
+    return out
+
+
+def _check_keys(got: Mapping[str, torch.Tensor], want: Mapping[str, tuple[int, ...]], what: str,
+                allowed_extra: frozenset[str] | set[str] = frozenset()) -> None:
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want and k not in allowed_extra]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:4])})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:4])})")
+        raise ValueError(f"{what}: {'; '.join(parts)} — written for a different model config?")
+    for k, shape in want.items():
+        if tuple(got[k].shape) != tuple(shape):
+            raise ValueError(f"{what}: {k} has shape {tuple(got[k].shape)}, the model config needs {tuple(shape)}")
+
+
+def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Our full (unsharded) parameters -> BailingMoe names. ``state`` holds ``named_parameters`` names
+    (``model.state_dict()`` works too: a tied ``lm_head.weight`` is dropped). Contiguous, owning tensors
+    (expert slices are cloned), optionally cast to ``dtype``."""
+    want = param_shapes(cfg)
+    extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    _check_keys(state, want, "model state", extra)
+    out: dict[str, torch.Tensor] = {}
+    for name in want:
+        t = state[name].detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        m = _EXPERT_RE.match(name)
+        if m:
+            i, proj = m.groups()
+            for e in range(t.shape[0]):
+                out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = t[e].clone(memory_format=torch.contiguous_format)
+        else:
+            (hf_name, _), = _hf_names(name, t.shape)
+            out[hf_name] = t.contiguous()
+    return out
+
+
+def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig,
+                       source: str | os.PathLike[str] = "state dict") -> dict[str, torch.Tensor]:
+    """The exact inverse of :func:`to_hf_state_dict`: BailingMoe names -> our parameter names (experts
+    stacked). With ``tie_word_embeddings`` a stray ``lm_head.weight`` is accepted and ignored."""
+    want = hf_param_shapes(cfg)
+    extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    _check_keys(hf, want, str(source), extra)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in param_shapes(cfg).items():
+        m = _EXPERT_RE.match(name)
+        if m:
+            i, proj = m.groups()
+            out[name] = torch.stack([hf[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] for e in range(shape[0])])
+        else:
+            (hf_name, _), = _hf_names(name, shape)
+            out[name] = hf[hf_name]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ export
+def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = {}
+    for n, p in model.named_parameters():
+        if hasattr(p, "full_tensor") or hasattr(p, "to_local"):
+            raise ValueError(f"parameter {n!r} is sharded (DTensor); export a plain model, or gather a checkpoint "
+                             f"with gather_checkpoint()")
+        state[n] = p.detach().cpu()
+    return state
+
+
+def export_hf(model_or_state: nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig | None,
+              out_dir: str | os.PathLike[str], *, dtype: torch.dtype | str | None = torch.float32,
+              eos_token_id: int | None = None, bos_token_id: int | None = None, overwrite: bool = False,
+              extra_files: Mapping[str, str | os.PathLike[str]] | None = None,
+              metadata: Mapping[str, str] | None = None) -> Path:
+    """Write a BailingMoe directory: ``config.json``, ``model.safetensors`` and, when ``eos_token_id`` is
+    known, ``generation_config.json`` (plus ``extra_files``: name -> source path, e.g. a ``tokenizer.json``).
+
+    Atomic: everything is written into a temporary sibling directory which is then renamed into place, so
+    ``out_dir`` is either absent/untouched or complete. An existing non-empty ``out_dir`` is refused unless
+    ``overwrite``. ``cfg`` may be ``None`` when a ``CausalLM`` is passed (its ``config`` is used).
+    """
+    if isinstance(model_or_state, nn.Module):
+        cfg = cfg if cfg is not None else getattr(model_or_state, "config", None)
+        state = _full_state(model_or_state)
+    else:
+        state = dict(model_or_state)
+    if cfg is None:
+        raise ValueError("export_hf: a ModelConfig is needed with a plain state dict")
+    dtype = parse_dtype(dtype) or torch.float32
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out}: directory exists and is not empty; choose a new output directory or overwrite it")
+
+    tensors = {k: v.cpu() for k, v in to_hf_state_dict(state, cfg, dtype).items()}
+    hf_cfg = to_hf_config(cfg, dtype, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+    if cfg.tie_word_embeddings and cfg.norm_head:
+        log.warning("export: tie_word_embeddings with norm_head: BailingMoe's eval-mode head normalises "
+                    "lm_head.weight in place, which also rewrites the tied embeddings")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **dict(metadata or {})})
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        if eos_token_id is not None:
+            gen = {"_from_model_config": True, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+                   "pad_token_id": eos_token_id}
+            (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(gen, indent=2) + "\n")
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
+        for f in tmp.iterdir():
+            _fsync(f)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out.is_dir():
+            if any(out.iterdir()):  # overwrite: move the old one aside, swap, then delete it
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+                os.replace(out, old / out.name)
+                os.replace(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                out.rmdir()
+                os.replace(tmp, out)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -------------------------------------------------------------------------------------------- load
+def _read_safetensors(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if names is None or k in names}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types; nothing else is parsed
+        raise ValueError(f"{path}: not a valid safetensors file ({str(exc).strip() or type(exc).__name__})") from None
+
+
+def read_hf_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Path]:
+    """All tensors of ``model.safetensors`` (or of the shards named by ``model.safetensors.index.json``)."""
+    d = Path(directory)
+    single, index = d / WEIGHTS_NAME, d / WEIGHTS_INDEX_NAME
+    if single.is_file():
+        return _read_safetensors(single), single
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: unreadable index ({exc})") from None
+        tensors: dict[str, torch.Tensor] = {}
+        by_file: dict[str, set[str]] = {}
+        for k, f in weight_map.items():
+            by_file.setdefault(f, set()).add(k)
+        for f, keys in by_file.items():
+            if "/" in f or "\\" in f or f.startswith("."):
+                raise ValueError(f"{index}: shard name {f!r} must be a file in {d}")
+            if not (d / f).is_file():
+                raise ValueError(f"{d / f}: listed in {index.name} but missing")
+            tensors.update(_read_safetensors(d / f, keys))
+        return tensors, index
+    raise ValueError(f"{single}: not found (nor {index.name}); expected a Hugging Face BailingMoe directory")
+
+
+@torch.no_grad()
+def load_hf_into(model: nn.Module, directory: str | os.PathLike[str]) -> None:
+    """Copy the weights of a BailingMoe directory into a plain (not yet sharded) ``CausalLM``.
+
+    ``config.json`` must agree with ``model.config`` on every architecture field (ValueError naming the field
+    and the file otherwise); tensors are cast to each parameter's dtype and device.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a directory; model.init_from must name a Hugging Face BailingMoe directory")
+    ours: ModelConfig = model.config  # type: ignore[assignment]
+    theirs, _ = read_hf_config(d)
+    check_same_architecture(ours, theirs, d / CONFIG_NAME)
+    hf, src = read_hf_weights(d)
+    state = from_hf_state_dict(hf, ours, src)
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        p = params[name]
+        if hasattr(p, "to_local"):
+            raise ValueError(f"load_hf_into: parameter {name!r} is already sharded (DTensor); "
+                             f"load the weights before parallelize()")
+        p.copy_(value.to(device=p.device, dtype=p.dtype))
+    log.info("loaded %d tensors from %s", len(hf), src)
+
+
+# ------------------------------------------------------------------------------- checkpoint gathering
+def _model_config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def gather_checkpoint(step_dir: str | os.PathLike[str], group: int = 0) -> tuple[dict[str, torch.Tensor], ModelConfig]:
+    """The full parameters of worker group ``group`` from a checkpoint directory ``step_NNNNNNNN/``.
+
+    Each rank's ``rank{r}-model.safetensors`` holds its FSDP2 shard of every parameter (``param/<name>``, split
+    along dim 0 with ``torch.chunk`` semantics); group ``g``'s ranks are ``g*S .. g*S+S-1`` (``S`` =
+    ``cluster.shard_size`` from ``rank{r}-state.json``'s config), so concatenating their shards in rank order
+    rebuilds the group's replica. Checkpoints are taken at sync boundaries (the trainer flushes the algorithm
+    first, and at the end after its final sync), where every group's parameters equal the anchor, i.e. the
+    global model; the outer state (anchors, momentum) is therefore not needed. Does not verify checksums
+    (``CheckpointManager.verify`` does).
+    """
+    d = Path(step_dir)
+    if not d.is_dir():
+        raise ValueError(f"{d}: not a checkpoint directory")
+    state_files = sorted(d.glob("rank*-state.json"))
+    if not state_files:
+        raise ValueError(f"{d}: no rank*-state.json; not an edit-train checkpoint directory (step_NNNNNNNN)")
+    state_path = d / "rank0-state.json" if (d / "rank0-state.json").is_file() else state_files[0]
+    try:
+        run_cfg = json.loads(state_path.read_text())["config"]
+        model_cfg = _model_config_from_dict(run_cfg["model"])
+        groups = int(run_cfg["cluster"]["groups"])
+        shard = int(run_cfg["cluster"]["shard_size"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"{state_path}: unreadable or without config.model / config.cluster ({exc!r})") from None
+    if not 0 <= group < groups:
+        raise ValueError(f"group {group} is out of range: {d} was written by {groups} group(s)")
+    shapes = param_shapes(model_cfg)
+    pieces: dict[str, list[torch.Tensor]] = {n: [] for n in shapes}
+    for r in range(group * shard, (group + 1) * shard):
+        path = d / f"rank{r}-model.safetensors"
+        if not path.is_file():
+            raise ValueError(f"{path}: missing (the checkpoint was written by {groups}x{shard} ranks)")
+        tensors = _read_safetensors(path)
+        for n in shapes:
+            key = f"param/{n}"
+            if key not in tensors:
+                raise ValueError(f"{path}: no tensor {key!r} (written for a different model?)")
+            pieces[n].append(tensors[key])
+    full: dict[str, torch.Tensor] = {}
+    for n, shape in shapes.items():
+        t = pieces[n][0] if len(pieces[n]) == 1 else torch.cat(pieces[n], dim=0)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{d}: parameter {n!r} gathers to shape {tuple(t.shape)} over ranks "
+                             f"{group * shard}..{(group + 1) * shard - 1}, the model config needs {tuple(shape)}")
+        full[n] = t
+    return full, model_cfg

@@ -1,0 +1,169 @@
+"""`edit-train-report`: plots + summary table from hand-written run directories (no training here).
+
+Three synthetic runs: a 2-group EDiT run with one anomalous sync, a DDP run (no sync events) and a
+crashed single-group run (no summary.json, no evals)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from edit_train.cli.report import main
+from edit_train.report import PLOTS, human_bytes, load_run, make_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(path: Path, events: list[dict], summary: dict | None, config: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    if config is not None:
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _train_events(groups: int, steps: int, every: int = 4, tokens_per_step: int = 128) -> list[dict]:
+    out = []
+    for step in range(every, steps + 1, every):
+        for g in range(groups):
+            out.append({"event": "train", "step": step, "group": g, "loss": 5.0 - 0.05 * step + 0.1 * g,
+                        "lr": 1e-3, "tokens": step * tokens_per_step, "tokens_per_s": 900.0 + 50 * g,
+                        "wall": 0.1 * step + 0.01 * g})
+            out.append({"event": "moe", "step": step, "group": g,
+                        "expert_load": [[10 + step, 5, 0, 7], [3, 3, 3, 3 + g]], "aux_loss": 0.01, "z_loss": 0.001})
+    return out
+
+
+def _evals(steps: int, every: int = 8, groups: int = 2) -> list[dict]:
+    return [{"event": "eval", "step": s, "val_loss": 6.0 - 0.1 * s, "val_ppl": math.exp(6.0 - 0.1 * s),
+             "tokens": s * 128 * groups, "wall": 0.1 * s + 0.05} for s in range(0, steps + 1, every)]
+
+
+def _per_group(tokens: int, syncs: int, anomalies: int, nbytes: int, blocked: float, wall: float,
+               local_steps: list[int]) -> dict:
+    return {"tokens": tokens, "steps": 24, "tokens_per_s": tokens / wall, "syncs": syncs, "anomalies": anomalies,
+            "cross_group_bytes": nbytes, "blocked_s": blocked, "blocked_frac": blocked / wall,
+            "local_steps": local_steps}
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> dict[str, Path]:
+    steps, wall = 24, 2.5
+    edit_events = [*_evals(steps), *_train_events(2, steps)]
+    for k, step in enumerate((8, 16, 24), start=1):
+        for g in range(2):
+            bad = (k == 2 and g == 1)
+            edit_events.append({"event": "sync", "sync": k, "step": step, "group": g, "local_steps": 8,
+                                "pseudo_grad_norm": 9.0 if bad else 1.0, "weight": 0.0 if bad else 0.5,
+                                "anomalous": bad, "anomalous_modules": ["layers.0"] if bad else [],
+                                "clip_coef": 1.0, "bytes": 1000, "blocked_s": 0.05})
+    edit_summary = {"algo": "edit", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": wall,
+                    "tokens_per_s": 2 * steps * 128 / wall, "final_val_loss": 3.6, "initial_val_loss": 6.0,
+                    "cross_group_bytes": 6000, "syncs": 3, "anomalies": 1, "blocked_s": 0.15,
+                    "per_group": {str(g): _per_group(steps * 128, 3, int(g == 1), 3000, 0.15, wall, [8, 8, 8])
+                                  for g in range(2)}}
+    ddp_summary = {"algo": "ddp", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": 3.0,
+                   "tokens_per_s": 2 * steps * 128 / 3.0, "final_val_loss": 3.5, "initial_val_loss": 6.0,
+                   "cross_group_bytes": 5 * 2**30, "syncs": 0, "anomalies": 0, "blocked_s": 0.9,
+                   "per_group": {str(g): _per_group(steps * 128, 0, 0, 5 * 2**29, 0.9 - 0.1 * g, 3.0, [])
+                                 for g in range(2)}}
+    crashed_events = _train_events(1, 12)[:-1] + ['{"event":"train","step":16,"gro']  # torn last line
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text(
+        "".join((e if isinstance(e, str) else json.dumps(e) + "\n") for e in crashed_events))
+    (crashed / "config.json").write_text(json.dumps({"algo": {"name": "diloco"}}))
+    return {
+        "edit": _write_run(tmp_path / "edit", edit_events, edit_summary),
+        "ddp": _write_run(tmp_path / "ddp", [*_evals(steps), *_train_events(2, steps)], ddp_summary),
+        "crashed": crashed,
+    }
+
+
+def _assert_pngs(out: Path) -> None:
+    from matplotlib.image import imread
+
+    for name in PLOTS:
+        path = out / name
+        assert path.is_file(), f"{name} missing"
+        assert path.read_bytes()[:8] == PNG_MAGIC, name
+        assert path.stat().st_size > 10_000, f"{name} suspiciously small ({path.stat().st_size} B)"
+        image = imread(path)
+        assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 300, (name, image.shape)
+        assert image.std() > 0.01, f"{name} is blank"
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """Data rows of the first Markdown table in `text` (header and rule skipped)."""
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_report_on_three_runs(runs, tmp_path, capsys):
+    out = tmp_path / "out"
+    main([str(runs["edit"]), str(runs["ddp"]), str(runs["crashed"]), "--out", str(out)])
+    _assert_pngs(out)
+
+    md = (out / "summary.md").read_text()
+    rows = _table_rows(md)
+    assert [r[0] for r in rows] == ["edit", "ddp", "crashed (incomplete)"]
+    by_run = {r[0]: r for r in rows}
+    # run, algo, steps, tokens, wall_s, tokens/s, final val loss, cross-group bytes, syncs, anomalies, blocked %
+    assert by_run["edit"][1:] == ["edit", "24", "6,144", "2.5", "2,458", "3.600", "5.9 KiB", "3", "1", "6.0%"]
+    assert by_run["ddp"][1] == "ddp" and by_run["ddp"][7] == "5.0 GiB" and by_run["ddp"][8] == "0"
+    crashed = by_run["crashed (incomplete)"]
+    assert crashed[1] == "diloco"  # from config.json
+    assert crashed[2] == "12"  # the torn last line is skipped
+    assert crashed[6] == "n/a" and crashed[7] == "n/a"  # no evals; bytes unknown without sync events
+    assert "incomplete" in md and "no summary.json" in md
+
+    printed = capsys.readouterr().out
+    assert _table_rows(printed) == rows  # the same table on stdout
+
+
+def test_default_out_dirs(runs, tmp_path, monkeypatch, capsys):
+    main([str(runs["ddp"])])  # one run → RUN_DIR/report
+    assert len(_table_rows((runs["ddp"] / "report" / "summary.md").read_text())) == 1
+    _assert_pngs(runs["ddp"] / "report")
+    monkeypatch.chdir(tmp_path)
+    main([str(runs["edit"]), str(runs["crashed"])])  # several → ./report
+    assert len(_table_rows((tmp_path / "report" / "summary.md").read_text())) == 2
+
+
+def test_anomalous_sync_is_found_per_group(runs):
+    run = load_run(runs["edit"])
+    flagged = [(e["sync"], e["group"], e["step"]) for e in run.syncs() if e["anomalous"]]
+    assert flagged == [(2, 1, 16)]
+    assert load_run(runs["crashed"]).stats()["per_group"][0]["tokens_per_s"] > 0
+
+
+def test_empty_metrics_still_reports(tmp_path):
+    """A run that died before its first event: every plot exists (saying there is no data), one row."""
+    _write_run(tmp_path / "empty", [], None)
+    report = make_report([tmp_path / "empty"], tmp_path / "out")
+    assert all(p.is_file() for p in report.plots)
+    assert len(_table_rows(report.table + "\n")) == 1
+
+
+@pytest.mark.parametrize("make", ["missing", "plain_dir"])
+def test_not_a_run_dir_is_one_line_exit_2(runs, tmp_path, capsys, make):
+    bad = tmp_path / "nope"
+    if make == "plain_dir":
+        bad.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main([str(runs["edit"]), str(bad), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {bad}: no metrics.jsonl (is it a run.dir?)"]
+    assert not (tmp_path / "out").exists()  # checked before anything is written
+
+
+def test_human_bytes():
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(112469376) == "107.3 MiB"
+    assert human_bytes(None) == "n/a"
