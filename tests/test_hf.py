@@ -106,6 +106,14 @@ def test_from_hf_config_rejects_other_models():
     with pytest.raises(ValueError, match=r"use_qkv_bias"):
         from_hf_config({**d, "use_qkv_bias": True})
     assert from_hf_config({**d, "some_future_key": 1, "head_dim": None}).head_dim == 128 // 4  # unknown ignored
+    # a key left out means BailingMoeConfig's default, not ours
+    sparse = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "norm_head", "first_k_dense_replace")}
+    got = from_hf_config(sparse)
+    assert (got.rms_norm_eps, got.norm_head, got.first_k_dense_replace) == (1e-5, False, 0)
+    with pytest.raises(ValueError, match=r"use_bias=True \(BailingMoe's default"):
+        from_hf_config({k: v for k, v in d.items() if k != "use_bias"})
+    with pytest.raises(ValueError, match=r"x/config\.json: num_key_value_heads must be an integer"):
+        from_hf_config({**d, "num_key_value_heads": "2"}, "x/config.json")
 
 
 # ------------------------------------------------------------------------------------- state dicts
@@ -362,7 +370,7 @@ def test_export_cli_user_errors(tiny_run, tmp_path, capsys, case):
     elif case == "not_empty":
         out.mkdir()
         (out / "x").write_text("keep me")
-        want = "not empty"
+        want = "--overwrite"
     elif case == "no_checkpoint":
         run = tmp_path / "empty_run"
         run.mkdir()

@@ -416,3 +416,22 @@ def test_ling_presets_match_published_sizes():
 def test_unknown_preset_lists_available():
     with pytest.raises(ValueError, match="tiny"):
         load_preset("nope")
+
+
+def test_tiny_model_overfits_one_batch():
+    torch.manual_seed(13)
+    model = CausalLM(tiny(num_hidden_layers=2, routing_warmup_steps=3))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.randint(0, 320, (4, 16))
+    losses = []
+    for step in range(12):
+        model.set_step(step)
+        out = model(ids, ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.ce_loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    model.eval()
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids).logits).all()

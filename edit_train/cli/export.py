@@ -93,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         from edit_train.model.hf import export_hf, gather_checkpoint, parse_dtype
 
+        out_dir = Path(args.out_dir)
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.overwrite:
+            raise ValueError(f"{out_dir}: exists and is not an empty directory; choose a new OUT_DIR or pass "
+                             f"--overwrite")
         step_dir = resolve_step_dir(Path(args.source), args.step)
         state, model_cfg = gather_checkpoint(step_dir, args.group)
         run_state = json.loads((step_dir / "rank0-state.json").read_text()) \

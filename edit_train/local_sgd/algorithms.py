@@ -45,7 +45,8 @@ class LocalSGDConfig:
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
     total_steps: int = 0  # step schedule: every group stops here; time schedule: first group to reach it ends the run
-    time_budget_s: float = 0.0  # stop at the first exchange after this many seconds (0 = off)
+    time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
+    eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
 
 
 def build_units(model: nn.Module, unit_modules: list[nn.Module]) -> list[Unit]:
@@ -78,7 +79,9 @@ class LocalSGD:
         self.is_group_leader = is_group_leader
         self.schedule = StepSchedule(cfg.schedule)
         self.planner = TimePlanner(cfg.schedule, comm.num_groups) if cfg.schedule.kind == "time" else None
-        self.planned = cfg.schedule.interval  # local steps this group takes before its next sync
+        # local steps this group takes before its next sync; a time schedule's first interval is planned
+        # from this group's own step times (nothing has been exchanged yet): sync once τ has been spent
+        self.planned = cfg.schedule.interval if self.planner is None else 0
         self.timer = StepTimer()
         self.units = build_units(model, unit_modules)
         self.sync_index = 0
@@ -93,6 +96,8 @@ class LocalSGD:
         self.stopped = False  # every group agreed to stop (time schedule / time budget)
         self._t0 = time.time()
         self._blocked_mark = 0.0
+        self._last_exchange_t = self._t0
+        self.eval_due = False  # set when the agreed global step crosses a multiple of cfg.eval_every
         self.engine: SyncEngine | None = None
         self.overlap: OverlapSync | None = None
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
@@ -117,7 +122,11 @@ class LocalSGD:
         return not (self.cfg.local_sgd and self.cfg.schedule.kind == "time")
 
     def _want_stop(self) -> bool:
-        over_budget = self.cfg.time_budget_s > 0 and time.time() - self._t0 >= self.cfg.time_budget_s
+        """This group's vote at an exchange. With a time budget, stop at the exchange nearest to it:
+        when half an interval more would already pass the budget."""
+        now = time.time()
+        interval_s = now - self._last_exchange_t
+        over_budget = self.cfg.time_budget_s > 0 and (now - self._t0) + 0.5 * interval_s >= self.cfg.time_budget_s
         return over_budget or (not self.lockstep and self.total_steps >= self.cfg.total_steps)
 
     def should_stop(self, step: int) -> bool:
@@ -135,6 +144,7 @@ class LocalSGD:
         if self.cfg.time_budget_s > 0:
             vote = torch.tensor([1.0 if self._want_stop() else 0.0], device=self.comm.device)
             grads.append(vote)
+            self._last_exchange_t = time.time()
         self.comm.all_reduce_(grads)
         if self.comm.active:
             for g in grads:
@@ -164,7 +174,8 @@ class LocalSGD:
         self.timer.record(max(seconds - (self.comm.blocked_s - self._blocked_mark), 1e-6))
         if self.overlap is not None and self.overlap.pending and self.overlap.poll():
             self._after_exchange(self.overlap.gathered_extra)
-        if self.local_steps >= self.planned:
+        first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
+        if (self.planned > 0 and self.local_steps >= self.planned) or first_timed:
             self.start_sync(step + 1)
         self._blocked_mark = self.comm.blocked_s
 
@@ -174,6 +185,7 @@ class LocalSGD:
         self.sync_index += 1
         self._sync_step = step
         extra = [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self._want_stop())]
+        self._last_exchange_t = time.time()
         self.local_steps = 0
         self.timer.reset()
         if self.overlap is not None:
@@ -189,7 +201,10 @@ class LocalSGD:
             return
         secs = gathered[:, 1].tolist()
         if not self.lockstep:
+            before = self.global_step
             self.global_step = int(gathered[:, 2].max().item())
+            every = self.cfg.eval_every
+            self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
         if gathered[:, 3].max().item() > 0:
             self.stopped = True
         if self.planner is not None:

@@ -68,6 +68,16 @@ HF_FIELDS: tuple[str, ...] = (
 ARCH_FIELDS: tuple[str, ...] = tuple(f for f in HF_FIELDS if f not in ("max_position_embeddings",
                                                                        "initializer_range"))
 
+#: BailingMoeConfig's constructor defaults (Ling's configuration_bailing_moe.py): what a key left out means.
+BAILING_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 30592, "hidden_size": 1024, "intermediate_size": None, "num_hidden_layers": 24,
+    "num_attention_heads": 16, "num_key_value_heads": 0, "hidden_act": "silu", "use_qkv_bias": False,
+    "use_bias": True, "rms_norm_eps": 1e-5, "norm_head": False, "tie_word_embeddings": False,
+    "initializer_range": 0.02, "max_position_embeddings": 16384, "rope_theta": 10000.0, "rope_scaling": None,
+    "num_experts": 16, "num_shared_experts": 0, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "moe_intermediate_size": None, "first_k_dense_replace": 0, "head_dim": None,
+}
+
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
 _HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -135,32 +145,32 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
 
 
 def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG_NAME) -> ModelConfig:
-    """A :class:`ModelConfig` from a BailingMoe ``config.json`` dict (unknown keys ignored; training-only
-    fields keep their defaults). ``source`` names the file in error messages."""
+    """A :class:`ModelConfig` from a BailingMoe ``config.json`` dict. Unknown keys are ignored, a key left out
+    takes BailingMoeConfig's default (not ours), training-only fields keep our defaults; features our model
+    lacks (biases, qk-norm, rope scaling, another activation) are refused. ``source`` names the file in
+    error messages."""
     if not isinstance(d, Mapping):
         raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
     archs = d.get("architectures")
     if d.get("model_type") != MODEL_TYPE or (archs is not None and ARCHITECTURE not in archs):
         raise ValueError(f"{source}: not a BailingMoe config (model_type={d.get('model_type')!r}, "
                          f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE}")
-    unsupported = {"hidden_act": ("silu", None), "use_bias": (False, None), "use_qkv_bias": (False, None),
+
+    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's default, not ours
+        return d[key] if key in d else BAILING_DEFAULTS.get(key)
+
+    unsupported = {"hidden_act": ("silu",), "use_bias": (False,), "use_qkv_bias": (False, None),
                    "rope_scaling": (None,), "use_qk_norm": (False, None)}
     for key, ok in unsupported.items():
-        if key in d and d[key] not in ok:
-            raise ValueError(f"{source}: {key}={d[key]!r} is not supported by edit-train's model "
+        if get(key) not in ok:
+            absent = "" if key in d else " (BailingMoe's default when the key is absent)"
+            raise ValueError(f"{source}: {key}={get(key)!r}{absent} is not supported by edit-train's model "
                              f"(supported: {' or '.join(repr(v) for v in ok if v is not None)})")
     defaults = ModelConfig()
-    kw: dict[str, Any] = {}
-    for f in HF_FIELDS:
-        if f in d and d[f] is not None:
-            kw[f] = d[f]
-    if "num_experts" in d and d["num_experts"] is None:
-        kw["num_experts"] = 0
-    if "num_shared_experts" in d and d["num_shared_experts"] is None:
-        kw["num_shared_experts"] = 0
-    if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
-        kw["head_dim"] = int(d["hidden_size"]) // int(d["num_attention_heads"])  # BailingMoe's fallback
-    for f, v in list(kw.items()):  # JSON numbers -> the dataclass field's type
+    kw: dict[str, Any] = {f: get(f) for f in HF_FIELDS}
+    for f, v in list(kw.items()):  # JSON values -> the dataclass field's type
+        if v is None:
+            continue
         want = type(getattr(defaults, f))
         if want is bool and not isinstance(v, bool):
             raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
@@ -170,6 +180,21 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{source}: {f} must be a number, got {v!r}")
             kw[f] = float(v)
+    for f in ("num_experts", "num_shared_experts"):  # null: no MoE block / no shared experts
+        kw[f] = 0 if kw[f] is None else kw[f]
+    if kw["head_dim"] is None and kw["hidden_size"] and kw["num_attention_heads"]:
+        kw["head_dim"] = int(kw["hidden_size"]) // int(kw["num_attention_heads"])  # BailingMoe's fallback
+    has_moe = bool(kw["num_experts"]) and (kw["first_k_dense_replace"] or 0) < (kw["num_hidden_layers"] or 0)
+    has_dense = not kw["num_experts"] or bool(kw["first_k_dense_replace"])
+    for f, needed in (("moe_intermediate_size", has_moe), ("intermediate_size", has_dense)):
+        if kw[f] is None:
+            if needed:
+                raise ValueError(f"{source}: {f} is missing or null but this model has "
+                                 f"{'MoE' if f.startswith('moe') else 'dense'} layers")
+            kw[f] = getattr(defaults, f)  # unused by this architecture
+    nulls = [f for f, v in kw.items() if v is None]
+    if nulls:
+        raise ValueError(f"{source}: {nulls[0]} is null; it needs a value")
     cfg = dataclasses.replace(defaults, **kw)
     try:
         cfg.validate()
@@ -309,7 +334,9 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
         if m:
             i, proj = m.groups()
             for e in range(t.shape[0]):
-                out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = t[e].clone(memory_format=torch.contiguous_format)
+                # a clone, not a view: safetensors refuses tensors that share storage
+                out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = t[e].clone(
+                    memory_format=torch.contiguous_format)
         else:
             (hf_name, _), = _hf_names(name, t.shape)
             out[hf_name] = t.contiguous()
@@ -370,7 +397,8 @@ def export_hf(model_or_state: nn.Module | Mapping[str, torch.Tensor], cfg: Model
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"{out}: directory exists and is not empty; choose a new output directory or overwrite it")
+        raise ValueError(f"{out}: directory exists and is not empty; choose a new output directory or pass "
+                         f"overwrite=True")
 
     tensors = {k: v.cpu() for k, v in to_hf_state_dict(state, cfg, dtype).items()}
     hf_cfg = to_hf_config(cfg, dtype, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
@@ -388,9 +416,11 @@ def export_hf(model_or_state: nn.Module | Mapping[str, torch.Tensor], cfg: Model
             (tmp / GENERATION_CONFIG_NAME).write_text(json.dumps(gen, indent=2) + "\n")
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
+        umask = _umask()  # mkdtemp / safetensors create 0700 / 0600: give the usual permissions
         for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
             _fsync(f)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        os.chmod(tmp, 0o777 & ~umask)
         if out.is_dir():
             if any(out.iterdir()):  # overwrite: move the old one aside, swap, then delete it
                 old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -406,6 +436,12 @@ def export_hf(model_or_state: nn.Module | Mapping[str, torch.Tensor], cfg: Model
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:

@@ -18,7 +18,7 @@ def local_sgd_config(cfg: Config) -> LocalSGDConfig:
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
-                          time_budget_s=cfg.train.time_budget_s)
+                          time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger) -> LocalSGD:

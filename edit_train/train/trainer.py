@@ -96,6 +96,10 @@ class Trainer:
             log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
+        if cfg.model.init_from:
+            from edit_train.model.hf import load_hf_into
+
+            load_hf_into(self.model, cfg.model.init_from)
         parallelize(self.model, topo)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
@@ -272,9 +276,10 @@ class Trainer:
         val_loss = init_val
         while not self.algo.should_stop(p.step):
             step = p.step
-            step_t0 = time.time()
+            step_t0, blocked0 = time.time(), self.algo.comm.blocked_s
             loss, applied = self.train_step(step)
-            self.slowdown.after_step(step, time.time() - step_t0)
+            # simulated slower hardware stretches compute only, not time spent waiting on other groups
+            self.slowdown.after_step(step, max(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0), 0.0))
             if not applied:
                 p.skipped_steps += 1
                 log.warning("group %d step %d: non-finite gradient, inner step skipped", topo.group_index, step)
@@ -294,9 +299,11 @@ class Trainer:
                     self._log_moe(p.step)
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
-            if t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
-                scope = "world" if self.algo.lockstep else "group"
-                self._log_eval(self.evaluate(scope), scope)
+            if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
+                self._log_eval(self.evaluate())
+            elif not self.algo.lockstep and self.algo.eval_due and not self.algo.should_stop(p.step):
+                self.algo.eval_due = False  # every group sees the same exchange, so every group evaluates
+                self._log_eval(self.evaluate())
             if (cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and self.algo.lockstep
                     and not self.algo.should_stop(p.step)):
                 self.algo.flush()
