@@ -22,6 +22,7 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     name: str = "demo"  # experiment name (W&B group)
+    max_restarts: int = 0  # local launcher: restart all workers this many times after a failure (resume=auto)
 
 
 @dataclass
@@ -184,6 +185,11 @@ def validate(cfg: Config) -> None:
     _need(str(cfg.resume).lower() in ("false", "true", "auto"), "resume",
           f"must be false or auto, got {cfg.resume!r}")
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every/keep", "must be >= 0 / >= 1")
+    _need(not (a.local_sgd and a.schedule == "step" and cfg.checkpoint.every)
+          or (cfg.checkpoint.every - a.warmup_steps) % a.interval == 0 and cfg.checkpoint.every > a.warmup_steps,
+          "checkpoint.every", f"{cfg.checkpoint.every} is not a sync boundary: checkpoints are taken where every "
+          f"group holds the anchor, so use warmup_steps + a multiple of algo.interval ({a.interval})")
+    _need(cfg.run.max_restarts >= 0, "run.max_restarts", "must be >= 0")
 
 
 def to_container(cfg: Any) -> dict[str, Any]:

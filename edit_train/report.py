@@ -519,7 +519,8 @@ def expert_shares(r: Run) -> tuple[np.ndarray | None, str]:
     last: dict[Any, dict[str, Any]] = {}
     for e in r.of("moe"):
         g = e.get("group", 0)
-        if isinstance(e.get("expert_load"), list) and (g not in last or _num(e.get("step")) >= _num(last[g].get("step"))):
+        newer = g not in last or _num(e.get("step")) >= _num(last[g].get("step"))
+        if isinstance(e.get("expert_load"), list) and newer:
             last[g] = e
     total: np.ndarray | None = None
     steps = []
@@ -559,7 +560,8 @@ def _ratio(row: np.ndarray) -> str:
         return "no tokens"
     if lo <= 0:
         return f"max/min ∞ ({int((row <= 0).sum())} idle)"
-    return f"max/min {hi / lo:.1f}×"
+    ratio = hi / lo
+    return f"max/min {ratio:.1f}×" if ratio < 100 else f"max/min {ratio:,.0f}×"
 
 
 def plot_expert_load(runs: list[Run], out: Path) -> Path:

@@ -50,7 +50,7 @@ def spawn_local(cfg: Any, world: int) -> dict[str, Any] | None:
     threads = max(1, (os.cpu_count() or 1) // world)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"edit-train-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=cfg.run.max_restarts,
                           monitor_interval=0.2, start_method="spawn")
     try:
         elastic_launch(launch, entrypoint=sys.executable)("-m", "edit_train.cli.worker", str(cfg_path))

@@ -3,7 +3,9 @@
 `faults` is a list of `{kind, group, start, end, ...}` (steps are 0-based, `end` exclusive):
 * `garbage_data` — the group trains on uniform random tokens;
 * `lr_spike`     — the group's inner LR is multiplied by `factor` (default 10);
-* `nan_grad`     — the group's gradients become NaN (tests the numerical-safety path).
+* `nan_grad`     — the group's gradients become NaN (tests the numerical-safety path);
+* `kill`         — the group's first rank SIGKILLs itself at the start of step `start` (once per run
+                   directory: a marker file keeps a restarted job from dying again).
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import os
+import signal
+from pathlib import Path
+
 import torch
 from torch import nn
 
-KINDS = ("garbage_data", "lr_spike", "nan_grad")
+KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill")
 
 
 class FaultError(ValueError):
@@ -57,14 +63,28 @@ def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
 class FaultInjector:
     """Applies the faults that concern this rank's group."""
 
-    def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234) -> None:
+    def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234,
+                 run_dir: str | Path | None = None, is_group_leader: bool = True) -> None:
         self.faults = [f for f in parse_faults(specs) if f.group == group]
         self.group = group
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.is_group_leader = is_group_leader
         self.vocab_size = vocab_size
         self._gen = torch.Generator().manual_seed(seed + group)
 
     def _active(self, kind: str, step: int) -> list[Fault]:
         return [f for f in self.faults if f.kind == kind and f.active(step, self.group)]
+
+    def maybe_kill(self, step: int) -> None:
+        """`kill` fault: SIGKILL this process (the group's first rank) at the start of `start`, once."""
+        for f in self.faults:
+            if f.kind != "kill" or step != f.start or not self.is_group_leader:
+                continue
+            marker = (self.run_dir or Path(".")) / f".fault-kill-g{f.group}-s{f.start}"
+            if marker.exists():
+                continue
+            marker.write_text("fired\n")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def lr_scale(self, step: int) -> float:
         scale = 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import logging
 import math
 import time
@@ -103,7 +104,8 @@ class Trainer:
         parallelize(self.model, topo)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
-        self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size)
+        self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size, run_dir=self.run_dir,
+                                    is_group_leader=topo.is_group_leader)
         self.slowdown = Slowdown(topo.group_index, list(cfg.cluster.slowdown), list(cfg.cluster.slowdown_schedule),
                                  topo.groups)
         self.progress = Progress()
@@ -111,7 +113,10 @@ class Trainer:
         # ---- output
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", topo.rank, topo.world_size,
                                       cfg.checkpoint.keep, barrier=self._barrier)
-        resume_from = self._find_resume() if str(cfg.resume).lower() in ("true", "auto") else None
+        # a worker restarted by torchrun / the local launcher (--max-restarts) always resumes
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        wants = str(cfg.resume).lower() in ("true", "auto") or restarted
+        resume_from = self._find_resume() if wants else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
         if cfg.logger.kind == "wandb" and topo.is_group_leader:
@@ -276,13 +281,16 @@ class Trainer:
         val_loss = init_val
         while not self.algo.should_stop(p.step):
             step = p.step
+            self.faults.maybe_kill(step)
             step_t0, blocked0 = time.time(), self.algo.comm.blocked_s
             loss, applied = self.train_step(step)
             # simulated slower hardware stretches compute only, not time spent waiting on other groups
             self.slowdown.after_step(step, max(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0), 0.0))
             if not applied:
                 p.skipped_steps += 1
-                log.warning("group %d step %d: non-finite gradient, inner step skipped", topo.group_index, step)
+                log.warning("group %d step %d: non-finite loss/gradient, inner step skipped", topo.group_index, step)
+                if topo.is_group_leader:
+                    self.metrics.log("skip", step=step + 1, group=topo.group_index, reason="non_finite", loss=loss)
             p.step += 1
             p.tokens += tokens_per_step
             window_tokens += tokens_per_step
