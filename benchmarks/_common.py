@@ -59,14 +59,22 @@ def edit_train_cmd() -> list[str]:
 
 
 def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: float | None = None,
-            verbose: bool = True) -> Job:
+            verbose: bool = True, reuse: bool = False) -> Job:
     """Run `edit-train <overrides> run.dir=<run_dir>` in a fresh `run_dir`; stdout+stderr go to
-    `<run_dir>/job.log`. Raises JobError (with the log's tail) if it fails or writes no summary."""
+    `<run_dir>/job.log`. Raises JobError (with the log's tail) if it fails or writes no summary.
+    `reuse=True` returns the run already in `run_dir` instead if it completed with the same overrides."""
     run_dir = Path(run_dir).resolve()
+    args = [*BASE_OVERRIDES, *overrides, f"run.dir={run_dir}"]
+    record = run_dir / "bench_job.json"
+    if reuse and record.exists() and (run_dir / "summary.json").exists():
+        rec = json.loads(record.read_text())
+        if rec.get("args") == args:
+            if verbose:
+                print(f"{name}: reusing the finished run in {run_dir}", flush=True)
+            return Job(name, run_dir, args, float(rec["wall_s"]), read_summary(run_dir), read_metrics(run_dir))
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    args = [*BASE_OVERRIDES, *overrides, f"run.dir={run_dir}"]
     cmd = edit_train_cmd() + args
     log_path = run_dir / "job.log"
     if verbose:
@@ -87,6 +95,7 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise JobError(f"{name}: edit-train failed (rc={rc}); log {log_path}:\n{tail}")
     job = Job(name, run_dir, list(args), wall, read_summary(run_dir), read_metrics(run_dir))
+    record.write_text(json.dumps({"args": args, "wall_s": wall}))
     if verbose:
         s = job.summary
         print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f}s, val loss "

@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse finished runs in --workdir that had exactly the same overrides")
     a = ap.parse_args(argv)
     a.steps = a.steps or (200 if a.quick else 800)
     a.interval = a.interval or (8 if a.quick else 16)
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     jobs: dict[str, C.Job] = {}
     for algo in a.algos:
-        jobs[algo] = C.run_job(algo, a.workdir / algo, overrides_for(algo, a), timeout=a.timeout)
+        jobs[algo] = C.run_job(algo, a.workdir / algo, overrides_for(algo, a), timeout=a.timeout,
+                               reuse=a.reuse)
     ddp = jobs["ddp"].summary
     rows = {name: row_for(job, ddp, a.interval) for name, job in jobs.items()}
     result = {

@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "penalty_faults.json")
     ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "penalty_faults.png")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse finished runs in --workdir that had exactly the same overrides")
     a = ap.parse_args(argv)
     a.steps = a.steps or (240 if a.quick else 800)
     a.interval = a.interval or (8 if a.quick else 16)
@@ -87,21 +89,34 @@ def common_overrides(a: argparse.Namespace) -> list[str]:
 
 
 def sync_table(job: C.Job, start: int, end: int) -> dict[str, Any]:
-    """Anomaly flags per group vs the syncs whose local steps overlap [start, end)."""
-    syncs = sorted(job.events("sync"), key=lambda e: (e["sync"], e["group"]))
-    g1 = [e for e in syncs if e["group"] == FAULT_GROUP]
+    """Anomaly flags per group vs the syncs whose local steps overlap [start, end).
+
+    `flagged_*` = group 1 had any module flagged; `specific_*` = group 1 had a module flagged that group 0
+    did not (flags shared by both groups come from the EWMA statistics, not from the fault)."""
+    by_sync: dict[int, dict[int, dict[str, Any]]] = {}
+    for e in job.events("sync"):
+        by_sync.setdefault(int(e["sync"]), {})[int(e["group"])] = e
+    g1 = [by_sync[k][FAULT_GROUP] for k in sorted(by_sync) if FAULT_GROUP in by_sync[k]]
     overlap = [e["sync"] for e in g1 if e["step"] - e["local_steps"] < end and e["step"] > start]
+
+    def mods(e: dict[str, Any] | None) -> set[str]:
+        return set(e.get("anomalous_modules", [])) if e and e.get("anomalous") else set()
+
     flagged = [e["sync"] for e in g1 if e["anomalous"]]
-    flagged_g0 = [e["sync"] for e in syncs if e["group"] != FAULT_GROUP and e["anomalous"]]
+    specific = [e["sync"] for e in g1 if mods(e) - mods(by_sync[e["sync"]].get(1 - FAULT_GROUP))]
+    flagged_g0 = [k for k in sorted(by_sync) if mods(by_sync[k].get(1 - FAULT_GROUP))]
     return {
         "overlapping_syncs": overlap,
         "overlapping_steps": [e["step"] for e in g1 if e["sync"] in overlap],
         "flagged_syncs_group1": flagged,
         "flagged_steps_group1": [e["step"] for e in g1 if e["anomalous"]],
+        "specific_syncs_group1": specific,
         "flagged_modules_group1": {str(e["sync"]): e.get("anomalous_modules", []) for e in g1 if e["anomalous"]},
+        "flagged_modules_group0": {str(k): sorted(mods(by_sync[k].get(1 - FAULT_GROUP))) for k in flagged_g0},
         "detected": sorted(set(flagged) & set(overlap)),
         "missed": sorted(set(overlap) - set(flagged)),
         "false_flags_group1": sorted(set(flagged) - set(overlap)),
+        "specific_outside_window": sorted(set(specific) - set(overlap)),
         "flagged_syncs_group0": flagged_g0,
         "recall": len(set(flagged) & set(overlap)) / max(len(overlap), 1),
         "group1_weight_in_window": [round(e["weight"], 4) for e in g1 if e["sync"] in overlap],
@@ -116,9 +131,15 @@ def plot(jobs: dict[str, C.Job], a: argparse.Namespace, path: Path) -> Path:
         steps, losses = job.eval_curve()
         ax.plot(steps[1:], losses[1:], marker="o", ms=3, color=colors[name], label=name)
     ax.axvspan(a.start, a.end, color="orange", alpha=0.2, label=f"{a.fault} on group {FAULT_GROUP}")
-    flagged = [e["step"] for e in jobs["faulty"].events("sync") if e["group"] == FAULT_GROUP and e["anomalous"]]
-    for i, s in enumerate(flagged):
-        ax.axvline(s, color="black", ls=":", lw=1, label="group 1 flagged anomalous" if i == 0 else None)
+    det = sync_table(jobs["faulty"], a.start, a.end)
+    specific = set(det["specific_syncs_group1"])
+    labelled: set[bool] = set()
+    for k, st in zip(det["flagged_syncs_group1"], det["flagged_steps_group1"]):
+        own = k in specific
+        kind = "group 1 only" if own else "group 0 too"
+        ax.axvline(st, color="black" if own else "grey", ls=":" if own else "--", lw=1,
+                   label=None if own in labelled else f"faulty: group 1 flagged ({kind})")
+        labelled.add(own)
     ax.set_xlabel("step")
     ax.set_ylabel("validation loss")
     ax.set_title(f"EDiT, 2 groups, H={a.interval}: {a.fault} on group {FAULT_GROUP}")
@@ -130,7 +151,7 @@ def plot(jobs: dict[str, C.Job], a: argparse.Namespace, path: Path) -> Path:
         bad = [e for e in ev if e["anomalous"]]
         if bad:
             ax2.scatter([e["step"] for e in bad], [e["pseudo_grad_norm"] for e in bad], marker="x", s=60,
-                        color="black", zorder=5, label=f"{name}: flagged" if name == "faulty" else None)
+                        color=colors[name], zorder=5, label=f"{name}: group 1 flagged (any module)")
     ax2.axvspan(a.start, a.end, color="orange", alpha=0.2)
     ax2.set_yscale("log")
     ax2.set_xlabel("step (sync)")
@@ -145,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     base, fault = common_overrides(a), fault_spec(a)
     plan = {"clean": base, "faulty": [*base, fault], "penalty_off": [*base, fault, *PENALTY_OFF]}
-    jobs = {n: C.run_job(n, a.workdir / n, ov, timeout=a.timeout) for n, ov in plan.items()}
+    jobs = {n: C.run_job(n, a.workdir / n, ov, timeout=a.timeout, reuse=a.reuse) for n, ov in plan.items()}
     clean = jobs["clean"].summary["final_val_loss"]
     rows = {}
     for name, job in jobs.items():
@@ -183,8 +204,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{(a.warmup_syncs + 1) * a.interval} (W={a.warmup_syncs}, H={a.interval})")
     print(f"  syncs overlapping the window: {d['overlapping_syncs']} (steps {d['overlapping_steps']})")
     print(f"  group 1 flagged at syncs:     {d['flagged_syncs_group1']} (steps {d['flagged_steps_group1']})")
-    print(f"  detected {d['detected']}, missed {d['missed']}, false flags g1 {d['false_flags_group1']}, "
-          f"g0 {d['flagged_syncs_group0']}; clean-run flags {detection['clean']['flagged_syncs_group1']}")
+    print(f"  group 1 only (not group 0):   {d['specific_syncs_group1']}")
+    print(f"  detected {d['detected']}, missed {d['missed']}, flags outside the window: g1 {d['false_flags_group1']} "
+          f"(g1-only {d['specific_outside_window']}), g0 {d['flagged_syncs_group0']}")
+    print(f"  clean run: g1 flagged {detection['clean']['flagged_syncs_group1']}, "
+          f"g0 flagged {detection['clean']['flagged_syncs_group0']}")
     for k, v in result["targets"].items():
         print(f"  {k}: {C.fmt(v, '.4f')}")
     print(f"wrote {a.out} and {a.plot}")

@@ -96,9 +96,10 @@ def _task(dcfg: Any) -> None:
     except _user_errors() as exc:
         fail(one_line(exc))
     if summary and int(os.environ.get("RANK", "0")) == 0:
+        init = summary.get("initial_val_loss")
+        val = f"{init:.3f} -> {summary['final_val_loss']:.3f}" if init is not None else f"{summary['final_val_loss']:.3f}"
         print(f"done: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, "
-              f"val loss {summary.get('initial_val_loss') or float('nan'):.3f} -> {summary['final_val_loss']:.3f}; "
-              f"run dir {cfg.run.dir}", flush=True)
+              f"val loss {val}; run dir {cfg.run.dir}", flush=True)
 
 
 def _precheck(argv: list[str]) -> None:

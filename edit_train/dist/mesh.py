@@ -98,8 +98,20 @@ def init_topology(groups: int, shard_size: int, device: str = "auto", backend: s
         return Topology(1, 0, groups, shard_size, dev, None)
     be = pick_backend(dev, backend)
     if not dist.is_initialized():
-        dist.init_process_group(backend=be, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=dev if dev.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        device_id = dev if dev.type == "cuda" else None
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0 and "MASTER_ADDR" in os.environ:
+            # After a restart the agent's store still holds the dead attempt's keys (gloo would try to
+            # connect to the old ranks): give this attempt a namespace of its own.
+            agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                 is_master=rank == 0 and not agent_store, timeout=timeout)
+            store = dist.PrefixStore(f"edit-train/attempt_{restart}", base)
+            dist.init_process_group(backend=be, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device_id)
+        else:
+            dist.init_process_group(backend=be, timeout=timeout, device_id=device_id)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (groups, shard_size), mesh_dim_names=("group", "shard"))
