@@ -40,19 +40,34 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe_block.json"
 
 
 class MaskedMoE(nn.Module):
-    """Reference MoE block: per-expert ``nn.Linear`` experts and one boolean mask per expert."""
+    """Reference MoE block: one boolean mask per expert, as in the public BailingMoe training path.
 
-    def __init__(self, ours: MoEBlock) -> None:
+    ``stacked=False`` (the default reference): the experts are an ``nn.ModuleList`` of per-expert
+    ``nn.Linear`` triples, as in the public model, holding copies of our stacked weights.
+    ``stacked=True``: the experts read our stacked parameters directly (``F.linear(x, gate_proj[i])``); the
+    per-expert parameter indexing then adds a full-size gradient buffer per expert in backward.
+    """
+
+    def __init__(self, ours: MoEBlock, stacked: bool = False) -> None:
         super().__init__()
         self.ours = ours  # router + shared experts are shared with our block
+        self.stacked = stacked
         e, i, h = ours.experts.gate_proj.shape
-        self.experts = nn.ModuleList(DenseMLP(h, i) for _ in range(e))
-        with torch.no_grad():
-            for idx, ex in enumerate(self.experts):
-                ex.gate_proj.weight.copy_(ours.experts.gate_proj[idx])
-                ex.up_proj.weight.copy_(ours.experts.up_proj[idx])
-                ex.down_proj.weight.copy_(ours.experts.down_proj[idx])
-        self.to(ours.experts.gate_proj.device)
+        self.experts = nn.ModuleList()
+        if not stacked:
+            self.experts.extend(DenseMLP(h, i) for _ in range(e))
+            with torch.no_grad():
+                for idx, ex in enumerate(self.experts):
+                    ex.gate_proj.weight.copy_(ours.experts.gate_proj[idx])
+                    ex.up_proj.weight.copy_(ours.experts.up_proj[idx])
+                    ex.down_proj.weight.copy_(ours.experts.down_proj[idx])
+            self.to(ours.experts.gate_proj.device)
+
+    def expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        if not self.stacked:
+            return self.experts[i](x)
+        ex = self.ours.experts
+        return F.linear(F.silu(F.linear(x, ex.gate_proj[i])) * F.linear(x, ex.up_proj[i]), ex.down_proj[i])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -62,16 +77,18 @@ class MaskedMoE(nn.Module):
         xr = x.repeat_interleave(k, dim=0)
         flat_idx = topk_idx.reshape(-1)
         y = torch.empty_like(xr)
-        for i, expert in enumerate(self.experts):
-            y[flat_idx == i] = expert(xr[flat_idx == i]).to(y.dtype)
+        for i in range(self.ours.num_experts):
+            y[flat_idx == i] = self.expert(i, xr[flat_idx == i]).to(y.dtype)
         y = (y.view(*topk_weight.shape, -1) * topk_weight.unsqueeze(-1)).sum(dim=1).to(x.dtype)
         if self.ours.shared_experts is not None:
             y = y + self.ours.shared_experts(x)
         return y.reshape(shape)
 
-    def stacked_grads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return tuple(torch.stack([getattr(ex, n).weight.grad for ex in self.experts])
-                     for n in ("gate_proj", "up_proj", "down_proj"))
+    def expert_grads(self) -> tuple[torch.Tensor, ...]:
+        names = ("gate_proj", "up_proj", "down_proj")
+        if self.stacked:
+            return tuple(getattr(self.ours.experts, n).grad for n in names)
+        return tuple(torch.stack([getattr(ex, n).weight.grad for ex in self.experts]) for n in names)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,24 +104,24 @@ def fwd_bwd(block: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor
     return y
 
 
-def time_pair(a: nn.Module, b: nn.Module, x: torch.Tensor, dy: torch.Tensor, iters: int, warmup: int
-              ) -> tuple[list[float], list[float]]:
-    """Per-iteration fwd+bwd seconds of ``a`` and ``b``, interleaved (a, b, b, a, ...) so that both see the
-    same machine conditions (shared CPUs are noisy)."""
+def time_blocks(blocks: list[nn.Module], x: torch.Tensor, dy: torch.Tensor, iters: int, warmup: int
+                ) -> list[list[float]]:
+    """Per-iteration fwd+bwd seconds of each block, interleaved with a rotating order so that all of them
+    see the same machine conditions (shared CPUs are noisy)."""
     device = x.device
     for _ in range(warmup):
-        fwd_bwd(a, x, dy)
-        fwd_bwd(b, x, dy)
-    times: dict[int, list[float]] = {0: [], 1: []}
+        for block in blocks:
+            fwd_bwd(block, x, dy)
+    times: list[list[float]] = [[] for _ in blocks]
     for it in range(iters):
-        pair = ((0, a), (1, b)) if it % 2 == 0 else ((1, b), (0, a))
-        for key, block in pair:
+        for j in range(len(blocks)):
+            key = (it + j) % len(blocks)
             _sync(device)
             t0 = time.perf_counter()
-            fwd_bwd(block, x, dy)
+            fwd_bwd(blocks[key], x, dy)
             _sync(device)
             times[key].append(time.perf_counter() - t0)
-    return times[0], times[1]
+    return times
 
 
 def peak_memory(block: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[int, str]:
@@ -148,41 +165,47 @@ def bench_config(name: str, cfg: ModelConfig, device: torch.device, batch: int, 
     ours = MoEBlock(cfg).to(device)
     ours.reset_parameters(cfg.initializer_range)
     ours.train()
-    ref = MaskedMoE(ours)
+    refs = {"reference": MaskedMoE(ours), "reference_stacked": MaskedMoE(ours, stacked=True)}
     x = torch.randn(batch, seq, cfg.hidden_size, device=device, requires_grad=True)
     dy = torch.randn(batch, seq, cfg.hidden_size, device=device)
 
     # correctness on the same weights / inputs
+    names = ("gate_proj", "up_proj", "down_proj")
     y_ours = fwd_bwd(ours, x, dy).detach()
     gx_ours = x.grad.clone()
-    g_ours = [p.grad.clone() for p in (ours.experts.gate_proj, ours.experts.up_proj, ours.experts.down_proj)]
-    y_ref = fwd_bwd(ref, x, dy).detach()
-    gx_ref = x.grad.clone()
-    g_ref = ref.stacked_grads()
-    max_diff = {
-        "output": (y_ours - y_ref).abs().max().item(),
-        "grad_input": (gx_ours - gx_ref).abs().max().item(),
-        "grad_experts": max((a - b).abs().max().item() for a, b in zip(g_ours, g_ref)),
-    }
+    g_ours = [getattr(ours.experts, n).grad.clone() for n in names]
+    max_diff: dict[str, float] = {}
+    for ref in refs.values():
+        y_ref = fwd_bwd(ref, x, dy).detach()
+        diffs = {
+            "output": (y_ours - y_ref).abs().max().item(),
+            "grad_input": (gx_ours - x.grad).abs().max().item(),
+            "grad_experts": max((a - b).abs().max().item() for a, b in zip(g_ours, ref.expert_grads())),
+        }
+        for key, val in diffs.items():
+            max_diff[key] = max(max_diff.get(key, 0.0), val)
     agree = all(v < 1e-4 for v in max_diff.values())
 
-    t_ours, t_ref = time_pair(ours, ref, x, dy, iters, warmup)
-    m_ours, mem_method = peak_memory(ours, x, dy)
-    m_ref, _ = peak_memory(ref, x, dy)
-    med_ours, med_ref = statistics.median(t_ours), statistics.median(t_ref)
-    return {
+    t_ours, *t_refs = time_blocks([ours, *refs.values()], x, dy, iters, warmup)
+    row = {
         "config": name, "tokens": batch * seq, "batch": batch, "seq": seq,
         "hidden_size": cfg.hidden_size, "num_experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
         "moe_intermediate_size": cfg.moe_intermediate_size, "num_shared_experts": cfg.num_shared_experts,
         "iters": iters,
-        "ours_median_ms": med_ours * 1e3, "reference_median_ms": med_ref * 1e3,
-        "ours_min_ms": min(t_ours) * 1e3, "reference_min_ms": min(t_ref) * 1e3,
-        "speedup": med_ref / med_ours,
-        "speedup_median_of_pairs": statistics.median(r / o for o, r in zip(t_ours, t_ref)),
-        "ours_peak_mem_mb": m_ours / 2**20, "reference_peak_mem_mb": m_ref / 2**20,
-        "mem_method": mem_method,
-        "outputs_agree": agree, "max_abs_diff": max_diff,
+        "ours_median_ms": statistics.median(t_ours) * 1e3, "ours_min_ms": min(t_ours) * 1e3,
     }
+    m_ours, mem_method = peak_memory(ours, x, dy)
+    row["ours_peak_mem_mb"] = m_ours / 2**20
+    for ref_name, t_ref in zip(refs, t_refs):
+        row[f"{ref_name}_median_ms"] = statistics.median(t_ref) * 1e3
+        row[f"{ref_name}_min_ms"] = min(t_ref) * 1e3
+        row[f"{ref_name}_speedup"] = statistics.median(t_ref) / statistics.median(t_ours)
+        row[f"{ref_name}_speedup_median_of_pairs"] = statistics.median(r / o for o, r in zip(t_ours, t_ref))
+        row[f"{ref_name}_speedup_min"] = min(t_ref) / min(t_ours)
+        row[f"{ref_name}_peak_mem_mb"] = peak_memory(refs[ref_name], x, dy)[0] / 2**20
+    row["speedup"] = row["reference_speedup"]
+    row.update(mem_method=mem_method, outputs_agree=agree, max_abs_diff=max_diff)
+    return row
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -194,22 +217,31 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     iters = args.iters or (5 if args.quick else 20)
     warmup = 2 if args.quick else 3
     rows = [bench_config(n, load_preset(n), device, args.batch, args.seq, iters, warmup) for n in args.configs]
 
-    hdr = f"{'config':<8}{'tokens':>8}{'E':>4}{'k':>3}{'ours ms':>10}{'ref ms':>10}{'speedup':>9}" \
-          f"{'ours MB':>10}{'ref MB':>10}  agree"
-    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} iters={iters}")
+    hdr = (f"{'config':<8}{'tokens':>7}{'E':>4}{'k':>3}{'ours ms':>9}{'ref ms':>9}{'speedup':>9}"
+           f"{'min-spd':>9}{'refS ms':>9}{'speedupS':>9}{'ours MB':>9}{'ref MB':>8}{'refS MB':>8}  agree")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['config']:<8}{r['tokens']:>8}{r['num_experts']:>4}{r['top_k']:>3}"
-              f"{r['ours_median_ms']:>10.2f}{r['reference_median_ms']:>10.2f}{r['speedup']:>8.2f}x"
-              f"{r['ours_peak_mem_mb']:>10.1f}{r['reference_peak_mem_mb']:>10.1f}  {r['outputs_agree']}")
+        print(f"{r['config']:<8}{r['tokens']:>7}{r['num_experts']:>4}{r['top_k']:>3}"
+              f"{r['ours_median_ms']:>9.2f}{r['reference_median_ms']:>9.2f}{r['reference_speedup']:>8.2f}x"
+              f"{r['reference_speedup_min']:>8.2f}x"
+              f"{r['reference_stacked_median_ms']:>9.2f}{r['reference_stacked_speedup']:>8.2f}x"
+              f"{r['ours_peak_mem_mb']:>9.1f}{r['reference_peak_mem_mb']:>8.1f}"
+              f"{r['reference_stacked_peak_mem_mb']:>8.1f}  {r['outputs_agree']}")
+    print("ms = median fwd+bwd wall time (interleaved runs); speedup = median ratio, min-spd = ratio of minima; "
+          "ref = per-expert nn.Linear experts (public BailingMoe layout), refS = reference indexing our "
+          "stacked params")
     print(f"memory: {rows[0]['mem_method']}")
     result = {
         "benchmark": "moe_block",

@@ -52,9 +52,17 @@ def spawn_local(cfg: Any, world: int) -> dict[str, Any] | None:
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"edit-train-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=cfg.run.max_restarts,
                           monitor_interval=0.2, start_method="spawn")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         elastic_launch(launch, entrypoint=sys.executable)("-m", "edit_train.cli.worker", str(cfg_path))
+    except (SignalException, KeyboardInterrupt):
+        fail(f"interrupted: all {world} workers stopped; the newest complete checkpoint in "
+             f"{run_dir / 'checkpoints'} is intact (resume=auto continues)", code=130)
     except ChildFailedError as exc:
+        if all(f.exitcode in (130, -2, -15) for f in exc.failures.values()):
+            fail(f"interrupted: all {world} workers stopped; resume=auto continues from the newest checkpoint",
+                 code=130)
         ranks = sorted(exc.failures)
         first = exc.failures[ranks[0]]
         fail(f"worker rank(s) {ranks} failed (exit code {first.exitcode}); see the messages above", code=1)
@@ -95,6 +103,14 @@ def _task(dcfg: Any) -> None:
         raise
     except _user_errors() as exc:
         fail(one_line(exc))
+    except KeyboardInterrupt:
+        fail("interrupted; resume=auto continues from the newest complete checkpoint", code=130)
+    except Exception as exc:  # noqa: BLE001
+        from edit_train.train.trainer import Interrupted
+
+        if isinstance(exc, Interrupted):
+            fail(f"interrupted ({exc}); resume=auto continues from the newest complete checkpoint", code=130)
+        raise
     if summary and int(os.environ.get("RANK", "0")) == 0:
         init = summary.get("initial_val_loss")
         val = f"{init:.3f} -> {summary['final_val_loss']:.3f}" if init is not None else f"{summary['final_val_loss']:.3f}"

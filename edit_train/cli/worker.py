@@ -21,13 +21,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from edit_train.cli.train import _user_errors
     from edit_train.config import from_container
-    from edit_train.train.trainer import train
+    from edit_train.train.trainer import Interrupted, train
 
     try:
         cfg = from_container(json.loads(open(args[0]).read()))
         train(cfg)
     except _user_errors() as exc:
         fail(f"rank {rank}: {one_line(exc)}")
+    except (Interrupted, KeyboardInterrupt):
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -39,6 +39,28 @@ from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, 
 log = logging.getLogger(__name__)
 
 
+class Interrupted(Exception):
+    """SIGINT/SIGTERM arrived: the run stopped at a step boundary (a checkpoint in progress completed)."""
+
+
+def _install_stop_handlers(trainer: Trainer) -> None:
+    """SIGINT/SIGTERM only set a flag; the loop stops at the next step boundary, so a checkpoint being
+    written is finished (atomically renamed) and nothing is left half-written."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if trainer.stop_signal is not None:  # second signal: give up at once
+            raise KeyboardInterrupt
+        trainer.stop_signal = signum
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
 @dataclass
 class Progress:
     step: int = 0
@@ -109,6 +131,8 @@ class Trainer:
         self.slowdown = Slowdown(topo.group_index, list(cfg.cluster.slowdown), list(cfg.cluster.slowdown_schedule),
                                  topo.groups)
         self.progress = Progress()
+        self.stop_signal: int | None = None
+        _install_stop_handlers(self)
 
         # ---- output
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", topo.rank, topo.world_size,
@@ -280,6 +304,11 @@ class Trainer:
         window_t, window_tokens = time.time(), 0
         val_loss = init_val
         while not self.algo.should_stop(p.step):
+            if self.stop_signal is not None:
+                bar.close()
+                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop_signal, p.step)
+                self.metrics.close(None)
+                raise Interrupted(f"stopped by signal {self.stop_signal} at step {p.step}")
             step = p.step
             self.faults.maybe_kill(step)
             step_t0, blocked0 = time.time(), self.algo.comm.blocked_s
