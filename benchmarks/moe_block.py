@@ -9,19 +9,24 @@ The reference (``MaskedMoE``) routes exactly like ``BailingMoeSparseMoeBlock`` i
     y = (y.view(N, k, H) * w.unsqueeze(-1)).sum(1)
 
 with its experts held as one ``nn.Linear`` triple per expert (as in the public model), whose weights are
-copied from our stacked parameters. Router (fp32 gate + softmax + top-k) and shared experts are the same
-code in both, so only the dispatch differs.
+copied from our stacked parameters ("reference"); a second variant indexes our stacked parameters directly
+("reference_stacked"). Router (fp32 gate + softmax + top-k) and shared experts are the same code in all of
+them, so only the dispatch differs; the ``/routed`` rows drop the shared experts to isolate the dispatch.
+Outputs and gradients (input and expert weights) are checked to agree before timing. Runs are interleaved
+(rotating order) so that all variants see the same machine load; medians and minima are reported.
 
 Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` minus the memory allocated before the step. On CPU
 the peak of live bytes held by torch's CPU allocator during one forward+backward, reconstructed from the
 torch profiler's ``[memory]`` allocation/free events (``profile_memory=True``) — allocator-level, not RSS.
 
     python benchmarks/moe_block.py [--quick] [--out FILE.json] [--device cpu|cuda] [--batch 8 --seq 256]
+                                   [--configs tiny small] [--iters N] [--threads T] [--no-routed-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -217,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--configs", nargs="+", default=["tiny", "small"])
     ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--no-routed-only", action="store_true",
+                    help="skip the extra rows that time the blocks without their shared experts")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -225,15 +232,21 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     iters = args.iters or (5 if args.quick else 20)
     warmup = 2 if args.quick else 3
-    rows = [bench_config(n, load_preset(n), device, args.batch, args.seq, iters, warmup) for n in args.configs]
+    rows = []
+    for n in args.configs:
+        cfg = load_preset(n)
+        rows.append(bench_config(n, cfg, device, args.batch, args.seq, iters, warmup))
+        if cfg.num_shared_experts and not args.no_routed_only:  # isolate the dispatch: no shared experts
+            cfg = dataclasses.replace(cfg, num_shared_experts=0)
+            rows.append(bench_config(f"{n}/routed", cfg, device, args.batch, args.seq, iters, warmup))
 
     print(f"device={device} threads={torch.get_num_threads()} torch={torch.__version__} iters={iters}")
-    hdr = (f"{'config':<8}{'tokens':>7}{'E':>4}{'k':>3}{'ours ms':>9}{'ref ms':>9}{'speedup':>9}"
+    hdr = (f"{'config':<13}{'tokens':>7}{'E':>4}{'k':>3}{'ours ms':>9}{'ref ms':>9}{'speedup':>9}"
            f"{'min-spd':>9}{'refS ms':>9}{'speedupS':>9}{'ours MB':>9}{'ref MB':>8}{'refS MB':>8}  agree")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['config']:<8}{r['tokens']:>7}{r['num_experts']:>4}{r['top_k']:>3}"
+        print(f"{r['config']:<13}{r['tokens']:>7}{r['num_experts']:>4}{r['top_k']:>3}"
               f"{r['ours_median_ms']:>9.2f}{r['reference_median_ms']:>9.2f}{r['reference_speedup']:>8.2f}x"
               f"{r['reference_speedup_min']:>8.2f}x"
               f"{r['reference_stacked_median_ms']:>9.2f}{r['reference_stacked_speedup']:>8.2f}x"
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['reference_stacked_peak_mem_mb']:>8.1f}  {r['outputs_agree']}")
     print("ms = median fwd+bwd wall time (interleaved runs); speedup = median ratio, min-spd = ratio of minima; "
           "ref = per-expert nn.Linear experts (public BailingMoe layout), refS = reference indexing our "
-          "stacked params")
+          "stacked params; "/routed" rows: same block without its shared experts (dispatch only)")
     print(f"memory: {rows[0]['mem_method']}")
     result = {
         "benchmark": "moe_block",

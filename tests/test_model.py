@@ -70,6 +70,8 @@ def test_sorted_dispatch_matches_naive_reference_forward_and_backward(num_expert
 
     y, counts = experts(x, idx, w)
     assert counts.tolist() == torch.bincount(idx.reshape(-1), minlength=num_experts).tolist()
+    if tokens * top_k < num_experts * 2:
+        assert (counts == 0).any()  # empty experts are exercised (their weight grads must be zero)
     (y * dy).sum().backward()
     got = [t.grad.clone() for t in (x, w, experts.gate_proj, experts.up_proj, experts.down_proj)]
     for t in (x, w, experts.gate_proj, experts.up_proj, experts.down_proj):
