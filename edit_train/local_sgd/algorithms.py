@@ -97,6 +97,7 @@ class LocalSGD:
         self._t0 = time.time()
         self._blocked_mark = 0.0
         self._last_exchange_t = self._t0
+        self._vote = False  # this group's agreed stop vote, refreshed every local step
         self.eval_due = False  # set when the agreed global step crosses a multiple of cfg.eval_every
         self.engine: SyncEngine | None = None
         self.overlap: OverlapSync | None = None
@@ -142,7 +143,8 @@ class LocalSGD:
                 grads.append(g)
         vote = None
         if self.cfg.time_budget_s > 0:
-            vote = torch.tensor([1.0 if self._want_stop() else 0.0], device=self.comm.device)
+            _, agreed = self._group_agree(0.0, self._want_stop())
+            vote = torch.tensor([1.0 if agreed else 0.0], device=self.comm.device)
             grads.append(vote)
             self._last_exchange_t = time.time()
         self.comm.all_reduce_(grads)
@@ -151,6 +153,19 @@ class LocalSGD:
                 g.div_(self.comm.num_groups)
         if vote is not None and float(vote.item()) > 0:
             self.stopped = True
+
+    def _group_agree(self, seconds: float, vote: bool) -> tuple[float, bool]:
+        """Ranks of one group must take the same decisions (plan, first sync, stop): agree on the slowest
+        rank's step time and on any rank's stop vote (one tiny intra-group all-reduce, only when the
+        decisions depend on local clocks)."""
+        clocked = not self.lockstep or self.cfg.time_budget_s > 0
+        if not clocked or self.shard_pg is None or self.shard_size <= 1:
+            return seconds, vote
+        import torch.distributed as dist
+
+        t = torch.tensor([seconds, 1.0 if vote else 0.0], dtype=torch.float64, device=self.comm.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_pg)
+        return float(t[0].item()), bool(t[1].item() > 0)
 
     def after_backward(self, step: int) -> None:
         if not self.cfg.local_sgd or self.schedule.is_warmup(step):
@@ -171,7 +186,9 @@ class LocalSGD:
             self.global_step = step + 1
         self.local_steps += 1
         # compute speed only: time spent blocked on other groups / the link is not this group's speed
-        self.timer.record(max(seconds - (self.comm.blocked_s - self._blocked_mark), 1e-6))
+        secs, self._vote = self._group_agree(max(seconds - (self.comm.blocked_s - self._blocked_mark), 1e-6),
+                                             self._want_stop())
+        self.timer.record(secs)
         if self.overlap is not None and self.overlap.pending and self.overlap.poll():
             self._after_exchange(self.overlap.gathered_extra)
         first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
@@ -184,7 +201,7 @@ class LocalSGD:
         self.flush()
         self.sync_index += 1
         self._sync_step = step
-        extra = [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self._want_stop())]
+        extra = [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self._vote)]
         self._last_exchange_t = time.time()
         self.local_steps = 0
         self.timer.reset()
