@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['reference_stacked_peak_mem_mb']:>8.1f}  {r['outputs_agree']}")
     print("ms = median fwd+bwd wall time (interleaved runs); speedup = median ratio, min-spd = ratio of minima; "
           "ref = per-expert nn.Linear experts (public BailingMoe layout), refS = reference indexing our "
-          "stacked params; "/routed" rows: same block without its shared experts (dispatch only)")
+          "stacked params; '/routed' rows: same block without its shared experts (dispatch only)")
     print(f"memory: {rows[0]['mem_method']}")
     result = {
         "benchmark": "moe_block",

@@ -100,14 +100,16 @@ def init_topology(groups: int, shard_size: int, device: str = "auto", backend: s
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         device_id = dev if dev.type == "cuda" else None
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart > 0 and "MASTER_ADDR" in os.environ:
-            # After a restart the agent's store still holds the dead attempt's keys (gloo would try to
-            # connect to the old ranks): give this attempt a namespace of its own.
+        if "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ:
+            # Under an elastic agent the store outlives a failed round, and a restarted round would read
+            # the dead round's keys (gloo then dials the old ranks). Every worker of a round bumps one
+            # counter once, so all of them derive the same round number and a namespace of their own —
+            # whether the agent counted it as a restart or (c10d) as a membership change.
             agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                  is_master=rank == 0 and not agent_store, timeout=timeout)
-            store = dist.PrefixStore(f"edit-train/attempt_{restart}", base)
+            round_ = (base.add("edit-train/workers", 1) - 1) // world_size
+            store = dist.PrefixStore(f"edit-train/round_{round_}", base)
             dist.init_process_group(backend=be, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                     device_id=device_id)
         else:
