@@ -20,11 +20,13 @@ from edit_train.local_sgd.penalty import (
 
 
 def ewma_ref(xs: list[float], alpha: float) -> tuple[float, float]:
+    """DESIGN §4's EWMA, with the bias-corrected rate max(alpha, 1/n) for the n-th value."""
     mu, m2 = xs[0], 0.0
-    for x in xs[1:]:
+    for n, x in enumerate(xs[1:], start=2):
+        a = max(alpha, 1.0 / n)
         d = x - mu
-        mu_new = mu + alpha * d
-        m2 = (1 - alpha) * (m2 + alpha * d * (x - mu_new))
+        mu_new = mu + a * d
+        m2 = (1 - a) * (m2 + a * d * (x - mu_new))
         mu = mu_new
     return mu, m2
 
@@ -43,6 +45,33 @@ def test_ewma_closed_form() -> None:
     z = st.zscore(torch.tensor([3.0, 3.0]))
     mu0, m20 = ewma_ref(xs, 0.1)
     assert z[0].item() == pytest.approx((3.0 - mu0) / math.sqrt(m20))
+
+
+def test_ewma_is_plain_alpha_ewma_after_the_first_values() -> None:
+    st = EWMAStats(1, alpha=0.25)
+    xs = [1.0, 2.0, 4.0, 3.0, 5.0, 2.5]
+    for x in xs:
+        st.update(torch.tensor([x]), torch.tensor([True]))
+    # by hand: n=2 -> a=1/2, n=3 -> 1/3, n>=4 -> alpha
+    mu, m2 = 1.0, 0.0
+    for n, x in enumerate(xs[1:], start=2):
+        a = 1 / 2 if n == 2 else 1 / 3 if n == 3 else 0.25
+        d = x - mu
+        mu2 = mu + a * d
+        m2 = (1 - a) * (m2 + a * d * (x - mu2))
+        mu = mu2
+    assert st.mu.item() == pytest.approx(mu) and st.m2.item() == pytest.approx(m2)
+
+
+def test_slowly_rising_norms_are_never_all_anomalous() -> None:
+    """A healthy module whose norm drifts on every worker must not be frozen (all anomalous)."""
+    agg = PseudoGradAggregator(PenaltyConfig(), 2)
+    for k in range(1, 60):
+        g = 1 + 0.05 * k
+        assert not agg.decide("m", torch.tensor([g * 1.01, g * 0.99])).all_anomalous, k
+    # while a real spike on one worker is still caught
+    d = agg.decide("m", torch.tensor([4.0 * 20, 4.0]))
+    assert d.anomalous == [True, False]
 
 
 def test_zscore_zero_sigma() -> None:

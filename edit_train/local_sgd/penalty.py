@@ -63,7 +63,10 @@ class PenaltyConfig:
 
 
 class EWMAStats:
-    """EWMA mean/variance of ``G`` for one module, vectorised over workers (float64)."""
+    """EWMA mean/variance of ``G`` for one module, vectorised over workers (float64).
+
+    Update (DESIGN.md §4): ``d = x − μ; μ ← μ + a·d; M2 ← (1−a)(M2 + a·d·(x − μ_new))`` with
+    ``a = max(α, 1/n)`` for the n-th accepted value (bias correction for the first ~1/α values)."""
 
     def __init__(self, num_workers: int, alpha: float) -> None:
         self.alpha = float(alpha)
@@ -89,7 +92,11 @@ class EWMAStats:
         """Fold ``x[i]`` into worker i's statistics where ``accept[i]`` (non-finite never accepted)."""
         x = x.to(torch.float64)
         accept = accept.bool() & torch.isfinite(x)
-        a = self.alpha
+        # Bias-corrected rate: the n-th accepted value uses max(α, 1/n), so the first ~1/α values give the
+        # plain running mean/variance instead of a μ stuck at the first value and a σ shrunk by ~√α (which
+        # flags every healthy but still-moving module right after the warm-up). Afterwards it is the EWMA
+        # of DESIGN.md §4 with α.
+        a = torch.maximum(torch.full_like(x, self.alpha), 1.0 / (self.count.to(torch.float64) + 1.0))
         first = accept & (self.count == 0)
         later = accept & (self.count > 0)
         xs = torch.where(accept, x, self.mu)  # keep NaN out of the arithmetic
