@@ -17,10 +17,9 @@ diloco and post_local_sgd keep their conf/algo defaults. EDiT gets (`ALGO_OVERRI
     and only tens of syncs, outer momentum only hurts (quick mode, val loss: 0.7/0.8 Nesterov 2.30,
     1.0/0.5 2.36, 0.7/0.5 2.16, 0.7/0.3 2.12, 1.0/0 2.13, 0.7/0 2.12, 0.5/0 2.15; inner lr 1e-3/2e-3
     with 0.7/0.8: 2.24/2.25; inner 4e-3/5e-3 with 0.7/0: 2.15/2.14);
-  * `algo.penalty.ewma_alpha=0.2`: with the default 0.02 the EWMA's sigma is far too small after the
-    10-sync warm-up, so the still-growing norm of the `root` unit (embeddings + head) is flagged on
-    *both* groups for 5-8 syncs in a row (all anomalous -> outer step skipped, embeddings/head frozen;
-    0.7/0: 2.120 -> 2.105 with alpha 0.2, identical to `algo.penalty.anomaly=false`).
+  * the anomaly detector keeps its defaults (alpha 0.02, 10 warm-up syncs). Before the EWMA's rate was
+    bias-corrected for its first values, the tiny sigma flagged the still-growing `root` unit on both
+    groups (all anomalous -> outer step skipped) and alpha 0.2 was needed here.
 Penalty weighting (softmax, T=1) and clipping (phi=10) stay on.
 `--set KEY=VALUE` adds an override to every job (e.g. `--set train.lr=2e-3`), `--algo-set ALGO:KEY=VALUE`
 to one algorithm's jobs.
@@ -50,7 +49,7 @@ ALGO_OVERRIDES: dict[str, list[str]] = {
     "post_local_sgd": [],
     "diloco": [],
     "edit": ["algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
-             "algo.penalty.ewma_alpha=0.2"],
+             ],
 }
 
 

@@ -191,3 +191,22 @@ def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str) ->
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 8
     assert (run_dir / ".fault-kill-g1-s6").exists()
+
+
+def test_nan_gradients_never_reach_the_anchor(tmp_path: Path, corpus: str) -> None:
+    """Fault `nan_grad` on group 1 for steps [1, 3): those inner steps are skipped and logged, the replica
+    stays finite, and the anchor every group ends on is finite."""
+    run_dir = run_job(tmp_path, "nan", "algo=edit", "cluster=local_2x1", "train.steps=6", "algo.interval=2",
+                      "train.batch_size=2", "faults=[{kind:nan_grad,group:1,start:1,end:3}]", corpus=corpus)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skips = [(e["step"], e["group"]) for e in events if e["event"] == "skip"]
+    assert skips == [(2, 1), (3, 1)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["per_group"]["1"]["skipped_steps"] == 2 and summary["per_group"]["0"]["skipped_steps"] == 0
+    ckpt = last_ckpt(run_dir)
+    for rank in range(2):
+        outer = load_file(str(ckpt / f"rank{rank}-outer.safetensors"))
+        assert all(torch.isfinite(v).all() for v in outer.values())
+        model = load_file(str(ckpt / f"rank{rank}-model.safetensors"))
+        assert all(torch.isfinite(v).all() for v in model.values())
+    assert summary["final_val_loss"] == summary["final_val_loss"]  # not NaN

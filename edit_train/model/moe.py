@@ -116,12 +116,12 @@ class _SortedMoE(torch.autograd.Function):
     Forward and backward are written by hand so that
 
     * every data movement is a gather (no scatter-add);
-    * the work is blocked per expert: an expert's slice of tokens is gathered, multiplied, passed through
-      SwiGLU and its gradients computed while it is hot in cache, with matmuls writing straight into
-      preallocated buffers (no cat / split / stack) and weight gradients landing directly in ``[E, ...]``
-      tensors;
-    * only ``gate(x)``, ``up(x)`` and the un-weighted expert outputs (expert-sorted) are saved; ``x`` is
-      re-gathered and ``silu(gate) * up`` recomputed in backward.
+    * the work is blocked per expert: an expert's slice of tokens goes through its matmuls, SwiGLU and
+      gradients while it is hot in cache, with matmuls writing straight into preallocated buffers (no cat /
+      split / stack) and weight gradients landing directly in ``[E, ...]`` tensors;
+    * only the gathered tokens and ``gate(x)``, ``up(x)`` (expert-sorted) are saved; ``silu(gate) * up`` is
+      recomputed, and the routing-weight gradient is taken as ``<down^T dy, h>`` so that the expert outputs
+      need not be kept.
     """
 
     @staticmethod
@@ -129,11 +129,12 @@ class _SortedMoE(torch.autograd.Function):
         s = plan.order.numel()
         n, k = w.shape
         idim, hdim = gate_proj.shape[1], x.shape[-1]
+        xs = x.index_select(0, plan.token_idx)
         g = x.new_empty(s, idim)
         u = x.new_empty(s, idim)
         out = x.new_empty(s, hdim)
         for e, a, b in plan.slices:
-            xe = x.index_select(0, plan.token_idx[a:b])
+            xe = xs[a:b]
             ge = torch.mm(xe, gate_proj[e].t(), out=g[a:b])
             ue = torch.mm(xe, up_proj[e].t(), out=u[a:b])
             torch.mm(F.silu(ge).mul_(ue), down_proj[e].t(), out=out[a:b])
@@ -145,41 +146,38 @@ class _SortedMoE(torch.autograd.Function):
             for j in range(1, k):
                 y.addcmul_(torch.index_select(out, 0, inv[:, j], out=tmp), w[:, j:j + 1])
         ctx.plan = plan
-        ctx.save_for_backward(x, w, gate_proj, up_proj, down_proj, g, u, out)
+        ctx.save_for_backward(xs, w, gate_proj, up_proj, down_proj, g, u)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
-        x, w, gate_proj, up_proj, down_proj, g, u, out = ctx.saved_tensors
+        xs, w, gate_proj, up_proj, down_proj, g, u = ctx.saved_tensors
         plan: _Plan = ctx.plan
         need_x, need_w, need_g, need_u, need_d = ctx.needs_input_grad[:5]
         n, k = w.shape
         w_sorted = w.reshape(-1).index_select(0, plan.order).unsqueeze(-1)
-        # dL/d(weighted output) of every sorted slot; each expert's slice is overwritten by its dL/dx
+        # dL/d(slot output) of every sorted slot; each expert's slice is then overwritten by its dL/dx
         dxs = dy.index_select(0, plan.token_idx)
         dw_sorted = dxs.new_empty(dxs.shape[0]) if need_w else None
         d_gate = torch.empty_like(gate_proj) if need_g else None
         d_up = torch.empty_like(up_proj) if need_u else None
         d_down = torch.empty_like(down_proj) if need_d else None
         for e, a, b in plan.slices:
-            do = dxs[a:b]
-            if need_w:
-                torch.linalg.vecdot(do, out[a:b], out=dw_sorted[a:b])
-            do.mul_(w_sorted[a:b])  # dL/d(expert output)
-            ge, ue = g[a:b], u[a:b]
+            do, ge, ue, we = dxs[a:b], g[a:b], u[a:b], w_sorted[a:b]
             silu_g = F.silu(ge)
             h = silu_g * ue
-            dh = torch.mm(do, down_proj[e])
+            dh = torch.mm(do, down_proj[e])  # down^T dy, before the routing weight
+            if need_w:
+                torch.linalg.vecdot(dh, h, out=dw_sorted[a:b])  # dL/dw = <dy, down(h)> = <down^T dy, h>
+            dh.mul_(we)
             if need_d:
-                torch.mm(do.t(), h, out=d_down[e])
+                torch.mm(do.t(), h.mul_(we), out=d_down[e])  # (w dy)^T h = dy^T (w h); h is dead after
             du = torch.mul(dh, silu_g, out=h)
             dg = torch.ops.aten.silu_backward.grad_input(dh.mul_(ue), ge, grad_input=silu_g)
-            if need_g or need_u:
-                xe = x.index_select(0, plan.token_idx[a:b])
-                if need_g:
-                    torch.mm(dg.t(), xe, out=d_gate[e])
-                if need_u:
-                    torch.mm(du.t(), xe, out=d_up[e])
+            if need_g:
+                torch.mm(dg.t(), xs[a:b], out=d_gate[e])
+            if need_u:
+                torch.mm(du.t(), xs[a:b], out=d_up[e])
             if need_x:
                 torch.mm(dg, gate_proj[e], out=do).addmm_(du, up_proj[e])
         for grad in (d_gate, d_up, d_down):
