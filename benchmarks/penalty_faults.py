@@ -87,7 +87,7 @@ def fault_spec(a: argparse.Namespace) -> str:
 
 
 def common_overrides(a: argparse.Namespace) -> list[str]:
-    return ["cluster=local_2x1", "algo=edit", f"seed={a.seed}", f"train.steps={a.steps}",
+    return ["cluster=local_2x1", "algo=edit", "train.spike_factor=0", f"seed={a.seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
             f"train.eval_batches={a.eval_batches}", f"algo.interval={a.interval}", "algo.warmup_steps=0",
             f"algo.penalty.warmup_syncs={a.warmup_syncs}", *a.extra]

@@ -55,6 +55,9 @@ class TrainConfig:
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
     progress: bool = True
+    spike_factor: float = 3.0  # loss > factor x running mean is a spike (0 = off)
+    spike_patience: int = 3  # consecutive spiking steps before the batch is skipped and re-queued
+    spike_requeue_after: int = 50  # steps later the skipped batch is trained again
 
 
 @dataclass

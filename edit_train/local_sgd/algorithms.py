@@ -97,6 +97,7 @@ class LocalSGD:
         self._t0 = time.time()
         self._blocked_mark = 0.0
         self._last_exchange_t = self._t0
+        self.shared_loss: float | None = None  # set by the trainer; world mean after a gradient all-reduce
         self._vote = False  # this group's agreed stop vote, refreshed every local step
         self.eval_due = False  # set when the agreed global step crosses a multiple of cfg.eval_every
         self.engine: SyncEngine | None = None
@@ -142,6 +143,10 @@ class LocalSGD:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 grads.append(g)
         vote = None
+        loss = None
+        if self.shared_loss is not None:  # ddp: the loss-spike decision must be the same on every group
+            loss = torch.tensor([self.shared_loss], dtype=torch.float32, device=self.comm.device)
+            grads.append(loss)
         if self.cfg.time_budget_s > 0:
             _, agreed = self._group_agree(0.0, self._want_stop())
             vote = torch.tensor([1.0 if agreed else 0.0], device=self.comm.device)
@@ -153,6 +158,8 @@ class LocalSGD:
                 g.div_(self.comm.num_groups)
         if vote is not None and float(vote.item()) > 0:
             self.stopped = True
+        if loss is not None:
+            self.shared_loss = float(loss.item())
 
     def _group_agree(self, seconds: float, vote: bool) -> tuple[float, bool]:
         """Ranks of one group must take the same decisions (plan, first sync, stop): agree on the slowest

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from edit_train.model.config import ModelConfig
 
@@ -150,6 +151,7 @@ class _SortedMoE(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):  # type: ignore[override]
         xs, w, gate_proj, up_proj, down_proj, g, u = ctx.saved_tensors
         plan: _Plan = ctx.plan

@@ -33,6 +33,7 @@ from edit_train.train.build import build_algorithm
 from edit_train.train.checkpoint import CheckpointError, CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
+from edit_train.train.spike import SpikeGuard
 from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
                                     optimizer_tensors, restore_rng, rng_json, rng_tensors)
 
@@ -131,6 +132,7 @@ class Trainer:
         self.slowdown = Slowdown(topo.group_index, list(cfg.cluster.slowdown), list(cfg.cluster.slowdown_schedule),
                                  topo.groups)
         self.progress = Progress()
+        self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
         self.stop_signal: int | None = None
         _install_stop_handlers(self)
 
@@ -227,12 +229,13 @@ class Trainer:
     def save_checkpoint(self) -> None:
         p = self.progress
         tensors = {"model": model_tensors(self.model), "optim": optimizer_tensors(self.optimizer, self.model),
-                   "rng": rng_tensors()}
+                   "rng": rng_tensors(), "requeue": self.spike.state_tensors()}
         tensors.update(self.algo.state_tensors())
         state = {"step": p.step, "tokens": p.tokens, "skipped_steps": p.skipped_steps,
                  "wall_s": p.wall_offset + (time.time() - self.t0), "loader": self.loader.state_dict(),
                  "rng": rng_json(), "algo": self.algo.state_json(), "config": to_container(self.cfg),
-                 "wandb_run_id": self.wandb.run_id if self.wandb else None}
+                 "wandb_run_id": self.wandb.run_id if self.wandb else None,
+                 "spike": self.spike.state_json()}
         # groups of a time-scheduled run have different step counts: name the checkpoint by the agreed one
         path = self.ckpt.save(p.step if self.algo.lockstep else self.algo.global_step, tensors, state)
         if self.is_main:
@@ -260,6 +263,8 @@ class Trainer:
         self.algo.load_state(tensors, state["algo"])
         self.loader.load_state_dict(state["loader"])
         restore_rng(tensors["rng"], state["rng"])
+        if "spike" in state:
+            self.spike.load(state["spike"], tensors.get("requeue", {}))
         self.progress = Progress(step=state["step"], tokens=state["tokens"],
                                  skipped_steps=state["skipped_steps"], wall_offset=state["wall_s"])
         if self.is_main:
@@ -274,15 +279,24 @@ class Trainer:
             group["lr"] = lr
         self.model.set_step(step)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for _ in range(t.grad_accum):
-            x, y = self._local_batch()
+        batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
+        for x, y in batches:
             x, y = self.faults.corrupt_batch(step, x, y)
             with self._autocast():
                 out = self.model(x.to(topo.device), y.to(topo.device))
-            (out.loss / t.grad_accum).backward()
-            loss_sum += float(out.ce_loss.detach()) / t.grad_accum
+            (out.loss / len(batches)).backward()
+            loss_sum += float(out.ce_loss.detach()) / len(batches)
         self.faults.corrupt_grads(step, self.model)
+        if self.spike.enabled:  # the spike decision needs the loss every rank sharing the update agrees on
+            self.algo.shared_loss = float(self._group_mean(loss_sum.clone().reshape(1))[0])
         self.algo.after_backward(step)
+        if self.spike.enabled and self.spike.check(self.algo.shared_loss, step, batches):
+            self.optimizer.zero_grad(set_to_none=True)
+            if topo.is_group_leader:
+                self.metrics.log("spike", step=step + 1, group=topo.group_index, loss=self.algo.shared_loss,
+                                 running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
+            self._last_out, self._lr = out, lr
+            return float(loss_sum), True
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
         finite = bool(torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)))
         if finite:
