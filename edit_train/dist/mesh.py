@@ -139,8 +139,8 @@ def parallelize(model: nn.Module, topo: Topology, mp_dtype: torch.dtype | None =
     its own unit, the root owning the rest. Every group is an independent replica; whatever crosses
     groups (ddp's gradients, local SGD's pseudo-gradients) goes through `dist.comm.CrossGroupComm`.
     """
-    if not topo.distributed:
-        return model
+    if not topo.distributed or topo.shard_size == 1:
+        return model  # one rank per group: nothing to shard, and FSDP's per-unit hooks would only cost time
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"mesh": topo.mesh["shard"]}
