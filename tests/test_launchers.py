@@ -144,7 +144,6 @@ def test_two_nodes_on_one_host(tmp_path: Path, small_corpus: str) -> None:
     assert "node 0/2: ranks 0..0, worker group 0" in logs
 
 
-@pytest.mark.slow
 def test_two_nodes_restart_after_a_killed_worker(tmp_path: Path, small_corpus: str) -> None:
     """Static rendezvous: group 1's worker (node 1) is SIGKILLed at step 5; node 0's worker fails on the
     broken link, both agents restart their workers (same restart count), which resume from step 4."""
