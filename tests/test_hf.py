@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from conftest import run_train
 from edit_train.model import CausalLM, ModelConfig, load_preset
-from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, export_hf, from_hf_config, from_hf_state_dict,
-                                 gather_checkpoint, load_hf_into, param_shapes, to_hf_config,
-                                 to_hf_state_dict)
+from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, from_hf_config, from_hf_state_dict, param_shapes,
+                                 to_hf_config, to_hf_state_dict)
+from edit_train.model.hf_io import export_hf, gather_checkpoint, load_hf_into
 
 BAILING_KEYS = {
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

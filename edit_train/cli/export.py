@@ -91,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
-        from edit_train.model.hf import export_hf, gather_checkpoint, parse_dtype
+        from edit_train.model.hf import parse_dtype
+        from edit_train.model.hf_io import export_hf, gather_checkpoint
 
         out_dir = Path(args.out_dir)
         if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not args.overwrite:

@@ -15,21 +15,19 @@ on the machine.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import os
 import shutil
 import sys
-import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import numpy as np
 from tqdm import tqdm
 
+from .corpus import Doc, DocReader, is_stdlib, list_documents, split_fractions, stdlib_files
 from .tokenizer import DataError, load_tokenizer, tokenizer_id
 
 __all__ = [
@@ -48,8 +46,6 @@ log = logging.getLogger(__name__)
 
 META_VERSION = 1
 SPLITS = ("train", "val")
-_STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
-                                   "__pycache__"})
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -66,26 +62,8 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "edit-train"
 
 
-def _is_stdlib(source: str | None) -> bool:
-    return source is None or source == "stdlib"
-
-
-def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_files() -> list[Path]:
-    """Every ``*.py`` file of this interpreter's standard library, minus tests, site-packages, idlelib, lib2to3."""
-    root = _stdlib_root()
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS]
-        found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(found)
-
-
 def _source_label(source: str | None) -> str:
-    return "stdlib" if _is_stdlib(source) else str(source)
+    return "stdlib" if is_stdlib(source) else str(source)
 
 
 def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -146,142 +124,6 @@ def _check_min_tokens(meta: dict[str, Any], min_tokens: int, where: str) -> None
             f"corpus {where} has only {train} training tokens but at least {min_tokens} are needed "
             "(batch_size × (seq_len+1)); use a larger corpus or reduce train.batch_size / train.seq_len"
         )
-
-
-# ------------------------------------------------------------------------------------------------- documents
-
-
-@dataclass(frozen=True)
-class _Doc:
-    key: str  # stable, machine-independent name used for the split hash
-    path: Path
-    line: int | None = None  # 1-based line number for JSONL documents
-
-
-def _utf8_error(path: Path, raw: bytes, exc: UnicodeDecodeError, base: int = 0, line: int | None = None) -> DataError:
-    where = f"{path}:{line}" if line is not None else str(path)
-    bad = raw[exc.start : exc.start + 1].hex()
-    return DataError(
-        f"{where}: not valid UTF-8 (byte 0x{bad} at byte offset {base + exc.start}); convert the file to UTF-8 "
-        "(e.g. iconv -f latin1 -t utf-8) or remove it from the corpus"
-    )
-
-
-def _jsonl_text(path: Path, line_no: int, raw: bytes, base: int) -> str:
-    """Parse one JSONL line into its ``text`` (raises DataError naming file:line)."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _utf8_error(path, raw, exc, base=base, line=line_no) from None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno}); "
-            'each line must be a JSON object with a string "text" field'
-        ) from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        what = "not a JSON object" if not isinstance(obj, dict) else (
-            'no "text" field' if "text" not in obj else f'"text" is a {type(obj["text"]).__name__}, not a string'
-        )
-        raise DataError(f'{path}:{line_no}: {what}; each line must be a JSON object with a string "text" field')
-    return obj["text"]
-
-
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, str]]:
-    """Yield (line number, text) for every non-blank line of a JSONL file."""
-    base = 0
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if raw.strip():
-                yield line_no, _jsonl_text(path, line_no, raw, base)
-            base += len(raw)
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() == ".jsonl"
-
-
-def _resolve_files(source: str | None) -> tuple[list[Path], Path | None]:
-    """The corpus files in a deterministic order, and the root their keys are relative to (None: as given)."""
-    if _is_stdlib(source):
-        return stdlib_files(), _stdlib_root()
-    assert source is not None
-    expanded = os.path.expanduser(source)
-    if os.path.isdir(expanded):
-        files = sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(expanded), "**", "*"), recursive=True)
-                       if os.path.isfile(p))
-        if not files:
-            raise DataError(f"corpus directory {source} contains no files; point the source at your text files")
-        return files, Path(expanded)
-    if os.path.isfile(expanded):
-        return [Path(expanded)], None
-    matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
-    if not matches:
-        if glob.has_magic(expanded):
-            raise DataError(f"corpus glob {source!r} matched no files; check the pattern (quote it so the shell "
-                            "does not expand it)")
-        raise DataError(f"corpus path {source} does not exist; pass a file, directory, glob or 'stdlib'")
-    return matches, None
-
-
-def _list_documents(source: str | None) -> tuple[list[_Doc], int]:
-    """All non-empty documents of the source (and how many files were looked at)."""
-    files, root = _resolve_files(source)
-    docs: list[_Doc] = []
-    for path in files:
-        key = path.relative_to(root).as_posix() if root is not None else path.as_posix()
-        if _is_jsonl(path):
-            for line_no, text in _iter_jsonl(path):
-                if text:
-                    docs.append(_Doc(f"{key}:{line_no}", path, line_no))
-        elif path.stat().st_size > 0:
-            docs.append(_Doc(key, path))
-    return docs, len(files)
-
-
-class _DocReader:
-    """Reads documents' texts in listing order, opening each JSONL file once."""
-
-    def __init__(self, skip_bad_utf8: bool = False) -> None:
-        self.skip_bad_utf8 = skip_bad_utf8
-        self._jsonl_path: Path | None = None
-        self._jsonl_iter: Iterator[tuple[int, str]] | None = None
-
-    def read(self, doc: _Doc) -> str | None:
-        if doc.line is None:
-            raw = doc.path.read_bytes()
-            try:
-                return raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                if self.skip_bad_utf8:
-                    log.warning("skipping %s: not valid UTF-8", doc.path)
-                    return None
-                raise _utf8_error(doc.path, raw, exc) from None
-        if self._jsonl_path != doc.path:
-            self._jsonl_path, self._jsonl_iter = doc.path, _iter_jsonl(doc.path)
-        assert self._jsonl_iter is not None
-        for line_no, text in self._jsonl_iter:
-            if line_no == doc.line:
-                return text
-        raise DataError(f"{doc.path}: changed while being read (line {doc.line} vanished); prepare again")
-
-
-def _split_fractions(docs: list[_Doc], val_fraction: float, seed: int) -> list[bool]:
-    """Per document: True when it goes to val. ~val_fraction of docs, ≥1 each side when ≥2 docs."""
-    if not docs or val_fraction <= 0:
-        return [False] * len(docs)
-    scores = []
-    for doc in docs:
-        h = hashlib.sha1(f"{seed}\0{doc.key}".encode("utf-8")).digest()
-        scores.append(int.from_bytes(h[:8], "big") / 2.0**64)
-    is_val = [s < val_fraction for s in scores]
-    if len(docs) >= 2:
-        if not any(is_val):
-            is_val[min(range(len(docs)), key=scores.__getitem__)] = True
-        if all(is_val):
-            is_val[max(range(len(docs)), key=scores.__getitem__)] = False
-    return is_val
 
 
 class _ShardWriter:
@@ -371,7 +213,7 @@ def prepare_corpus(
     tok = load_tokenizer(tokenizer)
     tok_id = tokenizer_id(tokenizer)
     dtype = dtype_for_vocab(tok.vocab_size)
-    docs, n_files = _list_documents(source)
+    docs, n_files = list_documents(source)
     if not docs:
         raise DataError(f"corpus {label} contains no text ({n_files} file(s), all empty); "
                         "point the source at non-empty text files")
@@ -383,7 +225,7 @@ def prepare_corpus(
     try:
         tmp.mkdir()
         splits = _write_splits(tmp, docs, tok, dtype, val_fraction, shard_tokens, seed, progress,
-                               skip_bad_utf8=_is_stdlib(source))
+                               skip_bad_utf8=is_stdlib(source))
         content = splits.pop("_content_tokens")
         if content == 0:
             raise DataError(f"corpus {label} contains no text ({len(docs)} document(s) produced no tokens); "
@@ -424,7 +266,7 @@ def prepare_corpus(
 
 def _write_splits(
     tmp: Path,
-    docs: list[_Doc],
+    docs: list[Doc],
     tok: Any,
     dtype: str,
     val_fraction: float,
@@ -435,7 +277,7 @@ def _write_splits(
 ) -> dict[str, Any]:
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
     eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=np.int64)
-    reader = _DocReader(skip_bad_utf8=skip_bad_utf8)
+    reader = DocReader(skip_bad_utf8=skip_bad_utf8)
     content = 0
     try:
         with tqdm(total=len(docs), disable=not progress, unit="doc", desc="prepare", dynamic_ncols=True) as bar:
@@ -454,7 +296,7 @@ def _write_splits(
                 writers["val"].documents = 1 if n_val else 0
                 bar.update(1)
             else:
-                for doc, is_val in zip(docs, _split_fractions(docs, val_fraction, seed)):
+                for doc, is_val in zip(docs, split_fractions(docs, val_fraction, seed)):
                     text = reader.read(doc)
                     bar.update(1)
                     if not text:
@@ -487,7 +329,7 @@ def _warn_if_different(meta: dict[str, Any], out_dir: Path, label: str, tokenize
 
 def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float = 0.005, seed: int = 0) -> str:
     """The cache directory name for a dataset: readable prefix + hash of (source, tokenizer content, split)."""
-    if _is_stdlib(source):
+    if is_stdlib(source):
         src = f"stdlib-py{sys.version.split()[0]}"
         prefix = src
     else:

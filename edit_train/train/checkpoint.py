@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from edit_train.fsutil import fsync_dir, fsync_file
+
 log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -30,21 +32,6 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, corrupt, incompatible); the message names the file."""
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync_file(path)
-    except OSError:  # some filesystems do not allow fsync on directories
-        pass
 
 
 def sha256_file(path: Path) -> str:
@@ -91,13 +78,13 @@ class CheckpointManager:
         for part, tdict in tensors.items():
             path = tmp / f"rank{self.rank}-{part}.safetensors"
             save_file(_contiguous_cpu(tdict), str(path), metadata={"step": str(step), "part": part})
-            _fsync_file(path)
+            fsync_file(path)
             written += 1
             if crash_after_files is not None and written >= crash_after_files:
                 raise RuntimeError(f"injected crash while saving checkpoint step {step}")
         state_path = tmp / f"rank{self.rank}-state.json"
         state_path.write_text(json.dumps(state, indent=1, sort_keys=True))
-        _fsync_file(state_path)
+        fsync_file(state_path)
         self.barrier()
         if self.rank == 0:
             files = sorted(p for p in tmp.iterdir() if p.is_file())
@@ -105,12 +92,12 @@ class CheckpointManager:
                         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
             mpath = tmp / MANIFEST
             mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-            _fsync_file(mpath)
-            _fsync_dir(tmp)
+            fsync_file(mpath)
+            fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._prune()
         self.barrier()
         return final

@@ -121,7 +121,7 @@ class Trainer:
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
         if cfg.model.init_from:
-            from edit_train.model.hf import load_hf_into
+            from edit_train.model.hf_io import load_hf_into
 
             load_hf_into(self.model, cfg.model.init_from)
         parallelize(self.model, topo)
