@@ -190,6 +190,13 @@ def fmt(v: Any, spec: str = ".4f") -> str:
     return str(v)
 
 
+def print_targets(targets: dict[str, Any], out: Path, plot: Path, spec: str = ".4f") -> None:
+    """The closing lines every benchmark prints: each target's value, then where the results went."""
+    for k, v in targets.items():
+        print(f"  {k}: {fmt(v, spec)}")
+    print(f"wrote {out} and {plot}")
+
+
 def table(rows: Iterable[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
     """A plain-text table. `columns` = (key, header, format spec) triples."""
     rows = list(rows)

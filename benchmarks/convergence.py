@@ -175,9 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("bytes_ratio_vs_ddp", "B/ddp", ".5f"), ("bytes_ratio_x_H", "x H", ".5f"),
             ("syncs", "syncs", ""), ("train_wall_s", "train s", ".0f"), ("job_wall_s", "job s", ".0f")]
     print(C.table(rows.values(), cols))
-    for k, v in result["targets"].items():
-        print(f"  {k}: {C.fmt(v, '.4f')}")
-    print(f"wrote {a.out} and {a.plot}")
+    C.print_targets(result["targets"], a.out, a.plot)
     return result
 
 

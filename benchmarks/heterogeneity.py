@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     C.write_json(a.out, result)
     plot(jobs, rows, a)
-    print(f"standalone tokens/s: " + ", ".join(f"{n} {t:,.0f}" for n, t in zip(alone, tps))
+    print("standalone tokens/s: " + ", ".join(f"{n} {t:,.0f}" for n, t in zip(alone, tps))
           + f"; sum {sum_tps:,.0f}; speed ratio {speed_ratio:.2f}")
     cols = [("run", "run", ""), ("tokens_per_s", "tok/s", ",.0f"), ("tps_g0", "g0 tok/s", ",.0f"),
             ("tps_g1", "g1 tok/s", ",.0f"), ("throughput_ratio", "/sum alone", ".3f"),
@@ -260,9 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if "median_H" in r:
             print(f"  {n}: median H per group {r['median_H']} (H0/H1 {C.fmt(r['H0_over_H1'], '.2f')}, standalone "
                   f"speed ratio {speed_ratio:.2f}); local steps per sync {r['local_steps']}")
-    for k, v in result["targets"].items():
-        print(f"  {k}: {C.fmt(v)}")
-    print(f"wrote {a.out} and {a.plot}")
+    C.print_targets(result["targets"], a.out, a.plot)
     return result
 
 

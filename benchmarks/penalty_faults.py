@@ -214,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"(g1-only {d['specific_outside_window']}), g0 {d['flagged_syncs_group0']}")
     print(f"  clean run: g1 flagged {detection['clean']['flagged_syncs_group1']}, "
           f"g0 flagged {detection['clean']['flagged_syncs_group0']}")
-    for k, v in result["targets"].items():
-        print(f"  {k}: {C.fmt(v, '.4f')}")
-    print(f"wrote {a.out} and {a.plot}")
+    C.print_targets(result["targets"], a.out, a.plot)
     return result
 
 

@@ -167,7 +167,7 @@ def test_split_is_deterministic_and_seeded(tmp_path):
     corpus = lines_corpus(tmp_path, n_docs=60)
     a = prepare_corpus(str(corpus), tmp_path / "a", val_fraction=0.2, seed=1, progress=False)
     b = prepare_corpus(str(corpus), tmp_path / "b", val_fraction=0.2, seed=1, progress=False)
-    c = prepare_corpus(str(corpus), tmp_path / "c", val_fraction=0.2, seed=2, progress=False)
+    prepare_corpus(str(corpus), tmp_path / "c", val_fraction=0.2, seed=2, progress=False)
     assert a["splits"] == b["splits"]
     assert (all_tokens(tmp_path / "a", "val") == all_tokens(tmp_path / "b", "val")).all()
     assert all_tokens(tmp_path / "a", "val").tolist() != all_tokens(tmp_path / "c", "val").tolist()

@@ -15,7 +15,6 @@ import argparse
 import json
 import logging
 import re
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 

@@ -25,7 +25,6 @@ def estimate(cfg) -> dict:  # type: ignore[no-untyped-def]
     on_device = {k: v for k, v in per_rank.items()
                  if not (k == "outer_anchor_and_momentum" and cfg.algo.outer.offload)}
     return {
-        "model": cfg.model_name if hasattr(cfg, "model_name") else None,
         **counts,
         "active_ratio": counts["active_params"] / max(total, 1),
         "groups": cfg.cluster.groups,

@@ -13,9 +13,6 @@ from typing import Any
 
 from edit_train.cli.common import CONF_DIR, compose, fail, one_line, setup_logging
 
-USER_ERRORS: tuple[type[BaseException], ...] = ()
-
-
 def _user_errors() -> tuple[type[BaseException], ...]:
     from edit_train.config import ConfigError
     from edit_train.data import DataError

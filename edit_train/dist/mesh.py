@@ -122,7 +122,8 @@ def init_topology(groups: int, shard_size: int, device: str = "auto", backend: s
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
-    """The modules that become FSDP units, in forward order (the root last: it owns the rest)."""
+    """The modules that become FSDP units, in forward order (the root, which owns
+    the rest, is wrapped after them by `parallelize`)."""
     units: list[nn.Module] = []
     tied = getattr(getattr(model, "lm_head", None), "weight", None) is getattr(
         getattr(model, "word_embeddings", None), "weight", object())

@@ -86,7 +86,6 @@ class LocalSGD:
         self.units = build_units(model, unit_modules)
         self.sync_index = 0
         self._sync_step = 0
-        self._last_step = 0
         self.local_steps = 0
         self.total_steps = 0  # this group's steps so far
         self.global_step = 0  # max over groups, as of the last exchange
@@ -180,7 +179,6 @@ class LocalSGD:
 
     def after_step(self, step: int, seconds: float, *_: Any) -> None:
         self.total_steps = step + 1
-        self._last_step = step + 1
         if not self.cfg.local_sgd:
             self.global_step = step + 1
             return
@@ -248,7 +246,7 @@ class LocalSGD:
         self.flush()
         if self.engine is not None and self.local_steps > 0:
             overlap, self.overlap = self.overlap, None
-            self.start_sync(self._last_step)
+            self.start_sync(self.total_steps)
             self.flush()
             self.overlap = overlap
 

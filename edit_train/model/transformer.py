@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edit_train.model.config import ModelConfig
-from edit_train.model.moe import DenseMLP, MoEBlock, RoutedExperts, Router
+from edit_train.model.moe import DenseMLP, MoEBlock, RoutedExperts
 
 IGNORE_INDEX = -100
 

@@ -338,7 +338,7 @@ class Trainer:
             p.tokens += tokens_per_step
             window_tokens += tokens_per_step
             self.algo.after_step(step, time.time() - step_t0, self.metrics)
-            if (p.step % t.log_every == 0 or p.step == t.steps) and True:
+            if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
                 now = time.time()
                 tps = window_tokens / max(now - window_t, 1e-9)
