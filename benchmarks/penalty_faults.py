@@ -7,8 +7,8 @@ Three `algo=edit` runs of the tiny MoE on `cluster=local_2x1` (2 groups x 1 shar
   * penalty_off — the same fault with `algo.penalty.anomaly=false algo.penalty.weighting=uniform
                   algo.penalty.clip=false` (plain DiLoCo-style averaging of the pseudo-gradients).
 The window starts after the EWMA warm-up: anomaly detection is live from sync W+1 on (W =
-`algo.penalty.warmup_syncs`, default 10), i.e. from step (W+1)*H, so the default start is (W+1)*H.
-`--quick` lowers W to 5 (`algo.penalty.warmup_syncs=5`, for all three runs) to fit a short run.
+`algo.penalty.warmup_syncs`; the benchmark sets W = 5 for all three runs to fit a short run, the conf default
+is 10), i.e. from step (W+1)*H, so the default start is (W+1)*H.
 
 Reported: the syncs whose pseudo-gradient window [step - local_steps, step) overlaps the fault window; the
 syncs at which group 1 was flagged anomalous (`sync` events, with the modules) in the faulty run; false
@@ -16,25 +16,25 @@ flags (outside the window, or on group 0); the final validation loss of each run
 and penalty_off/clean (expected measurably worse). JSON + plot (val loss vs step, fault window shaded,
 anomaly markers; group 1's pseudo-gradient norm per sync) + a printed table.
 
-Caveat (EWMA alpha = 0.02, the default): sigma is far too small after the warm-up, so healthy modules whose
-norm is still growing (word_embeddings, root) get flagged on *both* groups in clean runs too; when the fault
-already excludes group 1, such a false flag on group 0 makes the module all-anomalous and freezes it.
-`--set algo.penalty.ewma_alpha=0.2` removes those false flags (the table's "group 1 only" row separates them).
+Seeds: the default preset repeats the three runs for seeds 0, 1, 2 and reports mean and min..max of each
+run's loss and of the ratios; the targets must hold on every seed. The plot shows the first seed.
 
-    python benchmarks/penalty_faults.py --quick                    # 3 x 240 steps, H=8, W=5, batch 8
+    python benchmarks/penalty_faults.py --quick                    # 3 x 240 steps, H=8, W=5, seed 0
     python benchmarks/penalty_faults.py --quick --fault lr_spike --factor 20
-    python benchmarks/penalty_faults.py                            # 3 x 800 steps, H=16, W=10, batch 16
+    python benchmarks/penalty_faults.py                            # 3 seeds x 3 x 240 steps, H=8, W=5
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from convergence import spread  # noqa: E402
 
 PENALTY_OFF = ["algo.penalty.anomaly=false", "algo.penalty.weighting=uniform", "algo.penalty.clip=false"]
 FAULT_GROUP = 1
@@ -42,7 +42,7 @@ FAULT_GROUP = 1
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run: 240 steps, H=8, W=5, batch 8")
+    ap.add_argument("--quick", action="store_true", help="reduced run: 240 steps, H=8, W=5, batch 8, one seed")
     ap.add_argument("--fault", choices=("garbage_data", "lr_spike", "nan_grad"), default="garbage_data")
     ap.add_argument("--factor", type=float, default=20.0, help="LR multiplier for --fault lr_spike")
     ap.add_argument("--steps", type=int, default=None)
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2; --quick: 0)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for all three runs (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "penalty_faults")
@@ -64,10 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse finished runs in --workdir that had exactly the same overrides")
     a = ap.parse_args(argv)
-    a.steps = a.steps or (240 if a.quick else 800)
-    a.interval = a.interval or (8 if a.quick else 16)
-    a.warmup_syncs = a.warmup_syncs if a.warmup_syncs is not None else (5 if a.quick else 10)
-    a.batch_size = a.batch_size or (8 if a.quick else 16)
+    a.steps = a.steps or 240
+    a.interval = a.interval or 8
+    a.warmup_syncs = a.warmup_syncs if a.warmup_syncs is not None else 5
+    a.batch_size = a.batch_size or 8
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.eval_every = a.eval_every or (2 * a.interval)
     a.start = a.start if a.start is not None else (a.warmup_syncs + 1) * a.interval
     a.end = a.end if a.end is not None else a.start + 8 * a.interval
@@ -86,8 +87,8 @@ def fault_spec(a: argparse.Namespace) -> str:
     return f"faults=[{{{fields}}}]"
 
 
-def common_overrides(a: argparse.Namespace) -> list[str]:
-    return ["cluster=local_2x1", "algo=edit", "train.spike_factor=0", f"seed={a.seed}", f"train.steps={a.steps}",
+def common_overrides(a: argparse.Namespace, seed: int) -> list[str]:
+    return ["cluster=local_2x1", "algo=edit", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
             f"train.eval_batches={a.eval_batches}", f"algo.interval={a.interval}", "algo.warmup_steps=0",
             f"algo.penalty.warmup_syncs={a.warmup_syncs}", *a.extra]
@@ -167,11 +168,13 @@ def plot(jobs: dict[str, C.Job], a: argparse.Namespace, path: Path) -> Path:
     return C.save_fig(fig, path)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    a = parse_args(argv)
-    base, fault = common_overrides(a), fault_spec(a)
+def run_seed(a: argparse.Namespace, seed: int) -> tuple[dict[str, Any], dict[str, C.Job]]:
+    base, fault = common_overrides(a, seed), fault_spec(a)
     plan = {"clean": base, "faulty": [*base, fault], "penalty_off": [*base, fault, *PENALTY_OFF]}
-    jobs = {n: C.run_job(n, a.workdir / n, ov, timeout=a.timeout, reuse=a.reuse) for n, ov in plan.items()}
+    jobs = {n: C.run_job(f"{n} seed {seed}", a.workdir / f"seed{seed}" / n, ov, timeout=a.timeout,
+                         reuse=a.reuse) for n, ov in plan.items()}
+    for n, j in jobs.items():
+        j.name = n
     clean = jobs["clean"].summary["final_val_loss"]
     rows = {}
     for name, job in jobs.items():
@@ -183,38 +186,67 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "job_wall_s": job.wall_s, "run_dir": job.run_dir}
     detection = {n: sync_table(j, a.start, a.end) for n, j in jobs.items()}
     r_f, r_off = rows["faulty"]["ratio_vs_clean"], rows["penalty_off"]["ratio_vs_clean"]
+    tg = {"faulty_over_clean": r_f, "faulty_le_1.01x_clean": r_f <= 1.01,
+          "penalty_off_over_clean": r_off, "penalty_off_worse_than_faulty": r_off > r_f,
+          "penalty_off_minus_faulty": rows["penalty_off"]["final_val_loss"] - rows["faulty"]["final_val_loss"]}
+    curves = {n: dict(zip(("step", "val_loss"), j.eval_curve())) for n, j in jobs.items()}
+    return {"results": rows, "detection": detection, "targets": tg, "curves": curves,
+            "overrides": {n: j.overrides for n, j in jobs.items()}}, jobs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    per_seed: dict[int, dict[str, Any]] = {}
+    first: dict[str, C.Job] = {}
+    for seed in a.seeds:
+        per_seed[seed], jobs = run_seed(a, seed)
+        first = first or jobs
+    summary = {n: {"final_val_loss": spread([ps["results"][n]["final_val_loss"] for ps in per_seed.values()]),
+                   "ratio_vs_clean": spread([ps["results"][n]["ratio_vs_clean"] for ps in per_seed.values()])}
+               for n in ("clean", "faulty", "penalty_off")}
+    every = lambda key: all(ps["targets"][key] for ps in per_seed.values())  # noqa: E731
+    targets = {"faulty_le_1.01x_clean_every_seed": every("faulty_le_1.01x_clean"),
+               "penalty_off_worse_than_faulty_every_seed": every("penalty_off_worse_than_faulty"),
+               "faulty_over_clean_per_seed": [ps["targets"]["faulty_over_clean"] for ps in per_seed.values()],
+               "penalty_off_over_clean_per_seed": [ps["targets"]["penalty_off_over_clean"]
+                                                   for ps in per_seed.values()],
+               "group1_flagged_in_window_per_seed": [ps["detection"]["faulty"]["recall"] for ps in per_seed.values()],
+               "false_flags_clean_run_per_seed": [len(ps["detection"]["clean"]["flagged_syncs_group1"])
+                                                  + len(ps["detection"]["clean"]["flagged_syncs_group0"])
+                                                  for ps in per_seed.values()]}
+    wall = time.perf_counter() - t0
     result = {
         "benchmark": "penalty_faults", "quick": a.quick,
         "setup": {"fault": a.fault, "factor": a.factor if a.fault == "lr_spike" else None, "group": FAULT_GROUP,
                   "window": [a.start, a.end], "steps": a.steps, "interval": a.interval,
                   "warmup_syncs": a.warmup_syncs, "detection_live_from_step": (a.warmup_syncs + 1) * a.interval,
-                  "batch_size": a.batch_size, "seq_len": a.seq_len, "seed": a.seed,
-                  "overrides": {n: j.overrides for n, j in jobs.items()}},
-        "results": rows, "detection": detection,
-        "targets": {"faulty_over_clean": r_f, "faulty_le_1.01x_clean": r_f <= 1.01,
-                    "penalty_off_over_clean": r_off, "penalty_off_worse_than_faulty": r_off > r_f,
-                    "penalty_off_minus_faulty": rows["penalty_off"]["final_val_loss"]
-                    - rows["faulty"]["final_val_loss"]},
-        "curves": {n: dict(zip(("step", "val_loss"), j.eval_curve())) for n, j in jobs.items()},
-        "env": C.environment(),
+                  "batch_size": a.batch_size, "seq_len": a.seq_len, "seeds": a.seeds},
+        "summary": summary, "targets": targets, "per_seed": per_seed, "wall_s": wall, "env": C.environment(),
     }
     C.write_json(a.out, result)
-    plot(jobs, a, a.plot)
+    plot(first, a, a.plot)
     cols = [("run", "run", ""), ("final_val_loss", "val loss", ".4f"), ("ratio_vs_clean", "/clean", ".4f"),
             ("anomalies_group1", "g1 flags", ""), ("anomalies", "all flags", ""), ("syncs", "syncs", ""),
             ("job_wall_s", "job s", ".0f")]
-    print(C.table(rows.values(), cols))
-    d = detection["faulty"]
     print(f"fault {a.fault} on group {FAULT_GROUP}, steps [{a.start}, {a.end}); detection live from step "
           f"{(a.warmup_syncs + 1) * a.interval} (W={a.warmup_syncs}, H={a.interval})")
-    print(f"  syncs overlapping the window: {d['overlapping_syncs']} (steps {d['overlapping_steps']})")
-    print(f"  group 1 flagged at syncs:     {d['flagged_syncs_group1']} (steps {d['flagged_steps_group1']})")
-    print(f"  group 1 only (not group 0):   {d['specific_syncs_group1']}")
-    print(f"  detected {d['detected']}, missed {d['missed']}, flags outside the window: g1 {d['false_flags_group1']} "
-          f"(g1-only {d['specific_outside_window']}), g0 {d['flagged_syncs_group0']}")
-    print(f"  clean run: g1 flagged {detection['clean']['flagged_syncs_group1']}, "
-          f"g0 flagged {detection['clean']['flagged_syncs_group0']}")
-    C.print_targets(result["targets"], a.out, a.plot)
+    for seed, ps in per_seed.items():
+        d, dc = ps["detection"]["faulty"], ps["detection"]["clean"]
+        print(f"seed {seed}:")
+        print(C.table(ps["results"].values(), cols))
+        print(f"  syncs overlapping the window: {d['overlapping_syncs']}; group 1 flagged at {d['flagged_syncs_group1']}"
+              f" (group-1-only {d['specific_syncs_group1']}); missed {d['missed']}; "
+              f"outside the window: g1 {d['false_flags_group1']}, g0 {d['flagged_syncs_group0']}")
+        print(f"  clean run: g1 flagged {dc['flagged_syncs_group1']}, g0 flagged {dc['flagged_syncs_group0']}")
+    srows = [{"run": n, **{k: v["final_val_loss"][k] for k in ("mean", "std", "min", "max")},
+              "ratio": v["ratio_vs_clean"]["mean"], "ratio_max": v["ratio_vs_clean"]["max"]}
+             for n, v in summary.items()]
+    print(f"across seeds {a.seeds} (total wall {wall / 60:.1f} min):")
+    print(C.table(srows, [("run", "run", ""), ("mean", "val loss mean", ".4f"), ("std", "std", ".4f"),
+                          ("min", "min", ".4f"), ("max", "max", ".4f"), ("ratio", "/clean mean", ".4f"),
+                          ("ratio_max", "/clean max", ".4f")]))
+    C.print_targets(targets, a.out, a.plot)
     return result
 
 

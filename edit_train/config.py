@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 from edit_train.local_sgd.outer import OuterConfig
 from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.model.config import ModelConfig
@@ -22,7 +23,8 @@ class ConfigError(ValueError):
 class RunConfig:
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     name: str = "demo"  # experiment name (W&B group)
-    max_restarts: int = 0  # local launcher: restart all workers this many times after a failure (resume=auto)
+    max_restarts: int = 0  # local launcher: restart a failed cluster job this many times (it heals from a peer)
+    restart_delay_s: float = 2.0  # local launcher: wait this long before restarting a failed cluster
 
 
 @dataclass
@@ -30,7 +32,7 @@ class DataConfig:
     source: str = "stdlib"  # "stdlib", a glob of text files, a directory, or a .jsonl file/glob
     tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
     cache_dir: str | None = None  # default: $EDIT_TRAIN_CACHE or ~/.cache/edit-train
-    val_fraction: float = 0.02
+    val_fraction: float = DEFAULT_VAL_FRACTION  # 0.02; edit-train-prepare's default too (same cache entry)
     seed: int = 0
 
 
@@ -49,7 +51,10 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # fp32 | bf16 (FSDP2 bf16 params + fp32 reduce on sharded CUDA groups, else autocast)
+    activation_checkpointing: str = "none"  # none | full (every decoder layer) | moe (the MoE blocks only)
+    compile: bool = False  # torch.compile each decoder layer
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = from the table of known GPUs (none on CPU)
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
@@ -77,6 +82,10 @@ class AlgoConfig:
 class SyncConfig:
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
+    compression: str = "none"  # none | bf16 | int8 | fp8: pseudo-gradients on the cross-cluster link
+    block_size: int = 256  # int8/fp8: values per absmax scale
+    scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
+    error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
 
 
 @dataclass
@@ -88,12 +97,26 @@ class LinkConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local"
-    groups: int = 1
+    groups: int = 1  # N equal clusters of `shard_size` ranks (named c0..cN-1), unless `clusters` lists them
     shard_size: int = 1
+    clusters: list[dict[str, Any]] = field(default_factory=list)  # [{name, ranks, slowdown}] clusters of any size
+    only: str = ""  # start only this cluster (joins a federation whose Lighthouse is federation.lighthouse)
     slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per group (simulated slower hardware)
     slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{group, step, factor}] mid-run changes
     link: LinkConfig = field(default_factory=LinkConfig)
     backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class FederationConfig:
+    lighthouse: str = ""  # host:port of torchft's Lighthouse; "" = edit-train starts one for a local run
+    min_clusters: int = 1  # a sync needs at least this many clusters
+    join_timeout_s: float = 5.0  # grace window: how long a sync waits for live clusters that are late
+    heartbeat_timeout_s: float = 5.0  # a cluster silent this long is left out of quorums
+    quorum_timeout_s: float = 300.0  # give up (one-line error) when no quorum forms for this long
+    collective_timeout_s: float = 30.0  # a cross-cluster collective or connection that takes longer fails
+    chunks: int = 4  # a module's pseudo-gradient is cut into this many pieces across clusters of unequal size
+    host: str = "127.0.0.1"  # address this cluster's leader listens on for cross-cluster traffic
 
 
 @dataclass
@@ -121,6 +144,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: list[dict[str, Any]] = field(default_factory=list)
@@ -128,17 +152,56 @@ class Config:
     seed: int = 0
 
 
-def register_configs() -> None:
-    """Register the schema and its groups' schemas in Hydra's ConfigStore."""
-    from hydra.core.config_store import ConfigStore
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    ranks: int
+    index: int  # position in the configured list (data partition, slowdown, faults)
+    slowdown: float = 1.0
+    batch_size: int = 0  # sequences per rank for this cluster (0: train.batch_size)
+    device: str = ""  # auto | cpu | cuda for this cluster ("": train.device): a federation may mix devices
 
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    cs.store(group="model", name="schema", node=ModelConfig)
-    cs.store(group="data", name="schema", node=DataConfig)
-    cs.store(group="algo", name="schema", node=AlgoConfig)
-    cs.store(group="cluster", name="schema", node=ClusterConfig)
-    cs.store(group="logger", name="schema", node=LoggerConfig)
+
+def cluster_specs(cfg: Config) -> list[ClusterSpec]:
+    """The federation's configured clusters: `cluster.clusters`, else `groups` equal ones named c0…"""
+    c = cfg.cluster
+    if c.clusters:
+        out = []
+        for i, spec in enumerate(c.clusters):
+            spec = dict(spec)
+            unknown = set(spec) - {"name", "ranks", "slowdown", "batch_size", "device"}
+            if unknown:
+                raise ConfigError(f"cluster.clusters[{i}]: unknown field(s) {sorted(unknown)}; "
+                                  "use name, ranks, slowdown, batch_size, device")
+            device = str(spec.get("device", ""))
+            if device not in ("", "auto", "cpu", "cuda"):
+                raise ConfigError(f"cluster.clusters[{i}].device: must be auto, cpu or cuda, got {device!r}")
+            try:
+                ranks, slow = int(spec.get("ranks", 1)), float(spec.get("slowdown", 1.0))
+                batch = int(spec.get("batch_size", 0))
+            except (TypeError, ValueError):
+                raise ConfigError(f"cluster.clusters[{i}]: ranks and batch_size must be integers and slowdown "
+                                  "a number") from None
+            if ranks < 1 or slow < 1.0 or batch < 0:
+                raise ConfigError(f"cluster.clusters[{i}]: ranks must be >= 1, slowdown >= 1.0, batch_size >= 0")
+            out.append(ClusterSpec(str(spec.get("name", f"c{i}")), ranks, i, slow, batch, device))
+        return out
+    slow = list(c.slowdown) or [1.0] * c.groups
+    return [ClusterSpec(f"c{i}", c.shard_size, i, float(slow[i]) if i < len(slow) else 1.0) for i in range(c.groups)]
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore (no group options: `algo=schema` etc. is not a choice).
+
+    In the schema `data.source` is mandatory (???): every `data` preset names its source, and `data=text`
+    without `data.source` fails in one line instead of silently keeping the stdlib default (a `???` in a
+    preset never overrides a value under it)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import MISSING, OmegaConf
+
+    schema = OmegaConf.structured(Config)
+    schema.data.source = MISSING
+    ConfigStore.instance().store(name="config_schema", node=schema)
 
 
 def _need(cond: bool, field_name: str, why: str) -> None:
@@ -157,6 +220,9 @@ def validate(cfg: Config) -> None:
           f"{t.seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}")
     _need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
     _need(t.precision in ("fp32", "bf16"), "train.precision", f"must be fp32 or bf16, got {t.precision!r}")
+    _need(t.activation_checkpointing in ("none", "full", "moe"), "train.activation_checkpointing",
+          f"must be none, full or moe, got {t.activation_checkpointing!r}")
+    _need(t.peak_flops >= 0, "train.peak_flops", f"must be >= 0 (0 = look the device up), got {t.peak_flops}")
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every/eval_batches", "must be >= 0 / >= 1")
     _need(a.name in ("ddp", "post_local_sgd", "diloco", "edit", "a_edit"), "algo.name",
@@ -171,8 +237,24 @@ def validate(cfg: Config) -> None:
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
     _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")
     _need(c.shard_size >= 1, "cluster.shard_size", f"must be >= 1, got {c.shard_size}")
-    _need(not c.slowdown or len(c.slowdown) == c.groups, "cluster.slowdown",
-          f"needs one factor per group ({c.groups}), got {len(c.slowdown)}")
+    specs = cluster_specs(cfg)
+    names = [s.name for s in specs]
+    _need(len(set(names)) == len(names), "cluster.clusters", f"cluster names must be unique, got {names}")
+    _need(not c.slowdown or len(c.slowdown) == len(specs), "cluster.slowdown",
+          f"needs one factor per cluster ({len(specs)}), got {len(c.slowdown)}")
+    from edit_train.federation.compress import CompressionConfig
+
+    try:
+        CompressionConfig(cfg.sync.compression, cfg.sync.block_size, cfg.sync.scale_dtype,
+                          cfg.sync.error_feedback).validate()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    f = cfg.federation
+    _need(f.min_clusters >= 1, "federation.min_clusters", f"must be >= 1, got {f.min_clusters}")
+    _need(f.chunks >= 1, "federation.chunks", f"must be >= 1, got {f.chunks}")
+    _need(min(f.join_timeout_s, f.heartbeat_timeout_s, f.quorum_timeout_s, f.collective_timeout_s) > 0,
+          "federation.*_timeout_s", "timeouts must be > 0 seconds")
+    _need(cfg.run.restart_delay_s >= 0, "run.restart_delay_s", "must be >= 0")
     _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")
     _need(c.backend in ("auto", "gloo", "nccl"), "cluster.backend", f"must be auto, gloo or nccl, got {c.backend!r}")
     _need(cfg.sync.mode != "overlap" or a.local_sgd, "sync.mode",

@@ -203,9 +203,14 @@ class Run:
                 "blocked_frac": max(blocked_fracs) if blocked_fracs else math.nan, "per_group": per_group}
 
     def _last_val(self) -> float:
-        vals = [_num(e.get("val_loss")) for e in self.evals()]
-        vals = [v for v in vals if math.isfinite(v)]
-        return vals[-1] if vals else math.nan
+        last = self.last_eval()
+        return last[1] if last else math.nan
+
+    def last_eval(self) -> tuple[int, float] | None:
+        """(step, val loss) of the newest world evaluation with a finite loss, or None."""
+        found = [(e.get("step"), _num(e.get("val_loss"))) for e in self.evals()]
+        found = [(int(s), v) for s, v in found if isinstance(s, (int, float)) and math.isfinite(v)]
+        return found[-1] if found else None
 
 
 def load_run(path: str | Path) -> Run:
@@ -255,6 +260,16 @@ def _fmt_float(v: Any, digits: int) -> str:
     return f"{x:,.{digits}f}" if math.isfinite(x) else "n/a"
 
 
+def _val_cell(run: Run, val: Any) -> str:
+    """A finished run's final val loss; an unfinished run only has its last evaluation (maybe step 0's,
+    before any training), which the cell says instead of passing it off as final."""
+    text = _fmt_float(val, 3)
+    last = run.last_eval()
+    if run.completed or text == "n/a" or last is None:
+        return text
+    return f"{text} (last eval, step {last[0]})"
+
+
 def table_rows(runs: list[Run]) -> list[dict[str, str]]:
     rows = []
     for r in runs:
@@ -267,7 +282,7 @@ def table_rows(runs: list[Run]) -> list[dict[str, str]]:
             "tokens": _fmt_int(s["tokens"]),
             "wall_s": _fmt_float(s["wall_s"], 1),
             "tokens/s": _fmt_int(s["tokens_per_s"]),
-            "final val loss": _fmt_float(s["final_val_loss"], 3),
+            "final val loss": _val_cell(r, s["final_val_loss"]),
             "cross-group bytes": human_bytes(s["cross_group_bytes"]),
             "syncs": _fmt_int(s["syncs"]),
             "anomalies": _fmt_int(s["anomalies"]),
@@ -325,7 +340,8 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
         if not r.completed:
             why = "summary.json says completed=false" if r.summary is not None else "no summary.json"
             notes.append(f"- `{r.path}`: incomplete ({why}; crashed or still running) — its numbers are derived "
-                         "from metrics.jsonl, `n/a` where the events cannot tell.")
+                         "from metrics.jsonl, `n/a` where the events cannot tell; its val loss is "
+                         "the last evaluation's, not a final one.")
     md = ["# edit-train report", "", table, ""]
     if notes:
         md += [*notes, ""]

@@ -15,6 +15,8 @@ import pytest
 
 # The smallest training run that still exercises log / eval / checkpoint paths.
 TINY = [
+    "algo=ddp",  # one process in this interpreter unless a test asks for more (the default run is 2 clusters)
+    "cluster=local",
     "model=tiny",
     "train.steps=6",
     "train.batch_size=2",

@@ -83,7 +83,7 @@ def test_bad_override_is_one_line(tmp_path, monkeypatch, capsys, override, key):
 def test_inconsistent_config_is_one_line(tmp_path):
     proc = run_cli(*TRAIN, [*tiny_overrides(tmp_path / "run"), "cluster.groups=2", "cluster.slowdown=[1,2,3]"])
     assert_one_line_error(proc, "cluster.slowdown")
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # checked before Hydra creates run.dir
 
 
 def test_bad_data_source_is_one_line(tmp_path):
@@ -92,6 +92,7 @@ def test_bad_data_source_is_one_line(tmp_path):
     assert_one_line_error(proc, source)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run").exists()  # a failed check leaves no empty run directory
 
 
 def _check_info(stdout: str, model: str) -> dict:

@@ -1,7 +1,8 @@
-"""Multi-process tests (gloo on 127.0.0.1): the real `edit-train` launcher spawns 2 groups x 2 shards.
+"""Multi-process tests (gloo on 127.0.0.1): the real `edit-train` launcher starts a Lighthouse and 2
+cluster jobs of 2 ranks (or 1).
 
-Parameters are compared from the checkpoints each rank writes (its FSDP2 shard, concatenated along
-dim 0 in shard order to give the group's full parameters).
+Parameters are compared from the checkpoints each rank writes (`checkpoints/<cluster>/step_N/rank<r>-…`,
+its FSDP2 shard, concatenated along dim 0 in shard order to give the cluster's full parameters).
 """
 
 from __future__ import annotations
@@ -30,14 +31,19 @@ def run_job(tmp: Path, name: str, *overrides: str, corpus: str) -> Path:
     return run_dir
 
 
-def group_params(ckpt: Path, group: int, shard_size: int) -> dict[str, torch.Tensor]:
-    shards = [load_file(str(ckpt / f"rank{group * shard_size + s}-model.safetensors")) for s in range(shard_size)]
+def group_params(ckpt: Path, shard_size: int) -> dict[str, torch.Tensor]:
+    """A cluster's full parameters from one of its checkpoints."""
+    shards = [load_file(str(ckpt / f"rank{s}-model.safetensors")) for s in range(shard_size)]
     return {k: torch.cat([sh[k] for sh in shards], dim=0)
             for k in shards[0] if k.startswith("param/")}
 
 
-def last_ckpt(run_dir: Path) -> Path:
-    return sorted((run_dir / "checkpoints").glob("step_*[0-9]"))[-1]
+def ckpts(run_dir: Path, cluster: str) -> list[Path]:
+    return sorted((run_dir / "checkpoints" / cluster).glob("step_*[0-9]"))
+
+
+def last_ckpt(run_dir: Path, cluster: str = "c0") -> Path:
+    return ckpts(run_dir, cluster)[-1]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -74,11 +80,12 @@ def edit_runs(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> dict[str
 
 
 def test_every_rank_holds_the_anchor_after_sync(edit_runs: dict[str, Path]) -> None:
-    ckpt = last_ckpt(edit_runs["layerwise_2x2"])
-    g0, g1 = group_params(ckpt, 0, 2), group_params(ckpt, 1, 2)
+    run = edit_runs["layerwise_2x2"]
+    g0, g1 = group_params(last_ckpt(run, "c0"), 2), group_params(last_ckpt(run, "c1"), 2)
     assert max_diff(g0, g1) == 0.0
-    # the anchor stored by the outer state is what every group holds
-    for rank in range(4):
+    # the anchor stored by the outer state is what every cluster holds
+    for cluster, rank in [(c, r) for c in ("c0", "c1") for r in range(2)]:
+        ckpt = last_ckpt(run, cluster)
         outer = load_file(str(ckpt / f"rank{rank}-outer.safetensors"))
         model = load_file(str(ckpt / f"rank{rank}-model.safetensors"))
         anchors = [v for k, v in outer.items() if "/anchor/" in k]
@@ -87,14 +94,14 @@ def test_every_rank_holds_the_anchor_after_sync(edit_runs: dict[str, Path]) -> N
 
 
 def test_layerwise_equals_at_end(edit_runs: dict[str, Path]) -> None:
-    a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 0, 2)
-    b = group_params(last_ckpt(edit_runs["at_end_2x2"]), 0, 2)
+    a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 2)
+    b = group_params(last_ckpt(edit_runs["at_end_2x2"]), 2)
     assert max_diff(a, b) <= 1e-6
 
 
 def test_sharded_equals_unsharded(edit_runs: dict[str, Path]) -> None:
-    a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 0, 2)
-    b = group_params(last_ckpt(edit_runs["layerwise_2x1"]), 0, 1)
+    a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 2)
+    b = group_params(last_ckpt(edit_runs["layerwise_2x1"]), 1)
     assert max_diff(a, b) <= 1e-5
 
 
@@ -108,8 +115,12 @@ def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
                     "blocked_s"):
             assert key in e
         assert e["local_steps"] == 4 and 0.0 < e["weight"] < 1.0 and e["bytes"] > 0
+        assert e["participants"] == ["c0", "c1"] and e["cluster"] == f"c{e['group']}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["syncs"] == 2 and set(summary["per_group"]) == {"0", "1"}
+    assert set(summary["per_cluster"]) == {"c0", "c1"} and 0 < summary["goodput"] <= 1
+    for rec in summary["per_cluster"].values():
+        assert rec["ranks"] == 2 and rec["syncs_joined"] == 2 and rec["syncs_missed"] == 0 and rec["restarts"] == 0
     # bytes are counted from what was sent: 2 syncs x full fp32 model per group (+ the tiny norm exchange)
     model_bytes = summary["total_params"] * 4
     per_group = summary["per_group"]["0"]["cross_group_bytes"]
@@ -120,13 +131,13 @@ def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
 def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> None:
     run_dir = run_job(tmp_path, "ddp", "algo=ddp", "cluster=local_2x2", "train.steps=3", "train.batch_size=2",
                       "checkpoint.every=1", "checkpoint.keep=10", corpus=corpus)
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*[0-9]"))
-    assert [c.name for c in ckpts] == ["step_00000001", "step_00000002", "step_00000003"]
-    for ckpt in ckpts:
-        g0, g1 = group_params(ckpt, 0, 2), group_params(ckpt, 1, 2)
-        assert all(torch.equal(g0[k], g1[k]) for k in g0), ckpt.name
-    first = group_params(ckpts[0], 0, 2)
-    last = group_params(ckpts[-1], 0, 2)
+    c0, c1 = ckpts(run_dir, "c0"), ckpts(run_dir, "c1")
+    assert [c.name for c in c0] == [c.name for c in c1] == ["step_00000001", "step_00000002", "step_00000003"]
+    for a, b in zip(c0, c1):
+        g0, g1 = group_params(a, 2), group_params(b, 2)
+        assert all(torch.equal(g0[k], g1[k]) for k in g0), a.name
+    first = group_params(c0[0], 2)
+    last = group_params(c0[-1], 2)
     assert max_diff(first, last) > 0  # it did train
 
 
@@ -139,8 +150,8 @@ def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> N
     assert set(summary["per_group"]) == {"0", "1"} and summary["cross_group_bytes"] > 0
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"train", "eval", "sync", "moe"} <= {e["event"] for e in events}
-    g0, g1 = group_params(last_ckpt(run_dir), 0, 2), group_params(last_ckpt(run_dir), 1, 2)
-    assert max_diff(g0, g1) == 0.0  # the run ends on the anchor in every group
+    g0, g1 = group_params(last_ckpt(run_dir, "c0"), 2), group_params(last_ckpt(run_dir, "c1"), 2)
+    assert max_diff(g0, g1) == 0.0  # the run ends on the anchor in every cluster
 
 
 def _train_losses(run_dir: Path) -> dict[tuple[int, int], float]:
@@ -153,29 +164,30 @@ def _train_losses(run_dir: Path) -> dict[tuple[int, int], float]:
     return out
 
 
-def test_kill9_then_resume_is_bit_identical(tmp_path: Path, corpus: str) -> None:
-    """2 groups x 2 shards, EDiT. A worker is SIGKILLed right after the step-4 checkpoint; `resume=auto`
-    continues. Final parameters (every rank's shard) and the loss trajectory after the resume point are
-    bit-identical to an uninterrupted run."""
+def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, corpus: str) -> None:
+    """2 clusters x 2 ranks, EDiT. Every cluster is SIGKILLed right after the step-4 checkpoint (the whole
+    federation goes down); `resume=auto` continues. Final parameters (every rank's shard), the outer state and
+    the loss trajectory after the resume point are bit-identical to an uninterrupted run."""
     common = ("algo=edit", "cluster=local_2x2", "train.steps=8", "algo.interval=2", "train.batch_size=2",
               "checkpoint.every=4", "checkpoint.keep=5", "algo.penalty.warmup_syncs=1")
+    kills = "faults=[{kind:kill_cluster,cluster:0,step:4},{kind:kill_cluster,cluster:1,step:4}]"
     full = run_job(tmp_path, "full", *common, corpus=corpus)
     crashed_dir = tmp_path / "crashed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "edit_train.cli.train", *COMMON, f"data.source={corpus}", f"run.dir={crashed_dir}",
-           *common, "faults=[{kind:kill,group:1,start:4}]"]
+           *common, kills]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode != 0 and not (crashed_dir / "summary.json").exists()
-    assert [c.name for c in sorted((crashed_dir / "checkpoints").glob("step_*[0-9]"))] == ["step_00000004"]
-    resumed = run_job(tmp_path, "crashed", *common, "resume=auto", "faults=[{kind:kill,group:1,start:4}]",
-                      corpus=corpus)
-    for rank in range(4):
-        a = load_file(str(last_ckpt(full) / f"rank{rank}-model.safetensors"))
-        b = load_file(str(last_ckpt(resumed) / f"rank{rank}-model.safetensors"))
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rank
-        oa = load_file(str(last_ckpt(full) / f"rank{rank}-outer.safetensors"))
-        ob = load_file(str(last_ckpt(resumed) / f"rank{rank}-outer.safetensors"))
-        assert all(torch.equal(oa[k], ob[k]) for k in oa), rank
+    for cluster in ("c0", "c1"):
+        assert [c.name for c in ckpts(crashed_dir, cluster)] == ["step_00000004"]
+    resumed = run_job(tmp_path, "crashed", *common, "resume=auto", kills, corpus=corpus)
+    for cluster, rank in [(c, r) for c in ("c0", "c1") for r in range(2)]:
+        a = load_file(str(last_ckpt(full, cluster) / f"rank{rank}-model.safetensors"))
+        b = load_file(str(last_ckpt(resumed, cluster) / f"rank{rank}-model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (cluster, rank)
+        oa = load_file(str(last_ckpt(full, cluster) / f"rank{rank}-outer.safetensors"))
+        ob = load_file(str(last_ckpt(resumed, cluster) / f"rank{rank}-outer.safetensors"))
+        assert all(torch.equal(oa[k], ob[k]) for k in oa), (cluster, rank)
     la, lb = _train_losses(full), _train_losses(resumed)
     after = [k for k in la if k[0] > 4]
     assert after and all(la[k] == lb[k] for k in after)
@@ -183,14 +195,15 @@ def test_kill9_then_resume_is_bit_identical(tmp_path: Path, corpus: str) -> None
 
 
 def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str) -> None:
-    """run.max_restarts=1 (what torchrun --max-restarts does): the agent restarts the workers, they resume
-    from the last checkpoint and the job completes."""
+    """run.max_restarts=1: the launcher restarts the dead cluster alone, it resumes from its last checkpoint
+    (and heals from the other cluster if that one is ahead) and the run completes."""
     run_dir = run_job(tmp_path, "restart", "algo=edit", "cluster=local_2x1", "train.steps=8", "algo.interval=2",
                       "train.batch_size=2", "checkpoint.every=4", "run.max_restarts=1",
                       "faults=[{kind:kill,group:1,start:6}]", corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 8
     assert (run_dir / ".fault-kill-g1-s6").exists()
+    assert summary["per_cluster"]["c1"]["restarts"] == 1 and summary["per_cluster"]["c0"]["restarts"] == 0
 
 
 def test_nan_gradients_never_reach_the_anchor(tmp_path: Path, corpus: str) -> None:
@@ -203,10 +216,10 @@ def test_nan_gradients_never_reach_the_anchor(tmp_path: Path, corpus: str) -> No
     assert skips == [(2, 1), (3, 1)]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["per_group"]["1"]["skipped_steps"] == 2 and summary["per_group"]["0"]["skipped_steps"] == 0
-    ckpt = last_ckpt(run_dir)
-    for rank in range(2):
-        outer = load_file(str(ckpt / f"rank{rank}-outer.safetensors"))
+    for cluster in ("c0", "c1"):
+        ckpt = last_ckpt(run_dir, cluster)
+        outer = load_file(str(ckpt / "rank0-outer.safetensors"))
         assert all(torch.isfinite(v).all() for v in outer.values())
-        model = load_file(str(ckpt / f"rank{rank}-model.safetensors"))
+        model = load_file(str(ckpt / "rank0-model.safetensors"))
         assert all(torch.isfinite(v).all() for v in model.values())
     assert summary["final_val_loss"] == summary["final_val_loss"]  # not NaN

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from edit_train.dist.comm import CrossGroupComm, LinkModel
+from edit_train.federation.comm import FederationComm
+from edit_train.federation.link import LinkClock, LinkModel
+from edit_train.federation.quorum import Lighthouse
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.outer import OuterConfig
 from edit_train.local_sgd.penalty import PenaltyConfig
@@ -30,25 +32,41 @@ def _toy() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
 
 
-def _local_sgd(model: nn.Sequential, comm: CrossGroupComm, group: int, mode: str, outer: OuterConfig,
+def _local_sgd(model: nn.Sequential, comm: FederationComm, group: int, mode: str, outer: OuterConfig,
                interval: int = 2) -> LocalSGD:
     cfg = LocalSGDConfig(schedule=ScheduleConfig(interval=interval), outer=outer, penalty=PLAIN, mode=mode,
                          total_steps=1000)
-    return LocalSGD(cfg, model, [model[0], model[1]], comm, group)
+    return LocalSGD(cfg, model, [model[0], model[1]], comm, group_index=group)
+
+
+def _cluster_comm(rank: int, lighthouse: str | None, link: LinkModel | None = None) -> FederationComm:
+    """Process `rank` of a run_ranks test as a one-rank cluster `c<rank>` of a federation."""
+    return FederationComm(f"c{rank}", 0, 1, None, torch.device("cpu"), lighthouse=lighthouse, link=link)
+
+
+@pytest.fixture()
+def lighthouse():
+    house = Lighthouse("127.0.0.1:0", 2, 5.0, 5.0)
+    yield house.address
+    house.shutdown()
 
 
 # ------------------------------------------------------------------ link model
-def _blocking_link(rank: int, world: int) -> dict:
-    comm = CrossGroupComm(dist.group.WORLD, world, torch.device("cpu"), LinkModel(bandwidth_mbps=8, latency_ms=50))
+def _blocking_link(rank: int, world: int, lighthouse: str) -> dict:
+    comm = _cluster_comm(rank, lighthouse, LinkModel(bandwidth_mbps=8, latency_ms=50))
+    comm.form(0, {"local_steps": 1})
+    blocked0 = comm.blocked_s
     t = torch.full((12_500,), float(rank + 1))  # 50 kB -> 0.05 s at 8 Mbit/s
     t0 = time.perf_counter()
     comm.all_reduce_([t])
-    return {"elapsed": time.perf_counter() - t0, "value": float(t[0]), "bytes": comm.bytes_sent,
-            "blocked": comm.blocked_s}
+    out = {"elapsed": time.perf_counter() - t0, "value": float(t[0]), "bytes": comm.bytes_sent,
+           "blocked": comm.blocked_s - blocked0}
+    comm.close()
+    return out
 
 
-def test_blocking_sync_pays_latency_plus_transfer() -> None:
-    for r in run_ranks(_blocking_link, 2):
+def test_blocking_sync_pays_latency_plus_transfer(lighthouse: str) -> None:
+    for r in run_ranks(_blocking_link, 2, lighthouse):
         assert r["value"] == 3.0 and r["bytes"] == 50_000
         assert r["elapsed"] >= 0.05 + 50_000 * 8 / 8e6 - 1e-3
         assert r["blocked"] > 0.05  # waited for the link (minus the time spent issuing the collective)
@@ -57,21 +75,21 @@ def test_blocking_sync_pays_latency_plus_transfer() -> None:
 def test_link_seconds_and_queueing() -> None:
     link = LinkModel(bandwidth_mbps=100, latency_ms=50)
     assert link.seconds(1_250_000) == pytest.approx(0.05 + 0.1)
-    comm = CrossGroupComm(None, 2, torch.device("cpu"), link)
+    clock = LinkClock(link)
     t0 = time.perf_counter()
-    first, second = comm._account(1_250_000), comm._account(1_250_000)
+    first, second = clock.account(1_250_000), clock.account(1_250_000)
     # two transfers share the bandwidth: the second lands one transfer time after the first
     assert second - first == pytest.approx(0.1, abs=1e-3)
     assert first - t0 >= 0.15  # latency + transfer after the moment it was accounted
 
 
 # ------------------------------------------------------------ overlapped sync
-def _overlap_vs_blocking(rank: int, world: int) -> dict:
+def _overlap_vs_blocking(rank: int, world: int, lighthouse: str) -> dict:
     out = {}
     outer = OuterConfig(lr=0.7, momentum=0.8, nesterov=True)
     for mode in ("at_end", "overlap"):
         model = _toy()
-        comm = CrossGroupComm(dist.group.WORLD, world, torch.device("cpu"))
+        comm = _cluster_comm(rank, lighthouse)
         algo = _local_sgd(model, comm, rank, mode, outer)
         for step in range(6):
             with torch.no_grad():
@@ -80,11 +98,12 @@ def _overlap_vs_blocking(rank: int, world: int) -> dict:
             algo.after_step(step, 0.01)
             algo.flush()  # land at once: no local steps in flight
         out[mode] = [p.detach().flatten().tolist() for p in model.parameters()]
+        comm.close()
     return out
 
 
-def test_overlap_without_steps_in_flight_equals_blocking() -> None:
-    results = run_ranks(_overlap_vs_blocking, 2)
+def test_overlap_without_steps_in_flight_equals_blocking(lighthouse: str) -> None:
+    results = run_ranks(_overlap_vs_blocking, 2, lighthouse)
     for r in results:
         for a, b in zip(r["at_end"], r["overlap"]):
             assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-6)
@@ -99,7 +118,7 @@ def test_overlap_carries_local_progress_exactly() -> None:
     theta = anchor' + (theta_2 - theta_1) = theta_0 + 0.5 a + b."""
     model = _toy()
     theta0 = [p.detach().clone() for p in model.parameters()]
-    algo = _local_sgd(model, CrossGroupComm(None, 1, torch.device("cpu")), 0, "overlap",
+    algo = _local_sgd(model, _cluster_comm(0, None), 0, "overlap",
                       OuterConfig(lr=0.5, momentum=0.0, nesterov=False), interval=1)
     a = [torch.randn_like(p) for p in model.parameters()]
     b = [torch.randn_like(p) for p in model.parameters()]

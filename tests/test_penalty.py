@@ -19,16 +19,17 @@ from edit_train.local_sgd.penalty import (
 )
 
 
-def ewma_ref(xs: list[float], alpha: float) -> tuple[float, float]:
-    """DESIGN §4's EWMA, with the bias-corrected rate max(alpha, 1/n) for the n-th value."""
-    mu, m2 = xs[0], 0.0
+def ewma_ref(xs: list[float], alpha: float) -> tuple[float, float, float]:
+    """docs/sync_math.md: rate max(alpha, 1/n) for the n-th value, S = (1-a)(S + a d^2), W2 = sum of squared
+    normalised weights; returns (mu, S, unbiased variance S / (1 - W2))."""
+    mu, m2, w2 = xs[0], 0.0, 1.0
     for n, x in enumerate(xs[1:], start=2):
         a = max(alpha, 1.0 / n)
         d = x - mu
-        mu_new = mu + a * d
-        m2 = (1 - a) * (m2 + a * d * (x - mu_new))
-        mu = mu_new
-    return mu, m2
+        mu = mu + a * d
+        m2 = (1 - a) * (m2 + a * d * d)
+        w2 = (1 - a) ** 2 * w2 + a * a
+    return mu, m2, m2 / (1 - w2)
 
 
 def test_ewma_closed_form() -> None:
@@ -37,30 +38,36 @@ def test_ewma_closed_form() -> None:
     for x in xs:
         st.update(torch.tensor([x, 2 * x], dtype=torch.float64), torch.tensor([True, True]))
     for w, scale in ((0, 1.0), (1, 2.0)):
-        mu, m2 = ewma_ref([scale * x for x in xs], 0.1)
+        mu, m2, var = ewma_ref([scale * x for x in xs], 0.1)
         assert st.mu[w].item() == pytest.approx(mu, rel=1e-12)
         assert st.m2[w].item() == pytest.approx(m2, rel=1e-12)
-        assert st.sigma[w].item() == pytest.approx(math.sqrt(m2), rel=1e-12)
+        assert st.sigma[w].item() == pytest.approx(math.sqrt(var), rel=1e-12)
+    # while a = 1/n this is exactly the sample mean and the (n-1) sample variance
+    t = torch.tensor(xs, dtype=torch.float64)
+    assert st.mu[0].item() == pytest.approx(float(t.mean()), rel=1e-12)
+    assert st.sigma[0].item() == pytest.approx(float(t.std()), rel=1e-12)
     assert st.count.tolist() == [len(xs), len(xs)]
     z = st.zscore(torch.tensor([3.0, 3.0]))
-    mu0, m20 = ewma_ref(xs, 0.1)
-    assert z[0].item() == pytest.approx((3.0 - mu0) / math.sqrt(m20))
+    mu0, _, var0 = ewma_ref(xs, 0.1)
+    assert z[0].item() == pytest.approx((3.0 - mu0) / math.sqrt(var0))
 
 
 def test_ewma_is_plain_alpha_ewma_after_the_first_values() -> None:
     st = EWMAStats(1, alpha=0.25)
-    xs = [1.0, 2.0, 4.0, 3.0, 5.0, 2.5]
+    xs = [1.0, 2.0, 4.0, 3.0, 5.0, 2.5, 7.0, 1.0, 3.0]
     for x in xs:
         st.update(torch.tensor([x]), torch.tensor([True]))
-    # by hand: n=2 -> a=1/2, n=3 -> 1/3, n>=4 -> alpha
-    mu, m2 = 1.0, 0.0
+    # by hand: n=2 -> a=1/2, n=3 -> 1/3, n=4 -> 1/4 = alpha, then alpha
+    mu, m2, w2 = 1.0, 0.0, 1.0
     for n, x in enumerate(xs[1:], start=2):
         a = 1 / 2 if n == 2 else 1 / 3 if n == 3 else 0.25
         d = x - mu
-        mu2 = mu + a * d
-        m2 = (1 - a) * (m2 + a * d * (x - mu2))
-        mu = mu2
+        mu = mu + a * d
+        m2 = (1 - a) * (m2 + a * d * d)
+        w2 = (1 - a) ** 2 * w2 + a * a
     assert st.mu.item() == pytest.approx(mu) and st.m2.item() == pytest.approx(m2)
+    assert st.w2.item() == pytest.approx(w2, rel=1e-12)
+    assert st.var.item() == pytest.approx(m2 / (1 - w2), rel=1e-12)
 
 
 def test_slowly_rising_norms_are_never_all_anomalous() -> None:
@@ -113,7 +120,7 @@ def test_spike_after_warmup_flagged_and_not_folded() -> None:
         _feed(agg, [(1.0 + 0.1 * torch.randn(2, generator=gen, dtype=torch.float64)).tolist()])
     st = agg.stats["layers.0"]
     mu, m2, count = st.mu.clone(), st.m2.clone(), st.count.clone()
-    sigma = m2.sqrt()
+    sigma = st.sigma_eff(cfg.sigma_floor)
     spike = (mu[0] + 10 * sigma[0]).item()
     ok = (mu[1] + 1 * sigma[1]).item()
     d = agg.decide("layers.0", torch.tensor([spike, ok]))
@@ -125,9 +132,8 @@ def test_spike_after_warmup_flagged_and_not_folded() -> None:
     assert st.count[1] == count[1] + 1
     mu1_ref, m21_ref = mu[1].item(), m2[1].item()
     dd = ok - mu1_ref
-    mu1_new = mu1_ref + 0.1 * dd
-    assert st.mu[1].item() == pytest.approx(mu1_new)
-    assert st.m2[1].item() == pytest.approx(0.9 * (m21_ref + 0.1 * dd * (ok - mu1_new)))
+    assert st.mu[1].item() == pytest.approx(mu1_ref + 0.1 * dd)
+    assert st.m2[1].item() == pytest.approx(0.9 * (m21_ref + 0.1 * dd * dd))
 
 
 def test_anomaly_disabled_only_nonfinite() -> None:
@@ -150,24 +156,27 @@ def softmax_ref(gs: list[float], t: float) -> list[float]:
 
 
 def test_softmax_weights_closed_form_and_temperature() -> None:
+    """softmax(-G/(T*m)), m = the (lower) median accepted norm: here m = 2."""
     g = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
     none = torch.zeros(3, dtype=torch.bool)
     for t in (0.5, 1.0, 10.0):
         w = weights(g, none, PenaltyConfig(temperature=t))
-        assert w.tolist() == pytest.approx(softmax_ref([1.0, 2.0, 4.0], t), rel=1e-12)
-    # higher temperature → flatter
+        assert w.tolist() == pytest.approx(softmax_ref([0.5, 1.0, 2.0], t), rel=1e-12)
+    # higher temperature -> flatter
     w_lo = weights(g, none, PenaltyConfig(temperature=0.5))
     w_hi = weights(g, none, PenaltyConfig(temperature=10.0))
     assert w_hi.max() - w_hi.min() < w_lo.max() - w_lo.min()
-    # numerically stable for huge norms
-    w = weights(torch.tensor([1e6, 1e6 + 1.0]), torch.zeros(2, dtype=torch.bool), PenaltyConfig())
-    assert w.tolist() == pytest.approx(softmax_ref([0.0, 1.0], 1.0))
+    # numerically stable (and scale-free) for huge norms
+    w = weights(torch.tensor([1e6, 2e6], dtype=torch.float64), torch.zeros(2, dtype=torch.bool), PenaltyConfig())
+    assert w.tolist() == pytest.approx(softmax_ref([1.0, 2.0], 1.0))
+    # all-zero norms (a frozen module): uniform
+    assert weights(torch.zeros(2), torch.zeros(2, dtype=torch.bool), PenaltyConfig()).tolist() == [0.5, 0.5]
 
 
 def test_weights_exclude_anomalous_and_renormalise() -> None:
     g = torch.tensor([1.0, 2.0, 3.0])
     w = weights(g, torch.tensor([False, True, False]), PenaltyConfig())
-    ref = softmax_ref([1.0, 3.0], 1.0)
+    ref = softmax_ref([1.0, 3.0], 1.0)  # lower median of the accepted [1, 3] is 1
     assert w.tolist() == pytest.approx([ref[0], 0.0, ref[1]])
     u = weights(g, torch.tensor([False, True, False]), PenaltyConfig(weighting="uniform"))
     assert u.tolist() == [0.5, 0.0, 0.5]
@@ -175,17 +184,20 @@ def test_weights_exclude_anomalous_and_renormalise() -> None:
 
 
 def test_step_share_blending() -> None:
-    g = torch.tensor([1.0, 2.0, 3.0])
+    g = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     an = torch.tensor([False, False, True])
     cfg = PenaltyConfig(step_weight_ratio=0.25)
-    w = weights(g, an, cfg, steps=torch.tensor([30.0, 10.0, 99.0]))
-    sm = softmax_ref([1.0, 2.0], 1.0)
-    s = [0.75, 0.25]
+    steps = torch.tensor([10.0, 30.0, 99.0], dtype=torch.float64)
+    w = weights(g, an, cfg, steps=steps)
+    # per-step norms [0.1, 0.0667]; lower median 0.0667 -> logits [-1.5, -1]
+    sm = softmax_ref([1.5, 1.0], 1.0)
+    s = [0.25, 0.75]
     ref = [0.75 * sm[i] + 0.25 * s[i] for i in range(2)] + [0.0]
     assert w.tolist() == pytest.approx(ref)
     assert float(w.sum()) == pytest.approx(1.0)
-    # ratio 0 or no steps: plain softmax
-    assert weights(g, an, cfg).tolist() == pytest.approx(sm + [0.0])
+    # ratio 0: the per-step softmax alone; no steps: softmax of G (lower median 1 -> softmax(-G))
+    assert weights(g, an, PenaltyConfig(), steps=steps).tolist() == pytest.approx(sm + [0.0])
+    assert weights(g, an, cfg).tolist() == pytest.approx(softmax_ref([1.0, 2.0], 1.0) + [0.0])
 
 
 def test_clip_closed_form() -> None:
@@ -233,13 +245,23 @@ def test_state_dict_round_trip() -> None:
     _feed(agg, [[1.0, 2.0], [1.2, 2.1], [0.9, 1.9]])
     agg.decide("head", torch.tensor([3.0, 4.0]))
     sd = agg.state_dict()
-    assert set(sd) == {f"{m}/{f}" for m in ("layers.0", "head") for f in ("mu", "m2", "count")}
+    fields = ("mu", "m2", "count", "streak", "streak_mu", "streak_m2")
+    assert set(sd) == {f"{m}/{f}" for m in ("layers.0", "head") for f in fields}
     other = PseudoGradAggregator(PenaltyConfig(warmup_syncs=2), 2)
     other.load_state_dict(sd)
     x = torch.tensor([5.0, 2.05])
     assert other.decide("layers.0", x) == agg.decide("layers.0", x)
     with pytest.raises(ValueError, match="workers"):
         PseudoGradAggregator(PenaltyConfig(), 3).load_state_dict(sd)
+    # a checkpoint from before the streak fields loads with empty streaks
+    old = PseudoGradAggregator(PenaltyConfig(warmup_syncs=2), 2)
+    old.load_state_dict({k: v for k, v in sd.items() if k.rsplit("/", 1)[1] in ("mu", "m2", "count")})
+    assert old.stats["layers.0"].streak.tolist() == [0, 0]
+    ref = PseudoGradAggregator(PenaltyConfig(warmup_syncs=2), 2)
+    ref.load_state_dict(sd)
+    assert old.decide("layers.0", x) == ref.decide("layers.0", x)
+    with pytest.raises(ValueError, match="lacks"):
+        PseudoGradAggregator(PenaltyConfig(), 2).load_state_dict({"m/mu": torch.zeros(2)})
 
 
 @pytest.mark.parametrize(
@@ -252,6 +274,9 @@ def test_state_dict_round_trip() -> None:
         ({"step_weight_ratio": 2.0}, "step_weight_ratio"),
         ({"warmup_syncs": -1}, "warmup_syncs"),
         ({"z_threshold": 0.0}, "z_threshold"),
+        ({"sigma_floor": -0.1}, "sigma_floor"),
+        ({"sigma_floor": 1.0}, "sigma_floor"),
+        ({"readmit_after": -1}, "readmit_after"),
     ],
 )
 def test_validate(kw: dict, field: str) -> None:

@@ -56,5 +56,7 @@ def test_sigint_stops_everything_cleanly(tmp_path: Path, small_corpus: str) -> N
     newest = ckpts.step_dir(ckpts.list_steps()[-1])
     ckpts.verify(newest)  # complete: every file present with its checksum
     assert ckpts.latest_valid() == newest
+    last = err.strip().splitlines()[-1]  # what Ctrl-C says: the checkpoint resume=auto continues from
+    assert last.startswith("error: interrupted") and "intact" in last and "step_" in last, last
     assert not list((run_dir / "checkpoints").glob("*.tmp"))
     assert not (run_dir / "summary.json").exists()

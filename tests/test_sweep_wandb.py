@@ -54,4 +54,4 @@ def test_wandb_one_offline_run_per_group_in_one_group(tmp_path: Path, small_corp
         assert {"train/loss", "sync/pseudo_grad_norm", "sync/sync"} <= keys, keys
         synced.append(keys)
     assert groups == {"exp-42"}
-    assert job_types == {"local_2x1-group0", "local_2x1-group1"}
+    assert job_types == {"local_2x1-c0", "local_2x1-c1"}  # one W&B run per cluster

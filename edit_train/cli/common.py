@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# The config tree ships inside the package (package data), so a wheel install finds it too.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -16,8 +17,32 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def _config_hint(exc: BaseException) -> str | None:
+    """Say a bad group choice or an unset mandatory key the way a user fixes it."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import MissingMandatoryValue
+
+    if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
+        group, _, name = str(exc.missing_cfg_file).rpartition("/")
+        if group:
+            return f"{group}={name}: no such {group} option; choose one of {', '.join(sorted(exc.options))}"
+    if isinstance(exc, MissingMandatoryValue):
+        key = getattr(exc, "full_key", None) or "a value"
+        if key == "data.source":
+            return ("data.source: must be set with data=text, e.g. data.source='/path/to/corpus/**/*.txt' "
+                    "(a glob, a directory or a .jsonl file)")
+        return f"{key}: must be set (the config leaves it ???)"
+    return None
+
+
 def one_line(exc: BaseException) -> str:
     """Collapse an exception (and its cause chain) into one informative line."""
+    link: BaseException | None = exc
+    while link is not None:  # a Hydra/OmegaConf error a user fixes by choosing or setting something
+        hint = _config_hint(link)
+        if hint:
+            return hint
+        link = link.__cause__ if link.__cause__ is not link else None
     parts: list[str] = []
     seen: set[int] = set()
     cur: BaseException | None = exc
@@ -56,3 +81,5 @@ def setup_logging(rank: int = 0) -> None:
     for noisy in ("wandb", "urllib3", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
+    if not os.environ.get("RUST_LOG"):
+        os.environ["RUST_LOG"] = "warn"  # torchft's Lighthouse logs every quorum at INFO otherwise

@@ -1,5 +1,6 @@
-"""`edit-train-info`: size a launch before spending a GPU hour. Same overrides as `edit-train`;
-prints one JSON line (model built on the meta device, nothing allocated)."""
+"""`edit-train-info`: size a launch before spending a GPU hour. Same overrides as `edit-train`, plus
+`--gpu-mem-gb X` (GiB per GPU); prints one JSON line (model built on the meta device, nothing allocated)
+with the per-rank memory plan of `edit_train.memplan`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import sys
 from edit_train.cli.common import compose, fail, one_line
 
 
-def estimate(cfg) -> dict:  # type: ignore[no-untyped-def]
+def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-untyped-def]
+    from edit_train.memplan import plan_for_config
     from edit_train.model import count_params
+    from edit_train.train.mfu import flops_per_token
 
     counts = count_params(cfg.model)
     total = counts["total_params"]
@@ -32,16 +35,50 @@ def estimate(cfg) -> dict:  # type: ignore[no-untyped-def]
         "world_size": cfg.cluster.groups * shard,
         "state_bytes_per_rank": {k: int(v) for k, v in per_rank.items()},
         "device_state_bytes_per_rank": int(sum(on_device.values())),
-        "note": "model/optimizer state only (fp32 weights); activations depend on batch and seq_len",
+        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len, counts["active_params"]),
+        "memory_plan": plan_for_config(cfg, gpu_mem_gb),
     }
+
+
+USAGE = """usage: edit-train-info [GROUP=OPTION ...] [KEY=VALUE ...]
+
+Size a launch before spending a GPU hour: takes the same overrides as edit-train and prints one JSON line
+with total_params, active_params (per token), the model/optimizer state bytes per rank and a
+per-rank memory plan (--gpu-mem-gb X says whether it fits an X GiB GPU). The model is
+built on the meta device; nothing is allocated and nothing is trained.
+
+example: edit-train-info model=ling_lite cluster.shard_size=8 --gpu-mem-gb 80"""
+
+
+def _pop_gpu_mem(args: list[str]) -> float | None:
+    """Remove `--gpu-mem-gb X` / `--gpu-mem-gb=X` from `args` (the rest are Hydra overrides)."""
+    for i, a in enumerate(args):
+        if a == "--gpu-mem-gb" or a.startswith("--gpu-mem-gb="):
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            del args[i:i + (1 if "=" in a else 2)]
+            try:
+                gb = float(value)
+            except ValueError:
+                gb = -1.0
+            if not gb > 0:
+                fail(f"--gpu-mem-gb: needs a positive number of GiB per GPU, got {value!r}")
+            return gb
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return
+    gpu_mem_gb = _pop_gpu_mem(args)
     try:
         cfg = compose(args)
+        from edit_train.cli.checks import adopt_tokenizer_vocab, explicit_override
+
+        adopt_tokenizer_vocab(cfg, explicit_override(args, "model.vocab_size"))
         cfg.model.validate()
-        info = estimate(cfg)
+        info = estimate(cfg, gpu_mem_gb)
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Sequence
 
 from edit_train.data import DataError, ensure_dataset, prepare_corpus, read_meta
+from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,9 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(quote it), or .jsonl files with a string \"text\" field per line")
     p.add_argument("--out", default=None,
                    help="output directory (default: the trainer's cache, $EDIT_TRAIN_CACHE or ~/.cache/edit-train)")
-    p.add_argument("--cache-dir", default=None, help="cache root used when --out is not given")
+    p.add_argument("--cache-dir", default=None, help="cache root used when --out is not given (edit-train's "
+                   "data.cache_dir; default $EDIT_TRAIN_CACHE or ~/.cache/edit-train)")
     p.add_argument("--tokenizer", default="byte", help="'byte' (default) or the path to a HuggingFace tokenizer.json")
-    p.add_argument("--val-fraction", type=float, default=0.005, help="fraction of documents held out (default 0.005)")
+    p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                   help=f"fraction of documents held out (default {DEFAULT_VAL_FRACTION}, as edit-train's "
+                        "data.val_fraction: the split is part of the cache key)")
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split (default 0)")
     p.add_argument("--shard-tokens", type=int, default=16_000_000, help="max tokens per shard file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,81 +1,59 @@
-"""`edit-train`: the Hydra app. Spawns one process per rank on this host (through torch's elastic
-launcher, the machinery behind torchrun) unless it is already running under torchrun."""
+"""`edit-train`: the Hydra app. Trains in this process (one rank of one cluster under torchrun / Slurm,
+or a lone one-rank cluster), or starts a local federation: a Lighthouse and one job per cluster."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
-from edit_train.cli.common import CONF_DIR, compose, fail, one_line, setup_logging
+from edit_train.cli import checks
+from edit_train.cli.common import CONF_DIR, fail, setup_logging
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from omegaconf.errors import MissingMandatoryValue
+
     from edit_train.config import ConfigError
     from edit_train.data import DataError
-    from edit_train.dist.mesh import TopologyError
+    from edit_train.cluster.mesh import TopologyError
     from edit_train.sim.faults import FaultError
+    from edit_train.federation.link import FederationError
     from edit_train.train.checkpoint import CheckpointError
 
-    return (ConfigError, DataError, TopologyError, FaultError, CheckpointError, ValueError)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return (ConfigError, DataError, TopologyError, FaultError, CheckpointError, FederationError, ValueError,
+            MissingMandatoryValue)
 
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def spawn_local(cfg: Any, world: int) -> dict[str, Any] | None:
-    """Run `world` worker processes on this host with torch's elastic launcher."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from edit_train.config import to_container
-
-    run_dir = Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "launch_config.json"
-    cfg_path.write_text(json.dumps(to_container(cfg), indent=1))
-    threads = max(1, (os.cpu_count() or 1) // world)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"edit-train-{uuid.uuid4().hex[:8]}",
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=cfg.run.max_restarts,
-                          monitor_interval=0.2, start_method="spawn")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    try:
-        elastic_launch(launch, entrypoint=sys.executable)("-m", "edit_train.cli.worker", str(cfg_path))
-    except (SignalException, KeyboardInterrupt):
-        fail(f"interrupted: all {world} workers stopped; the newest complete checkpoint in "
-             f"{run_dir / 'checkpoints'} is intact (resume=auto continues)", code=130)
-    except ChildFailedError as exc:
-        if all(f.exitcode in (130, -2, -15) for f in exc.failures.values()):
-            fail(f"interrupted: all {world} workers stopped; resume=auto continues from the newest checkpoint",
-                 code=130)
-        ranks = sorted(exc.failures)
-        first = exc.failures[ranks[0]]
-        fail(f"worker rank(s) {ranks} failed (exit code {first.exitcode}); see the messages above", code=1)
-    summary = run_dir / "summary.json"
-    return json.loads(summary.read_text()) if summary.exists() else None
-
-
 def launch(cfg: Any) -> dict[str, Any] | None:
-    from edit_train.config import validate
+    """One rank of one cluster (under torchrun / our launcher), a lone one-rank cluster in this process,
+    or a local federation: a Lighthouse and one supervised job per cluster."""
+    from edit_train.config import cluster_specs, validate
     from edit_train.train.trainer import train
 
     validate(cfg)
-    world = cfg.cluster.groups * cfg.cluster.shard_size
-    if under_torchrun() or world == 1:
+    specs = cluster_specs(cfg)
+    if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER"):
         return train(cfg)
-    return spawn_local(cfg, world)
+    if len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only:
+        return train(cfg)
+    from edit_train.cli.launcher import run_local
+
+    try:
+        run_dir, jobs = run_local(cfg)
+    except KeyboardInterrupt:
+        fail(checks.interrupted_message(cfg.run.dir, detail="every cluster and the Lighthouse stopped"), code=130)
+    failed = [j for j in jobs if j.state == "failed"]
+    if failed:
+        fail(f"cluster(s) {[j.spec.name for j in failed]} failed (exit codes {[j.exit_codes for j in failed]}); "
+             "see the messages above", code=1)
+    summary = run_dir / "summary.json"
+    return json.loads(summary.read_text()) if summary.exists() else None
 
 
 def _multirun_dir(cfg: Any) -> None:
@@ -92,47 +70,71 @@ def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
 
     setup_logging(int(os.environ.get("RANK", "0")))
+    run_dir = str(dcfg.run.dir)
     try:
         cfg = OmegaConf.to_object(dcfg)
         _multirun_dir(cfg)
+        run_dir = cfg.run.dir
+        checks.follow_tokenizer(cfg)  # model.vocab_size follows the tokenizer unless set explicitly
         summary = launch(cfg)
     except SystemExit:
         raise
     except _user_errors() as exc:
-        fail(one_line(exc))
+        checks.fail_user_error(exc)  # one line; config/topology errors from rank 0 only
     except KeyboardInterrupt:
-        fail("interrupted; resume=auto continues from the newest complete checkpoint", code=130)
+        fail(checks.interrupted_message(run_dir), code=130)
     except Exception as exc:  # noqa: BLE001
         from edit_train.train.trainer import Interrupted
 
         if isinstance(exc, Interrupted):
-            fail(f"interrupted ({exc}); resume=auto continues from the newest complete checkpoint", code=130)
+            fail(checks.interrupted_message(run_dir, detail=str(exc)), code=130)
         raise
-    if summary and int(os.environ.get("RANK", "0")) == 0:
-        init = summary.get("initial_val_loss")
-        val = f"{init:.3f} -> {summary['final_val_loss']:.3f}" if init is not None else f"{summary['final_val_loss']:.3f}"
-        print(f"done: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, "
-              f"val loss {val}; run dir {cfg.run.dir}", flush=True)
+    if summary and int(os.environ.get("RANK", "0")) == 0 and not os.environ.get("EDIT_TRAIN_CLUSTER"):
+        print(closing_block(summary, str(cfg.run.dir)), flush=True)
 
 
-def _precheck(argv: list[str]) -> None:
-    """Compose once before Hydra runs so a bad override fails in one line (single runs only)."""
-    if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
-        return
-    try:
-        compose(argv)
-    except Exception as exc:  # noqa: BLE001
-        fail(one_line(exc))
+def closing_block(summary: dict[str, Any], run_dir: str) -> str:
+    """What happened, in a few lines: the run, then (for a federation) each cluster and the traffic."""
+    init = summary.get("initial_val_loss")
+    val = f"{init:.3f} -> {summary['final_val_loss']:.3f}" if init is not None else f"{summary['final_val_loss']:.3f}"
+    lines = [f"done: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, "
+             f"val loss {val}; run dir {run_dir}"]
+    clusters = summary.get("per_cluster", {})
+    if len(clusters) > 1:
+        lines.append(f"  {summary['algo']} across {len(clusters)} clusters, {summary['syncs']} syncs, "
+                     f"{summary['anomalies']} anomalous module decisions, "
+                     f"{summary['cross_group_bytes'] / 1e6:,.1f} MB over the cross-cluster link, "
+                     f"goodput {summary.get('goodput', 0):.2f}")
+        for name, c in clusters.items():
+            steps = sorted(c.get("local_steps") or [0])
+            lines.append(f"  cluster {name}: {c['ranks']} rank(s), {c['steps']} steps at {c['tokens_per_s']:,.0f} "
+                         f"tokens/s, {c['syncs_joined']} syncs joined ({c['syncs_missed']} missed, median "
+                         f"{steps[len(steps) // 2]} local steps each), blocked {c['blocked_frac']:.1%} of the time, "
+                         f"{c['anomalies']} anomalous syncs, {c['restarts']} restarts")
+    lines.append(f"  report: edit-train-report {run_dir}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     import hydra
 
+    from edit_train.cli.help import help_text, wants_help
     from edit_train.config import register_configs
 
+    if wants_help(sys.argv[1:]):
+        print(help_text())
+        return
     register_configs()
-    _precheck(sys.argv[1:])
-    hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+    # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
+    guard, pin = checks.precheck(sys.argv[1:])
+    if pin:
+        sys.argv.append(pin)
+    try:
+        hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
+    except SystemExit as exc:
+        if guard is not None and exc.code not in (0, None):
+            guard.cleanup()  # a failed run leaves no empty run directory behind
+        raise
 
 
 if __name__ == "__main__":

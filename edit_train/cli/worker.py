@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = from_container(json.loads(open(args[0]).read()))
         train(cfg)
     except _user_errors() as exc:
-        fail(f"rank {rank}: {one_line(exc)}")
+        fail(f"cluster {os.environ.get('EDIT_TRAIN_CLUSTER', '-')} rank {rank}: {one_line(exc)}")
     except (Interrupted, KeyboardInterrupt):
         raise SystemExit(130) from None
 

@@ -31,6 +31,7 @@ from .corpus import Doc, DocReader, is_stdlib, list_documents, split_fractions, 
 from .tokenizer import DataError, load_tokenizer, tokenizer_id
 
 __all__ = [
+    "DEFAULT_VAL_FRACTION",
     "META_VERSION",
     "SPLITS",
     "prepare_corpus",
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 META_VERSION = 1
 SPLITS = ("train", "val")
+# The validation split `edit-train` uses (DataConfig.val_fraction) and `edit-train-prepare`'s default, so the
+# prepare command warms exactly the cache entry the trainer reads (the split is part of the cache key).
+DEFAULT_VAL_FRACTION = 0.02
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -184,7 +188,7 @@ def prepare_corpus(
     source: str | None,
     out_dir: str | os.PathLike[str],
     tokenizer: str = "byte",
-    val_fraction: float = 0.005,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     shard_tokens: int = 16_000_000,
     seed: int = 0,
     min_tokens: int = 0,
@@ -327,7 +331,8 @@ def _warn_if_different(meta: dict[str, Any], out_dir: Path, label: str, tokenize
                     "(delete it to prepare again)", out_dir, {k: f"{a!r} != {b!r}" for k, (a, b) in diff.items()})
 
 
-def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float = 0.005, seed: int = 0) -> str:
+def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float = DEFAULT_VAL_FRACTION,
+                seed: int = 0) -> str:
     """The cache directory name for a dataset: readable prefix + hash of (source, tokenizer content, split)."""
     if is_stdlib(source):
         src = f"stdlib-py{sys.version.split()[0]}"
@@ -346,7 +351,7 @@ def ensure_dataset(
     source: str | None,
     tokenizer: str = "byte",
     cache_dir: str | os.PathLike[str] | None = None,
-    val_fraction: float = 0.005,
+    val_fraction: float = DEFAULT_VAL_FRACTION,
     seed: int = 0,
     min_tokens: int = 0,
     shard_tokens: int = 16_000_000,

@@ -8,9 +8,15 @@
 | edit            | pseudo-grads every H steps  | Nesterov SGD 0.7 / 0.8  | full           | layerwise|
 | a_edit          | pseudo-grads every τ secs   | Nesterov SGD 0.7 / 0.8  | full           | layerwise|
 
-The trainer calls `after_backward(step)` (gradient all-reduce for ddp and the synchronous warm-up),
-`after_step(step, seconds)` (counts local steps, starts syncs), `flush()` (finish a pending layer-wise
-sync before eval / checkpoint) and `finish()`.
+The trainer calls `join()` once (heal from a live peer if the federation is ahead), `after_backward(step)`
+(gradient all-reduce for ddp and the synchronous warm-up), `after_step(step, seconds)` (counts local steps,
+starts syncs), `flush()` (finish a pending layer-wise sync before eval / checkpoint) and `finish()`.
+
+Every sync first forms a quorum (torchft's Lighthouse, `FederationComm.form`): the clusters present take
+part, the absent get weight 0 and keep training; a member whose anchor is older than the newest heals from
+a live peer before the sync (θ ← θ̄_new + (θ − θ̄_old), so its local progress is kept) and a member with no
+local step since its anchor takes part with weight 0. A cluster cut off from the federation counts a
+missed sync and keeps training.
 """
 
 from __future__ import annotations
@@ -24,12 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from edit_train.dist.comm import CrossGroupComm
+from edit_train.federation.comm import FederationComm
+from edit_train.federation.link import FederationError
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.penalty import PenaltyConfig, PseudoGradAggregator
+from edit_train.local_sgd.healing import Healer
+from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.roster import RosterAggregator
 from edit_train.local_sgd.overlap import OverlapSync
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule, StepTimer, TimePlanner
-from edit_train.local_sgd.sync import SyncEngine, SyncReport, Unit, summarize
+from edit_train.local_sgd.sync import SyncAborted, SyncEngine, SyncReport, Unit, summarize
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +56,10 @@ class LocalSGDConfig:
     total_steps: int = 0  # step schedule: every group stops here; time schedule: first group to reach it ends the run
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
+    fingerprint: str = ""  # hash of what must agree across clusters (model, algorithm, chunks)
+    expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
+    start_timeout_s: float = 60.0
+    shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
 
 
 def build_units(model: nn.Module, unit_modules: list[nn.Module]) -> list[Unit]:
@@ -64,21 +77,26 @@ def build_units(model: nn.Module, unit_modules: list[nn.Module]) -> list[Unit]:
 
 
 class LocalSGD:
-    """Drives ddp / local SGD / EDiT / A-EDiT around a training loop, on one rank."""
+    """Drives ddp / local SGD / EDiT / A-EDiT around a training loop, on one rank of one cluster."""
 
     def __init__(self, cfg: LocalSGDConfig, model: nn.Module, unit_modules: list[nn.Module],
-                 comm: CrossGroupComm, group_index: int, shard_pg: Any = None, shard_size: int = 1,
-                 emit: EventFn | None = None, is_group_leader: bool = True) -> None:
+                 comm: FederationComm, shard_pg: Any = None, shard_size: int = 1,
+                 emit: EventFn | None = None, is_group_leader: bool = True, group_index: int = 0,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+        import uuid
+
         self.cfg = cfg
         self.model = model
+        self.optimizer = optimizer
         self.comm = comm
         self.group_index = group_index
         self.shard_pg = shard_pg
         self.shard_size = shard_size
         self.emit = emit
         self.is_group_leader = is_group_leader
+        self.incarnation = uuid.uuid4().hex[:12]
         self.schedule = StepSchedule(cfg.schedule)
-        self.planner = TimePlanner(cfg.schedule, comm.num_groups) if cfg.schedule.kind == "time" else None
+        self.planner = TimePlanner(cfg.schedule, 1) if cfg.schedule.kind == "time" else None
         # local steps this group takes before its next sync; a time schedule's first interval is planned
         # from this group's own step times (nothing has been exchanged yet): sync once τ has been spent
         self.planned = cfg.schedule.interval if self.planner is None else 0
@@ -87,10 +105,14 @@ class LocalSGD:
         self.sync_index = 0
         self._sync_step = 0
         self.local_steps = 0
-        self.total_steps = 0  # this group's steps so far
-        self.global_step = 0  # max over groups, as of the last exchange
+        self.total_steps = 0  # this cluster's steps so far
+        self.global_step = 0  # max over clusters, as of the last exchange
         self.anomalies = 0
         self.syncs_done = 0
+        self.syncs_missed = 0
+        self.syncs_aborted = 0
+        self.healed_from: list[str] = []
+        self.adopt_step: int | None = None  # set by a heal on join: the trainer continues from this step
         self.history: list[int] = []  # local steps of each completed sync
         self.stopped = False  # every group agreed to stop (time schedule / time budget)
         self._t0 = time.time()
@@ -101,6 +123,9 @@ class LocalSGD:
         self.eval_due = False  # set when the agreed global step crosses a multiple of cfg.eval_every
         self.engine: SyncEngine | None = None
         self.overlap: OverlapSync | None = None
+        self._joining = False
+        self.aggregator = RosterAggregator(cfg.penalty)
+        self.healer = Healer(comm, self._heal_collect, self._heal_apply)
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
             self._start_local_phase()
 
@@ -108,10 +133,10 @@ class LocalSGD:
     def _start_local_phase(self) -> None:
         """Anchor θ̄ ← current params (identical across groups at init and after the warm-up)."""
         outer = OuterState({u.name: u.live() for u in self.units}, self.cfg.outer)
-        aggregator = PseudoGradAggregator(self.cfg.penalty, self.comm.num_groups)
-        self.engine = SyncEngine(self.units, outer, aggregator, self.comm, self.group_index, self.shard_pg,
+        self.engine = SyncEngine(self.units, outer, self.aggregator, self.comm, self.shard_pg,
                                  self.shard_size, prefetch=self.cfg.prefetch)
         self.engine.on_complete = self._on_sync_complete
+        self.engine.on_abort = self._on_sync_abort
         if self.cfg.mode == "layerwise":
             self.engine.install_hooks()
         if self.cfg.mode == "overlap":
@@ -135,6 +160,78 @@ class LocalSGD:
             return True
         return self.lockstep and step >= self.cfg.total_steps
 
+    # ------------------------------------------------------------ membership
+    def _quorum(self, local_steps: int) -> Any:
+        """Form this sync's quorum and heal whoever is behind. None when cut off from the federation."""
+        data = {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
+                "total_steps": self.total_steps}
+        m = self.comm.form(self.sync_index, data)
+        if m is None:
+            return None
+        src = m.members[m.source]
+        if src.data.get("fp") != self.cfg.fingerprint and m.me != m.source:
+            raise FederationError(f"cluster {self.comm.name} runs another configuration than cluster {src.name} "
+                                  "(model, algorithm or federation.chunks differ); start it with the federation's config")
+        healed = self.healer.run(m)
+        if healed is not None:
+            self.healed_from.append(healed)
+        if self.lockstep and self.cfg.local_sgd:
+            # step schedules end at train.steps on every cluster: one that fell behind (joined late, lost a
+            # quorum race) continues from the federation's step rather than syncing one interval late forever
+            top = max(int(mm.data.get("total_steps", 0)) for mm in m.members)
+            if top > self.total_steps:
+                self.adopt_step = self.total_steps = top
+        return m
+
+    def join(self) -> None:
+        """Before the first step: meet the federation; a restarted, late or new cluster heals from a live
+        peer here (and continues from the federation's step)."""
+        if not self.comm.federated:
+            return
+        self._joining = True
+        deadline = time.time() + self.cfg.start_timeout_s
+        m = None
+        try:
+            while True:
+                try:
+                    m = self._quorum(0)
+                except (FederationError, SyncAborted) as exc:
+                    if "another configuration" in str(exc) or "unique" in str(exc):
+                        raise
+                    self.comm.abort()
+                    if time.time() >= deadline:
+                        log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
+                                    self.comm.name, exc)
+                        m = None
+                        break
+                    log.info("cluster %s: joining: %s; trying again", self.comm.name, exc)
+                    continue
+                # a fresh federation starts together: ask again until every configured cluster is in
+                fresh = m is not None and m.max_sync == 0 and self.total_steps == 0
+                if fresh and time.time() < deadline and not set(self.cfg.expected) <= set(m.names):
+                    self.comm.abort()
+                    continue
+                break
+        finally:
+            self._joining = False
+        if m is not None and not any(mm.contributes for mm in m.members):
+            self.sync_index = m.max_sync
+            self.comm.abort()
+        elif m is not None and self.engine is None:  # ddp / warm-up: the others are averaging gradients
+            from edit_train.cluster.mesh import local_tensor
+
+            zeros = [torch.zeros_like(local_tensor(p.data)) for p in self.model.parameters()]
+            extra = int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0)
+            zeros += [torch.zeros(1, device=self.comm.device) for _ in range(extra)]
+            try:
+                self._average_grads(m, zeros)
+            except FederationError as exc:
+                log.warning("cluster %s: joining the gradient exchange failed: %s", self.comm.name, exc)
+                self.comm.abort()
+        elif m is not None:  # the others are mid-sync: take part with weight 0
+            self._run_sync(self.total_steps, m)
+
+    # ------------------------------------------------------------ ddp / warm-up
     def _grads_allreduce(self) -> None:
         grads = []
         for p in self.model.parameters():
@@ -151,14 +248,33 @@ class LocalSGD:
             vote = torch.tensor([1.0 if agreed else 0.0], device=self.comm.device)
             grads.append(vote)
             self._last_exchange_t = time.time()
-        self.comm.all_reduce_(grads)
-        if self.comm.active:
-            for g in grads:
-                g.div_(self.comm.num_groups)
+        if self.comm.federated:
+            try:  # torchft-style fault-tolerant DDP: a quorum every step, gradients averaged over it
+                self.sync_index = self.total_steps  # the replica's version is its step
+                m = self._quorum(1)
+                if m is not None and len(m.members) > 1:
+                    self._average_grads(m, grads)
+            except (FederationError, SyncAborted) as exc:
+                log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
+                            self.comm.name, exc)
+                self.comm.abort()
         if vote is not None and float(vote.item()) > 0:
             self.stopped = True
         if loss is not None:
             self.shared_loss = float(loss.item())
+
+    def _average_grads(self, m: Any, grads: list[torch.Tensor]) -> None:
+        """Average over the members that were in step; a member that just healed (its gradients were taken
+        on a stale replica) sends zeros and receives the average."""
+        behind = m.behind()
+        if m.me in behind:
+            for g in grads:
+                g.zero_()
+        self.comm.all_reduce_(grads, params=None)
+        n = max(len(m.members) - len(behind), 1)
+        for g in grads:
+            g.div_(n)
+        self.comm.abort()
 
     def _group_agree(self, seconds: float, vote: bool) -> tuple[float, bool]:
         """Ranks of one group must take the same decisions (plan, first sync, stop): agree on the slowest
@@ -195,7 +311,8 @@ class LocalSGD:
                                              self._want_stop())
         self.timer.record(secs)
         if self.overlap is not None and self.overlap.pending and self.overlap.poll():
-            self._after_exchange(self.overlap.gathered_extra)
+            if not self.overlap.dropped:
+                self._after_exchange(self.overlap.gathered_extra)
         first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
         if (self.planned > 0 and self.local_steps >= self.planned) or first_timed:
             self.start_sync(step + 1)
@@ -204,21 +321,56 @@ class LocalSGD:
     def start_sync(self, step: int) -> None:
         assert self.engine is not None
         self.flush()
-        self.sync_index += 1
+        try:
+            m = self._quorum(self.local_steps)
+        except SyncAborted:
+            m = None
+        except FederationError as exc:
+            if "another configuration" in str(exc) or "unique" in str(exc):
+                raise
+            log.warning("cluster %s: sync skipped: %s", self.comm.name, exc)
+            self.comm.abort()
+            m = None
+        if m is None:  # cut off: keep training from the local replica; try again after another interval
+            self.syncs_missed += 1
+            if self.emit is not None and self.is_group_leader:
+                self.emit("missed", step=step, group=self.group_index, cluster=self.comm.name,
+                          sync=self.sync_index + 1, local_steps=self.local_steps)
+            self._last_exchange_t = time.time()
+            base = self.cfg.schedule.interval if self.planner is None else max(self.planned, 1)
+            self.planned = self.local_steps + base
+            return
+        self._run_sync(step, m)
+
+    def _run_sync(self, step: int, m: Any) -> None:
+        assert self.engine is not None
+        contributors = any(mm.contributes for mm in m.members)
+        self.sync_index = m.max_sync + (1 if contributors else 0)
         self._sync_step = step
         extra = [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self._vote)]
         self._last_exchange_t = time.time()
         self.local_steps = 0
+        if self.planner is None:
+            self.planned = self.cfg.schedule.interval
         self.timer.reset()
-        if self.overlap is not None:
-            self.overlap.begin(self.sync_index, int(extra[0]), extra)
+        if not contributors:
+            self.comm.abort()
             return
-        self._after_exchange(self.engine.begin(self.sync_index, int(extra[0]), extra=extra))
-        if self.cfg.mode != "layerwise":
-            self.engine.sync_all()
+        if self.overlap is not None:
+            try:
+                self.overlap.begin(self.sync_index, int(extra[0]), extra)
+            except FederationError as exc:
+                self._on_sync_abort(SyncReport(sync=self.sync_index, local_steps=int(extra[0])), str(exc))
+            return
+        try:
+            self._after_exchange(self.engine.begin(self.sync_index, int(extra[0]), extra=extra))
+            if self.cfg.mode != "layerwise":
+                self.engine.sync_all()
+        except SyncAborted:
+            pass  # rolled back; local progress kept, next interval retries
 
     def _after_exchange(self, gathered: torch.Tensor | None) -> None:
-        """Every group now knows every group's [local_steps, secs/step, total_steps, stop vote]."""
+        """Every participant now knows every participant's [local_steps, secs/step, total_steps, stop vote]."""
         if gathered is None:
             return
         secs = gathered[:, 1].tolist()
@@ -230,15 +382,19 @@ class LocalSGD:
         if gathered[:, 3].max().item() > 0:
             self.stopped = True
         if self.planner is not None:
-            self.planned = self.planner.plan(secs)[self.group_index]
+            self.planned = self.planner.steps_for(secs[self.comm.position])
 
     def flush(self) -> None:
         """Finish any sync in flight (before eval, checkpoints and the next sync)."""
         if self.overlap is not None and self.overlap.pending:
             self.overlap.poll(block=True)
-            self._after_exchange(self.overlap.gathered_extra)
+            if not self.overlap.dropped:
+                self._after_exchange(self.overlap.gathered_extra)
         if self.engine is not None and self.engine.pending:
-            self.engine.sync_all()
+            try:
+                self.engine.sync_all()
+            except SyncAborted:
+                pass
 
     def finish(self) -> None:
         """End of training: a final blocking sync if local steps are outstanding, so every group ends
@@ -253,7 +409,7 @@ class LocalSGD:
     def _on_sync_complete(self, report: SyncReport) -> None:
         self.syncs_done += 1
         self.history.append(report.local_steps)
-        record = summarize(report, self.group_index)
+        record = summarize(report)
         # the group's bytes are every rank's own shard traffic; blocked time is the slowest rank's
         t = torch.tensor([float(record["bytes"]), record["blocked_s"]], dtype=torch.float64, device=self.comm.device)
         if self.shard_pg is not None and self.shard_size > 1:
@@ -268,43 +424,122 @@ class LocalSGD:
         if record["anomalous"]:
             self.anomalies += 1
         if self.emit is not None and self.is_group_leader:
-            self.emit("sync", step=self._sync_step, group=self.group_index, **record)
+            self.emit("sync", step=self._sync_step, group=self.group_index, cluster=self.comm.name, **record)
+
+    def _on_sync_abort(self, report: SyncReport, why: str) -> None:
+        self.syncs_aborted += 1
+        if self.emit is not None and self.is_group_leader:
+            self.emit("sync_aborted", step=self._sync_step, group=self.group_index, cluster=self.comm.name,
+                      sync=report.sync, participants=list(report.participants), reason=why)
+        self.sync_index = max(self.sync_index - 1, 0)
+
+    # ------------------------------------------------------------- healing
+    def _heal_collect(self) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+        meta: dict[str, Any] = {"sync_index": self.sync_index, "total_steps": self.total_steps,
+                                "global_step": self.global_step, "roster": list(self.aggregator.roster),
+                                "local_phase": self.engine is not None}
+        local: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        if self.engine is not None:
+            for key, t in self.engine.outer.state_dict().items():
+                unit, kind, i = key.rsplit("/", 2)
+                param = self.units[self.engine.index[unit]].params[int(i)]
+                local[f"outer/{key}"] = (t, param if t.dim() > 0 else None)
+            for key, t in self.aggregator.state_tensors().items():
+                local[f"penalty/{key}"] = (t, None)
+        else:  # ddp / warm-up: the replica itself and its inner optimizer
+            from edit_train.cluster.mesh import local_tensor
+
+            for name, p in self.model.named_parameters():
+                local[f"param/{name}"] = (local_tensor(p.data), p)
+            if self.optimizer is not None:
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                for p, st in self.optimizer.state.items():
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor) and v.dim() > 0:
+                            local[f"optim/{names[id(p)]}/{k}"] = (local_tensor(v), p)
+                        elif isinstance(v, torch.Tensor):
+                            local[f"optim/{names[id(p)]}/{k}"] = (v.detach().reshape(()), None)
+        return meta, local
+
+    @torch.no_grad()
+    def _heal_apply(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if meta.get("local_phase") and self.engine is None:
+            self._start_local_phase()
+        if self.engine is not None and meta.get("local_phase"):
+            outer = self.engine.outer
+            old = {u.name: [a.detach().clone() for a in outer.anchors[u.name]] for u in self.units}
+            outer.load_state_dict({k[len("outer/"):]: v for k, v in tensors.items() if k.startswith("outer/")})
+            self.aggregator.load(meta.get("roster", []),
+                                 {k[len("penalty/"):]: v for k, v in tensors.items() if k.startswith("penalty/")})
+            # this rank's error-feedback residuals were what it owed the old anchor's syncs: a re-based cluster
+            # starts them empty (a peer's residuals are that peer's debt, so they are not copied either)
+            self.comm.feedback.clear()
+            for u in self.units:  # θ ← θ̄_new + (θ − θ̄_old): local progress is kept
+                for p, a_old, a_new in zip(u.live(), old[u.name], outer.anchors[u.name]):
+                    p.sub_(a_old.to(p.device, p.dtype)).add_(a_new.to(p.device, p.dtype))
+                    if not torch.isfinite(p).all():
+                        p.copy_(a_new)
+        else:
+            from edit_train.cluster.mesh import local_tensor
+
+            params = dict(self.model.named_parameters())
+            for key, v in tensors.items():
+                if key.startswith("param/"):
+                    local_tensor(params[key[6:]].data).copy_(v)
+                elif key.startswith("optim/") and self.optimizer is not None:
+                    name, _, field = key[6:].rpartition("/")
+                    p = params[name]
+                    st = self.optimizer.state[p]
+                    if field == "step":
+                        st[field] = v.to(torch.float32).clone()
+                    elif field in st:
+                        local_tensor(st[field]).copy_(v)
+        self.sync_index = int(meta.get("sync_index", self.sync_index))
+        if self._joining or self.total_steps == 0 or self.lockstep:
+            # lockstep schedules end at train.steps on every cluster: a cluster that healed (restarted, joined
+            # late, or ran ahead/behind while cut off) continues from the federation's step
+            self.adopt_step = int(meta.get("total_steps", 0))
+            self.total_steps = self.adopt_step
+            self.global_step = max(self.global_step, int(meta.get("global_step", 0)))
 
     # ------------------------------------------------------------- reporting
     def group_stats(self) -> dict[str, Any]:
         """This rank's totals (the trainer gathers one per group)."""
         return {"bytes_sent": self.comm.bytes_sent, "blocked_s": self.comm.blocked_s,
-                "syncs": self.syncs_done, "anomalies": self.anomalies, "local_steps_per_sync": self.history}
+                "syncs": self.syncs_done, "anomalies": self.anomalies, "local_steps_per_sync": self.history,
+                "syncs_missed": self.syncs_missed, "syncs_aborted": self.syncs_aborted,
+                "healed_from": list(self.healed_from)}
 
     # ------------------------------------------------------------ checkpoint
     def state_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
         if self.engine is None:
             return {}
-        return {"outer": self.engine.outer.state_dict(), "penalty": self.engine.aggregator.state_dict()}
+        return {"outer": self.engine.outer.state_dict(), "penalty": self.aggregator.state_tensors(),
+                "residual": self.comm.feedback.state_dict()}
 
     def state_json(self) -> dict[str, Any]:
         return {"sync_index": self.sync_index, "local_steps": self.local_steps, "anomalies": self.anomalies,
                 "syncs_done": self.syncs_done, "history": self.history, "local_phase": self.engine is not None,
                 "timer": self.timer.state_dict(), "bytes_sent": self.comm.bytes_sent, "planned": self.planned,
-                "planner": self.planner.state_dict() if self.planner else None, "global_step": self.global_step,
-                "blocked_s": self.comm.blocked_s}
+                "global_step": self.global_step, "blocked_s": self.comm.blocked_s,
+                "roster": list(self.aggregator.roster), "syncs_missed": self.syncs_missed}
 
     def load_state(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
         self.sync_index = state["sync_index"]
         self.local_steps = state["local_steps"]
         self.anomalies = state["anomalies"]
         self.syncs_done = state["syncs_done"]
+        self.syncs_missed = state.get("syncs_missed", 0)
         self.history = list(state.get("history", []))
         self.timer.load_state_dict(state["timer"])
         self.planned = state.get("planned", self.planned)
         self.global_step = state.get("global_step", 0)
-        if self.planner is not None and state.get("planner"):
-            self.planner.load_state_dict(state["planner"])
-        self.comm.bytes_sent = state["bytes_sent"]
-        self.comm.blocked_s = state["blocked_s"]
+        self.comm.clock.bytes_sent = state["bytes_sent"]
+        self.comm.clock.blocked_s = state["blocked_s"]
         if state["local_phase"]:
             if self.engine is None:
                 self._start_local_phase()
             assert self.engine is not None
             self.engine.outer.load_state_dict(tensors["outer"])
-            self.engine.aggregator.load_state_dict(tensors.get("penalty", {}))
+            self.aggregator.load(state.get("roster", []), tensors.get("penalty", {}))
+            self.comm.feedback.load_state_dict(tensors.get("residual", {}))

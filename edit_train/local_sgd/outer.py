@@ -189,6 +189,28 @@ class OuterState:
         for a, p in zip(self.anchors[name], self.params[name]):
             p.copy_(a, non_blocking=True)
 
+    @torch.no_grad()
+    def snapshot(self, name: str) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[Tensor]]:
+        """What `restore` needs to undo this module's next outer step and reset (anchor, optimizer
+        state, live params): a sync commits on every participant or on none."""
+        opt = self.optimizers[name]
+        state = {i: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.state.get(a, {}).items()}
+                 for i, a in enumerate(self.anchors[name])}
+        return ([a.detach().clone() for a in self.anchors[name]], state,
+                [p.detach().clone() for p in self.params[name]])
+
+    @torch.no_grad()
+    def restore(self, name: str, snap: tuple[list[Tensor], dict[int, dict[str, Any]], list[Tensor]]) -> None:
+        anchors, state, params = snap
+        opt = self.optimizers[name]
+        for i, (a, saved) in enumerate(zip(self.anchors[name], anchors)):
+            a.copy_(saved.to(a.device))
+            opt.state[a] = dict(state.get(i, {}))
+            if not opt.state[a]:
+                del opt.state[a]
+        for p, saved in zip(self.params[name], params):
+            p.copy_(saved)
+
     def skip(self, name: str) -> None:
         """Every worker anomalous: no outer step, live params ← anchor."""
         self.reset(name)

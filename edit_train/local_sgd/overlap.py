@@ -10,6 +10,8 @@ later step boundary `poll()` advances the state machine without blocking:
 so local progress made meanwhile is carried over exactly. Ranks of one group agree on "landed" with
 a one-scalar MIN all-reduce over the group (intra-cluster), because the clip norm is a group collective.
 Extra memory: the snapshot (one shard-sized buffer) plus the reduction buffer every sync needs.
+Nothing is applied before every reduction landed and every participant voted to commit; a sync that
+loses a participant is dropped whole (anchors untouched, local progress kept).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from edit_train.dist.comm import Pending, shard_sum_
+from edit_train.cluster.collectives import shard_sum_
+from edit_train.federation.link import FederationError, Pending
 from edit_train.local_sgd.penalty import clip_coef_from_sqnorm, weighted
 from edit_train.local_sgd.sync import SyncEngine, SyncReport
 
@@ -42,7 +45,8 @@ class OverlapSync:
     def begin(self, sync_index: int, local_steps: int, extra: list[float]) -> None:
         e = self.e
         assert self.phase == "idle", "previous overlapped sync still in flight"
-        self._report = SyncReport(sync=sync_index, local_steps=local_steps)
+        self._report = SyncReport(sync=sync_index, local_steps=local_steps,
+                                  participants=[m.name for m in e.comm.members], position=e.comm.position)
         sq = torch.zeros(len(e.units), dtype=torch.float64, device=e.comm.device)
         for i, unit in enumerate(e.units):
             live = unit.live()
@@ -68,13 +72,38 @@ class OverlapSync:
 
     @torch.no_grad()
     def poll(self, block: bool = False) -> bool:
-        """Advance without blocking (unless `block`). Returns True when the sync has been applied."""
+        """Advance without blocking (unless `block`). Returns True when the sync is over (applied or
+        dropped: `self.dropped` says which)."""
+        try:
+            return self._poll(block)
+        except FederationError as exc:
+            self._drop(str(exc))
+            return True
+
+    def _drop(self, why: str) -> None:
+        e, report = self.e, self._report
+        for pending, _ in self._reduce.values():
+            pending.done = True
+        self._reduce.clear()
+        self._snap.clear()
+        self._gather = None
+        self.phase = "idle"
+        self._report = None
+        self.dropped = True
+        e.comm.abort()
+        if report is not None and e.on_abort is not None:
+            e.on_abort(report, why)
+
+    def _poll(self, block: bool) -> bool:
+        self.dropped = False
         if self.phase == "gathering":
             pending, out = self._gather  # type: ignore[misc]
             if not (block or self._group_ready(pending.ready())):
                 return False
             self._report.blocked_s += pending.wait()  # type: ignore[union-attr]
             self._decide(torch.stack(out).cpu())
+            if self.phase == "idle":
+                return True
         if self.phase == "reducing":
             if not (block or self._group_ready(all(p.ready() for p, _ in self._reduce.values()))):
                 return False
@@ -86,19 +115,17 @@ class OverlapSync:
         e, report = self.e, self._report
         assert report is not None
         n = len(e.units)
-        norms = gathered[:, :n].clamp_min(0).sqrt()
-        steps = gathered[:, n] if self._extra_n else None
         self.gathered_extra = gathered[:, n:]
-        for i, unit in enumerate(e.units):
-            report.decisions[unit.name] = e.aggregator.decide(unit.name, norms[:, i], steps)
-        report.group_norm = float(norms[e.group_index].pow(2).sum().sqrt())
+        e.report = report
+        e.decide_all(gathered, local_steps_col=0 if self._extra_n else None)
+        e.report = None
         for unit in e.units:
-            w = report.decisions[unit.name].weights[e.group_index]
+            w = report.decisions[unit.name].weights[report.position]
             anchor = e.outer.anchors[unit.name]
             delta = weighted([a.to(s.device) - s.to(a.dtype) for a, s in zip(anchor, self._snap[unit.name])],
                              float(w))
             bytes0 = e.comm.bytes_sent
-            self._reduce[unit.name] = (e.comm.all_reduce_(delta, async_op=True), delta)
+            self._reduce[unit.name] = (e.comm.all_reduce_(delta, async_op=True, params=unit.params, key=unit.name), delta)
             report.bytes += e.comm.bytes_sent - bytes0
         self.phase = "reducing"
 
@@ -106,8 +133,12 @@ class OverlapSync:
         e, report = self.e, self._report
         assert report is not None
         for unit in e.units:
-            pending, delta = self._reduce.pop(unit.name)
+            pending, _ = self._reduce[unit.name]
             report.blocked_s += pending.wait()
+        if e.comm.active and not e.comm.vote(True):
+            raise FederationError("a participant did not commit")
+        for unit in e.units:
+            _, delta = self._reduce.pop(unit.name)
             live = unit.live()
             e.outer.params[unit.name] = live
             decision = report.decisions[unit.name]
@@ -121,9 +152,13 @@ class OverlapSync:
                 report.clip[unit.name] = coef
             else:
                 report.clip[unit.name] = 0.0
-            # θ ← θ̄_new + (θ − θ_snap): the local progress made while the reduction was in flight
-            for p, a, s in zip(live, e.outer.anchors[unit.name], self._snap[unit.name]):
-                p.sub_(s).add_(a.to(p.device, p.dtype))  # (θ − θ_snap) first: exact when no progress
+            # θ ← θ̄_new + (θ − θ_snap): the local progress made while the reduction was in flight;
+            # a non-finite (θ − θ_snap) (replica went NaN/inf before or after the snapshot) → θ ← θ̄_new
+            for p, s in zip(live, self._snap[unit.name]):
+                p.sub_(s)  # (θ − θ_snap) first: exact when no progress
+            finite = all(bool(torch.isfinite(p).all()) for p in live)
+            for p, a in zip(live, e.outer.anchors[unit.name]):
+                p.add_(a.to(p.device, p.dtype)) if finite else p.copy_(a.to(p.device, p.dtype))
         self._snap.clear()
         self.phase = "idle"
         self._report = None

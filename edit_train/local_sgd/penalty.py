@@ -8,17 +8,22 @@ weights without further communication. No ``torch.distributed`` here.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
+
+from edit_train.local_sgd.penalty_stats import EWMAStats, t_quantile
 
 __all__ = [
     "PenaltyConfig",
     "EWMAStats",
     "Decision",
     "PseudoGradAggregator",
+    "anomaly_details",
+    "per_step",
+    "t_quantile",
     "weights",
     "clip_coef",
     "clip_coef_from_sqnorm",
@@ -32,17 +37,20 @@ _PREFIX = "algo.penalty"  # where the config lives in the Hydra tree (for error 
 
 @dataclass
 class PenaltyConfig:
-    """Anomaly elimination, weighting and clipping of pseudo-gradients."""
+    """Anomaly elimination, weighting and clipping of pseudo-gradients (exact math: docs/sync_math.md)."""
 
     anomaly: bool = True
     weighting: str = "softmax"
     clip: bool = True
     ewma_alpha: float = 0.02
     warmup_syncs: int = 10
-    z_threshold: float = 3.0
-    temperature: float = 1.0
+    z_threshold: float = 3.0  # nominal one-sided z; the test uses the matching Student-t predictive bound
+    temperature: float = 1.0  # relative to the median accepted per-step norm (scale-free)
     clip_threshold: float = 10.0
     step_weight_ratio: float = 0.0
+    sigma_floor: float = 0.05  # σ used in z is at least sigma_floor·|μ|
+    readmit_after: int = 12  # the k-th consecutive flag of a worker is accepted as its new level (0 = never)
+    regime_change: bool = True  # a shift shared by most workers rescales everyone's statistics instead
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""
@@ -52,7 +60,7 @@ class PenaltyConfig:
             raise ValueError(f"{_PREFIX}.ewma_alpha must be in (0, 1), got {self.ewma_alpha}")
         if self.warmup_syncs < 0:
             raise ValueError(f"{_PREFIX}.warmup_syncs must be >= 0, got {self.warmup_syncs}")
-        if not self.z_threshold > 0:
+        if not (self.z_threshold > 0 and math.isfinite(self.z_threshold)):
             raise ValueError(f"{_PREFIX}.z_threshold must be > 0, got {self.z_threshold}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"{_PREFIX}.temperature must be > 0, got {self.temperature}")
@@ -60,57 +68,26 @@ class PenaltyConfig:
             raise ValueError(f"{_PREFIX}.clip_threshold must be > 0, got {self.clip_threshold}")
         if not 0.0 <= self.step_weight_ratio <= 1.0:
             raise ValueError(f"{_PREFIX}.step_weight_ratio must be in [0, 1], got {self.step_weight_ratio}")
+        if not (0.0 <= self.sigma_floor < 1.0):
+            raise ValueError(f"{_PREFIX}.sigma_floor must be in [0, 1), got {self.sigma_floor}")
+        if self.readmit_after < 0:
+            raise ValueError(f"{_PREFIX}.readmit_after must be >= 0 (0 = never re-admit), got {self.readmit_after}")
 
 
-class EWMAStats:
-    """EWMA mean/variance of ``G`` for one module, vectorised over workers (float64).
+_FIELDS = ("mu", "m2", "count", "streak", "streak_mu", "streak_m2")
+_REQUIRED = ("mu", "m2", "count")  # checkpoints written before the streak fields existed lack the rest
 
-    Update (DESIGN.md §4): ``d = x − μ; μ ← μ + a·d; M2 ← (1−a)(M2 + a·d·(x − μ_new))`` with
-    ``a = max(α, 1/n)`` for the n-th accepted value (bias correction for the first ~1/α values)."""
 
-    def __init__(self, num_workers: int, alpha: float) -> None:
-        self.alpha = float(alpha)
-        self.mu = torch.zeros(num_workers, dtype=torch.float64)
-        self.m2 = torch.zeros(num_workers, dtype=torch.float64)
-        self.count = torch.zeros(num_workers, dtype=torch.int64)
-
-    @property
-    def sigma(self) -> Tensor:
-        return self.m2.clamp_min(0.0).sqrt()
-
-    def zscore(self, x: Tensor) -> Tensor:
-        """``(x − μ)/σ``; with σ == 0: 0 if x == μ, ±inf otherwise (NaN stays NaN)."""
-        x = x.to(torch.float64)
-        d = x - self.mu
-        sigma = self.sigma
-        z = d / torch.where(sigma > 0, sigma, torch.ones_like(sigma))
-        inf = torch.full_like(d, math.inf)
-        flat = torch.where(d > 0, inf, torch.where(d < 0, -inf, torch.where(d == 0, 0.0, d)))
-        return torch.where(sigma > 0, z, flat)
-
-    def update(self, x: Tensor, accept: Tensor) -> None:
-        """Fold ``x[i]`` into worker i's statistics where ``accept[i]`` (non-finite never accepted)."""
-        x = x.to(torch.float64)
-        accept = accept.bool() & torch.isfinite(x)
-        # Bias-corrected rate: the n-th accepted value uses max(α, 1/n), so the first ~1/α values give the
-        # plain running mean/variance instead of a μ stuck at the first value and a σ shrunk by ~√α (which
-        # flags every healthy but still-moving module right after the warm-up). Afterwards it is the EWMA
-        # of DESIGN.md §4 with α.
-        a = torch.maximum(torch.full_like(x, self.alpha), 1.0 / (self.count.to(torch.float64) + 1.0))
-        first = accept & (self.count == 0)
-        later = accept & (self.count > 0)
-        xs = torch.where(accept, x, self.mu)  # keep NaN out of the arithmetic
-        d = xs - self.mu
-        mu_new = self.mu + a * d
-        m2_new = (1.0 - a) * (self.m2 + a * d * (xs - mu_new))
-        self.mu = torch.where(first, xs, torch.where(later, mu_new, self.mu))
-        self.m2 = torch.where(first, torch.zeros_like(self.m2), torch.where(later, m2_new, self.m2))
-        self.count = self.count + accept.to(torch.int64)
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
 
 
 @dataclass
 class Decision:
-    """Outcome of one module's sync decision (identical on every rank)."""
+    """Outcome of one module's sync decision (identical on every rank).
+
+    ``z`` is the score the test used (per local step, after a regime rescale) and ``threshold`` the bound
+    it was compared with (inf while a worker is in warm-up or detection is off)."""
 
     module: str
     norms: list[float]
@@ -118,36 +95,68 @@ class Decision:
     anomalous: list[bool]
     z: list[float]
     all_anomalous: bool
+    threshold: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """JSON-friendly dict; non-finite floats become ``None``."""
         d = asdict(self)
-        for key in ("norms", "z", "weights"):
-            d[key] = [v if math.isfinite(v) else None for v in d[key]]
+        for key in ("norms", "z", "weights", "threshold"):
+            d[key] = [_finite_or_none(v) for v in d[key]]
         return d
+
+
+def anomaly_details(decisions: Mapping[str, Decision], worker: int) -> dict[str, dict[str, float | None]]:
+    """``{module: {"z": z, "threshold": bound}}`` for every module where ``worker`` was anomalous (for the
+    ``sync`` event: why a cluster was left out). Non-finite values become ``None``."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name, d in decisions.items():
+        if d.anomalous[worker]:
+            thr = d.threshold[worker] if d.threshold else math.inf
+            out[name] = {"z": _finite_or_none(float(d.z[worker])), "threshold": _finite_or_none(float(thr))}
+    return out
+
+
+def per_step(norms: Tensor, steps: Tensor | Sequence[float] | None) -> Tensor:
+    """``G/s`` (float64): the norm per local step (``s`` clamped to >= 1; ``steps=None`` → ``G``)."""
+    g = torch.as_tensor(norms, dtype=torch.float64).reshape(-1)
+    if steps is None:
+        return g
+    s = torch.as_tensor(steps, dtype=torch.float64).reshape(g.shape)
+    s = torch.where(torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1.0)
+    return g / s
 
 
 def weights(
     norms: Tensor, anomalous: Tensor, cfg: PenaltyConfig, steps: Tensor | Sequence[float] | None = None
 ) -> Tensor:
-    """Per-worker weights (float64, sum 1 over accepted workers; all zeros if none accepted)."""
-    g = torch.as_tensor(norms, dtype=torch.float64)
-    ok = ~torch.as_tensor(anomalous, dtype=torch.bool) & torch.isfinite(g)
+    """Per-worker weights (float64, sum 1 over accepted workers; all zeros if none accepted).
+
+    softmax: ``softmax(−xᵢ/(T·m))`` over the accepted workers, ``xᵢ = Gᵢ/sᵢ`` the per-step norm and ``m``
+    the (lower) median accepted ``x``: invariant to the scale of the norms, and exactly the old
+    ``softmax(−G/T)`` when ``m = 1``. Then the optional blend with each worker's share of the steps."""
+    g = torch.as_tensor(norms, dtype=torch.float64).reshape(-1)
+    x = per_step(g, steps)
+    ok = ~torch.as_tensor(anomalous, dtype=torch.bool).reshape(-1) & torch.isfinite(x)
     zeros = torch.zeros_like(g)
     n_ok = int(ok.sum())
     if n_ok == 0:
         return zeros
-    if cfg.weighting == "uniform":
-        w = torch.where(ok, torch.full_like(g, 1.0 / n_ok), zeros)
-    else:
-        logits = torch.where(ok, -g / cfg.temperature, torch.full_like(g, -math.inf))
-        logits = logits - logits.max()
-        e = torch.where(ok, logits.exp(), zeros)
-        w = e / e.sum()
+    uniform = torch.where(ok, torch.full_like(g, 1.0 / n_ok), zeros)
+    w = uniform
+    if cfg.weighting == "softmax":
+        acc = x[ok]
+        m = float(acc.median())
+        if not m > 0:
+            m = float(acc.max())
+        if m > 0:
+            logits = torch.where(ok, -x / (cfg.temperature * m), torch.full_like(g, -math.inf))
+            logits = logits - logits.max()
+            e = torch.where(ok, logits.exp(), zeros)
+            w = e / e.sum()
     r = cfg.step_weight_ratio
     if r > 0 and steps is not None:
         s = torch.as_tensor(steps, dtype=torch.float64).reshape(g.shape)
-        s = torch.where(ok, s.clamp_min(0.0), zeros)
+        s = torch.where(ok & torch.isfinite(s), s.clamp_min(0.0), zeros)
         total = float(s.sum())
         if total > 0:  # no steps recorded → nothing to blend
             w = (1.0 - r) * w + r * (s / total)
@@ -221,20 +230,38 @@ class PseudoGradAggregator:
         return self.stats[module]
 
     def decide(self, module: str, norms: Tensor, steps: Tensor | Sequence[float] | None = None) -> Decision:
-        """Flag anomalies, update statistics with accepted norms, compute weights."""
+        """Flag anomalies, update statistics with accepted values, compute weights (docs/sync_math.md)."""
         g = torch.as_tensor(norms, dtype=torch.float64).detach().cpu().reshape(-1)
         if g.numel() != self.num_workers:
             raise ValueError(f"decide({module!r}): expected {self.num_workers} norms, got {g.numel()}")
-        st = self._stats(module)
-        z = st.zscore(g)
-        z = torch.where(st.count == 0, torch.where(torch.isfinite(g), 0.0, z), z)
-        anomalous = ~torch.isfinite(g)
-        if self.cfg.anomaly:
+        if steps is not None:
+            steps = torch.as_tensor(steps, dtype=torch.float64).detach().cpu().reshape(-1)
+        x = per_step(g, steps)
+        cfg, st = self.cfg, self._stats(module)
+        finite = torch.isfinite(x)
+        anomalous = ~finite
+        readmit = torch.zeros_like(finite)
+        floor = cfg.sigma_floor
+        z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+        thr = torch.full_like(x, math.inf)
+        if cfg.anomaly:
             # At least 2 accepted values are needed for a meaningful σ, whatever warmup_syncs says.
-            warm = st.count >= max(self.cfg.warmup_syncs, 2)
-            anomalous = anomalous | (warm & (z > self.cfg.z_threshold))
-        st.update(g, ~anomalous)
-        w = weights(g, anomalous, self.cfg, steps)
+            warm = st.count >= max(cfg.warmup_syncs, 2)
+            thr = torch.where(warm, st.threshold(cfg.z_threshold), thr)
+            if cfg.regime_change and self._regime(st, x, z, thr, warm, finite):
+                z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+                warm = st.count >= max(cfg.warmup_syncs, 2)
+                thr = torch.where(warm, st.threshold(cfg.z_threshold), torch.full_like(x, math.inf))
+            flagged = warm & finite & (z > thr)
+            if cfg.readmit_after > 0:
+                st.track_streak(x, flagged)
+                readmit = st.streak >= cfg.readmit_after
+                if bool(readmit.any()):
+                    st.rebase(readmit)  # the streak (this value included) becomes the new level
+                flagged = flagged & ~readmit
+            anomalous = anomalous | flagged
+        st.update(x, ~anomalous & ~readmit)
+        w = weights(g, anomalous, cfg, steps)
         return Decision(
             module=module,
             norms=g.tolist(),
@@ -242,40 +269,66 @@ class PseudoGradAggregator:
             anomalous=anomalous.tolist(),
             z=z.tolist(),
             all_anomalous=bool(anomalous.all()),
+            threshold=thr.tolist(),
         )
 
+    @staticmethod
+    def _regime(st: EWMAStats, x: Tensor, z: Tensor, thr: Tensor, warm: Tensor, finite: Tensor) -> bool:
+        """A shift shared by a strict majority of the warm workers is a regime change, not an anomaly:
+        rescale every worker's statistics by the shared factor ``c`` (the lower median of ``x/μ`` for a
+        rise, the upper median for a drop), so only workers that moved differently stay flagged.
+        If ``c`` is 0 or infinite (e.g. a history of exact zeros), the statistics restart. True if so."""
+        n_warm = int(warm.sum())
+        if n_warm < 2:
+            return False
+        live = warm & finite
+        up, down = int((live & (z > thr)).sum()), int((live & (z < -thr)).sum())
+        if 2 * up <= n_warm and 2 * down <= n_warm:
+            return False
+        xs, mus = x[live], st.mu[live]
+        q = torch.where(mus > 0, xs / torch.where(mus > 0, mus, torch.ones_like(mus)),
+                        torch.where(xs > 0, math.inf, 1.0))
+        q, _ = torch.sort(q)
+        c = float(q[(q.numel() - 1) // 2]) if 2 * up > n_warm else float(q[q.numel() // 2])
+        if math.isfinite(c) and c > 0:
+            st.rescale(c)
+        else:
+            st.reset()
+        return True
+
     def state_dict(self) -> dict[str, Tensor]:
-        """Flat ``{"<module>/mu"|"/m2"|"/count": tensor}`` (CPU, contiguous; safetensors-ready)."""
+        """Flat ``{"<module>/<field>": tensor}`` for the fields mu, m2, count, streak, streak_mu, streak_m2
+        (CPU, contiguous; safetensors-ready)."""
         sd: dict[str, Tensor] = {}
         for name, st in self.stats.items():
-            sd[f"{name}/mu"] = st.mu.clone().contiguous()
-            sd[f"{name}/m2"] = st.m2.clone().contiguous()
-            sd[f"{name}/count"] = st.count.clone().contiguous()
+            for f in _FIELDS:
+                sd[f"{name}/{f}"] = getattr(st, f).clone().contiguous()
         return sd
 
     def load_state_dict(self, sd: dict[str, Tensor]) -> None:
-        """Restore statistics saved by :meth:`state_dict` (replaces all current statistics)."""
+        """Restore statistics saved by :meth:`state_dict` (replaces all current statistics). Checkpoints
+        without the streak fields (older versions) load with empty streaks."""
         grouped: dict[str, dict[str, Tensor]] = {}
         for key, val in sd.items():
             if "/" not in key:
-                raise ValueError(f"penalty state: unexpected key {key!r} (expected '<module>/<mu|m2|count>')")
-            module, field = key.rsplit("/", 1)
-            if field not in ("mu", "m2", "count"):
+                raise ValueError(f"penalty state: unexpected key {key!r} (expected '<module>/<{'|'.join(_FIELDS)}>')")
+            module, fname = key.rsplit("/", 1)
+            if fname not in _FIELDS:
                 raise ValueError(f"penalty state: unexpected key {key!r}")
             if val.numel() != self.num_workers:
                 raise ValueError(
                     f"penalty state: {key!r} has {val.numel()} entries but there are {self.num_workers} "
                     "workers; the checkpoint was written with a different cluster.groups"
                 )
-            grouped.setdefault(module, {})[field] = val
+            grouped.setdefault(module, {})[fname] = val
         stats: dict[str, EWMAStats] = {}
         for module, fields in grouped.items():
-            missing = {"mu", "m2", "count"} - fields.keys()
+            missing = set(_REQUIRED) - fields.keys()
             if missing:
                 raise ValueError(f"penalty state: module {module!r} lacks {sorted(missing)}")
             st = EWMAStats(self.num_workers, self.cfg.ewma_alpha)
-            st.mu = fields["mu"].detach().cpu().to(torch.float64).reshape(-1).clone()
-            st.m2 = fields["m2"].detach().cpu().to(torch.float64).reshape(-1).clone()
-            st.count = fields["count"].detach().cpu().to(torch.int64).reshape(-1).clone()
+            for fname, val in fields.items():
+                dtype = torch.int64 if fname in ("count", "streak") else torch.float64
+                setattr(st, fname, val.detach().cpu().to(dtype).reshape(-1).clone())
             stats[module] = st
         self.stats = stats

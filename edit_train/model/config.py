@@ -31,6 +31,7 @@ class ModelConfig:
     router_z_loss_coef: float = 1e-4  # router z-loss beta
     routing_warmup_steps: int = 0  # stochastic routing warmup W (Ling eq. 3); 0 = off
     init_from: str | None = None  # HF-style directory to initialise weights from (later issue)
+    expert_impl: str = "auto"  # routed experts: auto | grouped (torch._grouped_mm) | sorted (per-expert loop)
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -49,5 +50,7 @@ class ModelConfig:
                 f"got {self.num_experts_per_tok}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             bad("first_k_dense_replace", f"must be in [0, num_hidden_layers], got {self.first_k_dense_replace}")
+        if self.expert_impl not in ("auto", "grouped", "sorted"):
+            bad("expert_impl", f"must be auto, grouped or sorted, got {self.expert_impl!r}")
         if self.routing_warmup_steps < 0:
             bad("routing_warmup_steps", "must be >= 0")

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from edit_train.model.config import ModelConfig
+from edit_train.model.experts import grouped_experts, resolve_impl
 
 
 class DenseMLP(nn.Module):
@@ -51,9 +52,11 @@ class RoutedExperts(nn.Module):
     ``nn.Linear`` stack whose weights are ``gate_proj[e]``, ``up_proj[e]`` and ``down_proj[e]``.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str = "sorted") -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.impl = impl  # model.expert_impl: auto | grouped | sorted (see experts.py)
+        self.last_impl: str | None = None  # the implementation the last forward ran
         self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -64,7 +67,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dropless sorted dispatch.
+        """Dropless dispatch: the sorted reference path, or grouped matmuls (``experts.py``) per ``impl``.
 
         Args:
             x: ``[N, H]`` tokens.
@@ -75,20 +78,28 @@ class RoutedExperts(nn.Module):
             ``(y [N, H], counts [E])``: ``y[n] = sum_j topk_weight[n, j] * expert_{topk_idx[n, j]}(x[n])`` and
             ``counts`` the number of tokens each expert processed.
         """
-        flat_idx = topk_idx.reshape(-1)
-        order = torch.argsort(flat_idx, stable=True)  # flat slot of each sorted position, grouped by expert
-        counts = torch.bincount(flat_idx, minlength=self.num_experts)
-        plan = _Plan(order, topk_idx.shape[1], counts.tolist())
-
         dtype = x.dtype
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         weights = [p if p.dtype == dtype else p.to(dtype)
                    for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        impl = resolve_impl(self.impl, x.device, dtype, tuple(self.gate_proj.shape[1:]))
+        self.last_impl = impl
         with torch.autocast(device_type=device_type, enabled=False):
-            y = _SortedMoE.apply(x.to(dtype), topk_weight.to(dtype), *weights, plan)
-        return y, counts
+            if impl == "grouped":
+                return grouped_experts(x.to(dtype), topk_idx, topk_weight.to(dtype), *weights)
+            return _sorted_experts(x.to(dtype), topk_idx, topk_weight.to(dtype), weights, self.num_experts)
+
+
+@torch.compiler.disable  # data-dependent Python loop over the counts: under torch.compile it stays eager
+def _sorted_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                    weights: list[torch.Tensor], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat_idx = topk_idx.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)  # flat slot of each sorted position, grouped by expert
+    counts = torch.bincount(flat_idx, minlength=num_experts)
+    plan = _Plan(order, topk_idx.shape[1], counts.tolist())  # the host sync the grouped path avoids
+    return _SortedMoE.apply(x, topk_weight, *weights, plan), counts
 
 
 class _Plan:
@@ -234,7 +245,8 @@ class MoEBlock(nn.Module):
         self.warmup_steps = cfg.routing_warmup_steps
         self.stats_momentum = stats_momentum
         self.gate = Router(cfg.hidden_size, cfg.num_experts)
-        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     impl=cfg.expert_impl)
         if cfg.num_shared_experts > 0:
             self.shared_experts = DenseMLP(cfg.hidden_size, cfg.num_shared_experts * cfg.moe_intermediate_size)
         else:

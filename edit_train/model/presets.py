@@ -1,4 +1,4 @@
-"""Model presets (``conf/model/*.yaml``) and parameter counting on the meta device."""
+"""Model presets (``edit_train/conf/model/*.yaml``) and parameter counting on the meta device."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from edit_train.model.config import ModelConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 def available_presets() -> list[str]:
@@ -17,7 +17,7 @@ def available_presets() -> list[str]:
 
 
 def load_preset(name: str) -> ModelConfig:
-    """``conf/model/{name}.yaml`` merged over the ``ModelConfig`` defaults, validated."""
+    """``edit_train/conf/model/{name}.yaml`` merged over the ``ModelConfig`` defaults, validated."""
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown model preset {name!r}: no {path}; available presets: "

@@ -5,7 +5,12 @@
 * `lr_spike`     — the group's inner LR is multiplied by `factor` (default 10);
 * `nan_grad`     — the group's gradients become NaN (tests the numerical-safety path);
 * `kill`         — the group's first rank SIGKILLs itself at the start of step `start` (once per run
-                   directory: a marker file keeps a restarted job from dying again).
+                   directory: a marker file keeps a restarted job from dying again);
+* `kill_cluster` — every rank of cluster `cluster` (index or name) SIGKILLs itself at step `step`
+                   (once per run directory); the local launcher restarts the cluster after
+                   `run.restart_delay_s` and it heals from a live peer;
+* `partition`    — cluster `cluster` cannot reach the others (nor the Lighthouse) for `seconds` from step
+                   `step`: it keeps training alone and rejoins afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill")
+KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition")
 
 
 class FaultError(ValueError):
@@ -34,6 +39,8 @@ class Fault:
     start: int
     end: int
     factor: float = 10.0
+    seconds: float = 0.0
+    cluster: str = ""  # a cluster name (kill_cluster / partition may name it instead of its index)
 
     def active(self, step: int, group: int) -> bool:
         return self.group == group and self.start <= step < self.end
@@ -46,14 +53,20 @@ def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
         kind = spec.get("kind")
         if kind not in KINDS:
             raise FaultError(f"faults[{i}].kind: {kind!r} is not one of {', '.join(KINDS)}")
-        unknown = set(spec) - {"kind", "group", "start", "end", "factor"}
+        unknown = set(spec) - {"kind", "group", "start", "end", "factor", "cluster", "step", "seconds"}
         if unknown:
-            raise FaultError(f"faults[{i}]: unknown field(s) {sorted(unknown)}; use kind, group, start, end, factor")
+            raise FaultError(f"faults[{i}]: unknown field(s) {sorted(unknown)}; use kind, group/cluster, "
+                             "start/step, end, factor, seconds")
+        target = spec.get("cluster", spec.get("group", 0))
+        name = "" if isinstance(target, int) or str(target).isdigit() else str(target)
         try:
-            fault = Fault(kind, int(spec.get("group", 0)), int(spec.get("start", 0)),
-                          int(spec.get("end", 1 << 62)), float(spec.get("factor", 10.0)))
+            fault = Fault(kind, int(target) if not name else -1, int(spec.get("step", spec.get("start", 0))),
+                          int(spec.get("end", 1 << 62)), float(spec.get("factor", 10.0)),
+                          float(spec.get("seconds", 0.0)), name)
         except (TypeError, ValueError) as exc:
             raise FaultError(f"faults[{i}]: {exc}") from None
+        if kind == "partition" and fault.seconds <= 0:
+            raise FaultError(f"faults[{i}]: a partition needs seconds > 0")
         if fault.end <= fault.start:
             raise FaultError(f"faults[{i}]: end ({fault.end}) must be > start ({fault.start})")
         faults.append(fault)
@@ -64,8 +77,11 @@ class FaultInjector:
     """Applies the faults that concern this rank's group."""
 
     def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234,
-                 run_dir: str | Path | None = None, is_group_leader: bool = True) -> None:
-        self.faults = [f for f in parse_faults(specs) if f.group == group]
+                 run_dir: str | Path | None = None, is_group_leader: bool = True, cluster: str = "",
+                 rank: int = 0) -> None:
+        self.faults = [f for f in parse_faults(specs) if f.group == group or (f.cluster and f.cluster == cluster)]
+        self.cluster = cluster or str(group)
+        self.rank = rank
         self.group = group
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.is_group_leader = is_group_leader
@@ -76,7 +92,14 @@ class FaultInjector:
         return [f for f in self.faults if f.kind == kind and f.active(step, self.group)]
 
     def maybe_kill(self, step: int) -> None:
-        """`kill` fault: SIGKILL this process (the group's first rank) at the start of `start`, once."""
+        """`kill` fault: SIGKILL this process (the group's first rank) at the start of `start`, once;
+        `kill_cluster`: every rank of the cluster, once."""
+        for f in self.faults:
+            if f.kind == "kill_cluster" and step == f.start:
+                marker = (self.run_dir or Path(".")) / f".fault-kill-{self.cluster}-r{self.rank}-s{f.start}"
+                if not marker.exists():
+                    marker.write_text("fired\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
         for f in self.faults:
             if f.kind != "kill" or step != f.start or not self.is_group_leader:
                 continue
@@ -85,6 +108,10 @@ class FaultInjector:
                 continue
             marker.write_text("fired\n")
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def partition_at(self, step: int) -> float:
+        """Seconds this cluster is cut off from the federation starting at `step` (0: none)."""
+        return sum(f.seconds for f in self.faults if f.kind == "partition" and f.start == step)
 
     def lr_scale(self, step: int) -> float:
         scale = 1.0

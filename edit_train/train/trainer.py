@@ -24,15 +24,20 @@ from tqdm import tqdm
 from edit_train.config import Config, to_container, validate
 from edit_train.data.loader import TokenLoader, eval_batches
 from edit_train.data.prepare import ensure_dataset
-from edit_train.dist.comm import all_gather_json, broadcast_json
-from edit_train.dist.mesh import Topology, init_topology, parallelize
+from edit_train.cluster.collectives import all_gather_json, broadcast_json
+from edit_train.cluster.mesh import Topology, init_topology, parallelize
+from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
 from edit_train.sim.hetero import Slowdown
-from edit_train.train.build import build_algorithm
+from edit_train.local_sgd.sync import SyncAborted
+from edit_train.train.build import build_algorithm, my_cluster
+from edit_train.train.summary import load_useful, save_useful, write_cluster_summary
 from edit_train.train.checkpoint import CheckpointError, CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
+from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
+from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
                                     optimizer_tensors, restore_rng, rng_json, rng_tensors)
@@ -72,29 +77,44 @@ class Progress:
 
 
 def agree_on_config(cfg: Config, topo: Topology) -> Config:
-    """Every rank adopts rank 0's resolved config (Hydra's `${now:}` may differ between ranks)."""
+    """Every rank of the cluster adopts its rank 0's resolved config (`${now:}` may differ between ranks)."""
     if not topo.distributed:
         return cfg
     from edit_train.config import from_container
 
-    return from_container(broadcast_json(to_container(cfg) if topo.rank == 0 else None, 0, topo.device))
+    return from_container(broadcast_json(to_container(cfg) if topo.rank == 0 else None, topo.shard_pg,
+                                         topo.world_size, topo.device))
 
 
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         validate(cfg)
-        self.topo = init_topology(cfg.cluster.groups, cfg.cluster.shard_size, cfg.train.device, cfg.cluster.backend)
+        self.specs = cluster_specs(cfg)
+        self.spec = my_cluster(cfg, self.specs)
+        self.topo = init_topology(self.spec.name, self.spec.index, self.spec.ranks,
+                                  self.spec.device or cfg.train.device, cfg.cluster.backend)
         self.cfg = cfg = agree_on_config(cfg, self.topo)
         topo = self.topo
+        self.federated = len(self.specs) > 1 or bool(cfg.federation.lighthouse)
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.is_main = topo.rank == 0
+        self.is_main = topo.rank == 0  # this cluster's leader
+        self.t_start = time.time()
+        # goodput bookkeeping across this cluster's incarnations: compute seconds whose progress a sync committed
+        self.useful = load_useful(self.run_dir, topo.name)
+        if self.useful["incarnations"] > 0 and self.useful.get("saved_at"):
+            self.useful["downtime_s"] += max(self.t_start - self.useful["saved_at"], 0.0)
+        self.useful["incarnations"] += 1
+        self._compute_since_commit = 0.0
+        self._syncs_seen = 0
 
         # ---- data (prepared once by rank 0, cached for everyone else)
         t = cfg.train
-        self.group_batch = t.batch_size * topo.shard_size
-        min_tokens = cfg.cluster.groups * self.group_batch * (t.seq_len + 1)
+        self.rank_batch = self.spec.batch_size or t.batch_size
+        self.group_batch = self.rank_batch * topo.shard_size
+        parts = len(self.specs)
+        min_tokens = parts * self.group_batch * (t.seq_len + 1)
         if self.is_main:
             self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
                                            val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
@@ -110,8 +130,8 @@ class Trainer:
 
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
-        self.loader = TokenLoader(self.data_dir, "train", self.group_batch, t.seq_len, part=topo.group_index,
-                                  num_parts=topo.groups, seed=cfg.seed)
+        self.loader = TokenLoader(self.data_dir, "train", self.group_batch, t.seq_len,
+                                  part=topo.group_index % parts, num_parts=parts, seed=cfg.seed)
 
         # ---- model, replicated per group, sharded inside it
         counts = count_params(cfg.model)
@@ -124,24 +144,33 @@ class Trainer:
             from edit_train.model.hf_io import load_hf_into
 
             load_hf_into(self.model, cfg.model.init_from)
-        parallelize(self.model, topo)
+        # ---- precision, activation checkpointing, compile (train/parallel.py), then FSDP2 with its mp policy
+        self.precision = precision_policy(t.precision, topo.device, sharded=topo.distributed and topo.shard_size > 1)
+        apply_layer_options(self.model, t.activation_checkpointing, t.compile, topo.device,
+                            self.precision.compute_dtype)
+        parallelize(self.model, topo, self.precision.fsdp_param_dtype)
+        self.flops_per_token = flops_per_token(cfg.model, t.seq_len, counts["active_params"])
+        self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
+        self.mfu_values: list[float] = []
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
         self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size, run_dir=self.run_dir,
-                                    is_group_leader=topo.is_group_leader)
-        self.slowdown = Slowdown(topo.group_index, list(cfg.cluster.slowdown), list(cfg.cluster.slowdown_schedule),
-                                 topo.groups)
+                                    is_group_leader=topo.is_group_leader, cluster=topo.name, rank=topo.rank)
+        self.slowdown = Slowdown(topo.group_index, [s.slowdown for s in self.specs],
+                                 list(cfg.cluster.slowdown_schedule), len(self.specs))
         self.progress = Progress()
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
         self.stop_signal: int | None = None
         _install_stop_handlers(self)
 
         # ---- output
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", topo.rank, topo.world_size,
-                                      cfg.checkpoint.keep, barrier=self._barrier)
+        ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
+        self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.world_size, cfg.checkpoint.keep,
+                                      barrier=self._barrier)
         # a worker restarted by torchrun / the local launcher (--max-restarts) always resumes
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        wants = str(cfg.resume).lower() in ("true", "auto") or restarted
+        self.restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                            int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
+        wants = str(cfg.resume).lower() in ("true", "auto") or self.restarts > 0
         resume_from = self._find_resume() if wants else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
@@ -149,14 +178,14 @@ class Trainer:
             from edit_train.train.wandb_sink import WandbSink
 
             self.wandb = WandbSink(self.run_dir, cfg.logger.project, cfg.logger.entity, cfg.logger.mode,
-                                   experiment=cfg.run.name, job_type=f"{cfg.cluster.name}-group{topo.group_index}",
-                                   name=f"{cfg.run.name}-g{topo.group_index}", config=to_container(cfg),
+                                   experiment=cfg.run.name, job_type=f"{cfg.cluster.name}-{topo.name}",
+                                   name=f"{cfg.run.name}-{topo.name}", config=to_container(cfg),
                                    tags=list(cfg.logger.tags),
                                    run_id=resume_from[2].get("wandb_run_id") if resume_from else None)
             sinks.append(self.wandb)
         self.metrics = MetricsLogger(sinks)
-        self.algo = build_algorithm(cfg, self.model, topo, self.metrics)
-        if self.is_main:
+        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated)
+        if self.is_main and topo.group_index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         if resume_from is not None:
             self._resume(*resume_from)
@@ -164,12 +193,10 @@ class Trainer:
     # ------------------------------------------------------------------ utils
     def _barrier(self) -> None:
         if self.topo.distributed:
-            dist.barrier()
+            dist.barrier(group=self.topo.shard_pg)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.cfg.train.precision == "bf16":
-            return torch.autocast(self.topo.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return self.precision.autocast(self.topo.device.type)  # no-op under FSDP2 bf16 params or fp32
 
     def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.topo.shard_size > 1:
@@ -187,7 +214,7 @@ class Trainer:
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.loader.next_batch()
-        b, r = self.cfg.train.batch_size, self.topo.shard_rank
+        b, r = self.rank_batch, self.topo.shard_rank
         return x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
 
     # ------------------------------------------------------------------- eval
@@ -198,18 +225,26 @@ class Trainer:
         t, topo = self.cfg.train, self.topo
         if scope == "world":
             self.algo.flush()
-            part, parts, pg = topo.rank, topo.world_size, None
-        else:
-            part, parts, pg = topo.shard_rank, topo.shard_size, topo.shard_pg
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        for x, y in eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches, part=part, num_parts=parts):
+        # the same windows whatever the cluster's size, so every cluster on the same anchor reports the same
+        # loss; every rank runs the same number of forwards (FSDP gathers inside them), the short ones on a
+        # zero-weight filler
+        batches = eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches)
+        xs = torch.cat([x for x, _ in batches])[topo.shard_rank::topo.shard_size]
+        ys = torch.cat([y for _, y in batches])[topo.shard_rank::topo.shard_size]
+        rows = -(-sum(x.shape[0] for x, _ in batches) // topo.shard_size)
+        for i in range(-(-rows // t.batch_size)):
+            x, y = xs[i * t.batch_size:(i + 1) * t.batch_size], ys[i * t.batch_size:(i + 1) * t.batch_size]
+            weight = y.numel()
+            if weight == 0:
+                x, y = batches[0][0][:1], batches[0][1][:1]
             with self._autocast():
                 out = self.model(x.to(topo.device), y.to(topo.device))
-            total += torch.tensor([float(out.ce_loss) * y.numel(), y.numel()], dtype=torch.float64)
-        if topo.distributed and (scope == "world" or topo.shard_size > 1):
+            total += torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
+        if topo.distributed:
             total = total.to(topo.device)
-            dist.all_reduce(total, group=pg)
+            dist.all_reduce(total, group=topo.shard_pg)
             total = total.cpu()
         self._reshard()
         self.model.train()
@@ -218,12 +253,9 @@ class Trainer:
     def _log_eval(self, val_loss: float, scope: str = "world") -> None:
         p = self.progress
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                  "tokens": p.tokens * (self.topo.groups if scope == "world" else 1),
-                  "wall": p.wall_offset + time.time() - self.t0}
-        if scope == "world" and self.is_main:
-            self.metrics.log("eval", **record)
-        elif scope == "group" and self.topo.is_group_leader:
-            self.metrics.log("eval", group=self.topo.group_index, scope="group", **record)
+                  "tokens": p.tokens, "wall": p.wall_offset + time.time() - self.t0}
+        if self.topo.is_group_leader:
+            self.metrics.log("eval", group=self.topo.group_index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
@@ -251,7 +283,7 @@ class Trainer:
         tensors, state = self.ckpt.load(path)
         saved = state.get("config", {}).get("model", {})
         now = to_container(self.cfg)["model"]
-        changed = sorted(k for k in now if k != "init_from" and k in saved and saved[k] != now[k])
+        changed = sorted(k for k in now if k not in ("init_from", "expert_impl") and k in saved and saved[k] != now[k])
         if changed:
             raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {saved[changed[0]]!r} "
                                   f"there, {now[changed[0]]!r} now); resume with the same model or use a new run.dir")
@@ -282,8 +314,13 @@ class Trainer:
         batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
         for x, y in batches:
             x, y = self.faults.corrupt_batch(step, x, y)
-            with self._autocast():
-                out = self.model(x.to(topo.device), y.to(topo.device))
+            try:
+                with self._autocast():
+                    out = self.model(x.to(topo.device), y.to(topo.device))
+            except SyncAborted:  # a participant was lost in the layer-wise sync: rolled back, run the forward again
+                self._reshard()
+                with self._autocast():
+                    out = self.model(x.to(topo.device), y.to(topo.device))
             (out.loss / len(batches)).backward()
             loss_sum += float(out.ce_loss.detach()) / len(batches)
         self.faults.corrupt_grads(step, self.model)
@@ -310,8 +347,14 @@ class Trainer:
         cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.progress
         self.t0 = time.time()
         tokens_per_step = self.group_batch * t.seq_len * t.grad_accum
-        bar = tqdm(total=t.steps, initial=p.step, disable=not (self.is_main and t.progress),
-                   desc=f"{cfg.algo.name}", unit="step", dynamic_ncols=True)
+        self.algo.join()
+        if self.algo.adopt_step is not None:
+            p.step = max(p.step, self.algo.adopt_step)  # a healed cluster continues from the federation's step
+            self.algo.adopt_step = None
+        self.startup_s = time.time() - self.t_start
+        own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
+        bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
+                   desc=f"{cfg.algo.name} {topo.name}", unit="step", dynamic_ncols=True)
         init_val = self.evaluate() if p.step == 0 else None
         if init_val is not None:
             self._log_eval(init_val)
@@ -325,6 +368,9 @@ class Trainer:
                 raise Interrupted(f"stopped by signal {self.stop_signal} at step {p.step}")
             step = p.step
             self.faults.maybe_kill(step)
+            cut = self.faults.partition_at(step)
+            if cut > 0:
+                self.algo.comm.partition(cut)
             step_t0, blocked0 = time.time(), self.algo.comm.blocked_s
             loss, applied = self.train_step(step)
             # simulated slower hardware stretches compute only, not time spent waiting on other groups
@@ -338,14 +384,20 @@ class Trainer:
             p.tokens += tokens_per_step
             window_tokens += tokens_per_step
             self.algo.after_step(step, time.time() - step_t0, self.metrics)
+            if self.algo.adopt_step is not None:  # healed mid-run: continue from the federation's step
+                p.step, self.algo.adopt_step = self.algo.adopt_step, None
+            self._account_useful(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
                 now = time.time()
                 tps = window_tokens / max(now - window_t, 1e-9)
                 window_t, window_tokens = now, 0
+                step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
+                if step_mfu is not None:
+                    self.mfu_values.append(step_mfu)
                 if topo.is_group_leader:
-                    self.metrics.log("train", step=p.step, group=topo.group_index, loss=float(loss_t),
-                                     lr=self._lr, tokens=p.tokens, tokens_per_s=tps,
+                    self.metrics.log("train", step=p.step, group=topo.group_index, cluster=topo.name, loss=float(loss_t),
+                                     lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
                                      wall=p.wall_offset + now - self.t0, skipped=not applied)
                     self._log_moe(p.step)
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
@@ -361,53 +413,67 @@ class Trainer:
                 self.save_checkpoint()
         bar.close()
         self.algo.finish()
+        self._account_useful(0.0, final=True)
         val_loss = self.evaluate()
         self._log_eval(val_loss)
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
         summary = self._summary(val_loss, init_val)
         self.metrics.close(summary)
+        self.algo.comm.close()
         if topo.distributed:
-            dist.barrier()
+            dist.barrier(group=topo.shard_pg)
         return summary
+
+    def _account_useful(self, compute_s: float, final: bool = False) -> None:
+        """Compute time counts as useful once a sync committed it (or, without a federation, at once)."""
+        self._compute_since_commit += max(compute_s, 0.0)
+        committed = self.algo.syncs_done > self._syncs_seen or not self.federated or not self.cfg.algo.local_sgd
+        if committed or final:
+            self._syncs_seen = self.algo.syncs_done
+            self.useful["useful_s"] += self._compute_since_commit if committed else 0.0
+            self._compute_since_commit = 0.0
+            self.useful["saved_at"] = time.time()
+            if self.is_main and self.federated:
+                save_useful(self.run_dir, self.topo.name, self.useful)
 
     def _log_moe(self, step: int) -> None:
         out = self._last_out
         loads = [load.tolist() for load in self.model.expert_load()]
-        self.metrics.log("moe", step=step, group=self.topo.group_index, expert_load=loads,
+        self.metrics.log("moe", step=step, group=self.topo.group_index, cluster=self.topo.name, expert_load=loads,
                          aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
 
     def _summary(self, val_loss: float, init_val: float | None) -> dict[str, Any]:
+        """This cluster's record (`run.dir/clusters/<name>.json`) merged with every other cluster's
+        into `summary.json` (DESIGN.md §5): each cluster that finishes rewrites the merge."""
         topo, p = self.topo, self.progress
         wall = p.wall_offset + time.time() - self.t0
-        mine = {"tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats(),
+        mine = {"mfu": sum(self.mfu_values) / len(self.mfu_values) if self.mfu_values else None,
+                "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats(),
                 "slowdown_slept_s": self.slowdown.slept_s}
-        everyone = all_gather_json(mine, topo.device) if topo.distributed else [mine]
-        per_group: dict[str, dict[str, Any]] = {}
-        for g in range(topo.groups):
-            ranks = everyone[g * topo.shard_size:(g + 1) * topo.shard_size]
-            lead = ranks[0]
-            per_group[str(g)] = {
-                "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
-                "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"],
-                "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
-                "blocked_s": max(r["blocked_s"] for r in ranks), "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
-                "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
-            }
-        groups = per_group.values()
-        tokens = sum(g["tokens"] for g in groups)
-        summary = {"algo": self.cfg.algo.name, "completed": True, "steps": p.step, "tokens": tokens,
-                   "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9), "final_val_loss": val_loss,
-                   "initial_val_loss": init_val, "cross_group_bytes": sum(g["cross_group_bytes"] for g in groups),
-                   "syncs": max(g["syncs"] for g in groups), "anomalies": sum(g["anomalies"] for g in groups),
-                   "blocked_s": max(g["blocked_s"] for g in groups),
-                   "total_params": self.param_counts["total_params"],
-                   "active_params": self.param_counts["active_params"], "per_group": per_group}
+        ranks = all_gather_json(mine, topo.shard_pg, topo.world_size, topo.device)
+        lead = ranks[0]
+        alive = time.time() - self.t_start
+        record = {
+            "name": topo.name, "index": topo.group_index, "ranks": topo.world_size, "device": str(topo.device),
+            "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
+            "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"], "syncs_joined": lead["syncs"],
+            "syncs_missed": lead["syncs_missed"], "syncs_aborted": lead["syncs_aborted"],
+            "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
+            "blocked_s": max(r["blocked_s"] for r in ranks),
+            "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
+            "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
+            "restarts": max(self.restarts, self.useful["incarnations"] - 1), "healed_from": lead["healed_from"],
+            "wall_s": wall, "useful_s": self.useful["useful_s"], "first_start": self.useful["first_start"],
+            "downtime_s": self.useful["downtime_s"],
+            "alive_s": alive, "startup_s": getattr(self, "startup_s", 0.0),
+            "final_val_loss": val_loss, "initial_val_loss": init_val, "algo": self.cfg.algo.name,
+            "total_params": self.param_counts["total_params"], "active_params": self.param_counts["active_params"],
+            "mfu": lead.get("mfu"),
+        }
         if self.is_main:
-            tmp = self.run_dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(summary, indent=1))
-            tmp.replace(self.run_dir / "summary.json")
-        return summary
+            return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
+        return {}
 
 
 def train(cfg: Config) -> dict[str, Any]:
@@ -415,5 +481,6 @@ def train(cfg: Config) -> dict[str, Any]:
     try:
         return trainer.run()
     finally:
+        trainer.algo.comm.close()
         if trainer.topo.distributed and dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,221 @@
+"""What `edit-train` checks before anything is written, and what its exit paths say.
+
+* `check_run_dir`: `run.dir` must be a directory we may create, and must not already hold a run unless
+  `resume` asks to continue it (a second run would append to its metrics.jsonl and overwrite its checkpoints).
+* `RunDirGuard`: a run directory this invocation created is removed again when the run fails before writing
+  anything into it (Hydra creates `run.dir` before the task runs).
+* `interrupted_message`: what Ctrl-C leaves behind, said truthfully (a checkpoint exists or it does not).
+* `fail_once`: under torchrun every rank hits the same config/topology error; only rank 0 says it.
+* `adopt_tokenizer_vocab`: `model.vocab_size` follows the tokenizer unless it was set explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+from edit_train.cli.common import fail
+
+log = logging.getLogger(__name__)
+
+# What a run writes into run.dir (docs/architecture.md §5); any of them means the directory holds a run.
+RUN_ARTIFACTS = ("summary.json", "metrics.jsonl", "checkpoints", "config.json")
+# Written by the local launcher before any worker starts: not a run's output.
+SCAFFOLDING = frozenset({"launch_config.json"})
+_STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+class RunDirError(ValueError):
+    """`run.dir` cannot be used as given; the message names it and says what to do."""
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when it is one of several torchrun workers, else None."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ.get("RANK", "0"))
+    return None
+
+
+def fail_once(message: str, code: int = 2) -> NoReturn:
+    """`fail`, said by rank 0 only: the other torchrun workers hit the same error and exit with the same code."""
+    rank = _torchrun_rank()
+    if rank:  # not None and not 0
+        raise SystemExit(code)
+    fail(message, code)
+
+
+def _restarted() -> bool:
+    """A worker restarted by torchrun / the local launcher always resumes (see the trainer)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def _holds_run(run_dir: Path) -> str | None:
+    """Which run artifact `run_dir` holds ('summary.json', …), or None."""
+    for name in RUN_ARTIFACTS:
+        path = run_dir / name
+        if path.is_file() or (path.is_dir() and any(path.iterdir())):
+            return name
+    return None
+
+
+def check_run_dir(run_dir: str | os.PathLike[str], resume: str) -> None:
+    """Raise RunDirError when `run.dir` is a file (or below one), or already holds a run and `resume` is off."""
+    path = Path(run_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"run.dir: {path} is a file, not a directory; choose another run.dir")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunDirError(f"run.dir: {parent} is a file, so {path} cannot be created there; "
+                                  "choose another run.dir")
+            break
+    if not path.is_dir() or str(resume).lower() in ("true", "auto") or _restarted():
+        return
+    found = _holds_run(path)
+    if found is not None:
+        state = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
+        raise RunDirError(f"run.dir: {path} already holds {state} ({found}); continue it with resume=auto "
+                          "or choose a new run.dir")
+
+
+@dataclass
+class RunDirGuard:
+    """Remembers whether `run.dir` existed before this invocation; `cleanup()` removes it again if this
+    invocation created it and nothing but launcher scaffolding (or empty folders) ended up inside."""
+
+    path: Path
+    existed: bool
+
+    @classmethod
+    def before(cls, run_dir: str | os.PathLike[str]) -> RunDirGuard:
+        path = Path(run_dir).expanduser()
+        return cls(path, path.exists())
+
+    def cleanup(self) -> bool:
+        if self.existed or not self.path.is_dir():
+            return False
+        for root, _dirs, files in os.walk(self.path):
+            if any(not (Path(root) == self.path and f in SCAFFOLDING) for f in files):
+                return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return not self.path.exists()
+
+
+def newest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint directory of `run_dir` with a manifest (written last, so it is complete)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    dirs = [p for p in root.iterdir()] + [p for d in root.iterdir() if d.is_dir() and not _STEP_DIR.match(d.name)
+                                           for p in d.iterdir()]  # checkpoints/<cluster>/step_N of a federation
+    steps = [(int(m.group(1)), p) for p in dirs
+             if (m := _STEP_DIR.match(p.name)) and (p / "manifest.json").is_file()]
+    return max(steps)[1] if steps else None
+
+
+def interrupted_message(run_dir: str | os.PathLike[str], workers: int | None = None, detail: str = "") -> str:
+    """The line Ctrl-C / SIGTERM ends with: whether a checkpoint exists decides what resume=auto will do."""
+    head = "interrupted" + (f" ({detail})" if detail else "")
+    if workers and workers > 1:
+        head += f": all {workers} workers stopped"
+    ckpt = newest_checkpoint(run_dir)
+    if ckpt is None:
+        return (f"{head} before the first checkpoint: there is nothing to resume from (resume=auto would start "
+                "from scratch; checkpoint.every=N saves during the run)")
+    return f"{head}; the newest complete checkpoint {ckpt} is intact (resume=auto continues from it)"
+
+
+def explicit_override(overrides: Sequence[str], key: str) -> bool:
+    """Whether `key` was set on the command line (`key=…`, `+key=…`, `++key=…`)."""
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
+
+
+def adopt_tokenizer_vocab(cfg: Any, explicit: bool) -> None:
+    """Raise `model.vocab_size` to the tokenizer's vocabulary when that is larger and the user did not set
+    `model.vocab_size` (an explicit value is kept; the trainer then says if it is too small)."""
+    if explicit:
+        return
+    from edit_train.data.tokenizer import load_tokenizer
+
+    vocab = int(load_tokenizer(cfg.data.tokenizer).vocab_size)
+    if vocab > cfg.model.vocab_size:
+        log.info("model.vocab_size %d -> %d (the tokenizer's vocabulary)", cfg.model.vocab_size, vocab)
+        cfg.model.vocab_size = vocab
+
+
+def follow_tokenizer(cfg: Any) -> None:
+    """`adopt_tokenizer_vocab` for the config of a Hydra job (explicit = `model.vocab_size=` on its command line)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    adopt_tokenizer_vocab(cfg, explicit_override(overrides, "model.vocab_size"))
+
+
+def fail_user_error(exc: BaseException) -> NoReturn:
+    """One line for a user error. Config and topology errors are the same on every rank: rank 0 says them,
+    the others exit quietly with the same code. Anything else may be one rank's own: it names the rank."""
+    from edit_train.cli.common import one_line
+    from edit_train.config import ConfigError
+    from edit_train.dist.mesh import TopologyError
+
+    message = one_line(exc)
+    if isinstance(exc, (ConfigError, TopologyError, RunDirError)):
+        fail_once(message)
+    rank = _torchrun_rank()
+    fail(f"rank {rank}: {message}" if rank else message)
+
+
+def check_data_source(source: str) -> None:
+    """Fail early (before any process is spawned) when the corpus path or glob names nothing. Cheap: the
+    first glob match is enough; the trainer reads the corpus (or its cached shards) itself."""
+    import glob
+
+    from edit_train.data import DataError
+    from edit_train.data.corpus import is_stdlib
+
+    if is_stdlib(source):
+        return
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        return
+    if glob.has_magic(expanded):
+        if next(glob.iglob(expanded, recursive=True), None) is None:
+            raise DataError(f"corpus glob {source!r} matched no files; check the pattern (quote it so the shell "
+                            "does not expand it)")
+        return
+    raise DataError(f"corpus path {source} does not exist; pass a file, directory, glob or 'stdlib'")
+
+
+def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
+    """Compose and validate the config of a single run and check its `run.dir` before Hydra creates it, so
+    a user mistake fails in one line and leaves nothing behind. Returns the guard of `run.dir` and, when
+    `run.dir` was not given, an override pinning the directory checked here (the default holds `${now:}`)."""
+    from edit_train.cli.common import compose, one_line
+    from edit_train.config import validate
+
+    if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
+        return None, None
+    try:
+        cfg = compose(argv)
+        validate(cfg)
+        check_run_dir(cfg.run.dir, cfg.resume)
+        check_data_source(cfg.data.source)
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every user error becomes one line
+        fail_once(one_line(exc))
+    return RunDirGuard.before(cfg.run.dir), None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
+
+
+def _pin(run_dir: str) -> str | None:
+    """`run.dir=<the directory checked>` as a Hydra override (quoted when needed), or None if it cannot be."""
+    if re.fullmatch(r"[A-Za-z0-9_./-]+", run_dir):
+        return f"run.dir={run_dir}"
+    if "'" in run_dir or "\\" in run_dir or "$" in run_dir:
+        return None
+    return f"run.dir='{run_dir}'"

@@ -1,0 +1,224 @@
+"""The local launcher: a Lighthouse and one job per cluster on this host, each supervised on its own.
+
+Every cluster is its own set of processes with its own store (rank 0's, on 127.0.0.1), its own
+restarts (`run.max_restarts`, after `run.restart_delay_s`) and `EDIT_TRAIN_CLUSTER=<name>` in its
+environment; a cluster that dies is restarted alone and heals from a live peer, the others never stop.
+Ctrl-C stops every cluster and the Lighthouse. Progress bars (one per cluster) are drawn here from the
+run's metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edit_train.config import ClusterSpec, cluster_specs, to_container
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Linux: a cluster process gets SIGKILL if the launcher itself dies (no orphans, even on kill -9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class ClusterJob:
+    spec: ClusterSpec
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    restarts: int = 0
+    state: str = "pending"  # pending | running | waiting | done | failed
+    restart_at: float = 0.0
+    exit_codes: list[int] = field(default_factory=list)
+
+
+class LocalFederation:
+    def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "") -> None:
+        self.cfg = cfg
+        self.cfg_path = cfg_path
+        self.lighthouse = lighthouse
+        specs = cluster_specs(cfg)
+        self.jobs = [ClusterJob(s) for s in specs if not only or s.name == only]
+        if only and not self.jobs:  # a cluster joining the federation from outside its configured list
+            self.jobs = [ClusterJob(ClusterSpec(only, max(cfg.cluster.shard_size, 1), len(specs), 1.0))]
+        self.stopping = False
+
+    def _env(self, job: ClusterJob, rank: int, port: int) -> dict[str, str]:
+        threads = max(1, (os.cpu_count() or 1) // max(sum(j.spec.ranks for j in self.jobs), 1))
+        env = dict(os.environ)
+        env.update({"EDIT_TRAIN_CLUSTER": job.spec.name, "EDIT_TRAIN_LIGHTHOUSE": self.lighthouse,
+                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.spec.ranks),
+                    "LOCAL_WORLD_SIZE": str(job.spec.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                    "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"), "EDIT_TRAIN_RESTART": str(job.restarts),
+                    "EDIT_TRAIN_LAUNCHER_BAR": "1", "RUST_LOG": env.get("RUST_LOG", "warn")})
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        return env
+
+    def start(self, job: ClusterJob) -> None:
+        port = free_port()
+        job.procs = [subprocess.Popen([sys.executable, "-m", "edit_train.cli.worker", str(self.cfg_path)],
+                                      env=self._env(job, r, port), preexec_fn=_die_with_parent)
+                     for r in range(job.spec.ranks)]
+        job.state = "running"
+
+    def _kill(self, job: ClusterJob, sig: int = signal.SIGKILL) -> None:
+        for p in job.procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def poll(self) -> None:
+        now = time.time()
+        for job in self.jobs:
+            if job.state == "waiting" and now >= job.restart_at and not self.stopping:
+                job.restarts += 1
+                print(f"[edit-train] restarting cluster {job.spec.name} (restart {job.restarts}/"
+                      f"{self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
+                self.start(job)
+            if job.state != "running":
+                continue
+            codes = [p.poll() for p in job.procs]
+            if any(c not in (None, 0) for c in codes):
+                self._kill(job)
+                for p in job.procs:
+                    p.wait()
+                job.exit_codes = [p.returncode for p in job.procs]
+                user_error = any(c == 2 for c in job.exit_codes)
+                if self.stopping or user_error or job.restarts >= self.cfg.run.max_restarts:
+                    job.state = "failed"
+                    if user_error:  # a configuration error is every cluster's: stop them all
+                        self.stop()
+                else:
+                    job.state = "waiting"
+                    job.restart_at = now + self.cfg.run.restart_delay_s
+                    print(f"[edit-train] cluster {job.spec.name} died (exit {job.exit_codes}); restarting in "
+                          f"{self.cfg.run.restart_delay_s:g}s, the others go on", file=sys.stderr, flush=True)
+            elif all(c == 0 for c in codes):
+                job.state = "done"
+
+    @property
+    def finished(self) -> bool:
+        return all(j.state in ("done", "failed") for j in self.jobs)
+
+    def stop(self, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> None:
+        """Stop every cluster (SIGTERM: they stop at a step boundary), SIGKILL what is left after grace_s."""
+        self.stopping = True
+        for job in self.jobs:
+            self._kill(job, sig)
+        deadline = time.time() + grace_s
+        for job in self.jobs:
+            for p in job.procs:
+                try:
+                    p.wait(timeout=max(deadline - time.time(), 0.1))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+
+class Bars:
+    """One progress bar per cluster, fed from metrics.jsonl `train` events."""
+
+    def __init__(self, path: Path, jobs: list[ClusterJob], total: int, enabled: bool, desc: str) -> None:
+        self.path, self.enabled, self.offset = path, enabled, 0
+        self.bars: dict[str, Any] = {}
+        if enabled:
+            from tqdm import tqdm
+
+            for i, job in enumerate(jobs):
+                self.bars[job.spec.name] = tqdm(total=total, position=i, desc=f"{desc} {job.spec.name}",
+                                                unit="step", dynamic_ncols=True, leave=True)
+
+    def update(self) -> None:
+        if not self.enabled or not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        cut = chunk.rfind(b"\n") + 1
+        self.offset += cut
+        for line in chunk[:cut].splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            bar = self.bars.get(str(ev.get("cluster")))
+            if bar is None:
+                continue
+            if ev.get("event") == "train":
+                bar.n = min(int(ev["step"]), bar.total)
+                bar.set_postfix(loss=f"{ev['loss']:.3f}", tok_s=f"{ev['tokens_per_s']:,.0f}", refresh=False)
+                bar.refresh()
+            elif ev.get("event") == "sync":
+                bar.set_postfix_str(f"sync {ev['sync']} with {len(ev.get('participants', []))} cluster(s)")
+
+    def close(self) -> None:
+        self.update()
+        for bar in self.bars.values():
+            bar.close()
+
+
+def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
+    """Start the Lighthouse (unless federation.lighthouse names one) and the clusters; supervise them."""
+    from edit_train.federation.quorum import Lighthouse
+
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "launch_config.json"
+    cfg_path.write_text(json.dumps(to_container(cfg), indent=1))
+    f = cfg.federation
+    house = None
+    lighthouse = f.lighthouse
+    if not lighthouse:
+        house = Lighthouse(f"{f.host}:0", f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+        lighthouse = house.address
+        (run_dir / "federation.json").write_text(json.dumps({"lighthouse": lighthouse}) + "\n")
+    fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only)
+    bars = Bars(run_dir / "metrics.jsonl", fed.jobs, cfg.train.steps, cfg.train.progress and sys.stderr.isatty(),
+                cfg.algo.name)
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for job in fed.jobs:
+            fed.start(job)
+        while not fed.finished:
+            if interrupted:
+                fed.stop()
+                break
+            fed.poll()
+            bars.update()
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        bars.close()
+        if not fed.finished:
+            fed.stop()
+        if house is not None:
+            house.shutdown()
+    if interrupted:
+        raise KeyboardInterrupt
+    return run_dir, fed.jobs

@@ -1,0 +1,264 @@
+"""Compression of pseudo-gradients for the cross-cluster link, and error feedback. Pure tensor math.
+
+Formats (a *payload* is one flat ``uint8`` tensor, the only thing that crosses the link):
+
+* ``none`` — fp32 values, ``4·n`` bytes (sent with a SUM all-reduce, never packed).
+* ``bf16`` — bf16 values, ``2·n`` bytes.
+* ``int8`` — blockwise absmax: per block of ``block_size`` values (the last block may be partial) a scale
+  ``s = absmax / 127`` and values ``round(x / s)`` in [-127, 127]; ``|x − x̂| ≤ absmax / 254`` per block.
+* ``fp8`` — blockwise scaled ``float8_e4m3fn``: ``s = absmax / 448``, values ``x / s`` cast (round to
+  nearest even; 3 mantissa bits, so ``|x − x̂| ≤ |x|·2⁻⁴`` plus a subnormal floor of ``s·2⁻¹⁰``).
+
+Payload layout for the blockwise formats: ``[scales | values]``, scales first so both views are aligned.
+``wire_bytes(n, cfg) = n·value_bytes + ceil(n / block_size)·scale_bytes`` (value bytes: 1 for int8/fp8,
+2 for bf16, 4 for none; scale bytes: 4 for fp32 scales, 2 for bf16 scales, 0 for none/bf16). Scales stored
+in bf16 are rounded *up*, so ``|x / s| ≤ qmax`` still holds and the bound grows by at most 2⁻⁷ relative.
+
+Quantization is deterministic: the same payload dequantizes to the bit-identical fp32 tensor on every
+rank. A non-finite value turns its whole block into NaN after the round trip (never silently finite).
+
+:class:`ErrorFeedback` keeps, per key, the residual that quantization dropped from this rank's own
+(weighted) contribution; the next contribution is compensated with it, so over many syncs the sum of
+what was sent tracks the sum of what was meant (bounded drift instead of a random walk).
+No ``torch.distributed`` here; the collective lives in :mod:`edit_train.federation.compressed_reduce`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SCHEMES",
+    "CompressionConfig",
+    "ErrorFeedback",
+    "fp8_supported",
+    "wire_bytes",
+    "quantize",
+    "dequantize",
+    "roundtrip",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMES = ("none", "bf16", "int8", "fp8")
+SCALE_DTYPES = ("fp32", "bf16")
+_PREFIX = "sync"  # where the keys live in the Hydra tree (for error messages)
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+_SCALE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fp8_supported() -> bool:
+    """Does this torch build have ``float8_e4m3fn`` with working casts (on CPU)?"""
+    dtype = getattr(torch, "float8_e4m3fn", None)
+    if dtype is None:
+        return False
+    try:
+        back = torch.tensor([1.5, -448.0], dtype=torch.float32).to(dtype).view(torch.uint8).view(dtype).float()
+    except (RuntimeError, TypeError):
+        return False
+    return back.tolist() == [1.5, -448.0]
+
+
+@dataclass
+class CompressionConfig:
+    """How pseudo-gradients are encoded on the cross-cluster link (``sync.compression`` & co.)."""
+
+    scheme: str = "none"  # sync.compression: none | bf16 | int8 | fp8
+    block_size: int = 256  # sync.block_size: values per scale (int8 / fp8)
+    scale_dtype: str = "fp32"  # sync.scale_dtype: fp32 | bf16
+    error_feedback: bool = True  # sync.error_feedback
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the offending key."""
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"{_PREFIX}.compression must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme == "fp8" and not fp8_supported():
+            raise ValueError(f"{_PREFIX}.compression=fp8 needs torch.float8_e4m3fn, which this torch build "
+                             f"({torch.__version__}) lacks; use int8")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"{_PREFIX}.block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"{_PREFIX}.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(f"{_PREFIX}.error_feedback must be true or false, got {self.error_feedback!r}")
+
+    @property
+    def blockwise(self) -> bool:
+        return self.scheme in _QMAX
+
+    @property
+    def lossy(self) -> bool:
+        return self.scheme != "none"
+
+    @property
+    def value_bytes(self) -> int:
+        return {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}[self.scheme]
+
+    @property
+    def scale_bytes(self) -> int:
+        return (4 if self.scale_dtype == "fp32" else 2) if self.blockwise else 0
+
+
+def wire_bytes(numel: int, cfg: CompressionConfig) -> int:
+    """Exact bytes of one payload of ``numel`` values: values + scales."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    blocks = math.ceil(numel / cfg.block_size) if cfg.blockwise else 0
+    return numel * cfg.value_bytes + blocks * cfg.scale_bytes
+
+
+def _round_scale_up(scale: Tensor, scale_dtype: str) -> Tensor:
+    """Store the scale in its wire dtype, rounded up so that ``|x| / stored ≤ qmax`` still holds."""
+    stored = scale.to(_SCALE_TORCH[scale_dtype])
+    if scale_dtype == "bf16":
+        low = stored.float() < scale  # positive finite scales only: the next bf16 up is bits + 1
+        bumped = (stored.view(torch.int16) + 1).view(torch.bfloat16)
+        stored = torch.where(low, bumped, stored)
+    return stored
+
+
+def quantize_blockwise(x: Tensor, scheme: str, block_size: int, scale_dtype: str = "fp32") -> tuple[Tensor, Tensor]:
+    """Flat fp32 ``x`` -> (values: int8 or float8_e4m3fn [n], scales: fp32/bf16 [ceil(n/block_size)])."""
+    qmax = _QMAX[scheme]
+    x = x.reshape(-1).float()
+    n = x.numel()
+    blocks = math.ceil(n / block_size)
+    padded = torch.nn.functional.pad(x, (0, blocks * block_size - n)).view(blocks, block_size)
+    absmax = padded.abs().amax(dim=1) if n else padded.new_zeros(0)
+    stored = _round_scale_up(absmax / qmax, scale_dtype)
+    scale = stored.float()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).unsqueeze(1)
+    scaled = (padded / safe).clamp(-qmax, qmax)
+    if scheme == "int8":
+        values = torch.nan_to_num(scaled.round(), nan=0.0).to(torch.int8)
+    else:
+        values = scaled.to(torch.float8_e4m3fn)
+    return values.reshape(-1)[:n], stored
+
+
+def dequantize_blockwise(values: Tensor, scales: Tensor, block_size: int) -> Tensor:
+    """Inverse of :func:`quantize_blockwise` -> flat fp32 (a NaN/inf scale makes its block NaN)."""
+    n = values.numel()
+    blocks = scales.numel()
+    v = torch.nn.functional.pad(values.float(), (0, blocks * block_size - n)).view(blocks, block_size)
+    s = scales.float()
+    out = v * s.unsqueeze(1)
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        out[bad] = float("nan")
+    return out.reshape(-1)[:n]
+
+
+def quantize(x: Tensor, cfg: CompressionConfig) -> Tensor:
+    """Flat fp32 ``x`` -> one ``uint8`` payload of exactly ``wire_bytes(x.numel(), cfg)`` bytes."""
+    x = x.reshape(-1)
+    if cfg.scheme == "none":
+        return x.float().contiguous().view(torch.uint8)
+    if cfg.scheme == "bf16":
+        return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    values, scales = quantize_blockwise(x, cfg.scheme, cfg.block_size, cfg.scale_dtype)
+    return torch.cat([scales.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
+
+
+def dequantize(payload: Tensor, numel: int, cfg: CompressionConfig) -> Tensor:
+    """A payload of ``numel`` values (from :func:`quantize`, possibly from another rank) -> flat fp32."""
+    expected = wire_bytes(numel, cfg)
+    if payload.dtype != torch.uint8 or payload.numel() != expected:
+        raise ValueError(f"payload of {payload.numel()} {payload.dtype} does not hold {numel} values "
+                         f"of {cfg.scheme} ({expected} bytes expected)")
+    payload = payload.contiguous()
+    if cfg.scheme == "none":
+        return payload.view(torch.float32).clone()
+    if cfg.scheme == "bf16":
+        return payload.view(torch.bfloat16).float()
+    split = wire_bytes(numel, cfg) - numel
+    scales = payload[:split].view(_SCALE_TORCH[cfg.scale_dtype])
+    vdtype = torch.int8 if cfg.scheme == "int8" else torch.float8_e4m3fn
+    values = payload[split:].view(vdtype)
+    return dequantize_blockwise(values, scales, cfg.block_size)
+
+
+def roundtrip(x: Tensor, cfg: CompressionConfig) -> Tensor:
+    """What the receivers see of ``x``: ``dequantize(quantize(x))`` (fp32, flat)."""
+    return dequantize(quantize(x, cfg), x.numel(), cfg)
+
+
+class ErrorFeedback:
+    """Per-key residuals of lossy sends (thread-safe; one instance per rank).
+
+    ``send = compensate(key, intended)``; after quantizing ``send`` into what receivers will see
+    (``sent``), ``update(key, sent, send)`` stores ``send − sent``. The residual is part of the
+    checkpoint (:meth:`state_dict`, plain fp32 tensors, safetensors-ready) and is cleared where a cluster
+    re-bases on an anchor it did not help build (:meth:`clear`). Keys are the caller's (module / chunk);
+    :mod:`compressed_reduce` also stores the chunk-owner's residual of the re-quantized sum under
+    ``key + AGG_SUFFIX`` (cleared together with ``key``).
+    """
+
+    AGG_SUFFIX = "::agg"
+
+    def __init__(self) -> None:
+        self._res: dict[str, Tensor] = {}
+        self._lock = threading.Lock()
+
+    def residual(self, key: str) -> Tensor | None:
+        with self._lock:
+            return self._res.get(key)
+
+    def compensate(self, key: str, x: Tensor) -> Tensor:
+        """``x + residual`` (a new tensor; ``x`` itself when there is no residual for ``key``)."""
+        r = self.residual(key)
+        if r is None:
+            return x
+        if r.shape != x.shape:
+            raise ValueError(f"error-feedback residual {key!r} has shape {tuple(r.shape)} but the tensor has "
+                             f"{tuple(x.shape)}: clear the residuals when the chunking changes")
+        return x + r.to(device=x.device, dtype=x.dtype)
+
+    def update(self, key: str, sent: Tensor, intended: Tensor) -> None:
+        """Remember ``intended − sent``; a non-finite residual is dropped (that send was anomalous)."""
+        res = (intended.float() - sent.float()).detach()
+        if not bool(torch.isfinite(res).all()):
+            log.warning("error feedback: non-finite residual for %s dropped", key)
+            res = torch.zeros_like(res)
+        with self._lock:
+            self._res[key] = res
+
+    def set_residual(self, key: str, res: Tensor) -> None:
+        with self._lock:
+            self._res[key] = res
+
+    def clear(self, key: str | None = None) -> None:
+        """Forget every residual (``key=None``) or those of ``key`` (its chunk-owner residual too)."""
+        with self._lock:
+            if key is None:
+                self._res.clear()
+            else:
+                self._res.pop(key, None)
+                self._res.pop(key + self.AGG_SUFFIX, None)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return sorted(self._res)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """``{key: fp32 CPU tensor}`` — plain tensors, safe to write with safetensors."""
+        with self._lock:
+            return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in self._res.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Replace all residuals with ``state`` (e.g. from a checkpoint or a healing peer)."""
+        loaded: dict[str, Tensor] = {}
+        for k, v in state.items():
+            if not isinstance(v, Tensor) or not v.is_floating_point():
+                raise ValueError(f"error-feedback state {k!r} must be a floating-point tensor, got {type(v).__name__}")
+            loaded[k] = v.detach().to(torch.float32).clone()
+        with self._lock:
+            self._res = loaded

@@ -1,0 +1,91 @@
+"""Cross-cluster process groups for one quorum: torchft's reconfigurable gloo groups, one per *lane*.
+
+Layout is by module, not by rank. A module's pseudo-gradient is cut into the federation's `chunks` fixed
+pieces; cluster c hands chunk j to its rank `j % size_c`; lane j is the group of chunk j's owners, one
+rank per participating cluster (its rank in the lane = the cluster's position in the sorted quorum).
+When every participant has the same size the federation pairs rank r with rank r instead (lane r), so each
+rank reduces its own FSDP shard in place with no resharding (the cheaper layout).
+
+Lane 0 always joins the cluster leaders: it carries the small control exchanges (norms, votes) and healing.
+Gloo over TCP with tensors staged on CPU, so clusters of different accelerators can sync.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+from torchft.process_group import ProcessGroupGloo
+
+from edit_train.federation.link import FederationError
+from edit_train.federation.quorum import Membership
+
+log = logging.getLogger(__name__)
+
+
+class BoundGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, listening on one address (`host`) instead of whatever the
+    hostname resolves to, so a local run keeps every socket on 127.0.0.1."""
+
+    def __init__(self, host: str, timeout: datetime.timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self._host = host
+
+    def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+        from torch.distributed import ProcessGroup as BaseProcessGroup
+        from torch.distributed.distributed_c10d import ProcessGroupGloo as BaseGloo
+
+        opts = BaseGloo._Options()
+        opts._timeout = self._timeout
+        opts._devices = [BaseGloo.create_device(hostname=self._host)]
+        backend = BaseGloo(store, rank, world_size, opts)
+        backend._set_sequence_number_for_group()
+        pg = BaseProcessGroup(store, rank, world_size)
+        pg._set_default_backend(BaseProcessGroup.BackendType.GLOO)
+        pg._register_backend(torch.device("cpu"), BaseProcessGroup.BackendType.GLOO, backend)
+        if torch.cuda.is_available():
+            pg._register_backend(torch.device("cuda"), BaseProcessGroup.BackendType.GLOO, backend)
+        return pg
+
+
+def lanes_of(rank: int, size: int, membership: Membership, chunks: int) -> list[int]:
+    """The lanes this rank takes part in."""
+    if membership.paired:
+        return [rank]
+    return [j for j in range(chunks) if j % size == rank]
+
+
+class Lanes:
+    """The configured lane groups of this rank for the current quorum."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host = host
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.groups: dict[int, BoundGloo] = {}
+        self.membership: Membership | None = None
+
+    def configure(self, membership: Membership, rank: int, size: int, chunks: int) -> None:
+        """(Re)build this rank's lane groups for `membership` (blocks until every peer connected)."""
+        self.abort()
+        self.membership = membership
+        store = membership.members[0].store
+        for j in lanes_of(rank, size, membership, chunks):
+            pg = BoundGloo(self.host, self.timeout)
+            try:
+                pg.configure(f"{store}/edit-train/{membership.nonce}/lane{j}", f"lane{j}", membership.me,
+                             len(membership.members))
+            except Exception as exc:  # noqa: BLE001
+                raise FederationError(f"lane {j} of quorum {membership.quorum_id} with {membership.names} could "
+                                      f"not connect: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
+            self.groups[j] = pg
+
+    def abort(self) -> None:
+        for pg in self.groups.values():
+            try:
+                pg.abort(errored=False)
+            except Exception:  # noqa: BLE001
+                pass
+        self.groups.clear()
+        self.membership = None

@@ -1,0 +1,141 @@
+"""Per-rank GPU memory plan of a launch, from the config alone (model built on the meta device).
+
+Every figure is bytes on one rank of a cluster that shards one replica over ``cluster.shard_size`` ranks
+(FSDP2, fp32 sharded master weights), planned as if the rank were a CUDA device:
+
+* ``params``        fp32 shard: ``4 P / S``
+* ``param_compute`` compute copies: with ``precision=bf16`` and S > 1, FSDP2 gathers bf16 units — the
+                    current and the prefetched one, ``2 * 2 * max_unit``; unsharded bf16 runs autocast,
+                    whose cache holds a bf16 copy of every weight during forward, ``2 P``; S > 1 in fp32
+                    gathers fp32 units, ``2 * 4 * max_unit``; otherwise 0
+* ``grads``         fp32 sharded gradients ``4 P / S`` (+ the unsharded gradient of one unit before its
+                    reduce-scatter, ``c * max_unit`` with c the compute dtype's bytes, when S > 1)
+* ``inner_optimizer`` AdamW ``exp_avg`` + ``exp_avg_sq``: ``8 P / S``
+* ``outer_state``   local SGD only: anchor ``4 P / S`` + outer optimizer state (SGD with momentum: one
+                    buffer, without: none; other torch.optim classes: counted as two); on the host when
+                    ``algo.outer.offload`` (then only one unit's anchor + state is staged on the device)
+* ``activations``   for ``t = batch_size * seq_len`` tokens of one micro-batch (see ``activation_bytes``)
+
+``fits`` compares the total with 90% of ``--gpu-mem-gb`` GiB (the rest is for the CUDA context, NCCL
+buffers and allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from edit_train.model.config import ModelConfig
+
+USABLE_FRACTION = 0.9
+GIB = 1024 ** 3
+
+ACTIVATION_FORMULA = (
+    "bytes per token; c = compute-dtype bytes, r = residual-stream bytes (4 under autocast/fp32, 2 under FSDP "
+    "bf16), q/kv = query/kv heads x head_dim. Attention A_att = (r+4)H + c(H + 4q + 4kv + q) + 4 n_heads; "
+    "MoE A_moe = (r+4)H + 4H + 8E + c(k(2H + 3I) + H + 3 I_shared); dense MLP A_mlp = (r+4)H + c(H + 3 I_dense); "
+    "embedding + head A_out = 2rH + cV + 8V (logits, fp32 logits, their gradient). "
+    "none: t(sum_l A_l + A_out); full: t(L rH + max_l A_l + A_out); "
+    "moe: t(sum_l (A_att + (rH if MoE else A_mlp)) + A_moe + A_out); t = batch_size x seq_len"
+)
+
+
+def _unit_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of each FSDP unit (embeddings, each decoder layer, head) and of the whole model."""
+    from edit_train.model.transformer import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    units = {"word_embeddings": sum(p.numel() for p in model.word_embeddings.parameters())}
+    for i, layer in enumerate(model.layers):
+        units[f"layers.{i}"] = sum(p.numel() for p in layer.parameters())
+    if not cfg.tie_word_embeddings:
+        units["lm_head"] = sum(p.numel() for p in model.lm_head.parameters())
+    units["total"] = sum(p.numel() for p in model.parameters())
+    return units
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_bytes: int,
+                     residual_bytes: int) -> int:
+    """Activation memory of one micro-batch of ``tokens`` tokens (the estimate in ``ACTIVATION_FORMULA``)."""
+    c, r, h = compute_bytes, residual_bytes, cfg.hidden_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    a_att = (r + 4) * h + c * (h + 4 * q + 4 * kv + q) + 4 * cfg.num_attention_heads
+    a_moe = ((r + 4) * h + 4 * h + 8 * cfg.num_experts
+             + c * (cfg.num_experts_per_tok * (2 * h + 3 * cfg.moe_intermediate_size) + h
+                    + 3 * cfg.num_shared_experts * cfg.moe_intermediate_size))
+    a_mlp = (r + 4) * h + c * (h + 3 * cfg.intermediate_size)
+    a_head = r * h + c * cfg.vocab_size + 8 * cfg.vocab_size
+    is_moe = [cfg.num_experts > 0 and i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
+    per_layer = [a_att + (a_moe if m else a_mlp) for m in is_moe]
+    if checkpointing == "full":
+        per_tok = cfg.num_hidden_layers * r * h + max(per_layer, default=0)
+    elif checkpointing == "moe":
+        per_tok = (sum(a_att + (r * h if m else a_mlp) for m in is_moe)
+                   + (a_moe if any(is_moe) else 0))
+    else:
+        per_tok = sum(per_layer)
+    return int(tokens * (per_tok + r * h + a_head))
+
+
+def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len: int, precision: str = "fp32",
+                checkpointing: str = "none", local_sgd: bool = False, outer_optimizer: str = "SGD",
+                outer_momentum: float = 0.0, offload: bool = False, gpu_mem_gb: float | None = None
+                ) -> dict[str, Any]:
+    """The per-rank plan (bytes) described in the module docstring."""
+    units = _unit_params(model)
+    p_total = units.pop("total")
+    max_unit = max(units.values())
+    s = shard_size
+    bf16 = precision == "bf16"
+    c = 2 if bf16 else 4
+    fsdp_mp = bf16 and s > 1
+    r = 2 if fsdp_mp else 4
+    if s > 1:
+        param_compute = 2 * c * max_unit
+    else:
+        param_compute = 2 * p_total if bf16 else 0
+    outer_states = 0
+    if local_sgd:
+        outer_states = 1 + ((1 if outer_momentum > 0 else 0) if outer_optimizer == "SGD" else 2)
+    outer_bytes = 4 * outer_states * p_total / s
+    plan: dict[str, float] = {
+        "params": 4 * p_total / s,
+        "param_compute": param_compute,
+        "grads": 4 * p_total / s + (c * max_unit if s > 1 else 0),
+        "inner_optimizer": 8 * p_total / s,
+        "outer_state": (4 * outer_states * max_unit / s) if offload else outer_bytes,
+        "activations": activation_bytes(model, batch_size * seq_len, checkpointing, c, r),
+    }
+    total = int(sum(plan.values()))
+    out: dict[str, Any] = {
+        "bytes": {k: int(v) for k, v in plan.items()},
+        "total_bytes": total,
+        "total_gib": round(total / GIB, 3),
+        "host_bytes": {"outer_state": int(outer_bytes) if offload else 0},
+        "outer_state_offloaded": bool(offload and local_sgd),
+        "precision": precision,
+        "fsdp_mixed_precision": fsdp_mp,
+        "activation_checkpointing": checkpointing,
+        "tokens_per_microbatch": batch_size * seq_len,
+        "largest_unit_params": int(max_unit),
+        "activation_formula": ACTIVATION_FORMULA,
+    }
+    if gpu_mem_gb is not None:
+        usable = gpu_mem_gb * GIB * USABLE_FRACTION
+        out["gpu_mem_gb"] = gpu_mem_gb
+        out["usable_bytes"] = int(usable)
+        out["fits"] = total <= usable
+    return out
+
+
+def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]:
+    """``memory_plan`` for a composed ``Config`` (train/cluster/algo sections)."""
+    t, o = cfg.train, cfg.algo.outer
+    return memory_plan(cfg.model, shard_size=cfg.cluster.shard_size, batch_size=t.batch_size,
+                       seq_len=t.seq_len, precision=t.precision,
+                       checkpointing=getattr(t, "activation_checkpointing", "none"),
+                       local_sgd=cfg.algo.local_sgd, outer_optimizer=o.optimizer, outer_momentum=o.momentum,
+                       offload=o.offload, gpu_mem_gb=gpu_mem_gb)

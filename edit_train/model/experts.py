@@ -1,0 +1,119 @@
+"""Routed-expert computation through grouped matmuls (``torch._grouped_mm``) and the choice of implementation.
+
+``model.expert_impl`` selects how ``RoutedExperts`` runs its SwiGLU experts:
+
+* ``sorted``  — the reference path in ``moe.py``: tokens sorted by expert, one matmul per non-empty expert.
+  It reads the per-expert counts on the host (one sync per MoE layer) to slice the sorted tokens.
+* ``grouped`` — this module: the same sort, then three ``torch._grouped_mm`` calls over all experts at once,
+  delimited by on-device int32 offsets. Counts never leave the device (no ``.tolist()`` / ``.item()`` /
+  ``bincount``, whose CUDA kernel reads the max on the host), so the layer issues no host sync.
+* ``auto``    — ``grouped`` where the device's grouped GEMM applies, else ``sorted``.
+
+What torch 2.13 requires of ``torch._grouped_mm`` (read from its meta registration and docs):
+
+* CUDA: bf16 operands only (fp32 is rejected), compute capability >= 8.0 (a CUTLASS kernel on sm90/sm100,
+  a slower loop elsewhere); the CPU build also implements it (any float dtype, differentiable), which is
+  what lets the CPU tests check this path against the reference. Under ``torch.compile`` the meta kernel
+  accepts bf16 only, on any device.
+* Every operand's leading stride must be a multiple of 16 bytes: ``hidden_size`` and
+  ``moe_intermediate_size`` multiples of 8 for bf16 (4 for fp32). Offsets need no alignment; they are the
+  int32 cumulative ends of the groups, and rows past ``offs[-1]`` are not written.
+* 2-D x 3-D layout: ``out[offs[e-1]:offs[e]] = a[offs[e-1]:offs[e]] @ b[e]`` with ``b`` of shape
+  ``[E, K, N]`` — our ``[E, out, in]`` weights are passed transposed (a view, no copy).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+EXPERT_IMPLS = ("auto", "grouped", "sorted")
+_warned: set[str] = set()
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch build exposes ``torch._grouped_mm``."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...],
+                      compiling: bool | None = None) -> tuple[bool, str]:
+    """``(ok, reason)``: can ``torch._grouped_mm`` run experts of these dims in ``dtype`` on ``device``
+    (under ``torch.compile`` if ``compiling``; default: whether this call is being traced)?"""
+    if compiling is None:
+        compiling = torch.compiler.is_compiling()
+    if not grouped_mm_available():
+        return False, f"torch {torch.__version__} has no torch._grouped_mm"
+    align = max(16 // dtype.itemsize, 1)
+    bad = [d for d in dims if d % align]
+    if bad:
+        return False, f"dims {bad} are not multiples of {align} ({dtype} needs 16-byte strides)"
+    if dtype != torch.bfloat16 and compiling:
+        return False, f"torch.compile traces torch._grouped_mm in bf16 only, compute dtype is {dtype}"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return False, f"CUDA grouped GEMM takes bf16 only, compute dtype is {dtype}"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major < 8:
+            return False, f"compute capability {major}.x < 8.0"
+        return True, "cuda"
+    if device.type == "cpu":
+        return True, "cpu"
+    return False, f"no grouped GEMM on {device.type}"
+
+
+def resolve_impl(requested: str, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...],
+                 compiling: bool | None = None) -> str:
+    """The implementation to run: ``grouped`` or ``sorted``.
+
+    ``auto`` picks ``grouped`` only on CUDA (on CPU the per-expert loop of the sorted path is faster and
+    its host sync costs nothing). ``grouped`` where the device cannot run it raises a one-line error.
+    """
+    if requested == "sorted":
+        return "sorted"
+    ok, why = grouped_supported(device, dtype, dims, compiling)
+    if requested == "grouped":
+        if not ok:
+            raise ValueError(f"model.expert_impl=grouped: {why}; use model.expert_impl=auto or sorted")
+        return "grouped"
+    if ok and device.type == "cuda":
+        return "grouped"
+    key = f"{device.type}:{dtype}:{why}"
+    if device.type == "cuda" and key not in _warned:
+        _warned.add(key)
+        log.warning("model.expert_impl=auto: sorted experts on %s (%s)", device, why)
+    return "sorted"
+
+
+def grouped_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                    gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dropless experts through grouped matmuls; same contract as ``RoutedExperts.forward``.
+
+    Args:
+        x: ``[N, H]`` tokens (the compute dtype; the weights already cast to it).
+        topk_idx / topk_weight: ``[N, k]`` expert and weight of every routing slot.
+        gate_proj / up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]``.
+
+    Returns:
+        ``(y [N, H], counts [E] int64)`` — all on the device, no host sync.
+    """
+    n, k = topk_idx.shape
+    num_experts = gate_proj.shape[0]
+    flat_idx = topk_idx.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)  # slots grouped by expert, token order kept inside a group
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x.index_select(0, order // k)  # [N*k, H], expert-sorted
+    g = torch._grouped_mm(xs, gate_proj.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(xs, up_proj.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # [N*k, H]
+    inv_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    slots = out.index_select(0, inv_order).view(n, k, -1)  # back to (token, slot) order: gathers only
+    y = torch.einsum("nkh,nk->nh", slots, topk_weight.to(slots.dtype))
+    return y, counts

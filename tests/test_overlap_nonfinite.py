@@ -1,0 +1,75 @@
+"""Issue 10, weakness 4: in overlap mode θ ← θ̄_new + (θ − θ_snap) kept a NaN replica NaN forever; a
+replica whose local progress is non-finite must restart from the new anchor at the next sync, as in
+at_end mode. One process, one cluster without a federation (its collectives are local)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from edit_train.federation.comm import FederationComm
+from edit_train.local_sgd.outer import OuterConfig, OuterState
+from edit_train.local_sgd.overlap import OverlapSync
+from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.roster import RosterAggregator
+from edit_train.local_sgd.sync import SyncEngine, Unit
+
+
+def _setup(seed: int = 0) -> tuple[nn.Module, OverlapSync, OuterState]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    units = [Unit(f"m{i}", m, list(m.parameters())) for i, m in enumerate(model)]
+    outer = OuterState({u.name: u.live() for u in units}, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    comm = FederationComm("c0", 0, 1, None, torch.device("cpu"))
+    comm.form(0, {"local_steps": 4})
+    engine = SyncEngine(units, outer, RosterAggregator(PenaltyConfig()), comm)
+    return model, OverlapSync(engine), outer
+
+
+def _local_step(model: nn.Module, scale: float = 1e-2) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.ones_like(p))
+
+
+@pytest.mark.parametrize("when", ["before_snapshot", "while_in_flight"])
+def test_nonfinite_replica_is_reset_to_the_anchor(when: str) -> None:
+    model, ov, outer = _setup()
+    _local_step(model)
+    with torch.no_grad():
+        if when == "before_snapshot":
+            model[0].weight[0, 0] = math.nan
+    ov.begin(1, 4, [4.0])
+    _local_step(model)  # local progress while the reduction is in flight
+    with torch.no_grad():
+        if when == "while_in_flight":
+            model[0].bias[1] = math.inf
+    assert ov.poll(block=True)
+    for p, a in zip(model[0].parameters(), outer.anchors["m0"]):
+        assert torch.isfinite(p).all()
+        torch.testing.assert_close(p, a.to(p.dtype), rtol=0, atol=0)  # θ ← θ̄_new, progress dropped
+    # the healthy module keeps θ̄_new + its in-flight progress
+    for p, a in zip(model[1].parameters(), outer.anchors["m1"]):
+        torch.testing.assert_close(p, a + 1e-2, rtol=0, atol=1e-6)
+    # and training goes on from a finite replica: the next sync is normal
+    _local_step(model)
+    ov.begin(2, 4, [4.0])
+    assert ov.poll(block=True)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_healthy_overlap_carries_the_progress_over_exactly() -> None:
+    model, ov, outer = _setup(1)
+    _local_step(model)
+    snap = [p.detach().clone() for p in model.parameters()]
+    ov.begin(1, 4, [4.0])
+    _local_step(model, 3e-2)
+    assert ov.poll(block=True)
+    # one group, weight 1, outer SGD lr 1 without momentum: θ̄_new = θ_snap
+    anchors = [a for n in ("m0", "m1") for a in outer.anchors[n]]
+    for p, s, a in zip(model.parameters(), snap, anchors):
+        torch.testing.assert_close(a, s)
+        torch.testing.assert_close(p, s + 3e-2)
