@@ -116,7 +116,7 @@ class FederationConfig:
     quorum_timeout_s: float = 300.0  # give up (one-line error) when no quorum forms for this long
     collective_timeout_s: float = 30.0  # a cross-cluster collective or connection that takes longer fails
     chunks: int = 4  # a module's pseudo-gradient is cut into this many pieces across clusters of unequal size
-    host: str = "127.0.0.1"  # address this cluster's leader listens on for cross-cluster traffic
+    host: str = "127.0.0.1"  # address this rank binds cross-cluster traffic to (env EDIT_TRAIN_HOST overrides)
 
 
 @dataclass
@@ -241,7 +241,8 @@ def validate(cfg: Config) -> None:
     names = [s.name for s in specs]
     _need(len(set(names)) == len(names), "cluster.clusters", f"cluster names must be unique, got {names}")
     _need(not c.slowdown or len(c.slowdown) == len(specs), "cluster.slowdown",
-          f"needs one factor per cluster ({len(specs)}), got {len(c.slowdown)}")
+          f"needs one factor per cluster ({len(specs)}), got {len(c.slowdown)} (from cluster={c.name}?); give each "
+          "cluster its slowdown in cluster.clusters, or start from cluster=local")
     from edit_train.federation.compress import CompressionConfig
 
     try:

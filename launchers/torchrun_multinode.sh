@@ -1,44 +1,51 @@
 #!/usr/bin/env bash
-# Multi-node edit-train: run this once on every node (same arguments everywhere, NODE_RANK differs).
+# One cluster of an edit-train federation: run this on every node of the cluster (same arguments on
+# every node, NODE_RANK differs). Each cluster is its own job with its own rendezvous and restarts;
+# clusters meet only at torchft's Lighthouse (start one with edit-train-lighthouse, see
+# launchers/README.md).
 #
-#   NNODES=4 NODE_RANK=0 NPROC_PER_NODE=8 RDZV_ENDPOINT=a0:29500 RDZV_ID=job42 \
-#     launchers/torchrun_multinode.sh cluster.groups=2 cluster.shard_size=16 algo=a_edit train.steps=20000
+#   CLUSTER=a LIGHTHOUSE=lh0:29510 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 RDZV_ENDPOINT=a0:29500 \
+#     launchers/torchrun_multinode.sh 'cluster.clusters=[{name:a,ranks:16},{name:b,ranks:8}]' algo=a_edit
 #
 # Environment:
-#   NNODES          number of nodes in the job                                   (required)
-#   NODE_RANK       this node's rank, 0..NNODES-1, in cluster order               (required)
-#   NPROC_PER_NODE  worker processes on this node (one per GPU); same on all nodes (required)
-#   RDZV_ENDPOINT   host:port of node rank 0, reachable from every node           (required)
-#   RDZV_ID         job id shared by all nodes; also names the default run.dir    (default: edit-train)
-#   MAX_RESTARTS    times torchrun restarts the workers after a failure           (default: 3)
-#   RDZV_BACKEND    static (node rank = NODE_RANK, fixed) | c10d (elastic)        (default: static)
-#   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)           (optional)
-#   EDIT_DRY_RUN=1  print the torchrun command (one shell-quoted line) instead of running it
-#   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check cluster.groups x cluster.shard_size
+#   CLUSTER         this cluster's name (one of cluster.clusters, or a new name: it joins the
+#                   running federation and heals from a peer)                          (required)
+#   LIGHTHOUSE      host:port of the federation's Lighthouse, reachable from every node  (required)
+#   NNODES          nodes in this cluster                                                (required)
+#   NODE_RANK       this node's rank in the cluster, 0..NNODES-1                         (required)
+#   NPROC_PER_NODE  worker processes on this node (one per GPU); the same on all nodes   (required)
+#   RDZV_ENDPOINT   host:port of this cluster's node rank 0 (its own rendezvous)         (required)
+#   HOST_ADDR       this node's address as the other clusters reach it (cross-cluster
+#                   traffic binds to it)                                    (default: `hostname`)
+#   RDZV_ID         rendezvous id                                           (default: edit-$CLUSTER)
+#   MAX_RESTARTS    times torchrun restarts this cluster's workers after a failure; a
+#                   restarted cluster heals from a live peer, the others never stop   (default: 3)
+#   RDZV_BACKEND    static (node rank = NODE_RANK) | c10d (elastic)          (default: static)
+#   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)      (optional)
+#   EDIT_DRY_RUN=1  print the command (one shell-quoted line) instead of running it
+#   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check the cluster's rank count
 #
-# Every other argument is a Hydra override for edit-train, passed through unchanged. run.dir defaults
-# to runs/$RDZV_ID (relative to the current directory); it must be one directory on a filesystem that
-# every node sees (checkpoints, metrics.jsonl and summary.json are written there by all nodes).
-#
-# Why static rendezvous by default: world rank = NODE_RANK * NPROC_PER_NODE + LOCAL_RANK and worker
-# group = rank // cluster.shard_size, so with a fixed node rank a group is always the same whole nodes
-# (node ranks in cluster order => a group never straddles two clusters). c10d rendezvous re-assigns
-# node ranks itself (sorted by host name, then agent pid), so the node -> group mapping is whatever the
-# host names sort to. See launchers/README.md.
+# Every other argument is a Hydra override, passed through. Every worker gets EDIT_TRAIN_CLUSTER=$CLUSTER
+# (operators find a cluster's processes by it). run.dir defaults to runs/edit-train: clusters that
+# share a filesystem share the run directory (one metrics.jsonl, one summary.json with every cluster,
+# checkpoints/<cluster>/); clusters on separate filesystems each write their own.
 set -euo pipefail
 
 me=torchrun_multinode.sh
 die() { echo "$me: error: $*" >&2; exit 2; }
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }
 
-for var in NNODES NODE_RANK NPROC_PER_NODE RDZV_ENDPOINT; do
-    [[ -n ${!var:-} ]] || die "$var is not set (need NNODES, NODE_RANK, NPROC_PER_NODE, RDZV_ENDPOINT; see the top of $0)"
+for var in CLUSTER LIGHTHOUSE NNODES NODE_RANK NPROC_PER_NODE RDZV_ENDPOINT; do
+    [[ -n ${!var:-} ]] ||
+        die "$var is not set (need CLUSTER, LIGHTHOUSE, NNODES, NODE_RANK, NPROC_PER_NODE, RDZV_ENDPOINT; see the top of $0)"
 done
-RDZV_ID=${RDZV_ID:-edit-train}
+RDZV_ID=${RDZV_ID:-edit-$CLUSTER}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_BACKEND=${RDZV_BACKEND:-static}
 RDZV_CONF=${RDZV_CONF:-}
+HOST_ADDR=${HOST_ADDR:-$(hostname)}
 
+[[ $CLUSTER =~ ^[A-Za-z0-9._-]+$ ]] || die "CLUSTER may only contain letters, digits, '.', '_' and '-', got '$CLUSTER'"
 is_uint "$NNODES" && ((10#$NNODES >= 1)) || die "NNODES must be a positive integer, got '$NNODES'"
 is_uint "$NPROC_PER_NODE" && ((10#$NPROC_PER_NODE >= 1)) ||
     die "NPROC_PER_NODE must be a positive integer (the same on every node), got '$NPROC_PER_NODE'"
@@ -46,8 +53,11 @@ is_uint "$NODE_RANK" && ((10#$NODE_RANK < 10#$NNODES)) ||
     die "NODE_RANK must be an integer in 0..$((10#$NNODES - 1)), got '$NODE_RANK'"
 is_uint "$MAX_RESTARTS" || die "MAX_RESTARTS must be a non-negative integer, got '$MAX_RESTARTS'"
 NNODES=$((10#$NNODES)) NPROC_PER_NODE=$((10#$NPROC_PER_NODE)) NODE_RANK=$((10#$NODE_RANK)) MAX_RESTARTS=$((10#$MAX_RESTARTS))
-[[ $RDZV_ENDPOINT =~ ^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]+)$ ]] && ((10#${BASH_REMATCH[2]} >= 1 && 10#${BASH_REMATCH[2]} <= 65535)) ||
-    die "RDZV_ENDPOINT must be host:port (the address of node rank 0, e.g. a0:29500), got '$RDZV_ENDPOINT'"
+hostport='^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]+)$'
+[[ $RDZV_ENDPOINT =~ $hostport ]] && ((10#${BASH_REMATCH[2]} >= 1 && 10#${BASH_REMATCH[2]} <= 65535)) ||
+    die "RDZV_ENDPOINT must be host:port (this cluster's node rank 0, e.g. a0:29500), got '$RDZV_ENDPOINT'"
+[[ ${LIGHTHOUSE#http://} =~ $hostport ]] ||
+    die "LIGHTHOUSE must be host:port of the federation's Lighthouse (e.g. lh0:29510), got '$LIGHTHOUSE'"
 [[ $RDZV_ID =~ ^[A-Za-z0-9._-]+$ ]] || die "RDZV_ID may only contain letters, digits, '.', '_' and '-', got '$RDZV_ID'"
 case $RDZV_BACKEND in
     static | c10d) ;;
@@ -60,43 +70,43 @@ for a in "${overrides[@]}"; do
     case $a in
         -m | --multirun) die "Hydra multirun (-m) cannot run under torchrun; launch one job per configuration" ;;
         run.dir=* | +run.dir=* | ++run.dir=*) has_run_dir=1 ;;
+        federation.lighthouse=* | cluster.only=*) die "$a: set LIGHTHOUSE / CLUSTER instead (this script passes them)" ;;
     esac
 done
-((has_run_dir)) || overrides+=("run.dir=runs/$RDZV_ID")
+((has_run_dir)) || overrides+=("run.dir=runs/edit-train")
+overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
-# Check the topology before starting NNODES x NPROC_PER_NODE workers (a mismatch would otherwise fail
-# in every worker, and torchrun would restart them MAX_RESTARTS times for nothing).
+# Check the cluster's size before starting NNODES x NPROC_PER_NODE workers (a mismatch would otherwise
+# fail in every worker, and torchrun would restart them MAX_RESTARTS times for nothing).
 python=${PYTHON:-python3}
-world=$((NNODES * NPROC_PER_NODE))
-flags_given=0
-for a in "${overrides[@]}"; do [[ $a == -* ]] && flags_given=1; done
-if [[ ${EDIT_SKIP_TOPOLOGY_CHECK:-0} != 1 && $flags_given == 0 ]]; then
-    shape=$("$python" - "${overrides[@]}" <<'PY'
-import sys
+ranks=$((NNODES * NPROC_PER_NODE))
+if [[ ${EDIT_SKIP_TOPOLOGY_CHECK:-0} != 1 ]]; then
+    want=$(EDIT_TRAIN_CLUSTER=$CLUSTER "$python" - "${overrides[@]}" <<'PY'
+import os, sys
 try:
     from edit_train.cli.common import compose, one_line
+    from edit_train.config import cluster_specs
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: cannot import edit_train ({exc}); install it (pip install -e .) on every node",
           file=sys.stderr)
     raise SystemExit(2)
 try:
-    cfg = compose(sys.argv[1:])
+    specs = cluster_specs(compose(sys.argv[1:]))
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: {one_line(exc)}", file=sys.stderr)
     raise SystemExit(2)
-print(cfg.cluster.groups, cfg.cluster.shard_size)
+name = os.environ["EDIT_TRAIN_CLUSTER"]
+print(next((s.ranks for s in specs if s.name == name), 0), ",".join(s.name for s in specs))
 PY
     ) || exit 2
-    read -r groups shard <<<"$shape"
-    ((groups * shard == world)) ||
-        die "cluster.groups ($groups) x cluster.shard_size ($shard) = $((groups * shard)) but NNODES ($NNODES) x NPROC_PER_NODE ($NPROC_PER_NODE) = $world processes; set cluster.groups=$((world / (shard > 0 ? shard : 1))) or adjust the overrides"
-    ((shard % NPROC_PER_NODE == 0 || NPROC_PER_NODE % shard == 0)) ||
-        die "cluster.shard_size ($shard) must be a multiple or a divisor of NPROC_PER_NODE ($NPROC_PER_NODE) so that no worker group straddles two nodes"
-    if ((shard >= NPROC_PER_NODE)); then
-        echo "$me: node $NODE_RANK/$NNODES: ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)), worker group $((NODE_RANK * NPROC_PER_NODE / shard)) (nodes $((NODE_RANK * NPROC_PER_NODE / shard * shard / NPROC_PER_NODE))..$(((NODE_RANK * NPROC_PER_NODE / shard + 1) * shard / NPROC_PER_NODE - 1)))" >&2
+    read -r want_ranks names <<<"$want"
+    if ((want_ranks == 0)); then
+        echo "$me: cluster $CLUSTER is not in the configured clusters ($names): it joins the federation as a new cluster of $ranks rank(s)" >&2
     else
-        echo "$me: node $NODE_RANK/$NNODES: ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)), worker groups $((NODE_RANK * NPROC_PER_NODE / shard))..$((((NODE_RANK + 1) * NPROC_PER_NODE - 1) / shard))" >&2
+        ((want_ranks == ranks)) ||
+            die "cluster $CLUSTER has $want_ranks rank(s) in the config but NNODES ($NNODES) x NPROC_PER_NODE ($NPROC_PER_NODE) = $ranks processes; fix cluster.clusters or the node counts"
     fi
+    echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: cluster ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)) of $ranks, Lighthouse $LIGHTHOUSE" >&2
 fi
 
 if command -v torchrun >/dev/null 2>&1; then
@@ -115,10 +125,11 @@ else
     cmd+=(--rdzv-conf="is_host=$host${RDZV_CONF:+,$RDZV_CONF}")
 fi
 cmd+=(-m edit_train.cli.train "${overrides[@]}")
+envs=(EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_HOST="$HOST_ADDR")
 
 if [[ ${EDIT_DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${cmd[@]}" | sed 's/ $//'
+    printf '%q ' env "${envs[@]}" "${cmd[@]}" | sed 's/ $//'
     echo
     exit 0
 fi
-exec "${cmd[@]}"
+exec env "${envs[@]}" "${cmd[@]}"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-BASE = ["model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.eval_batches=1",
+BASE = ["cluster=local", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.eval_batches=1",
         "train.eval_every=0", "train.log_every=2",
         "federation.heartbeat_timeout_s=2", "federation.collective_timeout_s=15", "run.restart_delay_s=1"]
 

@@ -320,7 +320,7 @@ def test_gather_checkpoint_from_two_shards(tmp_path):
 def tiny_run(tmp_path_factory, small_corpus, torch_one_thread):
     run_dir = tmp_path_factory.mktemp("hf-run")
     run_train([
-        "model=tiny", "train.steps=2", "logger=none", "train.progress=false", "train.eval_batches=1",
+        "algo=ddp", "cluster=local", "model=tiny", "train.steps=2", "logger=none", "train.progress=false", "train.eval_batches=1",
         "train.eval_every=0", "train.seq_len=32", "train.batch_size=2", f"data.source={small_corpus}",
         f"run.dir={run_dir}",
     ])

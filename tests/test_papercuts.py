@@ -330,16 +330,16 @@ def test_config_error_is_said_by_rank_0_only(monkeypatch, capsys):
 
 
 def test_topology_error_under_torchrun_is_one_line_once(tmp_path, small_corpus):
-    """Two torchrun workers, a cluster shape that needs three: rank 0 says it once; no run dir is left.
+    """Two torchrun workers for a cluster configured with three ranks: rank 0 says it once; no run dir is left.
     (torchrun's own ChildFailedError summary, printed by the torchrun process, is outside our code.)"""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "edit_train.cli.train", *tiny_overrides(run_dir, small_corpus, "cluster.groups=3")]
+           "-m", "edit_train.cli.train", *tiny_overrides(run_dir, small_corpus, "cluster.shard_size=3")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(ours) == 1, proc.stderr
-    assert "cluster.groups (3)" in ours[0] and "world has 2 processes" in ours[0]
+    assert "configured with 3 rank(s) but its job has 2 process(es)" in ours[0], ours
     assert "[rank1]" not in proc.stderr and "[rank0]" not in proc.stderr  # no worker traceback
     assert not run_dir.exists()
 

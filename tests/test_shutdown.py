@@ -37,7 +37,7 @@ def test_sigint_stops_everything_cleanly(tmp_path: Path, small_corpus: str) -> N
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
         deadline = time.time() + 180
-        ckpts = CheckpointManager(run_dir / "checkpoints")
+        ckpts = CheckpointManager(run_dir / "checkpoints" / "c0")  # a federation: checkpoints/<cluster>/
         while time.time() < deadline and len(ckpts.list_steps()) < 2:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.2)

@@ -161,7 +161,7 @@ def fail_user_error(exc: BaseException) -> NoReturn:
     the others exit quietly with the same code. Anything else may be one rank's own: it names the rank."""
     from edit_train.cli.common import one_line
     from edit_train.config import ConfigError
-    from edit_train.dist.mesh import TopologyError
+    from edit_train.cluster.mesh import TopologyError
 
     message = one_line(exc)
     if isinstance(exc, (ConfigError, TopologyError, RunDirError)):

@@ -59,6 +59,7 @@ class LocalSGDConfig:
     fingerprint: str = ""  # hash of what must agree across clusters (model, algorithm, chunks)
     expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
     start_timeout_s: float = 60.0
+    regroup_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume too
     shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
 
 
@@ -190,6 +191,7 @@ class LocalSGD:
             return
         self._joining = True
         deadline = time.time() + self.cfg.start_timeout_s
+        regroup = time.time() + self.cfg.regroup_s
         m = None
         try:
             while True:
@@ -206,10 +208,17 @@ class LocalSGD:
                         break
                     log.info("cluster %s: joining: %s; trying again", self.comm.name, exc)
                     continue
-                # a fresh federation starts together: ask again until every configured cluster is in
-                fresh = m is not None and m.max_sync == 0 and self.total_steps == 0
-                if fresh and time.time() < deadline and not set(self.cfg.expected) <= set(m.names):
+                # a fresh federation starts together: ask again until every configured cluster is in. A
+                # resumed one (the whole federation restarted from its checkpoints) regroups the same way
+                # within the grace window, so that the first cluster back does not sync alone; a cluster
+                # restarting while the others run finds them within that window, or heals at its next sync
+                missing = m is not None and not set(self.cfg.expected) <= set(m.names)
+                fresh = m is not None and m.max_sync == 0 and self.total_steps == 0 and time.time() < deadline
+                resumed = m is not None and self.total_steps > 0 and m.max_sync <= self.sync_index \
+                    and time.time() < regroup
+                if missing and (fresh or resumed):
                     self.comm.abort()
+                    time.sleep(0.1)
                     continue
                 break
         finally:
@@ -522,7 +531,8 @@ class LocalSGD:
                 "syncs_done": self.syncs_done, "history": self.history, "local_phase": self.engine is not None,
                 "timer": self.timer.state_dict(), "bytes_sent": self.comm.bytes_sent, "planned": self.planned,
                 "global_step": self.global_step, "blocked_s": self.comm.blocked_s,
-                "roster": list(self.aggregator.roster), "syncs_missed": self.syncs_missed}
+                "roster": list(self.aggregator.roster), "syncs_missed": self.syncs_missed,
+                "total_steps": self.total_steps}
 
     def load_state(self, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
         self.sync_index = state["sync_index"]
@@ -534,6 +544,7 @@ class LocalSGD:
         self.timer.load_state_dict(state["timer"])
         self.planned = state.get("planned", self.planned)
         self.global_step = state.get("global_step", 0)
+        self.total_steps = int(state.get("total_steps", 0))  # the quorum compares it (lockstep step adoption)
         self.comm.clock.bytes_sent = state["bytes_sent"]
         self.comm.clock.blocked_s = state["blocked_s"]
         if state["local_phase"]:

@@ -52,7 +52,7 @@ def local_sgd_config(cfg: Config) -> LocalSGDConfig:
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                           fingerprint=fingerprint(cfg), expected=tuple(s.name for s in cluster_specs(cfg)),
-                          start_timeout_s=cfg.federation.quorum_timeout_s,
+                          start_timeout_s=cfg.federation.quorum_timeout_s, regroup_s=cfg.federation.join_timeout_s,
                           shares_loss=cfg.train.spike_factor > 0)
 
 
@@ -65,7 +65,8 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
         raise ConfigError("federation.lighthouse: this cluster is part of a federation but no Lighthouse address "
                           "is set; run `edit-train` (it starts one) or pass federation.lighthouse=HOST:PORT")
     comm = FederationComm(topo.name, topo.rank, topo.world_size, topo.shard_pg, topo.device,
-                          lighthouse=lighthouse if federated else None, host=f.host, chunks=f.chunks, link=link,
+                          lighthouse=lighthouse if federated else None,
+                          host=os.environ.get("EDIT_TRAIN_HOST") or f.host, chunks=f.chunks, link=link,
                           quorum_timeout_s=f.quorum_timeout_s, collective_timeout_s=f.collective_timeout_s,
                           compression=CompressionConfig(cfg.sync.compression, cfg.sync.block_size,
                                                         cfg.sync.scale_dtype, cfg.sync.error_feedback))

@@ -1,0 +1,62 @@
+"""`edit-train-lighthouse`: torchft's Lighthouse with the federation settings of an edit-train config.
+
+Start one per federation on any host every cluster can reach, then point each cluster job at it
+(`LIGHTHOUSE=host:port` for the launchers, `federation.lighthouse=host:port` for `edit-train`):
+
+    edit-train-lighthouse federation.min_clusters=2 federation.join_timeout_s=30 --bind 0.0.0.0:29510
+
+Its quorum rules come from the same keys the clusters read (`federation.min_clusters`,
+`join_timeout_s`, `heartbeat_timeout_s`), so the grace window is configured in one place. torchft's
+own `torchft_lighthouse` CLI works as well; this one only saves translating the keys into its flags.
+It prints its address, then serves until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from edit_train.cli.common import compose, fail, one_line
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="edit-train-lighthouse",
+                                description="torchft's Lighthouse for an edit-train federation; other arguments "
+                                            "are edit-train config overrides (federation.*).")
+    p.add_argument("--bind", default="0.0.0.0:29510", help="host:port to listen on (default 0.0.0.0:29510)")
+    p.add_argument("--address-file", default="", help="also write the address (host:port) to this file")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse(sys.argv[1:] if argv is None else argv)
+    bad = [o for o in overrides if o.startswith("-")]
+    if bad:
+        fail(f"unknown option(s) {bad}; see edit-train-lighthouse --help")
+    try:
+        cfg = compose(overrides)
+    except Exception as exc:  # noqa: BLE001 - one line for a bad override
+        fail(one_line(exc))
+    from edit_train.federation.quorum import Lighthouse
+
+    f = cfg.federation
+    try:
+        house = Lighthouse(args.bind, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+    except Exception as exc:  # noqa: BLE001 - e.g. the port is taken
+        fail(f"cannot start the Lighthouse on {args.bind}: {one_line(exc)}")
+    print(f"edit-train-lighthouse: serving at {house.address} (min_clusters={f.min_clusters}, "
+          f"join_timeout_s={f.join_timeout_s:g}, heartbeat_timeout_s={f.heartbeat_timeout_s:g})", flush=True)
+    if args.address_file:
+        with open(args.address_file, "w") as fh:
+            fh.write(house.address + "\n")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    house.shutdown()
+
+
+if __name__ == "__main__":
+    main()
