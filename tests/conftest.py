@@ -112,3 +112,13 @@ def run_cli(script: str, module: str, args: list[str], timeout: float = 180, cwd
             **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*script_cmd(script, module), *args], capture_output=True, text=True,
                           timeout=timeout, env=cli_env(**env), cwd=cwd)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`data.source` glob of the first 40 stdlib modules (sorted): the federation tests' corpus."""
+    src = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus40")
+    for f in sorted(src.glob("*.py"))[:40]:
+        (out / f.name).write_bytes(f.read_bytes())
+    return str(out / "*.py")

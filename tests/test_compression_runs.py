@@ -13,18 +13,7 @@ from fed_utils import anchors, events, finish, same, start
 COMMON = ["algo=edit", "train.steps=8", "algo.interval=2", "train.batch_size=2", "algo.penalty.warmup_syncs=1"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import sysconfig
-
-    src = Path(sysconfig.get_paths()["stdlib"])
-    out = tmp_path_factory.mktemp("corpus")
-    for f in sorted(src.glob("*.py"))[:40]:
-        (out / f.name).write_bytes(f.read_bytes())
-    return str(out / "*.py")
-
-
-@pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
+@pytest.mark.parametrize("mode", ["layerwise", pytest.param("at_end", marks=pytest.mark.slow), "overlap"])
 def test_int8_two_clusters_end_on_one_anchor(tmp_path: Path, corpus: str, mode: str) -> None:
     run = tmp_path / mode
     finish(start(run, corpus, *COMMON, "cluster=local_2x1", f"sync.mode={mode}", "sync.compression=int8"))

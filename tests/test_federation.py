@@ -25,17 +25,6 @@ THREE = ["algo=edit", "cluster.groups=3", "cluster.shard_size=1", "cluster.slowd
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import sysconfig
-
-    src = Path(sysconfig.get_paths()["stdlib"])
-    out = tmp_path_factory.mktemp("corpus")
-    for f in sorted(src.glob("*.py"))[:40]:
-        (out / f.name).write_bytes(f.read_bytes())
-    return str(out / "*.py")
-
-
-@pytest.fixture(scope="module")
 def baseline(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
     run_dir = tmp_path_factory.mktemp("fed") / "clean"
     finish(start(run_dir, corpus, *THREE))

@@ -343,3 +343,21 @@ def test_lighthouse_cli_refuses_bad_input(tmp_path: Path) -> None:
 def test_shell_syntax(script: Path) -> None:
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_a_cluster_job_ignores_the_other_clusters_traces_in_a_shared_run_dir(tmp_path: Path, monkeypatch) -> None:
+    """Clusters launched on their own share run.dir: cluster b may start after a wrote metrics.jsonl and its
+    checkpoints, but not over its own earlier run (without resume)."""
+    from edit_train.cli.checks import RunDirError, check_run_dir
+
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "checkpoints" / "a" / "step_00000004").mkdir(parents=True)
+    monkeypatch.setenv("EDIT_TRAIN_CLUSTER", "b")
+    check_run_dir(tmp_path, "false")
+    (tmp_path / "checkpoints" / "b" / "step_00000004").mkdir(parents=True)
+    with pytest.raises(RunDirError, match="already holds cluster b's run"):
+        check_run_dir(tmp_path, "false")
+    check_run_dir(tmp_path, "auto")
+    monkeypatch.delenv("EDIT_TRAIN_CLUSTER")
+    with pytest.raises(RunDirError, match="an unfinished run"):
+        check_run_dir(tmp_path, "false")

@@ -76,6 +76,14 @@ def check_run_dir(run_dir: str | os.PathLike[str], resume: str) -> None:
             break
     if not path.is_dir() or str(resume).lower() in ("true", "auto") or _restarted():
         return
+    cluster = os.environ.get("EDIT_TRAIN_CLUSTER")
+    if cluster:  # one cluster job of a federation sharing run.dir: only this cluster's own traces count
+        own = [path / "checkpoints" / cluster, path / "clusters" / f"{cluster}.json"]
+        hit = next((p for p in own if p.is_file() or (p.is_dir() and any(p.iterdir()))), None)
+        if hit is not None:
+            raise RunDirError(f"run.dir: {path} already holds cluster {cluster}'s run ({hit.relative_to(path)}); "
+                              "continue it with resume=auto or choose a new run.dir")
+        return
     found = _holds_run(path)
     if found is not None:
         state = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
