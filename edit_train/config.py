@@ -38,7 +38,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 600  # a_edit: the run ends at the first sync after any group has taken this many steps
+    steps: int = 420  # a_edit: the run ends at the first sync after any group has taken this many steps
     time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128
