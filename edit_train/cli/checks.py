@@ -213,6 +213,13 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
         validate(cfg)
         check_run_dir(cfg.run.dir, cfg.resume)
         check_data_source(cfg.data.source)
+        if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: check its cluster's
+            from edit_train.cluster.mesh import check_shape       # size before Hydra creates run.dir
+            from edit_train.config import cluster_specs
+            from edit_train.train.build import my_cluster
+
+            spec = my_cluster(cfg, cluster_specs(cfg))
+            check_shape(int(os.environ["WORLD_SIZE"]), spec.ranks, spec.name)
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line
