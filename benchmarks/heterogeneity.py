@@ -6,12 +6,14 @@ an agreed point after `train.time_budget_s=T` (`train.steps` is set out of reach
 measured alone (`cluster=local cluster.slowdown=[s]`, same batch, sequence length and budget), then every
 algorithm runs on `cluster=hetero_2x1`. Reported per algorithm (from `summary.json`):
 
-  * throughput ratio = aggregate tokens/s / (sum of the two standalone tokens/s); the standalone runs
-    evaluate only at their start and end, so their tokens/s is pure training speed (a conservative
-    denominator: the multi-group runs still pay for their periodic evals);
-  * blocked fraction = max over groups of blocked_s / wall_s (time waiting on cross-group sync), and the
-    for A-EDiT the same without the first two syncs and the last one ("steady": start-up and final-sync
-    waits amortise over a long run but dominate a 45 s one);
+  * throughput ratio = Σ over clusters of tokens / training time ÷ the same sum of the two standalone runs,
+    where training time = wall − eval − start-up − checkpoint (`per_cluster.time`): the runs evaluate on
+    different schedules (the standalone ones only at their start and end), so evals are excluded from
+    both and reported apart, with start-up, in the breakdown table; `/sum e2e` is the end-to-end ratio;
+  * blocked fraction = max over clusters of time blocked on other clusters or the link ÷ wall, and the same
+    without the final sync (the one blocking exchange that every run needs to end on one model);
+  * a breakdown per run and cluster: every time bucket's share of the wall (compute, slowdown, eval, sync
+    work, blocked, checkpoint, data, start-up, other);
   * final val loss of the global model after the last sync, at the (roughly) equal wall-clock budget;
   * for A-EDiT, the planned local steps per group H_i (median over the syncs between the first, which
     uses `algo.interval`, and the final one, which is cut short) and H_0/H_1 vs the measured speed ratio.
@@ -39,6 +41,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+
+from edit_train.timing import BUCKETS  # noqa: E402
 
 DEFAULT_OUT = C.RESULTS_DIR / "heterogeneity.json"
 DEFAULT_PLOT = C.RESULTS_DIR / "heterogeneity.png"
@@ -110,25 +114,65 @@ def plan_stats(summary: dict[str, Any]) -> dict[str, Any]:
     return {"local_steps": hist, "median_H": med, "H0_over_H1": h0 / h1 if h0 and h1 else None}
 
 
-def steady_blocked(job: C.Job) -> float:
-    """A-EDiT's blocked fraction without the first two syncs (start-up: the fixed first interval, and in
-    overlap mode the plan that lands one interval late) and the last one (the blocking final sync), max over
-    groups. Other algorithms pay the same wait at every sync: their total."""
-    s, syncs = job.summary, job.events("sync")
-    if not syncs or s["algo"] != "a_edit":
-        return max(g["blocked_s"] for g in s["per_group"].values()) / s["wall_s"]
-    last = max(e["sync"] for e in syncs)
-    edge = {g: sum(e["blocked_s"] for e in syncs if str(e["group"]) == g and (e["sync"] <= 2 or e["sync"] == last))
-            for g in s["per_group"]}
-    return max((v["blocked_s"] - edge[g]) / s["wall_s"] for g, v in s["per_group"].items())
+def blocked_fracs(job: C.Job) -> tuple[float, float]:
+    """(blocked, blocked without the final sync) as a share of the wall, max over clusters, from the time
+    account (`per_cluster.time`: waiting for the federation to form at start-up is start-up there). The
+    final sync is the one blocking exchange every run needs to end on one model (the last `sync` event)."""
+    total, steady = 0.0, 0.0
+    syncs = job.events("sync")
+    for name, c in job.summary["per_cluster"].items():
+        t = c["time"]
+        mine = [e for e in syncs if e.get("cluster") == name]
+        final = max(mine, key=lambda e: e["sync"])["blocked_s"] if mine else 0.0
+        total = max(total, t["blocked"] / t["wall_s"])
+        steady = max(steady, max(t["blocked"] - final, 0.0) / t["wall_s"])
+    return total, steady
 
 
-def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float) -> dict[str, Any]:
+# a run's training time: its wall time less what the runs being compared do not do alike (evals on different
+# schedules, start-up before the first step, checkpoints); those are reported apart in the breakdown
+NOT_TRAINING = ("eval", "startup", "checkpoint")
+
+
+def breakdown(name: str, job: C.Job) -> list[dict[str, Any]]:
+    """One row per cluster: wall seconds, tokens/s over the wall and over training time, and the share of
+    the wall in every bucket (`summary.json` per_cluster.time)."""
+    rows = []
+    for cname, c in job.summary["per_cluster"].items():
+        t = c["time"]
+        train_s = t["wall_s"] - sum(t[b] for b in NOT_TRAINING)
+        rows.append({"run": name, "cluster": cname, "wall_s": t["wall_s"], "tokens": c["tokens"],
+                     "tokens_per_s": c["tokens"] / max(t["wall_s"], 1e-9), "train_s": train_s,
+                     "train_tokens_per_s": c["tokens"] / max(train_s, 1e-9),
+                     # tokens per second of compute alone: equal to the standalone run's when nothing competes
+                     # with the cluster's compute for the cores
+                     "compute_tokens_per_s": c["tokens"] / max(t["compute"], 1e-9), "time": t,
+                     **{b: t[b] / max(t["wall_s"], 1e-9) for b in BUCKETS}})
+    return rows
+
+
+def print_breakdown(rows: list[dict[str, Any]]) -> None:
+    print("where the time goes (share of each cluster's wall; training tok/s = tokens / (wall - "
+          + " - ".join(NOT_TRAINING) + ")):")
+    cols = [("run", "run", ""), ("cluster", "cluster", ""), ("wall_s", "wall s", ".1f"),
+            ("tokens_per_s", "tok/s", ",.0f"), ("train_tokens_per_s", "train tok/s", ",.0f"),
+            ("compute_tokens_per_s", "compute tok/s", ",.0f"), *[(b, b, ".3f") for b in BUCKETS]]
+    print(C.table(rows, cols))
+
+
+def train_tps(job: C.Job) -> float:
+    """Tokens per second of training time, summed over clusters."""
+    return sum(r["train_tokens_per_s"] for r in breakdown("", job))
+
+
+def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train_tps: float) -> dict[str, Any]:
     s, pg = job.summary, job.summary["per_group"]
-    blocked = max(g["blocked_s"] / s["wall_s"] for g in pg.values())
+    blocked, steady = blocked_fracs(job)
     row = {"run": name, "algo": s["algo"], "wall_s": s["wall_s"], "tokens": s["tokens"],
-           "tokens_per_s": s["tokens_per_s"], "throughput_ratio": s["tokens_per_s"] / sum_tps,
-           "blocked_frac": blocked, "blocked_frac_steady": steady_blocked(job), "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),
+           "tokens_per_s": s["tokens_per_s"], "throughput_ratio_end_to_end": s["tokens_per_s"] / sum_tps,
+           "train_tokens_per_s": train_tps(job), "throughput_ratio": train_tps(job) / sum_train_tps,
+           "breakdown": breakdown(name, job),
+           "blocked_frac": blocked, "blocked_frac_steady": steady, "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),
            "cross_group_bytes": s.get("cross_group_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
            "per_group": {g: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
                                                "slowdown_slept_s", "syncs") if k in v} for g, v in pg.items()},
@@ -164,9 +208,16 @@ def eval_series(job: C.Job) -> tuple[list[tuple[float, float]], dict[int, list[t
     return sorted(world), {g: sorted(v) for g, v in groups.items()}
 
 
-def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Namespace) -> Path:
+def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Namespace,
+         breakdown_rows: list[dict[str, Any]]) -> Path:
+    from edit_train.report_time import draw_breakdown
+
     plt = C.pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.35, 1]})
+    fig = plt.figure(figsize=(13, 5 + 0.32 * len(breakdown_rows)), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[5, 1.2 + 0.32 * len(breakdown_rows)])
+    ax, ax2 = top.subplots(1, 2, width_ratios=[1.35, 1])
+    draw_breakdown(bottom.subplots(), [(f"{r['run']} · {r['cluster']}", r["time"]) for r in breakdown_rows],
+                   "where each cluster's wall time goes (share per bucket)")
     finals = []
     for name, job in jobs.items():
         color = COLORS.get(name)
@@ -192,11 +243,11 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     x = range(len(names))
     w = 0.27
     b1 = ax2.bar([i - w for i in x], [rows[n]["throughput_ratio"] for n in names], w,
-                 label="tokens/s ÷ sum of standalone", color="tab:green")
+                 label="training tokens/s ÷ sum of standalone", color="tab:green")
     b2 = ax2.bar(list(x), [rows[n]["blocked_frac"] for n in names], w,
                  label="blocked fraction (max over groups)", color="tab:gray")
     b3 = ax2.bar([i + w for i in x], [rows[n]["blocked_frac_steady"] for n in names], w, color="white",
-                 edgecolor="tab:gray", hatch="//", label="blocked, A-EDiT w/o first 2 + last sync")
+                 edgecolor="tab:gray", hatch="//", label="blocked without the final sync")
     for bars in (b1, b2, b3):
         ax2.bar_label(bars, fmt="%.2f", fontsize=7)
     ax2.axhline(0.95, color="tab:green", ls="--", lw=1, label="target throughput 0.95")
@@ -206,7 +257,10 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     ax2.set_title("throughput and time blocked on cross-group sync", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left", ncol=2)
     ax2.grid(alpha=0.3, axis="y")
-    return C.save_fig(fig, a.plot)
+    a.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(a.plot, dpi=120)  # constrained layout (no tight_layout)
+    plt.close(fig)
+    return a.plot
 
 
 def job(name: str, run_dir: Path, overrides: list[str], a: argparse.Namespace) -> C.Job:
@@ -229,8 +283,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                    *base, "train.eval_every=0"], a)
     tps = [j.summary["tokens_per_s"] for j in alone.values()]
     sum_tps, speed_ratio = sum(tps), tps[0] / tps[1]
+    sum_train_tps = sum(train_tps(j) for j in alone.values())
     jobs = {n: job(n, a.workdir / n.replace("+", "_"), run_overrides(n, a), a) for n in a.runs}
-    rows = {n: row_for(n, j, sum_tps, speed_ratio) for n, j in jobs.items()}
+    rows = {n: row_for(n, j, sum_tps, speed_ratio, sum_train_tps) for n, j in jobs.items()}
     result = {
         "benchmark": "heterogeneity", "quick": a.quick,
         "setup": {"cluster": "hetero_2x1", "slowdown": list(SLOWDOWN), "link": "100 Mbit/s + 50 ms",
@@ -241,18 +296,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "commands": {n: " ".join(["edit-train", *j.overrides]) for n, j in {**alone, **jobs}.items()}},
         "standalone": {n: {"tokens_per_s": j.summary["tokens_per_s"], "wall_s": j.summary["wall_s"],
                            "tokens": j.summary["tokens"], "steps": j.summary["steps"],
-                           "final_val_loss": j.summary["final_val_loss"]} for n, j in alone.items()},
-        "standalone_sum_tokens_per_s": sum_tps, "standalone_speed_ratio": speed_ratio,
+                           "final_val_loss": j.summary["final_val_loss"], "train_tokens_per_s": train_tps(j),
+                           "breakdown": breakdown(n, j)} for n, j in alone.items()},
+        "standalone_sum_tokens_per_s": sum_tps, "standalone_sum_train_tokens_per_s": sum_train_tps,
+        "standalone_speed_ratio": speed_ratio,
         "results": rows, "targets": targets(rows),
         "curves": {n: dict(zip(("world", "group"), eval_series(j))) for n, j in jobs.items()},
         "env": C.environment(),
     }
     C.write_json(a.out, result)
-    plot(jobs, rows, a)
+    every = [r for j in {**alone, **jobs}.items() for r in breakdown(*j)]
+    plot(jobs, rows, a, every)
     print("standalone tokens/s: " + ", ".join(f"{n} {t:,.0f}" for n, t in zip(alone, tps))
           + f"; sum {sum_tps:,.0f}; speed ratio {speed_ratio:.2f}")
+    print_breakdown(every)
     cols = [("run", "run", ""), ("tokens_per_s", "tok/s", ",.0f"), ("tps_g0", "g0 tok/s", ",.0f"),
-            ("tps_g1", "g1 tok/s", ",.0f"), ("throughput_ratio", "/sum alone", ".3f"),
+            ("tps_g1", "g1 tok/s", ",.0f"), ("throughput_ratio_end_to_end", "/sum e2e", ".3f"),
+            ("train_tokens_per_s", "train tok/s", ",.0f"), ("throughput_ratio", "/sum alone", ".3f"),
             ("blocked_frac", "blocked", ".3f"), ("blocked_frac_steady", "steady", ".3f"), ("final_val_loss", "val loss", ".4f"), ("wall_s", "wall s", ".1f"),
             ("syncs", "syncs", ""), ("H0_over_H1", "H0/H1", ".2f")]
     print(C.table(rows.values(), cols))

@@ -25,7 +25,7 @@ from edit_train.train.metrics import read_metrics
 log = logging.getLogger(__name__)
 
 PLOTS = ("val_loss_vs_tokens.png", "val_loss_vs_wall.png", "loss.png", "tokens_per_s.png", "blocked.png",
-         "expert_load.png")
+         "expert_load.png", "time.png")
 COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-group bytes",
            "syncs", "anomalies", "blocked %")
 NUMERIC_COLUMNS = frozenset(COLUMNS[2:])
@@ -325,6 +325,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
     out_dir = Path(out) if out is not None else default_out(run_dirs)
     out_dir.mkdir(parents=True, exist_ok=True)
     from edit_train import report_plots as fig  # the figures import Run from here
+    from edit_train.report_time import plot_time, time_table
 
     plots = [
         fig.plot_val_loss(runs, out_dir, "tokens"),
@@ -333,6 +334,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
         fig.plot_tokens_per_s(runs, out_dir),
         fig.plot_blocked(runs, out_dir),
         fig.plot_expert_load(runs, out_dir),
+        plot_time(runs, out_dir),
     ]
     table = markdown_table(table_rows(runs))
     notes = []
@@ -343,6 +345,9 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
                          "from metrics.jsonl, `n/a` where the events cannot tell; its val loss is "
                          "the last evaluation's, not a final one.")
     md = ["# edit-train report", "", table, ""]
+    breakdown = time_table(runs)
+    if breakdown:
+        md += ["## Where the time goes (share of each cluster's wall time)", "", breakdown, ""]
     if notes:
         md += [*notes, ""]
     md += ["Runs: " + ", ".join(f"`{r.path}`" for r in runs), "",

@@ -133,10 +133,15 @@ def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> N
 # post_local_sgd and diloco differ from edit only in outer optimizer/penalty settings (unit-tested); the 2x2 runs
 # of those two are in the slow suite to keep the default one under 15 minutes on 2 cores
 @pytest.mark.parametrize("algo", [pytest.param("post_local_sgd", marks=pytest.mark.slow),
-                                  pytest.param("diloco", marks=pytest.mark.slow), "a_edit"])
+                                  pytest.param("diloco", marks=pytest.mark.slow), "a_edit", "a_edit+overlap"])
 def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> None:
+    """a_edit asks for each quorum in the background (every rank of a cluster agrees when it landed), and
+    after the agreed stop keeps stepping until the final quorum is issued; +overlap also votes in the
+    background."""
+    algo, _, overlap = algo.partition("+")
     run_dir = run_job(tmp_path, algo, f"algo={algo}", "cluster=local_2x2", "train.steps=4", "algo.interval=2",
-                      "train.batch_size=2", "algo.sync_time_s=0.5", corpus=corpus)
+                      "train.batch_size=2", "algo.sync_time_s=0.5", *(["sync.mode=overlap"] if overlap else []),
+                      corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["algo"] == algo and summary["syncs"] >= 1
     assert set(summary["per_group"]) == {"0", "1"} and summary["cross_group_bytes"] > 0

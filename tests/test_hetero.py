@@ -51,6 +51,44 @@ def lighthouse():
     house.shutdown()
 
 
+# ------------------------------------------------------------ background quorum
+def _early_and_late(rank: int, world: int, lighthouse: str, flag: str) -> dict:
+    """c0 reaches its sync point first and asks for the quorum in the background; c1 asks only after c0 has
+    polled five times (and found no quorum yet, because c1 has not asked). Then both get the same quorum and
+    its lanes work."""
+    comm = _cluster_comm(rank, lighthouse)
+    out: dict = {"early_polls": []}
+    if rank == 0:
+        comm.form_start(1, {"local_steps": 3})
+        for _ in range(5):  # "local steps" taken while the quorum forms
+            time.sleep(0.05)
+            out["early_polls"].append(comm.form_poll()[0])
+        Path(flag).write_text("asked")
+        done, m = False, None
+        while not done:
+            time.sleep(0.01)
+            done, m = comm.form_poll()
+    else:
+        while not Path(flag).exists():
+            time.sleep(0.01)
+        comm.form_start(1, {"local_steps": 1})
+        done, m = comm.form_poll(block=True)
+    t = torch.full((4,), float(rank + 1))
+    comm.all_reduce_([t])
+    out.update(names=m.names, quorum=m.quorum_id, sum=float(t[0]), forming=comm.forming)
+    comm.close()
+    return out
+
+
+def test_background_quorum_lets_the_early_cluster_keep_training(lighthouse: str, tmp_path: Path) -> None:
+    results = run_ranks(_early_and_late, 2, lighthouse, str(tmp_path / "asked"))
+    assert results[0]["early_polls"] == [False] * 5  # not issued while c1 had not asked: c0 kept going
+    assert results[0]["names"] == results[1]["names"] == ["c0", "c1"]
+    assert results[0]["quorum"] == results[1]["quorum"]
+    assert results[0]["sum"] == results[1]["sum"] == 3.0  # the lanes connected in the background work
+    assert not results[0]["forming"] and not results[1]["forming"]
+
+
 # ------------------------------------------------------------------ link model
 def _blocking_link(rank: int, world: int, lighthouse: str) -> dict:
     comm = _cluster_comm(rank, lighthouse, LinkModel(bandwidth_mbps=8, latency_ms=50))
@@ -157,20 +195,51 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out / "*.py")
 
 
-def test_a_edit_follows_a_group_that_slows_down(tmp_path: Path, corpus: str) -> None:
-    """Group 1 becomes 8x slower at its step 100: its planned local steps drop at the next sync."""
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def slowing_run(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
+    """a_edit on two one-rank clusters; group 1 becomes 8x slower at its step 100."""
+    run_dir = tmp_path_factory.mktemp("slowing") / "run"
     cmd = [sys.executable, "-m", "edit_train.cli.train", "cluster=local_2x1", "algo=a_edit", "logger=none",
            "train.progress=false", f"data.source={corpus}", f"run.dir={run_dir}", "train.seq_len=32",
            "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=300",
-           "algo.interval=4", "algo.sync_time_s=0.3", "model.num_hidden_layers=2",
+           "algo.interval=4", "algo.sync_time_s=0.3", "model.num_hidden_layers=2", "train.log_every=10",
            "cluster.slowdown_schedule=[{group:1,step:100,factor:8.0}]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    syncs = [e for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return run_dir
+
+
+def test_a_edit_follows_a_group_that_slows_down(slowing_run: Path) -> None:
+    """Group 1 becomes 8x slower at its step 100: its planned local steps drop at the next sync."""
+    syncs = [e for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
              if e["event"] == "sync" and e["group"] == 1]
     before = [e["local_steps"] for e in syncs if e["step"] <= 100][1:]  # the first interval is timed locally
     after = [e["local_steps"] for e in syncs if e["step"] > 100][2:]  # from the plan made after the change
     assert before and after, syncs
     assert max(after) < max(before) and sorted(after)[len(after) // 2] < sorted(before)[len(before) // 2], \
         (before, after)
+
+
+def test_every_cluster_accounts_its_wall_time(slowing_run: Path) -> None:
+    """per_cluster.time: the buckets add up to the wall; the simulated slowdown is its own bucket (what the
+    sleeps took); the layer-wise sync's work and the waits are charged; train events carry their window."""
+    from edit_train.timing import BUCKETS
+
+    summary = json.loads((slowing_run / "summary.json").read_text())
+    for name, c in summary["per_cluster"].items():
+        t = c["time"]
+        assert list(t) == [*BUCKETS, "wall_s"]
+        assert sum(t[b] for b in BUCKETS) == pytest.approx(t["wall_s"], abs=1e-6)
+        assert all(t[b] >= 0 for b in BUCKETS if b != "other") and t["other"] > -1e-6, t
+        assert t["wall_s"] >= c["wall_s"]  # the account starts before the loop (start-up)
+        assert t["compute"] > 0 and t["sync"] > 0 and t["startup"] > 0 and t["eval"] > 0, (name, t)
+        assert t["slowdown"] == pytest.approx(c["slowdown_slept_s"], rel=0.1, abs=0.2), (name, t)
+        assert t["blocked"] <= c["blocked_s"] + 1e-6  # start-up's wait for the federation is start-up
+    slow = summary["per_cluster"]["c1"]["time"]
+    assert slow["slowdown"] > slow["compute"]  # 8x from step 100 on (7 s of sleep per s of compute)
+    assert summary["per_cluster"]["c0"]["time"]["slowdown"] < 0.01
+    windows = [e["time_s"] for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
+               if e["event"] == "train"]
+    assert len(windows) >= 10
+    for w in windows:
+        assert sum(w[b] for b in BUCKETS) == pytest.approx(w["wall_s"], abs=1e-3)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
 from typing import Any
 
 import torch
@@ -19,9 +18,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
-from edit_train.cluster.collectives import broadcast_bytes, broadcast_json, shard_sum_
+from edit_train.cluster.collectives import broadcast_bytes, shard_sum_
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback
 from edit_train.federation.compressed_reduce import BackgroundReducer, handed_bytes, plan
+from edit_train.federation.forming import Forming
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import FederationError, LinkClock, LinkModel, Pending
 from edit_train.federation.quorum import Member, Membership, QuorumClient
@@ -73,6 +73,7 @@ class FederationComm:
         self.compression.validate()
         self.feedback = ErrorFeedback()
         self._reducers: dict[int, BackgroundReducer] = {}
+        self._forming: Forming | None = None  # a quorum being formed in the background (form_start)
         if self.federated and rank == 0:
             from edit_train.cluster.mesh import bound_store
 
@@ -118,38 +119,47 @@ class FederationComm:
         """This sync's quorum, the same on every rank of the cluster; None when the cluster is cut off
         (it keeps training and tries again at its next sync). Blocks for at most the Lighthouse's grace
         window plus the time the others need to reach their sync point."""
+        self.form_start(sync, data)
+        return self.form_poll(block=True)[1]
+
+    def form_start(self, sync: int, data: dict[str, Any]) -> None:
+        """Start forming this sync's quorum on background threads (`form_poll` collects it)."""
+        assert self._forming is None, "a quorum is already being formed"
         self.lanes.abort()
         self.membership = None
         if not self.federated:
             self.membership = Membership(0, "solo", [Member(self.name, sync, self.size, "", data)], 0)
-            return self.membership
-        t0 = time.perf_counter()
-        got: dict[str, Any] | None = None
-        if self.rank == 0:
-            assert self.client is not None
-            try:
-                m = self.client.request(sync, self.size, self.store_addr, data, self.quorum_timeout_s)
-                got = {"ok": True, "m": m.to_json() if m is not None else None}
-            except FederationError as exc:
-                got = {"ok": False, "error": str(exc)}
-        got = broadcast_json(got, self.shard_pg, self.size, self.device)
-        self.clock.blocked_s += time.perf_counter() - t0
-        if not got["ok"]:
-            raise FederationError(got["error"])
-        if got["m"] is None:
-            return None
-        membership = Membership.from_json(got["m"])
-        if len(membership.members) > 1:
-            t1 = time.perf_counter()
-            ok = self._agree(self._try_configure(membership))
-            self.clock.blocked_s += time.perf_counter() - t1
-            if not ok:
-                self.lanes.abort()
-                raise FederationError(f"quorum {membership.quorum_id} {membership.names}: a peer did not connect")
-        self.membership = membership
-        return membership
+            return
+        self._forming = Forming(self, sync, data)
 
-    def _try_configure(self, membership: Membership) -> bool:
+    @property
+    def forming(self) -> bool:
+        return self._forming is not None
+
+    def form_poll(self, block: bool = False) -> tuple[bool, Membership | None]:
+        """(done, membership). Not blocking unless `block`; every rank of the cluster gets the same answer."""
+        if self._forming is None:
+            return True, self.membership
+        try:
+            done = self._forming.poll(block)
+        except FederationError:
+            self._forming = None
+            raise
+        if done:
+            self.membership, self._forming = self._forming.membership, None
+        return done, self.membership
+
+    def ask(self, sync: int, data: dict[str, Any]) -> dict[str, Any]:
+        """The leader's Lighthouse request (a background thread): {"ok", "m" | "error"} as JSON."""
+        assert self.client is not None
+        try:
+            m = self.client.request(sync, self.size, self.store_addr, data, self.quorum_timeout_s)
+            return {"ok": True, "m": m.to_json() if m is not None else None}
+        except FederationError as exc:
+            return {"ok": False, "error": str(exc)}
+
+    def connect(self, membership: Membership) -> bool:
+        """This rank's lanes for `membership` (a background thread); False when a peer did not connect."""
         try:
             self.lanes.configure(membership, self.rank, self.size, self.chunks)
             return True
@@ -157,7 +167,7 @@ class FederationComm:
             log.warning("cluster %s: %s", self.name, exc)
             return False
 
-    def _agree(self, ok: bool) -> bool:
+    def agree(self, ok: bool) -> bool:
         """Every rank of the cluster takes the same branch."""
         if self.shard_pg is None or self.size <= 1:
             return ok
@@ -217,7 +227,7 @@ class FederationComm:
 
     def vote(self, ok: bool) -> bool:
         """should_commit: True only if every rank of every participant says ok (and nobody is lost)."""
-        ok = self._agree(ok)
+        ok = self.agree(ok)
         if not self.active:
             return ok
         result = 0.0
@@ -270,7 +280,7 @@ class FederationComm:
         ready_at = self.clock.account(nbytes)
 
         def unflatten(ok: bool) -> bool:
-            if not self._agree(ok):
+            if not self.agree(ok):
                 return False
             offset = 0
             for t in tensors:
@@ -304,7 +314,7 @@ class FederationComm:
         ready_at = self.clock.account(nbytes) if mine else 0.0
 
         def assemble(ok: bool) -> bool:
-            if not self._agree(ok):
+            if not self.agree(ok):
                 return False
             full = torch.zeros_like(flat)
             bounds = [0]

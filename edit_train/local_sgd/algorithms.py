@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch import nn
 from edit_train.federation.comm import FederationComm
 from edit_train.federation.link import FederationError
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.healing import Healer
+from edit_train.local_sgd.healing import Healer, apply_state, collect_state
 from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.roster import RosterAggregator
 from edit_train.local_sgd.overlap import OverlapSync
@@ -116,6 +117,8 @@ class LocalSGD:
         self.adopt_step: int | None = None  # set by a heal on join: the trainer continues from this step
         self.history: list[int] = []  # local steps of each completed sync
         self.stopped = False  # every group agreed to stop (time schedule / time budget)
+        # A-EDiT after the agreed stop: keep stepping until the final quorum is issued (then the final sync)
+        self.finishing = False
         self._t0 = time.time()
         self._blocked_mark = 0.0
         self._last_exchange_t = self._t0
@@ -126,7 +129,9 @@ class LocalSGD:
         self.overlap: OverlapSync | None = None
         self._joining = False
         self.aggregator = RosterAggregator(cfg.penalty)
-        self.healer = Healer(comm, self._heal_collect, self._heal_apply)
+        self.healer = Healer(comm, lambda: collect_state(self), lambda meta, t: apply_state(self, meta, t))
+        # the trainer's time account (edit_train.timing): the layer-wise hooks charge their work to `sync`
+        self.span: Callable[[str], AbstractContextManager] = lambda _name: nullcontext()
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
             self._start_local_phase()
 
@@ -138,6 +143,7 @@ class LocalSGD:
                                  self.shard_size, prefetch=self.cfg.prefetch)
         self.engine.on_complete = self._on_sync_complete
         self.engine.on_abort = self._on_sync_abort
+        self.engine.span = lambda name: self.span(name)
         if self.cfg.mode == "layerwise":
             self.engine.install_hooks()
         if self.cfg.mode == "overlap":
@@ -158,15 +164,20 @@ class LocalSGD:
 
     def should_stop(self, step: int) -> bool:
         if self.stopped:
-            return True
+            return not self.finishing
         return self.lockstep and step >= self.cfg.total_steps
 
     # ------------------------------------------------------------ membership
+    def _quorum_data(self, local_steps: int) -> dict[str, Any]:
+        return {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
+                "total_steps": self.total_steps}
+
     def _quorum(self, local_steps: int) -> Any:
         """Form this sync's quorum and heal whoever is behind. None when cut off from the federation."""
-        data = {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
-                "total_steps": self.total_steps}
-        m = self.comm.form(self.sync_index, data)
+        return self._admit(self.comm.form(self.sync_index, self._quorum_data(local_steps)))
+
+    def _admit(self, m: Any) -> Any:
+        """An issued quorum: check the configurations agree, heal whoever is behind."""
         if m is None:
             return None
         src = m.members[m.source]
@@ -322,24 +333,69 @@ class LocalSGD:
         if self.overlap is not None and self.overlap.pending and self.overlap.poll():
             if not self.overlap.dropped:
                 self._after_exchange(self.overlap.gathered_extra)
+        if self.comm.forming:
+            self._poll_quorum(step + 1)
+        elif self.finishing:
+            self.start_sync(step + 1)
         first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
-        if (self.planned > 0 and self.local_steps >= self.planned) or first_timed:
+        due = (self.planned > 0 and self.local_steps >= self.planned) or first_timed
+        if due and not self.comm.forming:
             self.start_sync(step + 1)
         self._blocked_mark = self.comm.blocked_s
 
-    def start_sync(self, step: int) -> None:
+    @property
+    def _background_quorum(self) -> bool:
+        """A-EDiT: a cluster that reaches its sync point first asks for the quorum and keeps training until
+        the others have asked too (the sync starts at its next step boundary), instead of waiting."""
+        return self.planner is not None and self.comm.federated
+
+    def start_sync(self, step: int, block: bool = False) -> None:
         assert self.engine is not None
         self.flush()
+        if self._background_quorum and not block:
+            self.comm.form_start(self.sync_index, self._quorum_data(self.local_steps))
+            self._poll_quorum(step)
+            return
         try:
             m = self._quorum(self.local_steps)
         except SyncAborted:
             m = None
         except FederationError as exc:
-            if "another configuration" in str(exc) or "unique" in str(exc):
-                raise
-            log.warning("cluster %s: sync skipped: %s", self.comm.name, exc)
-            self.comm.abort()
+            self._sync_skipped(exc)
             m = None
+        self._synced(step, m)
+
+    def _poll_quorum(self, step: int, block: bool = False) -> None:
+        """Collect a quorum being formed in the background; run the sync once it is issued."""
+        try:
+            done, m = self.comm.form_poll(block)
+            if not done:
+                return
+            m = self._admit(m)
+        except SyncAborted:
+            m = None
+        except FederationError as exc:
+            self._sync_skipped(exc)
+            m = None
+        self._synced(step, m)
+
+    def _sync_skipped(self, exc: FederationError) -> None:
+        if "another configuration" in str(exc) or "unique" in str(exc):
+            raise exc
+        log.warning("cluster %s: sync skipped: %s", self.comm.name, exc)
+        self.comm.abort()
+
+    def _synced(self, step: int, m: Any) -> None:
+        if self.finishing:  # the first quorum after the agreed stop is the final sync: blocking, then stop
+            self.finishing = False
+            if m is not None:
+                overlap, self.overlap = self.overlap, None
+                try:
+                    self._run_sync(step, m)
+                    self.flush()
+                finally:
+                    self.overlap = overlap
+                return
         if m is None:  # cut off: keep training from the local replica; try again after another interval
             self.syncs_missed += 1
             if self.emit is not None and self.is_group_leader:
@@ -388,8 +444,11 @@ class LocalSGD:
             self.global_step = int(gathered[:, 2].max().item())
             every = self.cfg.eval_every
             self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
-        if gathered[:, 3].max().item() > 0:
+        if gathered[:, 3].max().item() > 0 and not self.stopped:
             self.stopped = True
+            # ask for the final quorum in the background and keep training until every cluster has asked:
+            # the cluster that learns of the stop first does not wait for the others to learn of it
+            self.finishing = self._background_quorum and self.engine is not None
         if self.planner is not None:
             self.planned = self.planner.steps_for(secs[self.comm.position])
 
@@ -408,10 +467,12 @@ class LocalSGD:
     def finish(self) -> None:
         """End of training: a final blocking sync if local steps are outstanding, so every group ends
         on θ̄ (all groups reach this point after the same number of syncs)."""
+        if self.comm.forming:  # a quorum asked for in the background: this sync happens, then the final one
+            self._poll_quorum(self.total_steps, block=True)
         self.flush()
         if self.engine is not None and self.local_steps > 0:
             overlap, self.overlap = self.overlap, None
-            self.start_sync(self.total_steps)
+            self.start_sync(self.total_steps, block=True)
             self.flush()
             self.overlap = overlap
 
@@ -441,75 +502,6 @@ class LocalSGD:
             self.emit("sync_aborted", step=self._sync_step, group=self.group_index, cluster=self.comm.name,
                       sync=report.sync, participants=list(report.participants), reason=why)
         self.sync_index = max(self.sync_index - 1, 0)
-
-    # ------------------------------------------------------------- healing
-    def _heal_collect(self) -> tuple[dict[str, Any], dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
-        meta: dict[str, Any] = {"sync_index": self.sync_index, "total_steps": self.total_steps,
-                                "global_step": self.global_step, "roster": list(self.aggregator.roster),
-                                "local_phase": self.engine is not None}
-        local: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        if self.engine is not None:
-            for key, t in self.engine.outer.state_dict().items():
-                unit, kind, i = key.rsplit("/", 2)
-                param = self.units[self.engine.index[unit]].params[int(i)]
-                local[f"outer/{key}"] = (t, param if t.dim() > 0 else None)
-            for key, t in self.aggregator.state_tensors().items():
-                local[f"penalty/{key}"] = (t, None)
-        else:  # ddp / warm-up: the replica itself and its inner optimizer
-            from edit_train.cluster.mesh import local_tensor
-
-            for name, p in self.model.named_parameters():
-                local[f"param/{name}"] = (local_tensor(p.data), p)
-            if self.optimizer is not None:
-                names = {id(p): n for n, p in self.model.named_parameters()}
-                for p, st in self.optimizer.state.items():
-                    for k, v in st.items():
-                        if isinstance(v, torch.Tensor) and v.dim() > 0:
-                            local[f"optim/{names[id(p)]}/{k}"] = (local_tensor(v), p)
-                        elif isinstance(v, torch.Tensor):
-                            local[f"optim/{names[id(p)]}/{k}"] = (v.detach().reshape(()), None)
-        return meta, local
-
-    @torch.no_grad()
-    def _heal_apply(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        if meta.get("local_phase") and self.engine is None:
-            self._start_local_phase()
-        if self.engine is not None and meta.get("local_phase"):
-            outer = self.engine.outer
-            old = {u.name: [a.detach().clone() for a in outer.anchors[u.name]] for u in self.units}
-            outer.load_state_dict({k[len("outer/"):]: v for k, v in tensors.items() if k.startswith("outer/")})
-            self.aggregator.load(meta.get("roster", []),
-                                 {k[len("penalty/"):]: v for k, v in tensors.items() if k.startswith("penalty/")})
-            # this rank's error-feedback residuals were what it owed the old anchor's syncs: a re-based cluster
-            # starts them empty (a peer's residuals are that peer's debt, so they are not copied either)
-            self.comm.feedback.clear()
-            for u in self.units:  # θ ← θ̄_new + (θ − θ̄_old): local progress is kept
-                for p, a_old, a_new in zip(u.live(), old[u.name], outer.anchors[u.name]):
-                    p.sub_(a_old.to(p.device, p.dtype)).add_(a_new.to(p.device, p.dtype))
-                    if not torch.isfinite(p).all():
-                        p.copy_(a_new)
-        else:
-            from edit_train.cluster.mesh import local_tensor
-
-            params = dict(self.model.named_parameters())
-            for key, v in tensors.items():
-                if key.startswith("param/"):
-                    local_tensor(params[key[6:]].data).copy_(v)
-                elif key.startswith("optim/") and self.optimizer is not None:
-                    name, _, field = key[6:].rpartition("/")
-                    p = params[name]
-                    st = self.optimizer.state[p]
-                    if field == "step":
-                        st[field] = v.to(torch.float32).clone()
-                    elif field in st:
-                        local_tensor(st[field]).copy_(v)
-        self.sync_index = int(meta.get("sync_index", self.sync_index))
-        if self._joining or self.total_steps == 0 or self.lockstep:
-            # lockstep schedules end at train.steps on every cluster: a cluster that healed (restarted, joined
-            # late, or ran ahead/behind while cut off) continues from the federation's step
-            self.adopt_step = int(meta.get("total_steps", 0))
-            self.total_steps = self.adopt_step
-            self.global_step = max(self.global_step, int(meta.get("global_step", 0)))
 
     # ------------------------------------------------------------- reporting
     def group_stats(self) -> dict[str, Any]:

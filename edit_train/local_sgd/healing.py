@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,6 +18,9 @@ from edit_train.federation.comm import FederationComm
 from edit_train.federation.heal import HealError, decode, encode, local_slice
 from edit_train.federation.link import FederationError
 from edit_train.federation.quorum import Membership
+
+if TYPE_CHECKING:
+    from edit_train.local_sgd.algorithms import LocalSGD
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class Healer:
                     ok = False
             log.info("cluster %s: sent state of sync %d (%.1f MB) to %s", self.comm.name, m.max_sync,
                      len(payload) / 1e6, [m.members[d].name for d in behind])
-        if not self.comm._agree(ok):
+        if not self.comm.agree(ok):
             raise FederationError("healing a peer failed")
 
     def _receive(self, m: Membership) -> None:
@@ -85,3 +88,78 @@ class Healer:
 
 
 __all__ = ["Healer", "HealError", "LocalState"]
+
+
+# ------------------------------------------------------------ what a heal copies
+def collect_state(algo: LocalSGD) -> tuple[dict[str, Any], LocalState]:
+    """What a source sends: the outer state (anchor, momentum) and penalty statistics in the local-SGD
+    phase; the replica and its inner optimizer during ddp / the synchronous warm-up."""
+    meta: dict[str, Any] = {"sync_index": algo.sync_index, "total_steps": algo.total_steps,
+                            "global_step": algo.global_step, "roster": list(algo.aggregator.roster),
+                            "local_phase": algo.engine is not None}
+    local: LocalState = {}
+    if algo.engine is not None:
+        for key, t in algo.engine.outer.state_dict().items():
+            unit, kind, i = key.rsplit("/", 2)
+            param = algo.units[algo.engine.index[unit]].params[int(i)]
+            local[f"outer/{key}"] = (t, param if t.dim() > 0 else None)
+        for key, t in algo.aggregator.state_tensors().items():
+            local[f"penalty/{key}"] = (t, None)
+    else:  # ddp / warm-up: the replica itself and its inner optimizer
+        from edit_train.cluster.mesh import local_tensor
+
+        for name, p in algo.model.named_parameters():
+            local[f"param/{name}"] = (local_tensor(p.data), p)
+        if algo.optimizer is not None:
+            names = {id(p): n for n, p in algo.model.named_parameters()}
+            for p, st in algo.optimizer.state.items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        local[f"optim/{names[id(p)]}/{k}"] = (local_tensor(v), p)
+                    elif isinstance(v, torch.Tensor):
+                        local[f"optim/{names[id(p)]}/{k}"] = (v.detach().reshape(()), None)
+    return meta, local
+
+
+@torch.no_grad()
+def apply_state(algo: LocalSGD, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+    """A healer re-bases on what it received, keeping its local progress."""
+    if meta.get("local_phase") and algo.engine is None:
+        algo._start_local_phase()
+    if algo.engine is not None and meta.get("local_phase"):
+        outer = algo.engine.outer
+        old = {u.name: [a.detach().clone() for a in outer.anchors[u.name]] for u in algo.units}
+        outer.load_state_dict({k[len("outer/"):]: v for k, v in tensors.items() if k.startswith("outer/")})
+        algo.aggregator.load(meta.get("roster", []),
+                             {k[len("penalty/"):]: v for k, v in tensors.items() if k.startswith("penalty/")})
+        # this rank's error-feedback residuals were what it owed the old anchor's syncs: a re-based cluster
+        # starts them empty (a peer's residuals are that peer's debt, so they are not copied either)
+        algo.comm.feedback.clear()
+        for u in algo.units:  # θ ← θ̄_new + (θ − θ̄_old): local progress is kept
+            for p, a_old, a_new in zip(u.live(), old[u.name], outer.anchors[u.name]):
+                p.sub_(a_old.to(p.device, p.dtype)).add_(a_new.to(p.device, p.dtype))
+                if not torch.isfinite(p).all():
+                    p.copy_(a_new)
+    else:
+        from edit_train.cluster.mesh import local_tensor
+
+        params = dict(algo.model.named_parameters())
+        for key, v in tensors.items():
+            if key.startswith("param/"):
+                local_tensor(params[key[6:]].data).copy_(v)
+            elif key.startswith("optim/") and algo.optimizer is not None:
+                name, _, field = key[6:].rpartition("/")
+                p = params[name]
+                st = algo.optimizer.state[p]
+                if field == "step":
+                    st[field] = v.to(torch.float32).clone()
+                elif field in st:
+                    local_tensor(st[field]).copy_(v)
+    algo.sync_index = int(meta.get("sync_index", algo.sync_index))
+    if algo._joining or algo.total_steps == 0 or algo.lockstep:
+        # lockstep schedules end at train.steps on every cluster: a cluster that healed (restarted, joined
+        # late, or ran ahead/behind while cut off) continues from the federation's step
+        algo.adopt_step = int(meta.get("total_steps", 0))
+        algo.total_steps = algo.adopt_step
+        algo.global_step = max(algo.global_step, int(meta.get("global_step", 0)))
+

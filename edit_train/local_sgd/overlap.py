@@ -5,7 +5,8 @@ its group and starts the tiny cross-group norm exchange asynchronously; local st
 later step boundary `poll()` advances the state machine without blocking:
 
   gathering → (norms landed) decide weights, launch the weighted SUM all-reduce of every module
-  reducing  → (reduction landed) clip, outer step, θ ← θ̄_new + (θ − θ_snap)
+  reducing  → (reduction landed) launch the commit vote (a one-value all-gather among the participants)
+  voting    → (every participant voted yes) clip, outer step, θ ← θ̄_new + (θ − θ_snap)
 
 so local progress made meanwhile is carried over exactly. Ranks of one group agree on "landed" with
 a one-scalar MIN all-reduce over the group (intra-cluster), because the clip norm is a group collective.
@@ -29,10 +30,11 @@ from edit_train.local_sgd.sync import SyncEngine, SyncReport
 class OverlapSync:
     def __init__(self, engine: SyncEngine) -> None:
         self.e = engine
-        self.phase = "idle"  # idle | gathering | reducing
+        self.phase = "idle"  # idle | gathering | reducing | voting
         self._snap: dict[str, list[Tensor]] = {}
         self._gather: tuple[Pending, list[Tensor]] | None = None
         self._reduce: dict[str, tuple[Pending, list[Tensor]]] = {}
+        self._vote: tuple[Pending, list[Tensor]] | None = None
         self._report: SyncReport | None = None
         self._extra_n = 0
         self.gathered_extra: Tensor | None = None
@@ -82,9 +84,10 @@ class OverlapSync:
 
     def _drop(self, why: str) -> None:
         e, report = self.e, self._report
-        for pending, _ in self._reduce.values():
+        for pending, _ in [*self._reduce.values(), *([self._vote] if self._vote else [])]:
             pending.done = True
         self._reduce.clear()
+        self._vote = None
         self._snap.clear()
         self._gather = None
         self.phase = "idle"
@@ -106,6 +109,10 @@ class OverlapSync:
                 return True
         if self.phase == "reducing":
             if not (block or self._group_ready(all(p.ready() for p, _ in self._reduce.values()))):
+                return False
+            self._start_vote()
+        if self.phase == "voting":
+            if not (block or self._group_ready(self._vote is None or self._vote[0].ready())):
                 return False
             self._apply()
             return True
@@ -129,14 +136,25 @@ class OverlapSync:
             report.bytes += e.comm.bytes_sent - bytes0
         self.phase = "reducing"
 
+    def _start_vote(self) -> None:
+        """Every reduction landed here: vote to commit without waiting for the others to land theirs (a
+        blocking vote would wait for the slowest participant's next step boundary)."""
+        report = self._report
+        assert report is not None
+        for pending, _ in self._reduce.values():
+            report.blocked_s += pending.wait()
+        self._vote = self.e.comm.all_gather_async(torch.ones(1, dtype=torch.float64)) if self.e.comm.active else None
+        self.phase = "voting"
+
     def _apply(self) -> None:
         e, report = self.e, self._report
         assert report is not None
-        for unit in e.units:
-            pending, _ = self._reduce[unit.name]
+        if self._vote is not None:
+            pending, votes = self._vote
             report.blocked_s += pending.wait()
-        if e.comm.active and not e.comm.vote(True):
-            raise FederationError("a participant did not commit")
+            self._vote = None
+            if min(float(v.item()) for v in votes) <= 0:
+                raise FederationError("a participant did not commit")
         for unit in e.units:
             _, delta = self._reduce.pop(unit.name)
             live = unit.live()

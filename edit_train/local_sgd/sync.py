@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,8 @@ class SyncEngine:
         self._hooks: list[Any] = []
         self.on_complete: Callable[[SyncReport], None] | None = None
         self.on_abort: Callable[[SyncReport, str], None] | None = None
+        # the caller's time account: the hooks' work inside the forward pass is charged to `sync`
+        self.span: Callable[[str], AbstractContextManager] = lambda _name: nullcontext()
 
     # ----------------------------------------------------------------- hooks
     def install_hooks(self) -> None:
@@ -92,7 +95,8 @@ class SyncEngine:
         for unit in self.units:
             def hook(_module: nn.Module, _args: Any, _name: str = unit.name) -> None:
                 if _name in self._todo:
-                    self._sync_unit(_name)
+                    with self.span("sync"):
+                        self._sync_unit(_name)
             self._hooks.append(unit.module.register_forward_pre_hook(hook, prepend=True))
 
     def remove_hooks(self) -> None:

@@ -30,17 +30,17 @@ from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
 from edit_train.sim.hetero import Slowdown
+from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.sync import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.summary import load_useful, save_useful, write_cluster_summary
-from edit_train.train.checkpoint import CheckpointError, CheckpointManager
+from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.spike import SpikeGuard
-from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
-                                    optimizer_tensors, restore_rng, rng_json, rng_tensors)
+from edit_train.train.resume import find_resume, resume, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.is_main = topo.rank == 0  # this cluster's leader
         self.t_start = time.time()
+        self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
         # goodput bookkeeping across this cluster's incarnations: compute seconds whose progress a sync committed
         self.useful = load_useful(self.run_dir, topo.name)
         if self.useful["incarnations"] > 0 and self.useful.get("saved_at"):
@@ -171,7 +172,7 @@ class Trainer:
         self.restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                             int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
         wants = str(cfg.resume).lower() in ("true", "auto") or self.restarts > 0
-        resume_from = self._find_resume() if wants else None
+        resume_from = find_resume(self) if wants else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
         if cfg.logger.kind == "wandb" and topo.is_group_leader:
@@ -188,7 +189,9 @@ class Trainer:
         if self.is_main and topo.group_index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         if resume_from is not None:
-            self._resume(*resume_from)
+            resume(self, *resume_from)
+        self.algo.span = self.timing.span  # the layer-wise sync hooks charge their work to `sync`
+        self.timing.attach_blocked(lambda: self.algo.comm.blocked_s)  # after resume restored the counter
 
     # ------------------------------------------------------------------ utils
     def _barrier(self) -> None:
@@ -224,7 +227,8 @@ class Trainer:
         `group`: this group's current replica, only its own ranks take part (no cross-group wait)."""
         t, topo = self.cfg.train, self.topo
         if scope == "world":
-            self.algo.flush()
+            with self.timing.span("sync"):
+                self.algo.flush()
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64)
         # the same windows whatever the cluster's size, so every cluster on the same anchor reports the same
@@ -250,6 +254,13 @@ class Trainer:
         self.model.train()
         return float(total[0] / total[1])
 
+    def eval_logged(self) -> float:
+        """Evaluate the global model and log it (charged to the `eval` bucket)."""
+        with self.timing.span("eval"):
+            val_loss = self.evaluate()
+            self._log_eval(val_loss)
+        return val_loss
+
     def _log_eval(self, val_loss: float, scope: str = "world") -> None:
         p = self.progress
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
@@ -259,48 +270,8 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
-        p = self.progress
-        tensors = {"model": model_tensors(self.model), "optim": optimizer_tensors(self.optimizer, self.model),
-                   "rng": rng_tensors(), "requeue": self.spike.state_tensors()}
-        tensors.update(self.algo.state_tensors())
-        state = {"step": p.step, "tokens": p.tokens, "skipped_steps": p.skipped_steps,
-                 "wall_s": p.wall_offset + (time.time() - self.t0), "loader": self.loader.state_dict(),
-                 "rng": rng_json(), "algo": self.algo.state_json(), "config": to_container(self.cfg),
-                 "wandb_run_id": self.wandb.run_id if self.wandb else None,
-                 "spike": self.spike.state_json()}
-        # groups of a time-scheduled run have different step counts: name the checkpoint by the agreed one
-        path = self.ckpt.save(p.step if self.algo.lockstep else self.algo.global_step, tensors, state)
-        if self.is_main:
-            log.info("checkpoint saved: %s", path)
-
-    def _find_resume(self) -> tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]] | None:
-        """The newest verified checkpoint (loaded), or None; refuses one written for another model."""
-        path = self.ckpt.latest_valid()
-        if path is None:
-            if self.is_main:
-                log.info("resume: no complete checkpoint in %s, starting fresh", self.ckpt.root)
-            return None
-        tensors, state = self.ckpt.load(path)
-        saved = state.get("config", {}).get("model", {})
-        now = to_container(self.cfg)["model"]
-        changed = sorted(k for k in now if k not in ("init_from", "expert_impl") and k in saved and saved[k] != now[k])
-        if changed:
-            raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {saved[changed[0]]!r} "
-                                  f"there, {now[changed[0]]!r} now); resume with the same model or use a new run.dir")
-        return path, tensors, state
-
-    def _resume(self, path: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
-        load_model_tensors(self.model, tensors["model"])
-        load_optimizer_tensors(self.optimizer, self.model, tensors["optim"])
-        self.algo.load_state(tensors, state["algo"])
-        self.loader.load_state_dict(state["loader"])
-        restore_rng(tensors["rng"], state["rng"])
-        if "spike" in state:
-            self.spike.load(state["spike"], tensors.get("requeue", {}))
-        self.progress = Progress(step=state["step"], tokens=state["tokens"],
-                                 skipped_steps=state["skipped_steps"], wall_offset=state["wall_s"])
-        if self.is_main:
-            log.info("resumed from %s (step %d)", path, state["step"])
+        with self.timing.span("checkpoint"):
+            save_checkpoint(self)
 
     # ------------------------------------------------------------------- loop
     def train_step(self, step: int) -> tuple[float, bool]:
@@ -311,7 +282,8 @@ class Trainer:
             group["lr"] = lr
         self.model.set_step(step)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
+        with self.timing.span("data"):
+            batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
         for x, y in batches:
             x, y = self.faults.corrupt_batch(step, x, y)
             try:
@@ -326,7 +298,8 @@ class Trainer:
         self.faults.corrupt_grads(step, self.model)
         if self.spike.enabled:  # the spike decision needs the loss every rank sharing the update agrees on
             self.algo.shared_loss = float(self._group_mean(loss_sum.clone().reshape(1))[0])
-        self.algo.after_backward(step)
+        with self.timing.span("sync"):
+            self.algo.after_backward(step)
         if self.spike.enabled and self.spike.check(self.algo.shared_loss, step, batches):
             self.optimizer.zero_grad(set_to_none=True)
             if topo.is_group_leader:
@@ -347,7 +320,9 @@ class Trainer:
         cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.progress
         self.t0 = time.time()
         tokens_per_step = self.group_batch * t.seq_len * t.grad_accum
-        self.algo.join()
+        self.timing.claim("startup")  # everything since the process began building this trainer
+        with self.timing.span("startup", keeps_blocked=True):  # waiting for the federation to form is start-up
+            self.algo.join()
         if self.algo.adopt_step is not None:
             p.step = max(p.step, self.algo.adopt_step)  # a healed cluster continues from the federation's step
             self.algo.adopt_step = None
@@ -355,10 +330,8 @@ class Trainer:
         own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
                    desc=f"{cfg.algo.name} {topo.name}", unit="step", dynamic_ncols=True)
-        init_val = self.evaluate() if p.step == 0 else None
-        if init_val is not None:
-            self._log_eval(init_val)
-        window_t, window_tokens = time.time(), 0
+        init_val = self.eval_logged() if p.step == 0 else None
+        window_t, window_tokens, window_time = time.time(), 0, self.timing.snapshot()
         val_loss = init_val
         while not self.algo.should_stop(p.step):
             if self.stop_signal is not None:
@@ -371,10 +344,13 @@ class Trainer:
             cut = self.faults.partition_at(step)
             if cut > 0:
                 self.algo.comm.partition(cut)
-            step_t0, blocked0 = time.time(), self.algo.comm.blocked_s
-            loss, applied = self.train_step(step)
-            # simulated slower hardware stretches compute only, not time spent waiting on other groups
-            self.slowdown.after_step(step, max(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0), 0.0))
+            step_t0, blocked0, compute0 = time.time(), self.algo.comm.blocked_s, self.timing.totals["compute"]
+            with self.timing.span("compute"):
+                loss, applied = self.train_step(step)
+            # simulated slower hardware stretches compute only (forward/backward/optimizer), not the data,
+            # the sync's own work or the time spent waiting on other clusters
+            with self.timing.span("slowdown"):
+                self.slowdown.after_step(step, self.timing.totals["compute"] - compute0)
             if not applied:
                 p.skipped_steps += 1
                 log.warning("group %d step %d: non-finite loss/gradient, inner step skipped", topo.group_index, step)
@@ -383,39 +359,41 @@ class Trainer:
             p.step += 1
             p.tokens += tokens_per_step
             window_tokens += tokens_per_step
-            self.algo.after_step(step, time.time() - step_t0, self.metrics)
+            with self.timing.span("sync"):
+                self.algo.after_step(step, time.time() - step_t0, self.metrics)
             if self.algo.adopt_step is not None:  # healed mid-run: continue from the federation's step
                 p.step, self.algo.adopt_step = self.algo.adopt_step, None
             self._account_useful(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
-                now = time.time()
+                now, split = time.time(), self.timing.snapshot()
                 tps = window_tokens / max(now - window_t, 1e-9)
-                window_t, window_tokens = now, 0
+                window_t, window_tokens, window_split, window_time = now, 0, window(split, window_time), split
                 step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
                 if step_mfu is not None:
                     self.mfu_values.append(step_mfu)
                 if topo.is_group_leader:
                     self.metrics.log("train", step=p.step, group=topo.group_index, cluster=topo.name, loss=float(loss_t),
                                      lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
-                                     wall=p.wall_offset + now - self.t0, skipped=not applied)
+                                     wall=p.wall_offset + now - self.t0, skipped=not applied, time_s=window_split)
                     self._log_moe(p.step)
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
             if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
-                self._log_eval(self.evaluate())
-            elif not self.algo.lockstep and self.algo.eval_due and not self.algo.should_stop(p.step):
+                self.eval_logged()
+            elif not self.algo.lockstep and self.algo.eval_due and not self.algo.stopped:
                 self.algo.eval_due = False  # every group sees the same exchange, so every group evaluates
-                self._log_eval(self.evaluate())
+                self.eval_logged()
             if (cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and self.algo.lockstep
                     and not self.algo.should_stop(p.step)):
-                self.algo.flush()
+                with self.timing.span("sync"):
+                    self.algo.flush()
                 self.save_checkpoint()
         bar.close()
-        self.algo.finish()
+        with self.timing.span("sync"):
+            self.algo.finish()
         self._account_useful(0.0, final=True)
-        val_loss = self.evaluate()
-        self._log_eval(val_loss)
+        val_loss = self.eval_logged()
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
         summary = self._summary(val_loss, init_val)
@@ -469,7 +447,7 @@ class Trainer:
             "alive_s": alive, "startup_s": getattr(self, "startup_s", 0.0),
             "final_val_loss": val_loss, "initial_val_loss": init_val, "algo": self.cfg.algo.name,
             "total_params": self.param_counts["total_params"], "active_params": self.param_counts["active_params"],
-            "mfu": lead.get("mfu"),
+            "mfu": lead.get("mfu"), "time": self.timing.snapshot(),
         }
         if self.is_main:
             return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
