@@ -135,9 +135,9 @@ def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> N
 @pytest.mark.parametrize("algo", [pytest.param("post_local_sgd", marks=pytest.mark.slow),
                                   pytest.param("diloco", marks=pytest.mark.slow), "a_edit", "a_edit+overlap"])
 def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> None:
-    """a_edit asks for each quorum in the background (every rank of a cluster agrees when it landed), and
-    after the agreed stop keeps stepping until the final quorum is issued; +overlap also votes in the
-    background."""
+    """a_edit+overlap asks for each quorum in the background (every rank of a cluster agrees when it was
+    issued), votes in the background, and after the agreed stop keeps stepping until the final quorum is
+    issued: every cluster still ends on the anchor."""
     algo, _, overlap = algo.partition("+")
     run_dir = run_job(tmp_path, algo, f"algo={algo}", "cluster=local_2x2", "train.steps=4", "algo.interval=2",
                       "train.batch_size=2", "algo.sync_time_s=0.5", *(["sync.mode=overlap"] if overlap else []),

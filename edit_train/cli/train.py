@@ -93,6 +93,14 @@ def _task(dcfg: Any) -> None:
         print(closing_block(summary, str(cfg.run.dir)), flush=True)
 
 
+def time_split(t: dict[str, float]) -> str:
+    """`compute 80% · blocked 3% · …`: the buckets of `per_cluster.time` worth 0.5% or more, largest first."""
+    wall = max(t.get("wall_s", 0.0), 1e-9)
+    shares = sorted(((k, v / wall) for k, v in t.items() if k != "wall_s" and v / wall >= 0.005),
+                    key=lambda kv: -kv[1])
+    return " · ".join(f"{k} {v:.0%}" for k, v in shares) + f" of {t.get('wall_s', 0.0):.0f}s"
+
+
 def closing_block(summary: dict[str, Any], run_dir: str) -> str:
     """What happened, in a few lines: the run, then (for a federation) each cluster and the traffic."""
     init = summary.get("initial_val_loss")
@@ -107,10 +115,16 @@ def closing_block(summary: dict[str, Any], run_dir: str) -> str:
                      f"goodput {summary.get('goodput', 0):.2f}")
         for name, c in clusters.items():
             steps = sorted(c.get("local_steps") or [0])
+            t = c.get("time")  # the time account: waiting for the federation at start-up is start-up there
+            blocked = t["blocked"] / max(t["wall_s"], 1e-9) if t else c["blocked_frac"]
             lines.append(f"  cluster {name}: {c['ranks']} rank(s), {c['steps']} steps at {c['tokens_per_s']:,.0f} "
                          f"tokens/s, {c['syncs_joined']} syncs joined ({c['syncs_missed']} missed, median "
-                         f"{steps[len(steps) // 2]} local steps each), blocked {c['blocked_frac']:.1%} of the time, "
+                         f"{steps[len(steps) // 2]} local steps each), blocked {blocked:.1%} of the time, "
                          f"{c['anomalies']} anomalous syncs, {c['restarts']} restarts")
+            if c.get("time"):
+                lines.append(f"    time: {time_split(c['time'])}")
+    elif len(clusters) == 1 and next(iter(clusters.values())).get("time"):
+        lines.append(f"  time: {time_split(next(iter(clusters.values()))['time'])}")
     lines.append(f"  report: edit-train-report {run_dir}")
     return "\n".join(lines)
 

@@ -345,9 +345,11 @@ class LocalSGD:
 
     @property
     def _background_quorum(self) -> bool:
-        """A-EDiT: a cluster that reaches its sync point first asks for the quorum and keeps training until
-        the others have asked too (the sync starts at its next step boundary), instead of waiting."""
-        return self.planner is not None and self.comm.federated
+        """A-EDiT + overlap: a cluster that reaches its sync point first asks for the quorum and keeps training
+        until the others have asked too (the sync starts at its next step boundary), instead of waiting. In
+        the blocking modes the norm exchange that follows is a rendezvous anyway, so asking in the background
+        would only move the wait there (and add the late cluster's polling delay to it)."""
+        return self.planner is not None and self.comm.federated and self.cfg.mode == "overlap"
 
     def start_sync(self, step: int, block: bool = False) -> None:
         assert self.engine is not None
