@@ -173,6 +173,48 @@ def test_overlap_carries_local_progress_exactly() -> None:
         assert torch.allclose(p.detach(), t0 + 0.5 * da + db, atol=1e-6)
 
 
+def _lost_before_the_vote(rank: int, world: int, lighthouse: str) -> dict:
+    """Both clusters' reductions land; c1 then leaves without voting. c0's background vote fails, so the
+    overlapped sync is dropped whole: anchors untouched, local progress kept, the abort reported."""
+    from edit_train.local_sgd.outer import OuterState
+    from edit_train.local_sgd.overlap import OverlapSync
+    from edit_train.local_sgd.roster import RosterAggregator
+    from edit_train.local_sgd.sync import SyncEngine, Unit
+
+    model = _toy()
+    units = [Unit(f"m{i}", m, list(m.parameters())) for i, m in enumerate(model)]
+    outer = OuterState({u.name: u.live() for u in units}, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
+    comm = FederationComm(f"c{rank}", 0, 1, None, torch.device("cpu"), lighthouse=lighthouse,
+                          collective_timeout_s=5)
+    comm.form(1, {"local_steps": 4})
+    engine = SyncEngine(units, outer, RosterAggregator(PLAIN), comm)
+    aborted: list[str] = []
+    engine.on_abort = lambda _report, why: aborted.append(why)
+    ov = OverlapSync(engine)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * (rank + 1))
+    anchors = [a.clone() for u in units for a in outer.anchors[u.name]]
+    ov.begin(1, 4, [4.0])
+    if rank == 1:
+        ov._start_vote = comm.close  # type: ignore[method-assign]  # leave once the reductions landed
+        ov.poll(block=True)
+        return {"left": True}
+    done = ov.poll(block=True)
+    out = {"done": done, "dropped": ov.dropped, "aborted": aborted, "phase": ov.phase,
+           "anchors_kept": all(torch.equal(a, b) for a, b in zip(anchors, [a for u in units for a in outer.anchors[u.name]])),
+           "progress_kept": all(torch.allclose(p, a + 0.1) for p, a in zip(model.parameters(), anchors))}
+    comm.close()
+    return out
+
+
+def test_overlap_sync_is_dropped_when_a_participant_does_not_vote(lighthouse: str) -> None:
+    r0, r1 = run_ranks(_lost_before_the_vote, 2, lighthouse)
+    assert r1 == {"left": True}
+    assert r0["done"] and r0["dropped"] and r0["phase"] == "idle", r0
+    assert r0["aborted"] and r0["anchors_kept"] and r0["progress_kept"], r0
+
+
 # -------------------------------------------------------------- heterogeneity
 def test_slowdown_factor_follows_schedule() -> None:
     s = Slowdown(1, [1.0, 3.0], [{"group": 1, "step": 10, "factor": 5.0}, {"group": 0, "step": 2, "factor": 9}],
