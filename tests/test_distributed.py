@@ -130,10 +130,12 @@ def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> N
     assert max_diff(first, last) > 0  # it did train
 
 
-# post_local_sgd and diloco differ from edit only in outer optimizer/penalty settings (unit-tested); the 2x2 runs
-# of those two are in the slow suite to keep the default one under 15 minutes on 2 cores
+# post_local_sgd and diloco differ from edit only in outer optimizer/penalty settings (unit-tested), and layer-wise
+# a_edit from a_edit+overlap only in the sync mode (edit covers layer-wise on 2x2): those 2x2 runs are in the
+# slow suite to keep the default one under 15 minutes on 2 cores
 @pytest.mark.parametrize("algo", [pytest.param("post_local_sgd", marks=pytest.mark.slow),
-                                  pytest.param("diloco", marks=pytest.mark.slow), "a_edit", "a_edit+overlap"])
+                                  pytest.param("diloco", marks=pytest.mark.slow),
+                                  pytest.param("a_edit", marks=pytest.mark.slow), "a_edit+overlap"])
 def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> None:
     """a_edit+overlap asks for each quorum in the background (every rank of a cluster agrees when it was
     issued), votes in the background, and after the agreed stop keeps stepping until the final quorum is
