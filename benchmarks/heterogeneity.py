@@ -189,9 +189,10 @@ def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train
             alone: list[C.Job]) -> dict[str, Any]:
     s, pg = job.summary, job.summary["per_group"]
     blocked, steady = blocked_fracs(job)
+    tps = train_tps(job)
     row = {"run": name, "algo": s["algo"], "wall_s": s["wall_s"], "tokens": s["tokens"],
            "tokens_per_s": s["tokens_per_s"], "throughput_ratio_end_to_end": s["tokens_per_s"] / sum_tps,
-           "train_tokens_per_s": train_tps(job), "throughput_ratio": train_tps(job) / sum_train_tps,
+           "train_tokens_per_s": tps, "throughput_ratio": tps / sum_train_tps,
            "throughput_ratio_same_speed": same_speed_ratio(job, alone),
            "breakdown": breakdown(name, job),
            "blocked_frac": blocked, "blocked_frac_steady": steady, "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),

@@ -52,6 +52,9 @@ class Background:
     def done(self) -> bool:
         return self._done.is_set()
 
+    def join(self) -> None:
+        self._done.wait()
+
     def wait(self) -> Any:
         self._done.wait()
         if self._error is not None:
@@ -77,7 +80,7 @@ class Forming:
         if block:
             if job is not None:
                 t0 = time.perf_counter()
-                job._done.wait()
+                job.join()
                 c.clock.blocked_s += time.perf_counter() - t0
             return True
         ready = job is None or job.done()

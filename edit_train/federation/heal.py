@@ -3,7 +3,7 @@
 The payload is `8-byte little-endian length ‖ JSON metadata ‖ safetensors bytes`. Decoding never
 unpickles: safetensors parses a JSON header and raw buffers, and anything else is refused with one line.
 (torchft's own checkpoint transports unpickle what a peer sends — HTTP with `weights_only=False`, the PG
-transport with `pickle.loads` — which would let any peer run code on every cluster; we do not use them.)
+transport unpickles the bytes it receives — which would let any peer run code on every cluster; we do not use them.)
 """
 
 from __future__ import annotations

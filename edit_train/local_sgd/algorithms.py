@@ -34,6 +34,7 @@ from torch import nn
 from edit_train.federation.comm import FederationComm
 from edit_train.federation.link import FederationError
 from edit_train.local_sgd.outer import OuterConfig, OuterState
+from edit_train.local_sgd.gradients import average_grads, grads_allreduce
 from edit_train.local_sgd.healing import Healer, apply_state, collect_state
 from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.roster import RosterAggregator
@@ -244,7 +245,7 @@ class LocalSGD:
             extra = int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0)
             zeros += [torch.zeros(1, device=self.comm.device) for _ in range(extra)]
             try:
-                self._average_grads(m, zeros)
+                average_grads(self, m, zeros)
             except FederationError as exc:
                 log.warning("cluster %s: joining the gradient exchange failed: %s", self.comm.name, exc)
                 self.comm.abort()
@@ -252,50 +253,6 @@ class LocalSGD:
             self._run_sync(self.total_steps, m)
 
     # ------------------------------------------------------------ ddp / warm-up
-    def _grads_allreduce(self) -> None:
-        grads = []
-        for p in self.model.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                grads.append(g)
-        vote = None
-        loss = None
-        if self.shared_loss is not None:  # ddp: the loss-spike decision must be the same on every group
-            loss = torch.tensor([self.shared_loss], dtype=torch.float32, device=self.comm.device)
-            grads.append(loss)
-        if self.cfg.time_budget_s > 0:
-            _, agreed = self._group_agree(0.0, self._want_stop())
-            vote = torch.tensor([1.0 if agreed else 0.0], device=self.comm.device)
-            grads.append(vote)
-            self._last_exchange_t = time.time()
-        if self.comm.federated:
-            try:  # torchft-style fault-tolerant DDP: a quorum every step, gradients averaged over it
-                self.sync_index = self.total_steps  # the replica's version is its step
-                m = self._quorum(1)
-                if m is not None and len(m.members) > 1:
-                    self._average_grads(m, grads)
-            except (FederationError, SyncAborted) as exc:
-                log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
-                            self.comm.name, exc)
-                self.comm.abort()
-        if vote is not None and float(vote.item()) > 0:
-            self.stopped = True
-        if loss is not None:
-            self.shared_loss = float(loss.item())
-
-    def _average_grads(self, m: Any, grads: list[torch.Tensor]) -> None:
-        """Average over the members that were in step; a member that just healed (its gradients were taken
-        on a stale replica) sends zeros and receives the average."""
-        behind = m.behind()
-        if m.me in behind:
-            for g in grads:
-                g.zero_()
-        self.comm.all_reduce_(grads, params=None)
-        n = max(len(m.members) - len(behind), 1)
-        for g in grads:
-            g.div_(n)
-        self.comm.abort()
-
     def _group_agree(self, seconds: float, vote: bool) -> tuple[float, bool]:
         """Ranks of one group must take the same decisions (plan, first sync, stop): agree on the slowest
         rank's step time and on any rank's stop vote (one tiny intra-group all-reduce, only when the
@@ -311,7 +268,7 @@ class LocalSGD:
 
     def after_backward(self, step: int) -> None:
         if not self.cfg.local_sgd or self.schedule.is_warmup(step):
-            self._grads_allreduce()
+            grads_allreduce(self)
 
     def after_step(self, step: int, seconds: float, *_: Any) -> None:
         self.total_steps = step + 1
@@ -354,18 +311,8 @@ class LocalSGD:
     def start_sync(self, step: int, block: bool = False) -> None:
         assert self.engine is not None
         self.flush()
-        if self._background_quorum and not block:
-            self.comm.form_start(self.sync_index, self._quorum_data(self.local_steps))
-            self._poll_quorum(step)
-            return
-        try:
-            m = self._quorum(self.local_steps)
-        except SyncAborted:
-            m = None
-        except FederationError as exc:
-            self._sync_skipped(exc)
-            m = None
-        self._synced(step, m)
+        self.comm.form_start(self.sync_index, self._quorum_data(self.local_steps))
+        self._poll_quorum(step, block=block or not self._background_quorum)
 
     def _poll_quorum(self, step: int, block: bool = False) -> None:
         """Collect a quorum being formed in the background; run the sync once it is issued."""
