@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edit_train.cli.prepare import main as prepare_main
+from edit_train.data.prepare import META_VERSION
 from edit_train.data import (
     ByteTokenizer,
     DataError,
@@ -142,7 +143,7 @@ def test_prepare_roundtrips_text_byte_tokenizer(tmp_path):
     corpus = write_corpus(tmp_path / "corpus", DOCS)
     meta = prepare_corpus(str(corpus), tmp_path / "ds", val_fraction=0.3, shard_tokens=50, progress=False)
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["eos_id"] == 256
-    assert meta["version"] == 1 and meta["tokenizer"] == "byte" and meta["tokenizer_id"] == "byte"
+    assert meta["version"] == META_VERSION and meta["tokenizer"] == "byte" and meta["tokenizer_id"] == "byte"
     assert read_meta(tmp_path / "ds") == meta
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     assert tr["documents"] >= 1 and va["documents"] >= 1 and tr["documents"] + va["documents"] == len(DOCS)
@@ -530,3 +531,17 @@ def test_cli_error_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "missing_dir" in err and len(err.splitlines()) == 1
     assert "Traceback" not in err and not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("pattern", ["*.txt", "**/*.txt"])
+def test_split_does_not_depend_on_where_the_corpus_lives(tmp_path, pattern):
+    """The same files under two directories split into the same val documents: the split hash keys
+    documents relative to the glob's fixed directory, not by absolute path."""
+    many = [f"document number {i}\n" * 3 for i in range(40)]
+    val_sets = []
+    for where in ("a", "deeper/b"):
+        corpus = write_corpus(tmp_path / where / "corpus", many)
+        prepare_corpus(str(corpus / pattern), tmp_path / where / "ds", val_fraction=0.25, progress=False)
+        val = split_docs(all_tokens(tmp_path / where / "ds", "val"), 256)
+        val_sets.append(sorted(ByteTokenizer().decode(d) for d in val))
+    assert val_sets[0] and val_sets[0] == val_sets[1]

@@ -23,7 +23,8 @@ from fed_utils import (anchors, cluster_pids, events, finish, kill_cluster, max_
 # the peer's socket close) gives up within 5 s, so its gap stays within the join timeout plus one sync
 THREE = ["algo=edit", "cluster.groups=3", "cluster.shard_size=1", "cluster.slowdown=[8,8,8]", "train.steps=120",
          "federation.join_timeout_s=10", "federation.collective_timeout_s=5",
-         "algo.interval=8", "train.batch_size=2", "federation.min_clusters=2", "run.max_restarts=1"]
+         "algo.interval=8", "train.batch_size=2", "federation.min_clusters=2", "run.max_restarts=1",
+         "train.eval_batches=16"]  # the final val loss over 1,024 tokens (64 in BASE: too noisy to compare runs)
 
 
 @pytest.fixture(scope="module")

@@ -96,8 +96,8 @@ def _is_jsonl(path: Path) -> bool:
     return path.suffix.lower() == ".jsonl"
 
 
-def _resolve_files(source: str | None) -> tuple[list[Path], Path | None]:
-    """The corpus files in a deterministic order, and the root their keys are relative to (None: as given)."""
+def _resolve_files(source: str | None) -> tuple[list[Path], Path]:
+    """The corpus files in a deterministic order, and the directory their keys are relative to."""
     if is_stdlib(source):
         return stdlib_files(), _stdlib_root()
     assert source is not None
@@ -109,14 +109,26 @@ def _resolve_files(source: str | None) -> tuple[list[Path], Path | None]:
             raise DataError(f"corpus directory {source} contains no files; point the source at your text files")
         return files, Path(expanded)
     if os.path.isfile(expanded):
-        return [Path(expanded)], None
+        return [Path(expanded)], Path(expanded).parent
     matches = sorted(Path(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
     if not matches:
         if glob.has_magic(expanded):
             raise DataError(f"corpus glob {source!r} matched no files; check the pattern (quote it so the shell "
                             "does not expand it)")
         raise DataError(f"corpus path {source} does not exist; pass a file, directory, glob or 'stdlib'")
-    return matches, None
+    return matches, _glob_root(expanded)
+
+
+def _glob_root(pattern: str) -> Path:
+    """The directory a glob's matches are named relative to: its leading components without wildcards
+    ("/data/py/**/*.py" -> "/data/py"). Document keys (and so the train/val split) then do not depend on
+    where the corpus lives: the same files copied elsewhere split the same way."""
+    fixed: list[str] = []
+    for part in Path(pattern).parts[:-1]:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path(".")
 
 
 def list_documents(source: str | None) -> tuple[list[Doc], int]:
@@ -124,7 +136,7 @@ def list_documents(source: str | None) -> tuple[list[Doc], int]:
     files, root = _resolve_files(source)
     docs: list[Doc] = []
     for path in files:
-        key = path.relative_to(root).as_posix() if root is not None else path.as_posix()
+        key = path.relative_to(root).as_posix()
         if _is_jsonl(path):
             for line_no, text in _iter_jsonl(path):
                 if text:

@@ -45,7 +45,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-META_VERSION = 1
+META_VERSION = 2  # 2: glob and file documents keyed relative to the glob's directory
 SPLITS = ("train", "val")
 # The validation split `edit-train` uses (DataConfig.val_fraction) and `edit-train-prepare`'s default, so the
 # prepare command warms exactly the cache entry the trainer reads (the split is part of the cache key).
