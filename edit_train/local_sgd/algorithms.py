@@ -36,6 +36,7 @@ from edit_train.federation.link import FederationError
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.gradients import average_grads, grads_allreduce
 from edit_train.local_sgd.healing import Healer, apply_state, collect_state
+from edit_train.local_sgd.joining import join_federation
 from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.roster import RosterAggregator
 from edit_train.local_sgd.overlap import OverlapSync
@@ -197,60 +198,8 @@ class LocalSGD:
         return m
 
     def join(self) -> None:
-        """Before the first step: meet the federation; a restarted, late or new cluster heals from a live
-        peer here (and continues from the federation's step)."""
-        if not self.comm.federated:
-            return
-        self._joining = True
-        deadline = time.time() + self.cfg.start_timeout_s
-        regroup = time.time() + self.cfg.regroup_s
-        m = None
-        try:
-            while True:
-                try:
-                    m = self._quorum(0)
-                except (FederationError, SyncAborted) as exc:
-                    if "another configuration" in str(exc) or "unique" in str(exc):
-                        raise
-                    self.comm.abort()
-                    if time.time() >= deadline:
-                        log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
-                                    self.comm.name, exc)
-                        m = None
-                        break
-                    log.info("cluster %s: joining: %s; trying again", self.comm.name, exc)
-                    continue
-                # a fresh federation starts together: ask again until every configured cluster is in. A
-                # resumed one (the whole federation restarted from its checkpoints) regroups the same way
-                # within the grace window, so that the first cluster back does not sync alone; a cluster
-                # restarting while the others run finds them within that window, or heals at its next sync
-                missing = m is not None and not set(self.cfg.expected) <= set(m.names)
-                fresh = m is not None and m.max_sync == 0 and self.total_steps == 0 and time.time() < deadline
-                resumed = m is not None and self.total_steps > 0 and m.max_sync <= self.sync_index \
-                    and time.time() < regroup
-                if missing and (fresh or resumed):
-                    self.comm.abort()
-                    time.sleep(0.1)
-                    continue
-                break
-        finally:
-            self._joining = False
-        if m is not None and not any(mm.contributes for mm in m.members):
-            self.sync_index = m.max_sync
-            self.comm.abort()
-        elif m is not None and self.engine is None:  # ddp / warm-up: the others are averaging gradients
-            from edit_train.cluster.mesh import local_tensor
-
-            zeros = [torch.zeros_like(local_tensor(p.data)) for p in self.model.parameters()]
-            extra = int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0)
-            zeros += [torch.zeros(1, device=self.comm.device) for _ in range(extra)]
-            try:
-                average_grads(self, m, zeros)
-            except FederationError as exc:
-                log.warning("cluster %s: joining the gradient exchange failed: %s", self.comm.name, exc)
-                self.comm.abort()
-        elif m is not None:  # the others are mid-sync: take part with weight 0
-            self._run_sync(self.total_steps, m)
+        """Before the first step: meet the federation (`local_sgd/joining.py`)."""
+        join_federation(self)
 
     # ------------------------------------------------------------ ddp / warm-up
     def _group_agree(self, seconds: float, vote: bool) -> tuple[float, bool]:

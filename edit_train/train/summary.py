@@ -12,7 +12,12 @@ import fcntl
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from edit_train.cluster.collectives import all_gather_json
+
+if TYPE_CHECKING:
+    from edit_train.train.trainer import Trainer
 
 
 def _atomic_write(path: Path, data: dict[str, Any]) -> None:
@@ -93,3 +98,36 @@ def write_cluster_summary(run_dir: Path, record: dict[str, Any], configured: lis
         summary = merge(records, configured)
         _atomic_write(run_dir / "summary.json", summary)
     return summary
+
+
+def finish_summary(tr: Trainer, val_loss: float, init_val: float | None) -> dict[str, Any]:
+    """This cluster's record (`run.dir/clusters/<name>.json`, every rank takes part) merged by the leader
+    with every other cluster's into `summary.json` (DESIGN.md §5); other ranks return {}."""
+    topo, p = tr.topo, tr.progress
+    wall = p.wall_offset + time.time() - tr.t0
+    mine = {"mfu": sum(tr.mfu_values) / len(tr.mfu_values) if tr.mfu_values else None,
+            "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **tr.algo.group_stats(),
+            "slowdown_slept_s": tr.slowdown.slept_s}
+    ranks = all_gather_json(mine, topo.shard_pg, topo.world_size, topo.device)
+    lead = ranks[0]
+    alive = time.time() - tr.t_start
+    record = {
+        "name": topo.name, "index": topo.group_index, "ranks": topo.world_size, "device": str(topo.device),
+        "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
+        "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"], "syncs_joined": lead["syncs"],
+        "syncs_missed": lead["syncs_missed"], "syncs_aborted": lead["syncs_aborted"],
+        "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
+        "blocked_s": max(r["blocked_s"] for r in ranks),
+        "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
+        "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
+        "restarts": max(tr.restarts, tr.useful["incarnations"] - 1), "healed_from": lead["healed_from"],
+        "wall_s": wall, "useful_s": tr.useful["useful_s"], "first_start": tr.useful["first_start"],
+        "downtime_s": tr.useful["downtime_s"],
+        "alive_s": alive, "startup_s": getattr(tr, "startup_s", 0.0),
+        "final_val_loss": val_loss, "initial_val_loss": init_val, "algo": tr.cfg.algo.name,
+        "total_params": tr.param_counts["total_params"], "active_params": tr.param_counts["active_params"],
+        "mfu": lead.get("mfu"), "time": tr.timing.snapshot(),
+    }
+    if tr.is_main:
+        return write_cluster_summary(tr.run_dir, record, [s.name for s in tr.specs])
+    return {}

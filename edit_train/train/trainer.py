@@ -22,9 +22,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from edit_train.config import Config, to_container, validate
-from edit_train.data.loader import TokenLoader, eval_batches
+from edit_train.data.loader import TokenLoader
 from edit_train.data.prepare import ensure_dataset
-from edit_train.cluster.collectives import all_gather_json, broadcast_json
+from edit_train.cluster.collectives import broadcast_json
 from edit_train.cluster.mesh import Topology, init_topology, parallelize
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
@@ -33,12 +33,13 @@ from edit_train.sim.hetero import Slowdown
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.sync import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
-from edit_train.train.summary import load_useful, save_useful, write_cluster_summary
+from edit_train.train.summary import finish_summary, load_useful, save_useful
 from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 from edit_train.train.parallel import apply_layer_options, precision_policy
+from edit_train.train.evaluation import evaluate, reshard
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.resume import find_resume, resume, save_checkpoint
 
@@ -208,51 +209,17 @@ class Trainer:
             value = value.cpu() / self.topo.shard_size
         return value
 
-    def _reshard(self) -> None:
-        """FSDP2 keeps the root unit gathered after a forward with no backward (eval): shard it again so
-        parameters, optimizer state and the sync engine all see the sharded parameters."""
-        for module in self.model.modules():
-            if hasattr(module, "reshard"):
-                module.reshard()
-
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.loader.next_batch()
         b, r = self.rank_batch, self.topo.shard_rank
         return x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
 
     # ------------------------------------------------------------------- eval
-    @torch.no_grad()
-    def evaluate(self, scope: str = "world") -> float:
-        """Mean val loss. `world`: the global model after a flush, every rank takes part.
-        `group`: this group's current replica, only its own ranks take part (no cross-group wait)."""
-        t, topo = self.cfg.train, self.topo
-        if scope == "world":
-            with self.timing.span("sync"):
-                self.algo.flush()
-        self.model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        # the same windows whatever the cluster's size, so every cluster on the same anchor reports the same
-        # loss; every rank runs the same number of forwards (FSDP gathers inside them), the short ones on a
-        # zero-weight filler
-        batches = eval_batches(self.data_dir, t.batch_size, t.seq_len, t.eval_batches)
-        xs = torch.cat([x for x, _ in batches])[topo.shard_rank::topo.shard_size]
-        ys = torch.cat([y for _, y in batches])[topo.shard_rank::topo.shard_size]
-        rows = -(-sum(x.shape[0] for x, _ in batches) // topo.shard_size)
-        for i in range(-(-rows // t.batch_size)):
-            x, y = xs[i * t.batch_size:(i + 1) * t.batch_size], ys[i * t.batch_size:(i + 1) * t.batch_size]
-            weight = y.numel()
-            if weight == 0:
-                x, y = batches[0][0][:1], batches[0][1][:1]
-            with self._autocast():
-                out = self.model(x.to(topo.device), y.to(topo.device))
-            total += torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
-        if topo.distributed:
-            total = total.to(topo.device)
-            dist.all_reduce(total, group=topo.shard_pg)
-            total = total.cpu()
-        self._reshard()
-        self.model.train()
-        return float(total[0] / total[1])
+    def evaluate(self) -> float:
+        """Mean val loss of the global model (after a flush); every rank of the cluster takes part."""
+        with self.timing.span("sync"):
+            self.algo.flush()
+        return evaluate(self.model, self.data_dir, self.cfg.train, self.topo, self._autocast)
 
     def eval_logged(self) -> float:
         """Evaluate the global model and log it (charged to the `eval` bucket)."""
@@ -261,7 +228,7 @@ class Trainer:
             self._log_eval(val_loss)
         return val_loss
 
-    def _log_eval(self, val_loss: float, scope: str = "world") -> None:
+    def _log_eval(self, val_loss: float) -> None:
         p = self.progress
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                   "tokens": p.tokens, "wall": p.wall_offset + time.time() - self.t0}
@@ -290,7 +257,7 @@ class Trainer:
                 with self._autocast():
                     out = self.model(x.to(topo.device), y.to(topo.device))
             except SyncAborted:  # a participant was lost in the layer-wise sync: rolled back, run the forward again
-                self._reshard()
+                reshard(self.model)
                 with self._autocast():
                     out = self.model(x.to(topo.device), y.to(topo.device))
             (out.loss / len(batches)).backward()
@@ -396,7 +363,7 @@ class Trainer:
         val_loss = self.eval_logged()
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
-        summary = self._summary(val_loss, init_val)
+        summary = finish_summary(self, val_loss, init_val)
         self.metrics.close(summary)
         self.algo.comm.close()
         if topo.distributed:
@@ -420,38 +387,6 @@ class Trainer:
         loads = [load.tolist() for load in self.model.expert_load()]
         self.metrics.log("moe", step=step, group=self.topo.group_index, cluster=self.topo.name, expert_load=loads,
                          aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
-
-    def _summary(self, val_loss: float, init_val: float | None) -> dict[str, Any]:
-        """This cluster's record (`run.dir/clusters/<name>.json`) merged with every other cluster's
-        into `summary.json` (DESIGN.md §5): each cluster that finishes rewrites the merge."""
-        topo, p = self.topo, self.progress
-        wall = p.wall_offset + time.time() - self.t0
-        mine = {"mfu": sum(self.mfu_values) / len(self.mfu_values) if self.mfu_values else None,
-                "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **self.algo.group_stats(),
-                "slowdown_slept_s": self.slowdown.slept_s}
-        ranks = all_gather_json(mine, topo.shard_pg, topo.world_size, topo.device)
-        lead = ranks[0]
-        alive = time.time() - self.t_start
-        record = {
-            "name": topo.name, "index": topo.group_index, "ranks": topo.world_size, "device": str(topo.device),
-            "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
-            "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"], "syncs_joined": lead["syncs"],
-            "syncs_missed": lead["syncs_missed"], "syncs_aborted": lead["syncs_aborted"],
-            "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
-            "blocked_s": max(r["blocked_s"] for r in ranks),
-            "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
-            "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
-            "restarts": max(self.restarts, self.useful["incarnations"] - 1), "healed_from": lead["healed_from"],
-            "wall_s": wall, "useful_s": self.useful["useful_s"], "first_start": self.useful["first_start"],
-            "downtime_s": self.useful["downtime_s"],
-            "alive_s": alive, "startup_s": getattr(self, "startup_s", 0.0),
-            "final_val_loss": val_loss, "initial_val_loss": init_val, "algo": self.cfg.algo.name,
-            "total_params": self.param_counts["total_params"], "active_params": self.param_counts["active_params"],
-            "mfu": lead.get("mfu"), "time": self.timing.snapshot(),
-        }
-        if self.is_main:
-            return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
-        return {}
 
 
 def train(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""Validation loss of a cluster's model: the same windows whatever the cluster's size, so every cluster that
+holds the same anchor reports the same loss."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from edit_train.cluster.mesh import Topology
+from edit_train.config import TrainConfig
+from edit_train.data.loader import eval_batches
+
+
+def reshard(model: nn.Module) -> None:
+    """FSDP2 keeps the root unit gathered after a forward with no backward (eval): shard it again so
+    parameters, optimizer state and the sync engine all see the sharded parameters."""
+    for module in model.modules():
+        if hasattr(module, "reshard"):
+            module.reshard()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data_dir: str | Path, t: TrainConfig, topo: Topology,
+             autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+    """Mean val loss over `t.eval_batches` batches. Every rank runs the same number of forwards (FSDP gathers
+    inside them): the rows are split over the cluster's ranks and a rank short of rows runs a zero-weight
+    filler."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    batches = eval_batches(data_dir, t.batch_size, t.seq_len, t.eval_batches)
+    xs = torch.cat([x for x, _ in batches])[topo.shard_rank::topo.shard_size]
+    ys = torch.cat([y for _, y in batches])[topo.shard_rank::topo.shard_size]
+    rows = -(-sum(x.shape[0] for x, _ in batches) // topo.shard_size)
+    for i in range(-(-rows // t.batch_size)):
+        x, y = xs[i * t.batch_size:(i + 1) * t.batch_size], ys[i * t.batch_size:(i + 1) * t.batch_size]
+        weight = y.numel()
+        if weight == 0:
+            x, y = batches[0][0][:1], batches[0][1][:1]
+        with autocast():
+            out = model(x.to(topo.device), y.to(topo.device))
+        total += torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
+    if topo.distributed:
+        total = total.to(topo.device)
+        dist.all_reduce(total, group=topo.shard_pg)
+        total = total.cpu()
+    reshard(model)
+    model.train()
+    return float(total[0] / total[1])
