@@ -172,7 +172,8 @@ def pyplot() -> Any:
 def save_fig(fig: Any, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure with its own layout (constrained) keeps it
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path

@@ -281,10 +281,7 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     ax2.set_title("throughput and time blocked on cross-group sync", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left", ncol=2)
     ax2.grid(alpha=0.3, axis="y")
-    a.plot.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(a.plot, dpi=120)  # constrained layout (no tight_layout)
-    plt.close(fig)
-    return a.plot
+    return C.save_fig(fig, a.plot)
 
 
 def job(name: str, run_dir: Path, overrides: list[str], a: argparse.Namespace) -> C.Job:

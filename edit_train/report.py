@@ -16,6 +16,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -291,16 +292,18 @@ def table_rows(runs: list[Run]) -> list[dict[str, str]]:
     return rows
 
 
-def markdown_table(rows: list[dict[str, str]]) -> str:
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) if rows else len(c) for c in COLUMNS}
+def markdown_table(rows: list[dict[str, str]], columns: Sequence[str] = COLUMNS,
+                   numeric: Collection[str] = NUMERIC_COLUMNS) -> str:
+    """Aligned markdown; `numeric` columns right-aligned."""
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) if rows else len(c) for c in columns}
 
     def line(cells: dict[str, str]) -> str:
-        return "| " + " | ".join(cells[c].rjust(widths[c]) if c in NUMERIC_COLUMNS else cells[c].ljust(widths[c])
-                                 for c in COLUMNS) + " |"
+        return "| " + " | ".join(cells[c].rjust(widths[c]) if c in numeric else cells[c].ljust(widths[c])
+                                 for c in columns) + " |"
 
-    rule = "|" + "|".join(("-" * (widths[c] + 1) + ":") if c in NUMERIC_COLUMNS else ("-" * (widths[c] + 2))
-                          for c in COLUMNS) + "|"
-    return "\n".join([line({c: c for c in COLUMNS}), rule, *(line(r) for r in rows)])
+    rule = "|" + "|".join(("-" * (widths[c] + 1) + ":") if c in numeric else ("-" * (widths[c] + 2))
+                          for c in columns) + "|"
+    return "\n".join([line({c: c for c in columns}), rule, *(line(r) for r in rows)])
 
 
 # --------------------------------------------------------------------------------------------- report

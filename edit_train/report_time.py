@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from edit_train.report import Run, _num
+from edit_train.report import Run, _num, markdown_table
 from edit_train.timing import BUCKETS
 
 BUCKET_COLORS = {"compute": "tab:green", "slowdown": "tab:olive", "eval": "tab:purple", "sync": "tab:orange",
@@ -90,10 +90,7 @@ def time_table(runs: list[Run]) -> str:
     rows = time_rows(runs)
     if not rows:
         return ""
-    head = ["run", "cluster", "wall s", *BUCKETS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 2)) + "|"]
-    for label, cluster, t in rows:
-        wall = max(t["wall_s"], 1e-9)
-        cells = [label, cluster, f"{t['wall_s']:.1f}", *(f"{100 * t[b] / wall:.1f}%" for b in BUCKETS)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    numeric = ("wall s", *BUCKETS)
+    cells = [{"run": label, "cluster": cluster, "wall s": f"{t['wall_s']:.1f}",
+              **{b: f"{100 * t[b] / max(t['wall_s'], 1e-9):.1f}%" for b in BUCKETS}} for label, cluster, t in rows]
+    return markdown_table(cells, ("run", "cluster", *numeric), numeric)

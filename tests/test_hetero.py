@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from edit_train.federation.comm import FederationComm
-from edit_train.federation.link import LinkClock, LinkModel
+from edit_train.federation.forming import Forming
+from edit_train.federation.link import FederationError, FederationRefused, LinkClock, LinkModel
 from edit_train.federation.quorum import Lighthouse
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.outer import OuterConfig
@@ -87,6 +89,44 @@ def test_background_quorum_lets_the_early_cluster_keep_training(lighthouse: str,
     assert results[0]["quorum"] == results[1]["quorum"]
     assert results[0]["sum"] == results[1]["sum"] == 3.0  # the lanes connected in the background work
     assert not results[0]["forming"] and not results[1]["forming"]
+
+
+# ------------------------------------------------------------------ refusal
+def _other_config(rank: int, world: int, lighthouse: str) -> dict:
+    """Two clusters whose configurations differ (another fingerprint) meet at start."""
+    comm = _cluster_comm(rank, lighthouse)
+    cfg = LocalSGDConfig(outer=OuterConfig(), penalty=PLAIN, mode="at_end", total_steps=10,
+                         fingerprint=f"config-{rank}", expected=("c0", "c1"), start_timeout_s=30)
+    model = _toy()
+    algo = LocalSGD(cfg, model, [model[0], model[1]], comm, group_index=rank)
+    try:
+        algo.join()
+        out = {"refused": None}
+    except FederationRefused as exc:
+        out = {"refused": str(exc)}
+    comm.close()
+    return out
+
+
+def test_a_cluster_with_another_configuration_is_refused_not_retried(lighthouse: str) -> None:
+    """The cluster that is not the quorum's source stops with the refusal at once (join would otherwise retry
+    for start_timeout_s and then train alone); the source is unaffected."""
+    refused = [r["refused"] for r in run_ranks(_other_config, 2, lighthouse)]
+    assert sorted(r is None for r in refused) == [False, True], refused
+    assert "another configuration" in next(r for r in refused if r), refused
+
+
+def test_a_refusal_keeps_its_kind_across_the_cluster() -> None:
+    """The leader asks the Lighthouse on a thread and hands its answer to the cluster as JSON: a refusal
+    (a name already taken) must still stop the run rather than skip one sync."""
+    comm = SimpleNamespace(rank=0, size=1, shard_pg=None, device=torch.device("cpu"), clock=LinkClock(),
+                           ask=lambda sync, data: {"ok": False, "error": "name taken", "refused": True})
+    with pytest.raises(FederationRefused, match="name taken"):
+        Forming(comm, 1, {}).poll(block=True)
+    comm.ask = lambda sync, data: {"ok": False, "error": "no quorum", "refused": False}
+    with pytest.raises(FederationError, match="no quorum") as info:
+        Forming(comm, 1, {}).poll(block=True)
+    assert not isinstance(info.value, FederationRefused)
 
 
 # ------------------------------------------------------------------ link model

@@ -23,7 +23,7 @@ from edit_train.federation.compress import CompressionConfig, ErrorFeedback
 from edit_train.federation.compressed_reduce import BackgroundReducer, handed_bytes, plan
 from edit_train.federation.forming import Forming
 from edit_train.federation.lanes import Lanes
-from edit_train.federation.link import FederationError, LinkClock, LinkModel, Pending
+from edit_train.federation.link import FederationError, FederationRefused, LinkClock, LinkModel, Pending
 from edit_train.federation.quorum import Member, Membership, QuorumClient
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,8 @@ class FederationComm:
         try:
             m = self.client.request(sync, self.size, self.store_addr, data, self.quorum_timeout_s)
             return {"ok": True, "m": m.to_json() if m is not None else None}
-        except FederationError as exc:
-            return {"ok": False, "error": str(exc)}
+        except FederationError as exc:  # the leader's answer reaches its cluster as JSON: keep the kind
+            return {"ok": False, "error": str(exc), "refused": isinstance(exc, FederationRefused)}
 
     def connect(self, membership: Membership) -> bool:
         """This rank's lanes for `membership` (a background thread); False when a peer did not connect."""
@@ -188,7 +188,7 @@ class FederationComm:
             self.client.close()
 
     # ------------------------------------------------------- small exchange
-    def all_gather_async(self, vec: Tensor) -> tuple[Pending, list[Tensor]]:
+    def all_gather_async(self, vec: Tensor, what: str = "norm exchange") -> tuple[Pending, list[Tensor]]:
         """[members, n] rows of a small float64 vector (lane 0 among the leaders, then inside the
         cluster). Every rank of the cluster must wait() on it at the same point."""
         vec = vec.detach().to("cpu", torch.float64).contiguous()
@@ -218,7 +218,7 @@ class FederationComm:
                     out[i].copy_(flat[i + 1])
             return ok
 
-        return Pending(self.clock, works, ready_at, settle=share, what="norm exchange"), out
+        return Pending(self.clock, works, ready_at, settle=share, what=what), out
 
     def all_gather(self, vec: Tensor) -> Tensor:
         pending, out = self.all_gather_async(vec)

@@ -16,7 +16,6 @@ is the synchronous quorum (`FederationComm.form`); only the time spent waiting t
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from edit_train.cluster.collectives import broadcast_json
-from edit_train.federation.link import FederationError
+from edit_train.federation.link import FederationError, FederationRefused
 from edit_train.federation.quorum import Membership
 
 if TYPE_CHECKING:
@@ -79,9 +78,8 @@ class Forming:
         c = self.comm
         if block:
             if job is not None:
-                t0 = time.perf_counter()
-                job.join()
-                c.clock.blocked_s += time.perf_counter() - t0
+                with c.clock.waiting():
+                    job.join()
             return True
         ready = job is None or job.done()
         if c.shard_pg is None or c.size <= 1:
@@ -95,12 +93,11 @@ class Forming:
         if self.phase == "asking":
             if not self._ready(self._ask, block):
                 return False
-            t0 = time.perf_counter()
-            got = self._ask.wait() if self._ask is not None else None
-            got = broadcast_json(got, c.shard_pg, c.size, c.device)  # the leader's answer to the cluster
-            c.clock.blocked_s += time.perf_counter() - t0
+            with c.clock.waiting():
+                got = self._ask.wait() if self._ask is not None else None
+                got = broadcast_json(got, c.shard_pg, c.size, c.device)  # the leader's answer to the cluster
             if not got["ok"]:
-                raise FederationError(got["error"])
+                raise (FederationRefused if got.get("refused") else FederationError)(got["error"])
             issued = Membership.from_json(got["m"]) if got["m"] is not None else None
             if issued is None or len(issued.members) <= 1:
                 self.membership, self.phase = issued, "done"
@@ -111,9 +108,8 @@ class Forming:
             if not self._ready(self._connect, block):
                 return False
             assert self._connect is not None and self._issued is not None
-            t0 = time.perf_counter()
-            ok = c.agree(bool(self._connect.wait()))
-            c.clock.blocked_s += time.perf_counter() - t0
+            with c.clock.waiting():
+                ok = c.agree(bool(self._connect.wait()))
             if not ok:
                 c.lanes.abort()
                 raise FederationError(f"quorum {self._issued.quorum_id} {self._issued.names}: a peer did not connect")

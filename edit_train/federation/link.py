@@ -8,13 +8,19 @@ have delivered it. A failed collective (a peer died, the link dropped) surfaces 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 
 class FederationError(RuntimeError):
     """Cross-cluster communication failed (peer lost, timeout, unreachable Lighthouse)."""
+
+
+class FederationRefused(FederationError):
+    """The federation refuses this cluster for good (another configuration, a name already taken): trying
+    again cannot help, so the run stops with this message instead of skipping the sync."""
 
 
 @dataclass
@@ -44,6 +50,15 @@ class LinkClock:
         self.blocked_s = 0.0
         self.collectives = 0
         self._free_at = 0.0
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the time inside as blocked (waiting for other clusters)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.blocked_s += time.perf_counter() - t0
 
     def account(self, nbytes: int) -> float:
         """Count the bytes; return when the simulated link delivers them (transfers queue for bandwidth)."""

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from edit_train.federation.link import FederationError
+from edit_train.federation.link import FederationError, FederationRefused
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class QuorumClient:
         if me < 0:
             raise FederationError(f"cluster {self.name}: the Lighthouse issued a quorum without us")
         if members[me].data.get("incarnation") != data.get("incarnation"):
-            raise FederationError(f"two clusters are named {self.name!r}: cluster names must be unique "
+            raise FederationRefused(f"two clusters are named {self.name!r}: cluster names must be unique "
                                   "(set a different EDIT_TRAIN_CLUSTER / cluster.only)")
         return Membership(int(q.quorum_id), f"q{q.quorum_id}-{stamp}", members, me)
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from edit_train.federation.comm import FederationComm
-from edit_train.federation.link import FederationError
+from edit_train.federation.link import FederationError, FederationRefused
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.gradients import average_grads, grads_allreduce
 from edit_train.local_sgd.healing import Healer, apply_state, collect_state
@@ -184,7 +184,7 @@ class LocalSGD:
             return None
         src = m.members[m.source]
         if src.data.get("fp") != self.cfg.fingerprint and m.me != m.source:
-            raise FederationError(f"cluster {self.comm.name} runs another configuration than cluster {src.name} "
+            raise FederationRefused(f"cluster {self.comm.name} runs another configuration than cluster {src.name} "
                                   "(model, algorithm or federation.chunks differ); start it with the federation's config")
         healed = self.healer.run(m)
         if healed is not None:
@@ -272,27 +272,21 @@ class LocalSGD:
             m = self._admit(m)
         except SyncAborted:
             m = None
+        except FederationRefused:
+            raise
         except FederationError as exc:
-            self._sync_skipped(exc)
+            log.warning("cluster %s: sync skipped: %s", self.comm.name, exc)
+            self.comm.abort()
             m = None
         self._synced(step, m)
-
-    def _sync_skipped(self, exc: FederationError) -> None:
-        if "another configuration" in str(exc) or "unique" in str(exc):
-            raise exc
-        log.warning("cluster %s: sync skipped: %s", self.comm.name, exc)
-        self.comm.abort()
 
     def _synced(self, step: int, m: Any) -> None:
         if self.finishing:  # the first quorum after the agreed stop is the final sync: blocking, then stop
             self.finishing = False
             if m is not None:
-                overlap, self.overlap = self.overlap, None
-                try:
+                with self._blocking():
                     self._run_sync(step, m)
                     self.flush()
-                finally:
-                    self.overlap = overlap
                 return
         if m is None:  # cut off: keep training from the local replica; try again after another interval
             self.syncs_missed += 1
@@ -369,9 +363,17 @@ class LocalSGD:
             self._poll_quorum(self.total_steps, block=True)
         self.flush()
         if self.engine is not None and self.local_steps > 0:
-            overlap, self.overlap = self.overlap, None
-            self.start_sync(self.total_steps, block=True)
-            self.flush()
+            with self._blocking():
+                self.start_sync(self.total_steps, block=True)
+                self.flush()
+
+    @contextmanager
+    def _blocking(self) -> Iterator[None]:
+        """The final sync runs blocking even in overlap mode: every cluster must end on the same anchor."""
+        overlap, self.overlap = self.overlap, None
+        try:
+            yield
+        finally:
             self.overlap = overlap
 
     def _on_sync_complete(self, report: SyncReport) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from edit_train.federation.link import FederationError
+from edit_train.federation.link import FederationError, FederationRefused
 from edit_train.local_sgd.sync import SyncAborted
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ def grads_allreduce(algo: LocalSGD) -> None:
             m = algo._quorum(1)
             if m is not None and len(m.members) > 1:
                 average_grads(algo, m, grads)
+        except FederationRefused:
+            raise
         except (FederationError, SyncAborted) as exc:
             log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
                         algo.comm.name, exc)

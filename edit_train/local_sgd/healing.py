@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from edit_train.federation.comm import FederationComm
+from edit_train.cluster.mesh import local_tensor
 from edit_train.federation.heal import HealError, decode, encode, local_slice
 from edit_train.federation.link import FederationError
 from edit_train.federation.quorum import Membership
@@ -106,8 +107,6 @@ def collect_state(algo: LocalSGD) -> tuple[dict[str, Any], LocalState]:
         for key, t in algo.aggregator.state_tensors().items():
             local[f"penalty/{key}"] = (t, None)
     else:  # ddp / warm-up: the replica itself and its inner optimizer
-        from edit_train.cluster.mesh import local_tensor
-
         for name, p in algo.model.named_parameters():
             local[f"param/{name}"] = (local_tensor(p.data), p)
         if algo.optimizer is not None:
@@ -141,8 +140,6 @@ def apply_state(algo: LocalSGD, meta: dict[str, Any], tensors: dict[str, Tensor]
                 if not torch.isfinite(p).all():
                     p.copy_(a_new)
     else:
-        from edit_train.cluster.mesh import local_tensor
-
         params = dict(algo.model.named_parameters())
         for key, v in tensors.items():
             if key.startswith("param/"):

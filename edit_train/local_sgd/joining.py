@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edit_train.cluster.mesh import local_tensor
-from edit_train.federation.link import FederationError
+from edit_train.federation.link import FederationError, FederationRefused
 from edit_train.local_sgd.gradients import average_grads
 from edit_train.local_sgd.sync import SyncAborted
 
@@ -34,9 +34,9 @@ def join_federation(algo: LocalSGD) -> None:
         while True:
             try:
                 m = algo._quorum(0)
+            except FederationRefused:
+                raise
             except (FederationError, SyncAborted) as exc:
-                if "another configuration" in str(exc) or "unique" in str(exc):
-                    raise
                 algo.comm.abort()
                 if time.time() >= deadline:
                     log.warning("cluster %s: could not join at start (%s); training alone until the next sync",

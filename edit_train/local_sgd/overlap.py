@@ -143,7 +143,8 @@ class OverlapSync:
         assert report is not None
         for pending, _ in self._reduce.values():
             report.blocked_s += pending.wait()
-        self._vote = self.e.comm.all_gather_async(torch.ones(1, dtype=torch.float64)) if self.e.comm.active else None
+        comm = self.e.comm
+        self._vote = comm.all_gather_async(torch.ones(1, dtype=torch.float64), "commit vote") if comm.active else None
         self.phase = "voting"
 
     def _apply(self) -> None:

@@ -298,7 +298,7 @@ class Trainer:
         bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
                    desc=f"{cfg.algo.name} {topo.name}", unit="step", dynamic_ncols=True)
         init_val = self.eval_logged() if p.step == 0 else None
-        window_t, window_tokens, window_time = time.time(), 0, self.timing.snapshot()
+        window_tokens, window_time = 0, self.timing.snapshot()
         val_loss = init_val
         while not self.algo.should_stop(p.step):
             if self.stop_signal is not None:
@@ -334,8 +334,8 @@ class Trainer:
             if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
                 now, split = time.time(), self.timing.snapshot()
-                tps = window_tokens / max(now - window_t, 1e-9)
-                window_t, window_tokens, window_split, window_time = now, 0, window(split, window_time), split
+                window_split, window_time = window(split, window_time), split
+                tps, window_tokens = window_tokens / max(window_split["wall_s"], 1e-9), 0
                 step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
                 if step_mfu is not None:
                     self.mfu_values.append(step_mfu)
