@@ -233,6 +233,10 @@ def validate(cfg: Config) -> None:
     _need(a.sync_time_s > 0, "algo.sync_time_s", "must be > 0")
     a.outer.validate()
     a.penalty.validate()
+    if a.local_sgd:
+        from edit_train.local_sgd.rules import make_rule
+
+        make_rule(a.penalty)  # an unknown or unloadable algo.penalty.rule fails here, in one line
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
     _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")

@@ -38,3 +38,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         mp.start_processes(_entry, args=(world, free_port(), out, fn, args), nprocs=world, join=True,
                            start_method="spawn")
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+def _solo_entry(rank: int, world: int, out_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    torch.set_num_threads(1)
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(fn(rank, world, *args)))
+
+
+def run_processes(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """`fn(rank, world, *args)` in `world` processes with no torch.distributed world among them (each is a
+    cluster of its own); results come back as JSON."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_solo_entry, args=(world, out, fn, args), nprocs=world, join=True, start_method="spawn")
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]

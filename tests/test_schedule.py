@@ -13,41 +13,24 @@ from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule, StepTime
 def test_step_schedule() -> None:
     s = StepSchedule(ScheduleConfig(interval=4, warmup_steps=3))
     assert [s.is_warmup(i) for i in range(5)] == [True, True, True, False, False]
-    assert [s.should_sync(i) for i in range(6)] == [False, False, False, False, True, True]
     assert not StepSchedule(ScheduleConfig()).is_warmup(0)
 
 
 def test_planner_closed_form() -> None:
-    p = TimePlanner(ScheduleConfig(kind="time", sync_time_s=10.0), 2)
-    assert p.plan([0.1, 0.3]) == [100, 33]
-    assert p.plan([0.2, 0.2]) == [50, 50]  # re-plan when the times change
-    assert p.last_plan == [50, 50]
-    assert TimePlanner(ScheduleConfig(kind="time", sync_time_s=0.7), 1).plan([0.1]) == [7]
+    p = TimePlanner(ScheduleConfig(kind="time", sync_time_s=10.0))
+    assert [p.steps_for(s) for s in (0.1, 0.3)] == [100, 33]
+    assert [p.steps_for(s) for s in (0.2, 0.2)] == [50, 50]  # re-plan when the times change
+    assert TimePlanner(ScheduleConfig(kind="time", sync_time_s=0.7)).steps_for(0.1) == 7
 
 
 def test_planner_floor_and_cap() -> None:
-    p = TimePlanner(ScheduleConfig(kind="time", sync_time_s=1.0, min_steps=4, max_steps=20), 3)
-    assert p.plan([1.0, 0.01, 0.1]) == [4, 20, 10]
+    p = TimePlanner(ScheduleConfig(kind="time", sync_time_s=1.0, min_steps=4, max_steps=20))
+    assert [p.steps_for(s) for s in (1.0, 0.01, 0.1)] == [4, 20, 10]
 
 
 def test_planner_unknown_times() -> None:
-    p = TimePlanner(ScheduleConfig(kind="time", interval=16, sync_time_s=1.0, min_steps=2), 3)
-    assert p.initial_plan() == [16, 16, 16]
-    assert p.plan([math.nan, 0.0, math.inf]) == [16, 16, 2]
-
-
-def test_planner_state_round_trip() -> None:
-    cfg = ScheduleConfig(kind="time", sync_time_s=3.0)
-    p = TimePlanner(cfg, 2)
-    p.plan([0.5, 1.0])
-    sd = json.loads(json.dumps(p.state_dict()))
-    q = TimePlanner(cfg, 2)
-    q.load_state_dict(sd)
-    assert q.last_plan == [6, 3]
-    with pytest.raises(ValueError, match="workers"):
-        TimePlanner(cfg, 3).load_state_dict(sd)
-    with pytest.raises(ValueError, match="expected 2"):
-        p.plan([1.0])
+    p = TimePlanner(ScheduleConfig(kind="time", interval=16, sync_time_s=1.0, min_steps=2))
+    assert [p.steps_for(s) for s in (math.nan, 0.0, math.inf)] == [16, 16, 2]
 
 
 def test_step_timer() -> None:

@@ -19,7 +19,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from edit_train.data import DataError
     from edit_train.cluster.mesh import TopologyError
     from edit_train.sim.faults import FaultError
-    from edit_train.federation.link import FederationError
+    from edit_train.local_sgd.errors import FederationError
     from edit_train.train.checkpoint import CheckpointError
 
     return (ConfigError, DataError, TopologyError, FaultError, CheckpointError, FederationError, ValueError,

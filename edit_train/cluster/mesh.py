@@ -8,6 +8,7 @@ torch.distributed world ever spans two clusters. What crosses clusters goes thro
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -17,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from edit_train.cluster.group import RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,11 @@ class Topology:
     def shard_pg(self) -> dist.ProcessGroup | None:
         """The cluster's process group (its fast links)."""
         return self.mesh.get_group("shard") if self.mesh is not None else None
+
+    @functools.cached_property
+    def group(self) -> RankGroup:
+        """The cluster's ranks, for what they do together (agree, sum, broadcast)."""
+        return RankGroup(self.shard_pg, self.rank, self.world_size, self.device)
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -166,7 +174,3 @@ def parallelize(model: nn.Module, topo: Topology, mp_dtype: torch.dtype | None =
     fully_shard(model, **kwargs)
     return model
 
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank-local shard of a (possibly DTensor) parameter or state tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t

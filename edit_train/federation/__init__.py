@@ -1,0 +1,3 @@
+"""What crosses clusters: the core's `Transport` over torchft's Lighthouse and reconfigurable gloo lanes
+(`transport.py`), compressed payloads, the simulated WAN link, heal payloads, and an in-process stand-in for
+the network (`inproc.py`)."""

@@ -175,6 +175,8 @@ def dequantize(payload: Tensor, numel: int, cfg: CompressionConfig) -> Tensor:
         raise ValueError(f"payload of {payload.numel()} {payload.dtype} does not hold {numel} values "
                          f"of {cfg.scheme} ({expected} bytes expected)")
     payload = payload.contiguous()
+    if payload.storage_offset() % 4:  # a slice of a received buffer: re-align before viewing it as scales
+        payload = payload.clone()
     if cfg.scheme == "none":
         return payload.view(torch.float32).clone()
     if cfg.scheme == "bf16":

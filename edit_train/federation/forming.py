@@ -17,17 +17,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from edit_train.cluster.collectives import broadcast_json
-from edit_train.federation.link import FederationError, FederationRefused
-from edit_train.federation.quorum import Membership
-
-if TYPE_CHECKING:
-    from edit_train.federation.comm import FederationComm
+from edit_train.federation.link import LinkClock
+from edit_train.local_sgd.errors import FederationError, FederationRefused
+from edit_train.local_sgd.protocols import ClusterGroup, Quorum
 
 
 class Background:
@@ -62,56 +56,52 @@ class Background:
 
 
 class Forming:
-    """The quorum of one sync in formation. `membership` is set when `poll()` returns True (None: this
-    cluster is cut off from the federation)."""
+    """The quorum of one sync in formation. `quorum` is set when `poll()` returns True (None: this cluster
+    is cut off from the federation). `ask` is the leader's Lighthouse request (None on the other ranks);
+    `connect(quorum)` configures this rank's lanes and says whether every peer connected."""
 
-    def __init__(self, comm: FederationComm, sync: int, data: dict[str, Any]) -> None:
-        self.comm = comm
+    def __init__(self, cluster: ClusterGroup, clock: LinkClock, ask: Callable[[], dict[str, Any]] | None,
+                 connect: Callable[[Quorum], bool], abort: Callable[[], None]) -> None:
+        self.cluster, self.clock, self.connect, self.abort = cluster, clock, connect, abort
         self.phase = "asking"
-        self.membership: Membership | None = None
-        self._issued: Membership | None = None
+        self.quorum: Quorum | None = None
+        self._issued: Quorum | None = None
         self._connect: Background | None = None
-        self._ask = Background(lambda: comm.ask(sync, data), "edit-train-quorum") if comm.rank == 0 else None
+        self._ask = Background(ask, "edit-train-quorum") if ask is not None else None
 
     def _ready(self, job: Background | None, block: bool) -> bool:
         """The same answer on every rank of the cluster: has `job` (this rank's, if any) finished?"""
-        c = self.comm
         if block:
             if job is not None:
-                with c.clock.waiting():
+                with self.clock.waiting():
                     job.join()
             return True
-        ready = job is None or job.done()
-        if c.shard_pg is None or c.size <= 1:
-            return ready
-        flag = torch.tensor([1.0 if ready else 0.0], device=c.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=c.shard_pg)
-        return bool(flag.item() > 0)
+        return self.cluster.agree(job is None or job.done())
 
     def poll(self, block: bool = False) -> bool:
-        c = self.comm
+        c = self.cluster
         if self.phase == "asking":
             if not self._ready(self._ask, block):
                 return False
-            with c.clock.waiting():
+            with self.clock.waiting():
                 got = self._ask.wait() if self._ask is not None else None
-                got = broadcast_json(got, c.shard_pg, c.size, c.device)  # the leader's answer to the cluster
+                got = c.broadcast_json(got)  # the leader's answer to the cluster
             if not got["ok"]:
                 raise (FederationRefused if got.get("refused") else FederationError)(got["error"])
-            issued = Membership.from_json(got["m"]) if got["m"] is not None else None
+            issued = Quorum.from_json(got["m"]) if got["m"] is not None else None
             if issued is None or len(issued.members) <= 1:
-                self.membership, self.phase = issued, "done"
+                self.quorum, self.phase = issued, "done"
                 return True
             self._issued, self.phase = issued, "connecting"
-            self._connect = Background(lambda: c.connect(issued), "edit-train-lanes")
+            self._connect = Background(lambda: self.connect(issued), "edit-train-lanes")
         if self.phase == "connecting":
             if not self._ready(self._connect, block):
                 return False
             assert self._connect is not None and self._issued is not None
-            with c.clock.waiting():
+            with self.clock.waiting():
                 ok = c.agree(bool(self._connect.wait()))
             if not ok:
-                c.lanes.abort()
+                self.abort()
                 raise FederationError(f"quorum {self._issued.quorum_id} {self._issued.names}: a peer did not connect")
-            self.membership, self.phase = self._issued, "done"
+            self.quorum, self.phase = self._issued, "done"
         return self.phase == "done"

@@ -15,13 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from edit_train.local_sgd.errors import HealError
+
 MAGIC = "edit-train-heal"
 VERSION = 1
-
-
-class HealError(ValueError):
-    """A healing payload that is not ours (refused; nothing in it was executed)."""
-
 
 def encode(meta: dict[str, Any], tensors: dict[str, Tensor]) -> bytes:
     from safetensors.torch import save
@@ -57,13 +54,3 @@ def decode(payload: bytes, peer: str = "peer") -> tuple[dict[str, Any], dict[str
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise HealError(f"healing payload from {peer}: tensors are not valid safetensors ({exc})") from None
     return meta, tensors
-
-
-def local_slice(full: Tensor, like: Tensor, rank: int, size: int) -> Tensor:
-    """This rank's FSDP2 shard (torch.chunk of dim 0) of a full tensor, or the tensor itself."""
-    if tuple(full.shape) == tuple(like.shape):
-        return full
-    part = torch.chunk(full, size, dim=0)[rank]
-    if tuple(part.shape) != tuple(like.shape):
-        raise HealError(f"healing: tensor of shape {tuple(full.shape)} does not shard to {tuple(like.shape)}")
-    return part

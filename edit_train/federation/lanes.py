@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torchft.process_group import ProcessGroupGloo
 
-from edit_train.federation.link import FederationError
-from edit_train.federation.quorum import Membership
+from edit_train.local_sgd.errors import FederationError
+from edit_train.local_sgd.protocols import Quorum
 
 log = logging.getLogger(__name__)
 
@@ -50,34 +51,35 @@ class BoundGloo(ProcessGroupGloo):
         return pg
 
 
-def lanes_of(rank: int, size: int, membership: Membership, chunks: int) -> list[int]:
+def lanes_of(rank: int, size: int, quorum: Quorum, chunks: int) -> list[int]:
     """The lanes this rank takes part in."""
-    if membership.paired:
+    if quorum.paired:
         return [rank]
     return [j for j in range(chunks) if j % size == rank]
 
 
 class Lanes:
-    """The configured lane groups of this rank for the current quorum."""
+    """The configured lane groups of this rank for the current quorum. `make_group()` builds one
+    reconfigurable group (torchft's `configure(store_addr, replica_id, rank, world_size)` / `abort()`):
+    gloo over TCP here, threads in `federation.inproc`."""
 
-    def __init__(self, host: str, timeout_s: float) -> None:
-        self.host = host
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.groups: dict[int, BoundGloo] = {}
-        self.membership: Membership | None = None
+    def __init__(self, make_group: Callable[[], Any]) -> None:
+        self.make_group = make_group
+        self.groups: dict[int, Any] = {}
+        self.quorum: Quorum | None = None
 
-    def configure(self, membership: Membership, rank: int, size: int, chunks: int) -> None:
-        """(Re)build this rank's lane groups for `membership` (blocks until every peer connected)."""
+    def configure(self, quorum: Quorum, rank: int, size: int, chunks: int) -> None:
+        """(Re)build this rank's lane groups for `quorum` (blocks until every peer connected)."""
         self.abort()
-        self.membership = membership
-        store = membership.members[0].store
-        for j in lanes_of(rank, size, membership, chunks):
-            pg = BoundGloo(self.host, self.timeout)
+        self.quorum = quorum
+        store = quorum.members[0].store
+        for j in lanes_of(rank, size, quorum, chunks):
+            pg = self.make_group()
             try:
-                pg.configure(f"{store}/edit-train/{membership.nonce}/lane{j}", f"lane{j}", membership.me,
-                             len(membership.members))
+                pg.configure(f"{store}/edit-train/{quorum.nonce}/lane{j}", f"lane{j}", quorum.me,
+                             len(quorum.members))
             except Exception as exc:  # noqa: BLE001
-                raise FederationError(f"lane {j} of quorum {membership.quorum_id} with {membership.names} could "
+                raise FederationError(f"lane {j} of quorum {quorum.quorum_id} with {quorum.names} could "
                                       f"not connect: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
             self.groups[j] = pg
 
@@ -88,4 +90,4 @@ class Lanes:
             except Exception:  # noqa: BLE001
                 pass
         self.groups.clear()
-        self.membership = None
+        self.quorum = None

@@ -2,7 +2,8 @@
 
 The WAN model (`latency + bytes / bandwidth`, transfers queue for bandwidth) is applied where a real link
 would be: an asynchronous reduction only costs wall time if somebody waits for it before the link would
-have delivered it. A failed collective (a peer died, the link dropped) surfaces as `FederationError`.
+have delivered it. A failed collective (a peer died, the link dropped) surfaces as `FederationError`
+(`edit_train.local_sgd.errors`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from edit_train.local_sgd.errors import FederationError
 
-class FederationError(RuntimeError):
-    """Cross-cluster communication failed (peer lost, timeout, unreachable Lighthouse)."""
-
-
-class FederationRefused(FederationError):
-    """The federation refuses this cluster for good (another configuration, a name already taken): trying
-    again cannot help, so the run stops with this message instead of skipping the sync."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,7 +44,6 @@ class LinkClock:
         self.link = link or LinkModel()
         self.bytes_sent = 0
         self.blocked_s = 0.0
-        self.collectives = 0
         self._free_at = 0.0
 
     @contextmanager
@@ -63,7 +58,6 @@ class LinkClock:
     def account(self, nbytes: int) -> float:
         """Count the bytes; return when the simulated link delivers them (transfers queue for bandwidth)."""
         self.bytes_sent += nbytes
-        self.collectives += 1
         now = time.perf_counter()
         if not self.link.enabled:
             return now
@@ -73,17 +67,20 @@ class LinkClock:
         return start + transfer + self.link.latency_ms / 1000.0
 
 
-class Pending:
-    """A cross-cluster collective in flight. `wait()` returns the seconds this rank was blocked and
-    raises `FederationError` when the collective failed. `settle(ok) -> ok` runs after the works on every
-    rank of the cluster (it agrees inside the cluster and moves the result into place), so all ranks of a
-    cluster fail or succeed together."""
+class Pending(Generic[T]):
+    """A cross-cluster collective in flight (the core's `Handle`). `wait()` returns its result and raises
+    `FederationError` when it failed; the seconds it blocked are added to the clock and left in
+    `blocked_s`. `settle(ok) -> ok` runs after the works on every rank of the cluster (it agrees inside the
+    cluster and moves the result into place), so all ranks of a cluster fail or succeed together."""
 
     def __init__(self, clock: LinkClock, works: list[Any], ready_at: float,
-                 settle: Callable[[bool], bool] | None = None, what: str = "collective") -> None:
+                 settle: Callable[[bool], bool] | None = None, what: str = "collective",
+                 result: Callable[[], T] | None = None) -> None:
         self._clock, self._works, self._ready_at, self._settle = clock, works, ready_at, settle
+        self._result = result
         self.what = what
         self.done = False
+        self.blocked_s = 0.0
 
     def ready(self) -> bool:
         """Non-blocking: has the data landed (and would the simulated link have delivered it)?"""
@@ -95,9 +92,12 @@ class Pending:
             return True
         return finished and time.perf_counter() >= self._ready_at
 
-    def wait(self) -> float:
-        if self.done:
-            return 0.0
+    def wait(self) -> T:
+        if not self.done:
+            self._finish()
+        return self._result() if self._result is not None else None  # type: ignore[return-value]
+
+    def _finish(self) -> None:
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:
@@ -113,9 +113,8 @@ class Pending:
         if self._settle is not None:
             ok = self._settle(ok)
         self.done = True
-        blocked = time.perf_counter() - t0
-        self._clock.blocked_s += blocked
+        self.blocked_s = time.perf_counter() - t0
+        self._clock.blocked_s += self.blocked_s
         if not ok:
             why = (str(error).strip().splitlines() or [repr(error)])[0] if error is not None else "a peer rank failed"
             raise FederationError(f"{self.what} failed: {why}")
-        return blocked

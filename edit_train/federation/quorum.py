@@ -18,76 +18,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from edit_train.federation.link import FederationError, FederationRefused
+from edit_train.local_sgd.errors import FederationError, FederationRefused
+from edit_train.local_sgd.protocols import Member, Quorum
 
 log = logging.getLogger(__name__)
 
 if not os.environ.get("RUST_LOG"):
     os.environ["RUST_LOG"] = "warn"  # torchft's Rust side logs every quorum at INFO otherwise
-
-
-@dataclass(frozen=True)
-class Member:
-    name: str
-    sync: int  # anchor version this cluster holds
-    size: int  # ranks
-    store: str  # host:port of the member leader's TCPStore
-    data: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def contributes(self) -> bool:
-        """A member that took no local step since its anchor has nothing to contribute (a fresh or
-        just-restarted cluster): it takes part in the collectives with weight 0."""
-        return int(self.data.get("local_steps", 0)) > 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> Member:
-        return Member(d["name"], int(d["sync"]), int(d["size"]), d["store"], dict(d.get("data") or {}))
-
-
-@dataclass
-class Membership:
-    """One issued quorum, as every rank of every participant sees it (sorted by cluster name)."""
-
-    quorum_id: int
-    nonce: str  # unique per issued quorum: namespaces the process groups configured for it
-    members: list[Member]
-    me: int  # my position in `members`
-
-    @property
-    def names(self) -> list[str]:
-        return [m.name for m in self.members]
-
-    @property
-    def max_sync(self) -> int:
-        return max(m.sync for m in self.members)
-
-    @property
-    def source(self) -> int:
-        """Position of the member healers copy from: the first holding the newest anchor."""
-        return next(i for i, m in enumerate(self.members) if m.sync == self.max_sync)
-
-    def behind(self) -> list[int]:
-        return [i for i, m in enumerate(self.members) if m.sync < self.max_sync]
-
-    @property
-    def paired(self) -> bool:
-        """Equal-size clusters pair rank r with rank r (cheapest); otherwise the federation's chunks."""
-        return len({m.size for m in self.members}) == 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {"quorum_id": self.quorum_id, "nonce": self.nonce, "me": self.me,
-                "members": [m.to_json() for m in self.members]}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> Membership:
-        return Membership(int(d["quorum_id"]), d["nonce"], [Member.from_json(m) for m in d["members"]], int(d["me"]))
 
 
 class QuorumClient:
@@ -150,7 +89,7 @@ class QuorumClient:
         self._stop.set()
 
     # --------------------------------------------------------------- quorum
-    def request(self, sync: int, size: int, store: str, data: dict[str, Any], timeout_s: float) -> Membership | None:
+    def request(self, sync: int, size: int, store: str, data: dict[str, Any], timeout_s: float) -> Quorum | None:
         """Ask for this sync's quorum. None when partitioned (the cluster keeps training alone)."""
         if self.partitioned:
             return None
@@ -177,7 +116,7 @@ class QuorumClient:
         if members[me].data.get("incarnation") != data.get("incarnation"):
             raise FederationRefused(f"two clusters are named {self.name!r}: cluster names must be unique "
                                   "(set a different EDIT_TRAIN_CLUSTER / cluster.only)")
-        return Membership(int(q.quorum_id), f"q{q.quorum_id}-{stamp}", members, me)
+        return Quorum(int(q.quorum_id), f"q{q.quorum_id}-{stamp}", members, me)
 
 
 def _http(addr: str) -> str:

@@ -1,67 +1,66 @@
 """ddp and the synchronous warm-up: a quorum every step, gradients averaged over it (torchft-style
-fault-tolerant DDP). Functions of the `LocalSGD` they serve."""
+fault-tolerant DDP). The loss (for the loss-spike guard) and the stop vote ride along with the gradients."""
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor, nn
 
-from edit_train.federation.link import FederationError, FederationRefused
-from edit_train.local_sgd.sync import SyncAborted
-
-if TYPE_CHECKING:
-    from edit_train.local_sgd.algorithms import LocalSGD
+from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
+from edit_train.local_sgd.membership import Membership
+from edit_train.local_sgd.protocols import Quorum, Transport
 
 log = logging.getLogger(__name__)
 
 
-def grads_allreduce(algo: LocalSGD) -> None:
-    """Average this step's gradients over the quorum (the shared loss and the stop vote ride along)."""
-    grads = []
-    for p in algo.model.parameters():
+def local_grads(model: nn.Module) -> list[Tensor]:
+    """This rank's gradient shards, in parameter order."""
+    out = []
+    for p in model.parameters():
         if p.grad is not None:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grads.append(g)
-    vote = None
-    loss = None
-    if algo.shared_loss is not None:  # ddp: the loss-spike decision must be the same on every group
-        loss = torch.tensor([algo.shared_loss], dtype=torch.float32, device=algo.comm.device)
-        grads.append(loss)
-    if algo.cfg.time_budget_s > 0:
-        _, agreed = algo._group_agree(0.0, algo._want_stop())
-        vote = torch.tensor([1.0 if agreed else 0.0], device=algo.comm.device)
-        grads.append(vote)
-        algo._last_exchange_t = time.time()
-    if algo.comm.federated:
-        try:  # torchft-style fault-tolerant DDP: a quorum every step, gradients averaged over it
-            algo.sync_index = algo.total_steps  # the replica's version is its step
-            m = algo._quorum(1)
-            if m is not None and len(m.members) > 1:
-                average_grads(algo, m, grads)
-        except FederationRefused:
-            raise
-        except (FederationError, SyncAborted) as exc:
-            log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
-                        algo.comm.name, exc)
-            algo.comm.abort()
-    if vote is not None and float(vote.item()) > 0:
-        algo.stopped = True
-    if loss is not None:
-        algo.shared_loss = float(loss.item())
+            out.append(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+    return out
 
 
-def average_grads(algo: LocalSGD, m: Any, grads: list[torch.Tensor]) -> None:
+def average(transport: Transport, q: Quorum, tensors: list[Tensor]) -> None:
     """Average over the members that were in step; a member that just healed (its gradients were taken
     on a stale replica) sends zeros and receives the average."""
-    behind = m.behind()
-    if m.me in behind:
-        for g in grads:
-            g.zero_()
-    algo.comm.all_reduce_(grads, params=None)
-    n = max(len(m.members) - len(behind), 1)
-    for g in grads:
-        g.div_(n)
-    algo.comm.abort()
+    behind = q.behind()
+    if q.me in behind:
+        for t in tensors:
+            t.zero_()
+    transport.reduce_(tensors).wait()
+    n = max(len(q.members) - len(behind), 1)
+    for t in tensors:
+        t.div_(n)
+    transport.abort()
+
+
+class GradientExchange:
+    def __init__(self, transport: Transport, membership: Membership) -> None:
+        self.t, self.membership = transport, membership
+
+    def exchange(self, model: nn.Module, step: int, loss: float | None, vote: bool | None) -> tuple[float | None, bool]:
+        """Average this step's gradients over the quorum. Returns (the agreed loss, any cluster's stop vote)."""
+        tensors = local_grads(model)
+        extra: list[Tensor] = []
+        for value in (loss, None if vote is None else float(vote)):
+            if value is not None:
+                extra.append(torch.tensor([value], dtype=torch.float32, device=self.t.cluster.device))
+        if self.t.federated:
+            try:  # a quorum every step, gradients averaged over it
+                self.membership.sync_index = step  # the replica's version is its step
+                q = self.membership.form(1)
+                if q is not None and q.shared:
+                    average(self.t, q, tensors + extra)
+            except FederationRefused:
+                raise
+            except (FederationError, SyncAborted) as exc:
+                log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
+                            self.t.name, exc)
+                self.t.abort()
+        agreed = float(extra[0].item()) if loss is not None else None
+        stop = vote is not None and float(extra[-1].item()) > 0
+        return agreed, stop

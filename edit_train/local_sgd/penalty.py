@@ -27,8 +27,10 @@ __all__ = [
     "weights",
     "clip_coef",
     "clip_coef_from_sqnorm",
+    "clip_factor",
     "weighted",
     "aggregate",
+    "decide_with",
 ]
 
 _WEIGHTINGS = ("softmax", "uniform")
@@ -37,8 +39,12 @@ _PREFIX = "algo.penalty"  # where the config lives in the Hydra tree (for error 
 
 @dataclass
 class PenaltyConfig:
-    """Anomaly elimination, weighting and clipping of pseudo-gradients (exact math: docs/sync_math.md)."""
+    """Anomaly elimination, weighting and clipping of pseudo-gradients (exact math: docs/sync_math.md).
 
+    ``rule`` names the aggregation rule (`local_sgd/rules.py`): a registered name or ``"module:attr"`` of a
+    rule class defined outside the package; the other fields are the parameters of the built-in rules."""
+
+    rule: str = "edit_norm"
     anomaly: bool = True
     weighting: str = "softmax"
     clip: bool = True
@@ -51,6 +57,11 @@ class PenaltyConfig:
     sigma_floor: float = 0.05  # σ used in z is at least sigma_floor·|μ|
     readmit_after: int = 12  # the k-th consecutive flag of a worker is accepted as its new level (0 = never)
     regime_change: bool = True  # a shift shared by most workers rescales everyone's statistics instead
+
+    @property
+    def clip_phi(self) -> float | None:
+        """The clip threshold φ, or None when clipping is off."""
+        return self.clip_threshold if self.clip else None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""
@@ -163,20 +174,26 @@ def weights(
     return w
 
 
-def clip_coef(delta_norm: float, cfg: PenaltyConfig) -> float:
-    """``min(1, φ/(‖Δ‖ + 1e-6))`` if clipping, else 1. A non-finite norm gives 0 (drop the update)."""
-    if not cfg.clip:
+def clip_factor(sqnorm: float, phi: float | None) -> float:
+    """``min(1, φ/(‖Δ‖ + 1e-6))`` from the squared norm ``‖Δ‖²`` (1 when ``phi`` is None: no clipping). A
+    non-finite norm gives 0 (drop the update)."""
+    if phi is None:
         return 1.0
-    delta_norm = float(delta_norm)
-    if not math.isfinite(delta_norm):
+    sqnorm = float(sqnorm)
+    if not math.isfinite(sqnorm):
         return 0.0
-    return min(1.0, cfg.clip_threshold / (delta_norm + 1e-6))
+    return min(1.0, phi / (math.sqrt(max(sqnorm, 0.0)) + 1e-6))
+
+
+def clip_coef(delta_norm: float, cfg: PenaltyConfig) -> float:
+    """:func:`clip_factor` of a norm under ``cfg`` (``cfg.clip`` off: 1)."""
+    delta_norm = float(delta_norm)
+    return clip_factor(delta_norm * delta_norm if math.isfinite(delta_norm) else math.inf, cfg.clip_phi)
 
 
 def clip_coef_from_sqnorm(sq: float, cfg: PenaltyConfig) -> float:
     """:func:`clip_coef` from a squared norm (e.g. summed over a shard group)."""
-    sq = float(sq)
-    return clip_coef(math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else math.inf, cfg)
+    return clip_factor(sq, cfg.clip_phi)
 
 
 def weighted(tensors: Sequence[Tensor], weight: float) -> list[Tensor]:
@@ -213,8 +230,65 @@ def aggregate(
     return out, coef
 
 
+def decide_with(st: EWMAStats, module: str, g: Tensor, steps: Tensor | None, cfg: PenaltyConfig) -> Decision:
+    """One module's EDiT decision against the statistics ``st`` (one row per worker of ``g``), which are
+    updated with the accepted values: the anomaly test, regime rescale, re-admission and weights."""
+    x = per_step(g, steps)
+    finite = torch.isfinite(x)
+    anomalous = ~finite
+    readmit = torch.zeros_like(finite)
+    floor = cfg.sigma_floor
+    z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+    thr = torch.full_like(x, math.inf)
+    if cfg.anomaly:
+        # At least 2 accepted values are needed for a meaningful σ, whatever warmup_syncs says.
+        warm = st.count >= max(cfg.warmup_syncs, 2)
+        thr = torch.where(warm, st.threshold(cfg.z_threshold), thr)
+        if cfg.regime_change and _regime(st, x, z, thr, warm, finite):
+            z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+            warm = st.count >= max(cfg.warmup_syncs, 2)
+            thr = torch.where(warm, st.threshold(cfg.z_threshold), torch.full_like(x, math.inf))
+        flagged = warm & finite & (z > thr)
+        if cfg.readmit_after > 0:
+            st.track_streak(x, flagged)
+            readmit = st.streak >= cfg.readmit_after
+            if bool(readmit.any()):
+                st.rebase(readmit)  # the streak (this value included) becomes the new level
+            flagged = flagged & ~readmit
+        anomalous = anomalous | flagged
+    st.update(x, ~anomalous & ~readmit)
+    w = weights(g, anomalous, cfg, steps)
+    return Decision(module=module, norms=g.tolist(), weights=w.tolist(), anomalous=anomalous.tolist(),
+                    z=z.tolist(), all_anomalous=bool(anomalous.all()), threshold=thr.tolist())
+
+
+def _regime(st: EWMAStats, x: Tensor, z: Tensor, thr: Tensor, warm: Tensor, finite: Tensor) -> bool:
+    """A shift shared by a strict majority of the warm workers is a regime change, not an anomaly:
+    rescale every worker's statistics by the shared factor ``c`` (the lower median of ``x/μ`` for a
+    rise, the upper median for a drop), so only workers that moved differently stay flagged.
+    If ``c`` is 0 or infinite (e.g. a history of exact zeros), the statistics restart. True if so."""
+    n_warm = int(warm.sum())
+    if n_warm < 2:
+        return False
+    live = warm & finite
+    up, down = int((live & (z > thr)).sum()), int((live & (z < -thr)).sum())
+    if 2 * up <= n_warm and 2 * down <= n_warm:
+        return False
+    xs, mus = x[live], st.mu[live]
+    q = torch.where(mus > 0, xs / torch.where(mus > 0, mus, torch.ones_like(mus)),
+                    torch.where(xs > 0, math.inf, 1.0))
+    q, _ = torch.sort(q)
+    c = float(q[(q.numel() - 1) // 2]) if 2 * up > n_warm else float(q[q.numel() // 2])
+    if math.isfinite(c) and c > 0:
+        st.rescale(c)
+    else:
+        st.reset()
+    return True
+
+
 class PseudoGradAggregator:
-    """Per-module EWMA statistics + the deterministic anomaly/weight decision."""
+    """Per-module EWMA statistics of a fixed set of workers + the deterministic decision (`decide_with`).
+    The sync uses the same math through the per-cluster-name rule in `rules.py`."""
 
     def __init__(self, cfg: PenaltyConfig, num_workers: int) -> None:
         cfg.validate()
@@ -236,65 +310,7 @@ class PseudoGradAggregator:
             raise ValueError(f"decide({module!r}): expected {self.num_workers} norms, got {g.numel()}")
         if steps is not None:
             steps = torch.as_tensor(steps, dtype=torch.float64).detach().cpu().reshape(-1)
-        x = per_step(g, steps)
-        cfg, st = self.cfg, self._stats(module)
-        finite = torch.isfinite(x)
-        anomalous = ~finite
-        readmit = torch.zeros_like(finite)
-        floor = cfg.sigma_floor
-        z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
-        thr = torch.full_like(x, math.inf)
-        if cfg.anomaly:
-            # At least 2 accepted values are needed for a meaningful σ, whatever warmup_syncs says.
-            warm = st.count >= max(cfg.warmup_syncs, 2)
-            thr = torch.where(warm, st.threshold(cfg.z_threshold), thr)
-            if cfg.regime_change and self._regime(st, x, z, thr, warm, finite):
-                z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
-                warm = st.count >= max(cfg.warmup_syncs, 2)
-                thr = torch.where(warm, st.threshold(cfg.z_threshold), torch.full_like(x, math.inf))
-            flagged = warm & finite & (z > thr)
-            if cfg.readmit_after > 0:
-                st.track_streak(x, flagged)
-                readmit = st.streak >= cfg.readmit_after
-                if bool(readmit.any()):
-                    st.rebase(readmit)  # the streak (this value included) becomes the new level
-                flagged = flagged & ~readmit
-            anomalous = anomalous | flagged
-        st.update(x, ~anomalous & ~readmit)
-        w = weights(g, anomalous, cfg, steps)
-        return Decision(
-            module=module,
-            norms=g.tolist(),
-            weights=w.tolist(),
-            anomalous=anomalous.tolist(),
-            z=z.tolist(),
-            all_anomalous=bool(anomalous.all()),
-            threshold=thr.tolist(),
-        )
-
-    @staticmethod
-    def _regime(st: EWMAStats, x: Tensor, z: Tensor, thr: Tensor, warm: Tensor, finite: Tensor) -> bool:
-        """A shift shared by a strict majority of the warm workers is a regime change, not an anomaly:
-        rescale every worker's statistics by the shared factor ``c`` (the lower median of ``x/μ`` for a
-        rise, the upper median for a drop), so only workers that moved differently stay flagged.
-        If ``c`` is 0 or infinite (e.g. a history of exact zeros), the statistics restart. True if so."""
-        n_warm = int(warm.sum())
-        if n_warm < 2:
-            return False
-        live = warm & finite
-        up, down = int((live & (z > thr)).sum()), int((live & (z < -thr)).sum())
-        if 2 * up <= n_warm and 2 * down <= n_warm:
-            return False
-        xs, mus = x[live], st.mu[live]
-        q = torch.where(mus > 0, xs / torch.where(mus > 0, mus, torch.ones_like(mus)),
-                        torch.where(xs > 0, math.inf, 1.0))
-        q, _ = torch.sort(q)
-        c = float(q[(q.numel() - 1) // 2]) if 2 * up > n_warm else float(q[q.numel() // 2])
-        if math.isfinite(c) and c > 0:
-            st.rescale(c)
-        else:
-            st.reset()
-        return True
+        return decide_with(self._stats(module), module, g, steps, self.cfg)
 
     def state_dict(self) -> dict[str, Tensor]:
         """Flat ``{"<module>/<field>": tensor}`` for the fields mu, m2, count, streak, streak_mu, streak_m2

@@ -79,6 +79,28 @@ class EWMAStats:
             m -= 1
         self._m = m
 
+    FIELDS = ("mu", "m2", "count", "streak", "streak_mu", "streak_m2")
+
+    def select(self, rows: Tensor) -> EWMAStats:
+        """The statistics of the workers ``rows`` (a copy), e.g. the participants of one sync."""
+        sub = EWMAStats(rows.numel(), self.alpha)
+        for f in self.FIELDS:
+            setattr(sub, f, getattr(self, f).index_select(0, rows).clone())
+        return sub
+
+    def assign(self, rows: Tensor, sub: EWMAStats) -> None:
+        """Write ``sub`` (from :meth:`select`, then updated) back into the rows it came from."""
+        for f in self.FIELDS:
+            full = getattr(self, f).clone()
+            full[rows] = getattr(sub, f)
+            setattr(self, f, full)
+
+    def grow(self, n: int) -> None:
+        """Add ``n`` workers with empty statistics (clusters seen for the first time)."""
+        for f in self.FIELDS:
+            val = getattr(self, f)
+            setattr(self, f, torch.cat([val, torch.zeros(n, dtype=val.dtype)]))
+
     @property
     def w2(self) -> Tensor:
         """``Σ wⱼ²`` of the normalised weights of the values in the statistics (1 when count ≤ 1)."""

@@ -6,7 +6,6 @@ Pure Python; the cross-group exchange of measured step times is done by the call
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,32 +56,20 @@ class StepSchedule:
         """True for the first ``warmup_steps`` (0-based global) steps, which are fully synchronous."""
         return step < self.cfg.warmup_steps
 
-    def should_sync(self, local_steps_since_sync: int) -> bool:
-        """True once ``interval`` local steps have been taken since the last sync."""
-        return local_steps_since_sync >= self.cfg.interval
-
 
 class TimePlanner:
-    """A-EDiT: each worker plans ``Hᵢ = max(min_steps, ⌊τ / secs_per_stepᵢ⌋)`` (capped by max_steps).
+    """A-EDiT: a cluster plans ``H = max(min_steps, ⌊τ / secs_per_step⌋)`` (capped by max_steps).
 
     A missing measurement (NaN, ≤ 0) falls back to ``interval``; an infinite one gives ``min_steps``.
     """
 
-    def __init__(self, cfg: ScheduleConfig, num_workers: int) -> None:
+    def __init__(self, cfg: ScheduleConfig) -> None:
         cfg.validate()
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.cfg = cfg
-        self.num_workers = num_workers
-        self.last_plan: list[int] = self.initial_plan()
 
     def _clamp(self, h: int) -> int:
         h = max(self.cfg.min_steps, h)
         return min(h, self.cfg.max_steps) if self.cfg.max_steps > 0 else h
-
-    def initial_plan(self) -> list[int]:
-        """Plan before any step time is known: ``interval`` for everyone (clamped)."""
-        return [self._clamp(self.cfg.interval)] * self.num_workers
 
     def steps_for(self, secs_per_step: float) -> int:
         """Local steps that fit in τ at ``secs_per_step`` seconds per step."""
@@ -93,25 +80,6 @@ class TimePlanner:
             return self._clamp(self.cfg.min_steps)
         # The epsilon keeps e.g. 0.7 / 0.1 = 6.9999… from flooring to 6.
         return self._clamp(int(math.floor(self.cfg.sync_time_s / s + 1e-9)))
-
-    def plan(self, secs_per_step: Sequence[float]) -> list[int]:
-        """One ``Hᵢ`` per worker from every worker's measured seconds per local step."""
-        if len(secs_per_step) != self.num_workers:
-            raise ValueError(f"plan: expected {self.num_workers} step times, got {len(secs_per_step)}")
-        self.last_plan = [self.steps_for(s) for s in secs_per_step]
-        return list(self.last_plan)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_plan": list(self.last_plan)}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        plan = [int(h) for h in sd["last_plan"]]
-        if len(plan) != self.num_workers:
-            raise ValueError(
-                f"schedule state: plan for {len(plan)} workers but there are {self.num_workers}; "
-                "the checkpoint was written with a different cluster.groups"
-            )
-        self.last_plan = plan
 
 
 class StepTimer:

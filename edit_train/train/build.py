@@ -6,16 +6,21 @@ import hashlib
 import json
 import os
 import zlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
 from edit_train.config import ClusterSpec, Config, ConfigError, cluster_specs, to_container
-from edit_train.federation.comm import FederationComm
+from edit_train.federation import heal
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
+from edit_train.federation.transport import LaneTransport, lighthouse_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
 from edit_train.train.metrics import MetricsLogger
 
@@ -48,28 +53,33 @@ def local_sgd_config(cfg: Config) -> LocalSGDConfig:
     a = cfg.algo
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
+    membership = MembershipConfig(fingerprint=fingerprint(cfg), expected=tuple(s.name for s in cluster_specs(cfg)),
+                                  start_timeout_s=cfg.federation.quorum_timeout_s,
+                                  regroup_s=cfg.federation.join_timeout_s)
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
-                          fingerprint=fingerprint(cfg), expected=tuple(s.name for s in cluster_specs(cfg)),
-                          start_timeout_s=cfg.federation.quorum_timeout_s, regroup_s=cfg.federation.join_timeout_s,
-                          shares_loss=cfg.train.spike_factor > 0)
+                          membership=membership, shares_loss=cfg.train.spike_factor > 0)
 
 
-def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
-                    optimizer: torch.optim.Optimizer | None = None, federated: bool = True) -> LocalSGD:
+def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTransport:
+    """This rank's cross-cluster transport: torchft's Lighthouse and gloo lanes bound to this host's address."""
     f = cfg.federation
-    link = LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms)
     lighthouse = f.lighthouse or os.environ.get("EDIT_TRAIN_LIGHTHOUSE") or None
     if federated and lighthouse is None:
         raise ConfigError("federation.lighthouse: this cluster is part of a federation but no Lighthouse address "
                           "is set; run `edit-train` (it starts one) or pass federation.lighthouse=HOST:PORT")
-    comm = FederationComm(topo.name, topo.rank, topo.world_size, topo.shard_pg, topo.device,
-                          lighthouse=lighthouse if federated else None,
-                          host=os.environ.get("EDIT_TRAIN_HOST") or f.host, chunks=f.chunks, link=link,
-                          quorum_timeout_s=f.quorum_timeout_s, collective_timeout_s=f.collective_timeout_s,
-                          compression=CompressionConfig(cfg.sync.compression, cfg.sync.block_size,
-                                                        cfg.sync.scale_dtype, cfg.sync.error_feedback))
-    return LocalSGD(local_sgd_config(cfg), model, fsdp_units(model), comm, topo.shard_pg, topo.shard_size,
-                    emit=metrics.log, is_group_leader=topo.is_group_leader, group_index=topo.group_index,
-                    optimizer=optimizer)
+    return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None,
+                                os.environ.get("EDIT_TRAIN_HOST") or f.host, f.chunks,
+                                LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
+                                f.quorum_timeout_s, f.collective_timeout_s,
+                                CompressionConfig(cfg.sync.compression, cfg.sync.block_size, cfg.sync.scale_dtype,
+                                                  cfg.sync.error_feedback))
+
+
+def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
+                    optimizer: torch.optim.Optimizer | None = None, federated: bool = True,
+                    span: Callable[[str], AbstractContextManager[Any]] | None = None) -> LocalSGD:
+    return LocalSGD(local_sgd_config(cfg), model, fsdp_units(model), build_transport(cfg, topo, federated),
+                    (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.group_index,
+                    optimizer=optimizer, span=span or (lambda _n: nullcontext()))

@@ -26,10 +26,10 @@ def save_checkpoint(tr: Trainer) -> None:
     p = tr.progress
     tensors = {"model": model_tensors(tr.model), "optim": optimizer_tensors(tr.optimizer, tr.model),
                "rng": rng_tensors(), "requeue": tr.spike.state_tensors()}
-    tensors.update(tr.algo.state_tensors())
+    tensors.update(tr.algo.state.tensors())
     state = {"step": p.step, "tokens": p.tokens, "skipped_steps": p.skipped_steps,
              "wall_s": p.wall_offset + (time.time() - tr.t0), "loader": tr.loader.state_dict(),
-             "rng": rng_json(), "algo": tr.algo.state_json(), "config": to_container(tr.cfg),
+             "rng": rng_json(), "algo": tr.algo.state.json(), "config": to_container(tr.cfg),
              "wandb_run_id": tr.wandb.run_id if tr.wandb else None,
              "spike": tr.spike.state_json(), "time": tr.timing.snapshot()}
     # groups of a time-scheduled run have different step counts: name the checkpoint by the agreed one
@@ -61,7 +61,7 @@ def resume(tr: Trainer, path: Path, tensors: dict[str, dict[str, torch.Tensor]],
 
     load_model_tensors(tr.model, tensors["model"])
     load_optimizer_tensors(tr.optimizer, tr.model, tensors["optim"])
-    tr.algo.load_state(tensors, state["algo"])
+    tr.algo.state.load(tensors, state["algo"])
     tr.loader.load_state_dict(state["loader"])
     restore_rng(tensors["rng"], state["rng"])
     if "spike" in state:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edit_train.cluster.mesh import local_tensor
+from edit_train.cluster.group import local_tensor
 from edit_train.train.checkpoint import CheckpointError
 
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edit_train.cluster.collectives import all_gather_json
 
 if TYPE_CHECKING:
     from edit_train.train.trainer import Trainer
@@ -106,9 +105,9 @@ def finish_summary(tr: Trainer, val_loss: float, init_val: float | None) -> dict
     topo, p = tr.topo, tr.progress
     wall = p.wall_offset + time.time() - tr.t0
     mine = {"mfu": sum(tr.mfu_values) / len(tr.mfu_values) if tr.mfu_values else None,
-            "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **tr.algo.group_stats(),
+            "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **tr.algo.stats(),
             "slowdown_slept_s": tr.slowdown.slept_s}
-    ranks = all_gather_json(mine, topo.shard_pg, topo.world_size, topo.device)
+    ranks = topo.group.all_gather_json(mine)
     lead = ranks[0]
     alive = time.time() - tr.t_start
     record = {

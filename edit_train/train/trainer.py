@@ -24,14 +24,13 @@ from tqdm import tqdm
 from edit_train.config import Config, to_container, validate
 from edit_train.data.loader import TokenLoader
 from edit_train.data.prepare import ensure_dataset
-from edit_train.cluster.collectives import broadcast_json
 from edit_train.cluster.mesh import Topology, init_topology, parallelize
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
 from edit_train.sim.hetero import Slowdown
 from edit_train.timing import TimeAccount, window
-from edit_train.local_sgd.sync import SyncAborted
+from edit_train.local_sgd.errors import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.summary import finish_summary, load_useful, save_useful
 from edit_train.train.checkpoint import CheckpointManager
@@ -83,8 +82,7 @@ def agree_on_config(cfg: Config, topo: Topology) -> Config:
         return cfg
     from edit_train.config import from_container
 
-    return from_container(broadcast_json(to_container(cfg) if topo.rank == 0 else None, topo.shard_pg,
-                                         topo.world_size, topo.device))
+    return from_container(topo.group.broadcast_json(to_container(cfg) if topo.rank == 0 else None))
 
 
 class Trainer:
@@ -186,13 +184,13 @@ class Trainer:
                                    run_id=resume_from[2].get("wandb_run_id") if resume_from else None)
             sinks.append(self.wandb)
         self.metrics = MetricsLogger(sinks)
-        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated)
+        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
+                                    span=self.timing.span)  # the layer-wise sync hooks charge their work to `sync`
         if self.is_main and topo.group_index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         if resume_from is not None:
             resume(self, *resume_from)
-        self.algo.span = self.timing.span  # the layer-wise sync hooks charge their work to `sync`
-        self.timing.attach_blocked(lambda: self.algo.comm.blocked_s)  # after resume restored the counter
+        self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
     # ------------------------------------------------------------------ utils
     def _barrier(self) -> None:
@@ -263,14 +261,14 @@ class Trainer:
             (out.loss / len(batches)).backward()
             loss_sum += float(out.ce_loss.detach()) / len(batches)
         self.faults.corrupt_grads(step, self.model)
-        if self.spike.enabled:  # the spike decision needs the loss every rank sharing the update agrees on
-            self.algo.shared_loss = float(self._group_mean(loss_sum.clone().reshape(1))[0])
+        # the spike decision needs the loss every rank sharing the update agrees on
+        shared = float(self._group_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
         with self.timing.span("sync"):
-            self.algo.after_backward(step)
-        if self.spike.enabled and self.spike.check(self.algo.shared_loss, step, batches):
+            shared = self.algo.after_backward(step, shared)
+        if self.spike.enabled and shared is not None and self.spike.check(shared, step, batches):
             self.optimizer.zero_grad(set_to_none=True)
             if topo.is_group_leader:
-                self.metrics.log("spike", step=step + 1, group=topo.group_index, loss=self.algo.shared_loss,
+                self.metrics.log("spike", step=step + 1, group=topo.group_index, loss=shared,
                                  running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
             self._last_out, self._lr = out, lr
             return float(loss_sum), True
@@ -289,10 +287,9 @@ class Trainer:
         tokens_per_step = self.group_batch * t.seq_len * t.grad_accum
         self.timing.claim("startup")  # everything since the process began building this trainer
         with self.timing.span("startup", keeps_blocked=True):  # waiting for the federation to form is start-up
-            self.algo.join()
-        if self.algo.adopt_step is not None:
-            p.step = max(p.step, self.algo.adopt_step)  # a healed cluster continues from the federation's step
-            self.algo.adopt_step = None
+            adopted = self.algo.join()
+        if adopted is not None:
+            p.step = max(p.step, adopted)  # a healed cluster continues from the federation's step
         self.startup_s = time.time() - self.t_start
         own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
@@ -310,8 +307,8 @@ class Trainer:
             self.faults.maybe_kill(step)
             cut = self.faults.partition_at(step)
             if cut > 0:
-                self.algo.comm.partition(cut)
-            step_t0, blocked0, compute0 = time.time(), self.algo.comm.blocked_s, self.timing.totals["compute"]
+                self.algo.partition(cut)
+            step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
             with self.timing.span("compute"):
                 loss, applied = self.train_step(step)
             # simulated slower hardware stretches compute only (forward/backward/optimizer), not the data,
@@ -327,10 +324,10 @@ class Trainer:
             p.tokens += tokens_per_step
             window_tokens += tokens_per_step
             with self.timing.span("sync"):
-                self.algo.after_step(step, time.time() - step_t0, self.metrics)
-            if self.algo.adopt_step is not None:  # healed mid-run: continue from the federation's step
-                p.step, self.algo.adopt_step = self.algo.adopt_step, None
-            self._account_useful(time.time() - step_t0 - (self.algo.comm.blocked_s - blocked0))
+                outcome = self.algo.after_step(step, time.time() - step_t0)
+            if outcome.adopt_step is not None:  # healed mid-run: continue from the federation's step
+                p.step = outcome.adopt_step
+            self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
                 now, split = time.time(), self.timing.snapshot()
@@ -348,8 +345,7 @@ class Trainer:
             bar.update(1)
             if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
                 self.eval_logged()
-            elif not self.algo.lockstep and self.algo.eval_due and not self.algo.stopped:
-                self.algo.eval_due = False  # every group sees the same exchange, so every group evaluates
+            elif not self.algo.lockstep and outcome.eval_due:  # every cluster sees the same exchange: all eval
                 self.eval_logged()
             if (cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and self.algo.lockstep
                     and not self.algo.should_stop(p.step)):
@@ -365,7 +361,7 @@ class Trainer:
             self.save_checkpoint()
         summary = finish_summary(self, val_loss, init_val)
         self.metrics.close(summary)
-        self.algo.comm.close()
+        self.algo.close()
         if topo.distributed:
             dist.barrier(group=topo.shard_pg)
         return summary
@@ -394,6 +390,6 @@ def train(cfg: Config) -> dict[str, Any]:
     try:
         return trainer.run()
     finally:
-        trainer.algo.comm.close()
+        trainer.algo.close()
         if trainer.topo.distributed and dist.is_initialized():
             dist.destroy_process_group()

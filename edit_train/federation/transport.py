@@ -1,0 +1,321 @@
+"""`LaneTransport`: the core's `Transport` across clusters. Every byte that crosses clusters goes through here.
+
+Per sync: `form_start`/`form_poll` get the quorum (the leader asks a quorum service — torchft's Lighthouse,
+or `federation.inproc` in one process — and the answer is broadcast inside the cluster), then every rank
+configures its lanes (`lanes.py`); `all_gather` exchanges small per-cluster vectors over lane 0; `reduce_`
+sums a module's weighted pseudo-gradient over the lanes (fp32 SUM, or a compressed payload with error
+feedback, `compressed_reduce.py`); `vote` is the commit decision; `send_bytes`/`recv_bytes` carry heal
+payloads. Bytes are counted from the tensors handed to the collectives; the simulated WAN link (`link.py`)
+delays their delivery.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+
+from edit_train.federation.compress import CompressionConfig, ErrorFeedback
+from edit_train.federation.compressed_reduce import BackgroundReducer, handed_bytes, plan
+from edit_train.federation.forming import Forming
+from edit_train.federation.lanes import Lanes
+from edit_train.federation.link import LinkClock, LinkModel, Pending
+from edit_train.local_sgd.errors import FederationError, FederationRefused
+from edit_train.local_sgd.protocols import ClusterGroup, Quorum
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class QuorumService(Protocol):
+    """Where a cluster's leader asks for each sync's quorum (torchft's Lighthouse client, or the in-process
+    hub's)."""
+
+    def request(self, sync: int, size: int, store: str, data: dict[str, Any], timeout_s: float) -> Quorum | None: ...
+
+    def partition(self, seconds: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _FutureWork:
+    """A compressed reduction running on a lane's background thread, seen as a Work: wait() puts the sum
+    in place."""
+
+    def __init__(self, future: Any, out: Tensor) -> None:
+        self._future, self._out = future, out
+
+    def is_completed(self) -> bool:
+        return bool(self._future.done())
+
+    def wait(self) -> None:
+        total, _ = self._future.result()
+        self._out.copy_(total)
+
+
+def _sum_opts() -> AllreduceOptions:
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    return opts
+
+
+class LaneTransport:
+    """Cross-cluster collectives of one rank. Not `federated` (a lone cluster): every call is local."""
+
+    def __init__(self, name: str, cluster: ClusterGroup, lanes: Lanes, federated: bool,
+                 service: QuorumService | None = None, store_addr: str = "", chunks: int = 4,
+                 link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
+                 compression: CompressionConfig | None = None, store: Any = None) -> None:
+        self.name, self.cluster, self.lanes, self.federated = name, cluster, lanes, federated
+        self.store = store  # the leader's store the lanes rendezvous in (kept alive with the transport)
+        self.service, self.store_addr, self.chunks = service, store_addr, chunks
+        self.clock = LinkClock(link)
+        self.quorum_timeout_s = quorum_timeout_s
+        self._quorum: Quorum | None = None
+        self._forming: Forming | None = None  # a quorum being formed in the background
+        # pseudo-gradient payloads: fp32 SUM all-reduce, or bf16/int8/fp8 (compressed_reduce) with this rank's
+        # error-feedback residuals; one background thread per lane keeps each lane's collectives in order
+        self.compression = compression or CompressionConfig()
+        self.compression.validate()
+        self.feedback = ErrorFeedback()
+        self._reducers: dict[int, BackgroundReducer] = {}
+
+    # ------------------------------------------------------------ accounting
+    @property
+    def bytes_sent(self) -> int:
+        return self.clock.bytes_sent
+
+    @property
+    def blocked_s(self) -> float:
+        return self.clock.blocked_s
+
+    def waiting(self) -> AbstractContextManager[None]:
+        return self.clock.waiting()
+
+    def carry(self, bytes_sent: int, blocked_s: float) -> None:
+        self.clock.bytes_sent, self.clock.blocked_s = bytes_sent, blocked_s
+
+    @property
+    def quorum(self) -> Quorum | None:
+        return self._quorum
+
+    @property
+    def _shared(self) -> bool:
+        return self._quorum is not None and self._quorum.shared
+
+    def partition(self, seconds: float) -> None:
+        if self.service is not None:
+            self.service.partition(seconds)
+
+    # ---------------------------------------------------------------- quorum
+    def form_start(self, sync: int, data: dict[str, Any]) -> None:
+        """Start forming this sync's quorum on background threads (`form_poll` collects it)."""
+        assert self._forming is None, "a quorum is already being formed"
+        self.lanes.abort()
+        self._quorum = None
+        if not self.federated:
+            self._quorum = Quorum.solo(self.name, sync, self.cluster.size, data)
+            return
+        ask = (lambda: self._ask(sync, data)) if self.cluster.rank == 0 else None
+        self._forming = Forming(self.cluster, self.clock, ask, self._connect, self.lanes.abort)
+
+    @property
+    def forming(self) -> bool:
+        return self._forming is not None
+
+    def form_poll(self, block: bool = False) -> tuple[bool, Quorum | None]:
+        """(done, quorum). Not blocking unless `block`; every rank of the cluster gets the same answer."""
+        if self._forming is None:
+            return True, self._quorum
+        try:
+            done = self._forming.poll(block)
+        except FederationError:
+            self._forming = None
+            raise
+        if done:
+            self._quorum, self._forming = self._forming.quorum, None
+        return done, self._quorum
+
+    def _ask(self, sync: int, data: dict[str, Any]) -> dict[str, Any]:
+        """The leader's quorum request (a background thread): {"ok", "m" | "error"} as JSON."""
+        assert self.service is not None
+        try:
+            q = self.service.request(sync, self.cluster.size, self.store_addr, data, self.quorum_timeout_s)
+            return {"ok": True, "m": q.to_json() if q is not None else None}
+        except FederationError as exc:  # the leader's answer reaches its cluster as JSON: keep the kind
+            return {"ok": False, "error": str(exc), "refused": isinstance(exc, FederationRefused)}
+
+    def _connect(self, quorum: Quorum) -> bool:
+        """This rank's lanes for `quorum` (a background thread); False when a peer did not connect."""
+        try:
+            self.lanes.configure(quorum, self.cluster.rank, self.cluster.size, self.chunks)
+            return True
+        except FederationError as exc:
+            log.warning("cluster %s: %s", self.name, exc)
+            return False
+
+    def abort(self) -> None:
+        """Drop the current quorum's groups (after a failed collective)."""
+        self.lanes.abort()
+
+    def close(self) -> None:
+        for r in self._reducers.values():
+            r.shutdown(wait=False)
+        self._reducers.clear()
+        self.lanes.abort()
+        if self.service is not None:
+            self.service.close()
+
+    # ------------------------------------------------------- small exchanges
+    def all_gather(self, vec: Tensor, what: str = "norm exchange") -> Pending[Tensor]:
+        """[members, n] rows of a small float64 vector (lane 0 among the leaders, then inside the cluster)."""
+        return self._gather(vec, what, lambda rows: rows)
+
+    def vote(self, ok: bool) -> Pending[bool]:
+        """should_commit: True only if every rank of every participant says ok (and nobody is lost)."""
+        ok = self.cluster.agree(ok)
+        return self._gather(torch.tensor([1.0 if ok else 0.0]), "commit vote", lambda rows: bool(rows.min() > 0))
+
+    def _gather(self, vec: Tensor, what: str, result: Callable[[Tensor], T]) -> Pending[T]:
+        vec = vec.detach().to("cpu", torch.float64).contiguous()
+        q = self._quorum
+        n = len(q.members) if q is not None and q.shared else 1
+        out = [torch.zeros_like(vec) for _ in range(n)]
+        if n == 1:
+            out[0].copy_(vec)
+            return Pending(self.clock, [], 0.0, result=lambda: result(torch.stack(out)))
+        works: list[Any] = []
+        ready_at = 0.0
+        c = self.cluster
+        if c.rank == 0:
+            ready_at = self.clock.account(vec.numel() * vec.element_size())
+            works = [self.lanes.groups[0].allgather([out], [vec], AllgatherOptions())]
+
+        def share(ok: bool) -> bool:
+            if c.size > 1:  # the leader's rows (and whether it got them) to the cluster
+                flat = torch.zeros(n + 1, vec.numel(), dtype=vec.dtype)
+                if c.rank == 0:
+                    flat[0, 0] = 1.0 if ok else 0.0
+                    if ok:
+                        flat[1:] = torch.stack(out)
+                flat = c.broadcast_(flat.to(c.device)).cpu()
+                ok = bool(flat[0, 0] > 0)
+                for i in range(n):
+                    out[i].copy_(flat[i + 1])
+            return ok
+
+        return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
+
+    # ------------------------------------------------------- module reduce
+    def _lane_sum(self, lane: int, flat: Tensor, key: str) -> tuple[Any, int]:
+        """Start the SUM of `flat` (in place) over one lane: (work, bytes handed to the collectives)."""
+        pg = self.lanes.groups[lane]
+        if not key or not self.compression.lossy:
+            return pg.allreduce([flat], _sum_opts()), flat.numel() * flat.element_size()
+        assert self._quorum is not None
+        reducer = self._reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
+        nbytes = handed_bytes(plan(flat.numel(), len(self._quorum.members), self.compression), self._quorum.me,
+                              self.compression)
+        future = reducer.submit(flat, pg, self.compression, feedback=self.feedback, key=f"{key}#{lane}")
+        return _FutureWork(future, flat), nbytes
+
+    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Pending[None]:
+        """In-place SUM over the participants of a module's (already weighted) local shards."""
+        if not self._shared or not tensors:
+            return Pending(self.clock, [], 0.0)
+        assert self._quorum is not None
+        if self._quorum.paired:
+            return self._paired(tensors, key)
+        return self._chunked(tensors, params, key)
+
+    def _paired(self, tensors: list[Tensor], key: str) -> Pending[None]:
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
+        work, nbytes = self._lane_sum(self.cluster.rank, flat, key)
+        ready_at = self.clock.account(nbytes)
+
+        def unflatten(ok: bool) -> bool:
+            if not self.cluster.agree(ok):
+                return False
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+            return True
+
+        return Pending(self.clock, [work], ready_at, settle=unflatten, what="pseudo-gradient reduction")
+
+    def _chunked(self, tensors: list[Tensor], params: list[Tensor] | None, key: str) -> Pending[None]:
+        c = self.cluster
+        likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
+        fulls = [c.full(t, p) for t, p in zip(tensors, likes)]
+        flat = torch.cat([f.detach().reshape(-1).to("cpu", torch.float32) for f in fulls])
+        pieces = list(torch.tensor_split(flat, self.chunks))
+        mine = [j for j in range(self.chunks) if j % c.size == c.rank]
+        works, nbytes = [], 0
+        for j in mine:
+            work, n = self._lane_sum(j, pieces[j], key)
+            nbytes += n
+            works.append(work)
+        ready_at = self.clock.account(nbytes) if mine else 0.0
+
+        def assemble(ok: bool) -> bool:
+            if not c.agree(ok):
+                return False
+            full = torch.zeros_like(flat)
+            bounds = [0]
+            for p in pieces:
+                bounds.append(bounds[-1] + p.numel())
+            for j in mine:
+                full[bounds[j]:bounds[j + 1]] = pieces[j]
+            full = c.sum_(full.to(c.device))
+            offset = 0
+            for t, f in zip(tensors, fulls):
+                whole = full[offset:offset + f.numel()].view(f.shape)
+                offset += f.numel()
+                t.copy_(c.shard(whole, t).to(t.dtype))
+            return True
+
+        return Pending(self.clock, works, ready_at, settle=assemble, what="pseudo-gradient reduction")
+
+    # --------------------------------------------------------------- healing
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        """Leader to leader over lane 0 (length first, then the bytes)."""
+        pg = self.lanes.groups[0]
+        n = torch.tensor([len(payload)], dtype=torch.int64)
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        Pending(self.clock, [pg.send([n], dst, 11)], self.clock.account(8), what="heal header").wait()
+        Pending(self.clock, [pg.send([buf], dst, 12)], self.clock.account(len(payload)), what="heal payload").wait()
+
+    def recv_bytes(self, src: int) -> bytes:
+        pg = self.lanes.groups[0]
+        n = torch.zeros(1, dtype=torch.int64)
+        Pending(self.clock, [pg.recv([n], src, 11)], 0.0, what="heal header").wait()
+        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        Pending(self.clock, [pg.recv([buf], src, 12)], 0.0, what="heal payload").wait()
+        return bytes(buf.numpy().tobytes())
+
+
+def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | None, host: str = "127.0.0.1",
+                         chunks: int = 4, link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
+                         collective_timeout_s: float = 30.0, compression: CompressionConfig | None = None,
+                         ) -> LaneTransport:
+    """A cluster's transport across hosts: torchft's Lighthouse at `lighthouse` (None: a lone cluster) and
+    gloo lanes bound to `host`; the leader serves the lanes' rendezvous from a store on `host`."""
+    from edit_train.cluster.mesh import bound_store
+    from edit_train.federation.lanes import BoundGloo
+    from edit_train.federation.quorum import QuorumClient
+
+    timeout = datetime.timedelta(seconds=collective_timeout_s)
+    store, service = None, None
+    if lighthouse is not None and cluster.rank == 0:
+        store = bound_store(host, 0, 1, True, timeout)
+        service = QuorumClient(lighthouse, name)
+    return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
+                         f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
+                         compression, store=store)

@@ -1,0 +1,29 @@
+"""The errors of the sync core and of every transport that implements it (one place for all of them).
+
+A `FederationError` is always survivable: the sync it happened in is skipped or rolled back and the cluster
+keeps training. Only `FederationRefused` stops a cluster (its configuration or its name can never be
+admitted). `HealError` is a `FederationError`: a bad heal payload keeps the healer out of this sync and it
+tries again at the next one.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FederationError", "FederationRefused", "SyncAborted", "HealError"]
+
+
+class FederationError(RuntimeError):
+    """Cross-cluster communication failed (peer lost, timeout, unreachable Lighthouse)."""
+
+
+class FederationRefused(FederationError):
+    """The federation refuses this cluster for good (another configuration, a name already taken): trying
+    again cannot help, so the run stops with this message instead of skipping the sync."""
+
+
+class SyncAborted(RuntimeError):
+    """A participant was lost mid-sync: every module was rolled back; the caller retries its step."""
+
+
+class HealError(FederationError):
+    """A healing payload that is not ours or does not fit this model (refused; nothing in it was executed
+    or adopted)."""

@@ -1,0 +1,141 @@
+"""When this cluster syncs, evaluates and stops: step or wall-clock (A-EDiT) intervals, the agreed stop.
+
+The pacer counts local steps and measures seconds per step (compute only: time blocked on other clusters
+is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
+`Hᵢ = ⌊τ / secs_per_stepᵢ⌋` from the speeds exchanged at the last sync (its first interval ends once τ has
+been spent). What the exchange carries back (every cluster's steps, speed, total steps and stop vote) moves
+the agreed global step, the eval cadence and the stop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from edit_train.local_sgd.protocols import ClusterGroup
+from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
+
+
+@dataclass
+class PaceConfig:
+    schedule: ScheduleConfig
+    local_sgd: bool = True
+    total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
+    time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
+    eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
+
+
+class Pacer:
+    def __init__(self, cfg: PaceConfig, cluster: ClusterGroup) -> None:
+        self.cfg, self.cluster = cfg, cluster
+        self.planner = TimePlanner(cfg.schedule) if cfg.schedule.kind == "time" else None
+        # local steps before the next sync; a time schedule's first interval is planned from this cluster's
+        # own step times (nothing has been exchanged yet): sync once τ has been spent
+        self.planned = cfg.schedule.interval if self.planner is None else 0
+        self.timer = StepTimer()
+        self.local_steps = 0
+        self.total_steps = 0  # this cluster's steps so far
+        self.global_step = 0  # max over clusters, as of the last exchange
+        self.stopped = False  # every cluster agreed to stop (time schedule / time budget)
+        self.finishing = False  # A-EDiT + overlap after the agreed stop: step until the final quorum is issued
+        self.eval_due = False
+        self.vote = False  # this cluster's agreed stop vote, refreshed every local step
+        self._t0 = self.last_exchange_t = time.time()
+
+    @property
+    def lockstep(self) -> bool:
+        """Do all clusters take the same number of steps (so step-based stop/eval is agreed)?"""
+        return not (self.cfg.local_sgd and self.cfg.schedule.kind == "time")
+
+    @property
+    def clocked(self) -> bool:
+        """Do decisions depend on local clocks (so the ranks of a cluster must agree on them)?"""
+        return not self.lockstep or self.cfg.time_budget_s > 0
+
+    def want_stop(self) -> bool:
+        """This cluster's vote at an exchange. With a time budget, stop at the exchange nearest to it:
+        when half an interval more would already pass the budget."""
+        now = time.time()
+        over = self.cfg.time_budget_s > 0 and \
+            (now - self._t0) + 0.5 * (now - self.last_exchange_t) >= self.cfg.time_budget_s
+        return over or (not self.lockstep and self.total_steps >= self.cfg.total_steps)
+
+    def agreed_vote(self) -> bool:
+        """`want_stop` agreed by every rank of the cluster (any rank's yes)."""
+        return self.agree(0.0, self.want_stop())[1]
+
+    def agree(self, seconds: float, vote: bool) -> tuple[float, bool]:
+        """The slowest rank's step time and any rank's stop vote (one tiny all-reduce inside the cluster,
+        only when the decisions depend on local clocks)."""
+        if not self.clocked or self.cluster.size <= 1:
+            return seconds, vote
+        t = torch.tensor([seconds, 1.0 if vote else 0.0], dtype=torch.float64, device=self.cluster.device)
+        self.cluster.max_(t)
+        return float(t[0].item()), bool(t[1].item() > 0)
+
+    def should_stop(self, step: int) -> bool:
+        if self.stopped:
+            return not self.finishing
+        return self.lockstep and step >= self.cfg.total_steps
+
+    def local_step(self, step: int, compute_s: float) -> None:
+        """A local-SGD step was taken (`compute_s`: its seconds, minus any time blocked on other clusters)."""
+        if self.lockstep:
+            self.global_step = step + 1
+        self.local_steps += 1
+        secs, self.vote = self.agree(max(compute_s, 1e-6), self.want_stop())
+        self.timer.record(secs)
+
+    @property
+    def due(self) -> bool:
+        first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
+        return (self.planned > 0 and self.local_steps >= self.planned) or first_timed
+
+    def extra(self) -> list[float]:
+        """What this cluster tells the others at a sync (round.EXTRA)."""
+        return [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self.vote)]
+
+    def synced(self) -> None:
+        """A sync started with the local steps taken so far."""
+        self.last_exchange_t = time.time()
+        self.local_steps = 0
+        if self.planner is None:
+            self.planned = self.cfg.schedule.interval
+        self.timer.reset()
+
+    def missed(self) -> None:
+        """Cut off: keep training from the local replica; try again after another interval."""
+        self.last_exchange_t = time.time()
+        base = self.cfg.schedule.interval if self.planner is None else max(self.planned, 1)
+        self.planned = self.local_steps + base
+
+    def exchanged(self, rows: Tensor, position: int, background_quorum: bool) -> None:
+        """Every participant's [local_steps, secs/step, total_steps, stop vote] from a committed exchange."""
+        if not self.lockstep:
+            before = self.global_step
+            self.global_step = int(rows[:, 2].max().item())
+            every = self.cfg.eval_every
+            self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
+        if rows[:, 3].max().item() > 0 and not self.stopped:
+            self.stopped = True
+            # ask for the final quorum in the background and keep training until every cluster has asked:
+            # the cluster that learns of the stop first does not wait for the others to learn of it
+            self.finishing = background_quorum
+        if self.planner is not None:
+            self.planned = self.planner.steps_for(float(rows[position, 1]))
+
+    # ------------------------------------------------------------ checkpoint
+    def state_json(self) -> dict[str, Any]:
+        return {"local_steps": self.local_steps, "timer": self.timer.state_dict(),
+                "planned": self.planned, "global_step": self.global_step, "total_steps": self.total_steps}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.local_steps = int(state["local_steps"])
+        self.timer.load_state_dict(state["timer"])
+        self.planned = int(state.get("planned", self.planned))
+        self.global_step = int(state.get("global_step", 0))
+        self.total_steps = int(state.get("total_steps", 0))  # the quorum compares it (lockstep step adoption)

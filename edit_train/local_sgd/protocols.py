@@ -1,0 +1,193 @@
+"""The two seams of the sync core, as typed protocols, and the quorum they hand around.
+
+* `ClusterGroup` — what happens *inside* one cluster (its ranks, over its fast links): agree on a branch,
+  sum or max a tensor, broadcast bytes/JSON from the leader, gather a full tensor from FSDP shards.
+  Implemented once in `edit_train.cluster.group` (torch.distributed, or a lone rank).
+* `Transport` — what crosses clusters: form the quorum of a sync, all-gather a small vector, reduce a
+  module's tensor, vote to commit, carry heal bytes between leaders. Implemented by
+  `edit_train.federation.transport.LaneTransport` (torchft Lighthouse + gloo lanes, optional compression
+  and a simulated WAN link) and, in one process, over `edit_train.federation.inproc` (threads).
+
+Every call of a `Transport` is made by every rank of the cluster at the same point and returns the same
+answer on all of them (the transport agrees inside the cluster). Collectives return a `Handle`: `ready()`
+never blocks, `wait()` returns the result (or raises `FederationError`) and leaves the seconds it blocked
+in `blocked_s`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["Member", "Quorum", "Handle", "ClusterGroup", "Residuals", "Transport"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One cluster of an issued quorum, as it described itself when it asked."""
+
+    name: str
+    sync: int  # anchor version this cluster holds
+    size: int  # ranks
+    store: str  # host:port of the member leader's store (lanes rendezvous there)
+    data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fingerprint, total_steps
+
+    @property
+    def contributes(self) -> bool:
+        """A member that took no local step since its anchor has nothing to contribute (a fresh or
+        just-restarted cluster): it takes part in the collectives with weight 0."""
+        return int(self.data.get("local_steps", 0)) > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Member:
+        return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}))
+
+
+@dataclass
+class Quorum:
+    """One issued quorum, as every rank of every participant sees it (sorted by cluster name)."""
+
+    quorum_id: int
+    nonce: str  # unique per issued quorum: namespaces the process groups configured for it
+    members: list[Member]
+    me: int  # my position in `members`
+
+    @staticmethod
+    def solo(name: str, sync: int, size: int, data: dict[str, Any]) -> Quorum:
+        """A cluster alone (no federation)."""
+        return Quorum(0, "solo", [Member(name, sync, size, "", data)], 0)
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    @property
+    def shared(self) -> bool:
+        """More than one cluster: collectives cross clusters and a sync must be voted on."""
+        return len(self.members) > 1
+
+    @property
+    def max_sync(self) -> int:
+        return max(m.sync for m in self.members)
+
+    @property
+    def source(self) -> int:
+        """Position of the member healers copy from: the first holding the newest anchor."""
+        return next(i for i, m in enumerate(self.members) if m.sync == self.max_sync)
+
+    def behind(self) -> list[int]:
+        return [i for i, m in enumerate(self.members) if m.sync < self.max_sync]
+
+    @property
+    def paired(self) -> bool:
+        """Equal-size clusters pair rank r with rank r (cheapest); otherwise the federation's chunks."""
+        return len({m.size for m in self.members}) == 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quorum_id": self.quorum_id, "nonce": self.nonce, "me": self.me,
+                "members": [m.to_json() for m in self.members]}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Quorum:
+        return Quorum(int(d["quorum_id"]), str(d["nonce"]), [Member.from_json(m) for m in d["members"]], int(d["me"]))
+
+
+class Handle(Protocol[T_co]):
+    """A collective in flight."""
+
+    blocked_s: float  # seconds the last wait() blocked
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> T_co: ...
+
+
+class ClusterGroup(Protocol):
+    """The ranks of one cluster (one model replica, sharded over fast links)."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    def agree(self, ok: bool) -> bool: ...  # True only if every rank says ok
+
+    def sum_(self, t: Tensor) -> Tensor: ...  # in place
+
+    def max_(self, t: Tensor) -> Tensor: ...  # in place
+
+    def broadcast_(self, t: Tensor) -> Tensor: ...  # the leader's (rank 0's) tensor, in place
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes: ...  # the leader's (rank 0's) payload
+
+    def broadcast_json(self, obj: Any) -> Any: ...
+
+    def all_gather_json(self, obj: Any) -> list[Any]: ...
+
+    def full(self, local: Tensor, like: Tensor | None) -> Tensor: ...  # the whole tensor of an FSDP shard
+
+    def shard(self, full: Tensor, like: Tensor) -> Tensor: ...  # this rank's shard of a whole tensor
+
+
+class Residuals(Protocol):
+    """Error-feedback residuals of a lossy transport (this rank's debt to the anchor it trained from)."""
+
+    def state_dict(self) -> dict[str, Tensor]: ...
+
+    def load_state_dict(self, sd: dict[str, Tensor]) -> None: ...
+
+    def clear(self, key: str | None = None) -> None: ...
+
+
+class Transport(Protocol):
+    """What crosses clusters, for one rank of one cluster."""
+
+    name: str  # this cluster's name
+    federated: bool  # False: a lone cluster (every call is local)
+    cluster: ClusterGroup
+    feedback: Residuals
+
+    @property
+    def quorum(self) -> Quorum | None: ...  # the quorum of the sync in progress
+
+    @property
+    def forming(self) -> bool: ...  # a quorum is being formed in the background
+
+    @property
+    def bytes_sent(self) -> int: ...
+
+    @property
+    def blocked_s(self) -> float: ...
+
+    def waiting(self) -> AbstractContextManager[None]: ...  # count the time inside as blocked
+
+    def form_start(self, sync: int, data: dict[str, Any]) -> None: ...
+
+    def form_poll(self, block: bool = False) -> tuple[bool, Quorum | None]: ...  # None: cut off
+
+    def all_gather(self, vec: Tensor, what: str = "norm exchange") -> Handle[Tensor]: ...  # [members, n] float64
+
+    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Handle[None]: ...
+
+    def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
+
+    def send_bytes(self, payload: bytes, dst: int) -> None: ...  # leader to leader
+
+    def recv_bytes(self, src: int) -> bytes: ...
+
+    def carry(self, bytes_sent: int, blocked_s: float) -> None: ...  # counters of earlier incarnations (resume)
+
+    def partition(self, seconds: float) -> None: ...  # fault injection: cut off for `seconds`
+
+    def abort(self) -> None: ...  # drop the current quorum's groups (after a failure)
+
+    def close(self) -> None: ...
+

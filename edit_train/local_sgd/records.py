@@ -1,0 +1,62 @@
+"""What this cluster's syncs did: counters for the summary and the `sync` / `sync_aborted` / `missed`
+events (emitted by the cluster's leader; bytes are summed and blocked time maxed over its ranks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from edit_train.local_sgd.protocols import Transport
+from edit_train.local_sgd.round import SyncReport, summarize
+
+
+class Records:
+    def __init__(self, transport: Transport, emit: Callable[..., None] | None, cluster_index: int) -> None:
+        self.t, self.emit, self.index = transport, emit, cluster_index
+        self.syncs_done = self.syncs_missed = self.syncs_aborted = self.anomalies = 0
+        self.history: list[int] = []  # local steps of each completed sync
+        self.step = 0  # the step at which the sync in progress started
+
+    def _log(self, event: str, **fields: Any) -> None:
+        if self.emit is not None and self.t.cluster.rank == 0:
+            self.emit(event, step=self.step, group=self.index, cluster=self.t.name, **fields)
+
+    def completed(self, report: SyncReport) -> None:
+        self.syncs_done += 1
+        self.history.append(report.local_steps)
+        record = summarize(report)
+        # the cluster's bytes are every rank's own shard traffic; blocked time is the slowest rank's
+        c = self.t.cluster
+        b = c.sum_(torch.tensor([float(record["bytes"])], dtype=torch.float64, device=c.device))
+        m = c.max_(torch.tensor([record["blocked_s"]], dtype=torch.float64, device=c.device))
+        record["bytes"], record["blocked_s"] = int(b.item()), float(m.item())
+        if record["anomalous"]:
+            self.anomalies += 1
+        self._log("sync", **record)
+
+    def aborted(self, report: SyncReport, why: str) -> None:
+        self.syncs_aborted += 1
+        self._log("sync_aborted", sync=report.sync, participants=list(report.participants), reason=why)
+
+    def missed(self, sync: int, local_steps: int, step: int) -> None:
+        self.syncs_missed += 1
+        self.step = step
+        self._log("missed", sync=sync, local_steps=local_steps)
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's totals (the trainer gathers one per rank of the cluster)."""
+        return {"bytes_sent": self.t.bytes_sent, "blocked_s": self.t.blocked_s, "syncs": self.syncs_done,
+                "anomalies": self.anomalies, "local_steps_per_sync": list(self.history),
+                "syncs_missed": self.syncs_missed, "syncs_aborted": self.syncs_aborted}
+
+    def state_json(self) -> dict[str, Any]:
+        return {"anomalies": self.anomalies, "syncs_done": self.syncs_done, "syncs_missed": self.syncs_missed,
+                "history": list(self.history)}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.anomalies = int(state["anomalies"])
+        self.syncs_done = int(state["syncs_done"])
+        self.syncs_missed = int(state.get("syncs_missed", 0))
+        self.history = [int(h) for h in state.get("history", [])]

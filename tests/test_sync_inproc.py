@@ -1,0 +1,104 @@
+"""Whole sync rounds in one process: 2–4 clusters as threads over `federation.inproc`, each with the real
+`LocalSGD` and `LaneTransport` (quorum forming, lanes, compression), in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from edit_train.cluster.group import RankGroup
+from edit_train.federation.compress import CompressionConfig
+from edit_train.federation.inproc import InProcessFederation
+from toy_federation import H, Outcome, config, max_diff, reference, run_inproc, train_cluster
+
+NAMES = ["c0", "c1", "c2"]
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
+@pytest.mark.parametrize("rule", ["edit_norm", "uniform"])
+def test_three_clusters_equal_the_closed_form(mode: str, rule: str) -> None:
+    """After 3 syncs every cluster holds the anchor the EDiT math gives (weights, clipping, Nesterov)."""
+    results = run_inproc(NAMES, config(mode, rule), flush_each_step=mode == "overlap")
+    ref = reference(3, 3, rule)
+    for name in NAMES:
+        assert max_diff(results[name].anchors, ref) <= 1e-6, name
+        assert all(torch.equal(a, b) for a, b in zip(results[name].params, results["c0"].params))
+    syncs = [e for e in results["c0"].events if e["event"] == "sync"]
+    assert [e["sync"] for e in syncs] == [1, 2, 3] and all(e["participants"] == NAMES for e in syncs)
+    assert any(e["clip_coef"] < 1.0 for e in syncs)  # clipping took part in the reference too
+
+
+def test_outer_sgd_lr1_uniform_is_parameter_averaging() -> None:
+    results = run_inproc(NAMES[:2], config("at_end", "uniform", syncs=1, phi=1e9, lr=1.0, momentum=0.0,
+                                           nesterov=False))
+    ref = reference(2, 1, "uniform", lr=1.0, mu=0.0, nesterov=False, phi=1e9)
+    assert max_diff(results["c0"].anchors, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
+def test_a_participant_lost_mid_round_changes_nothing(mode: str) -> None:
+    """c2 vanishes while the second sync's second unit is being reduced: every survivor's anchor, outer
+    optimizer state and live parameters are exactly what they were before that round, and the next sync
+    runs without c2."""
+    def arm(hub: InProcessFederation) -> None:
+        # c2's allreduces: 3 per sync (one per unit); die at the 5th = sync 2, unit 2
+        hub.kill_at("c2", "allreduce", 5)
+
+    cfg = config(mode, "uniform", syncs=4)
+    results = run_inproc(NAMES, cfg, before=arm, flush_each_step=mode == "overlap", snapshot_at=(2 * H - 1,))
+    assert results["c2"].killed
+    for name in ("c0", "c1"):
+        out = results[name]
+        aborted = [e for e in out.events if e["event"] == "sync_aborted"]
+        assert len(aborted) == 1 and aborted[0]["sync"] == 2, out.events
+        before, after = out.snapshots[2 * H - 1], out.snapshots["aborted"]
+        assert before["outer"].keys() == after["outer"].keys()
+        assert all(torch.equal(before["outer"][k], after["outer"][k]) for k in before["outer"]), name
+        assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"])), name
+    syncs = [e for e in results["c0"].events if e["event"] == "sync"]
+    # the aborted interval's progress is kept and goes into the next sync (now without c2)
+    assert [e["sync"] for e in syncs] == [1, 2, 3] and [len(e["participants"]) for e in syncs] == [3, 2, 2]
+    assert max_diff(results["c0"].anchors, results["c1"].anchors) == 0.0
+
+
+def test_int8_payloads_bit_identical_and_close_to_fp32() -> None:
+    cfg = config("layerwise", "uniform")
+    exact = reference(3, 3, "uniform")
+    results = run_inproc(NAMES, cfg, compression=CompressionConfig("int8", block_size=8))
+    for name in NAMES[1:]:
+        assert max_diff(results[name].anchors, results["c0"].anchors) == 0.0
+    assert 0 < max_diff(results["c0"].anchors, exact) <= 2e-3
+    syncs = [e for e in results["c0"].events if e["event"] == "sync"]
+    assert syncs and all(e["bytes"] > 0 for e in syncs)
+
+
+def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
+    """c2 starts once c0 and c1 have synced twice: it heals from the source (anchor, outer momentum, rule
+    statistics), adopts the federation's step, takes part with weight 0 until it has local steps, and every
+    cluster ends on one anchor."""
+    hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
+    cfg = config("layerwise", "edit_norm", syncs=40)
+    outs = {n: Outcome() for n in NAMES}
+    transports = {n: hub.transport(n, RankGroup()) for n in NAMES[:2]}
+    threads = [threading.Thread(target=train_cluster, args=(i, transports[n], cfg), kwargs={"out": outs[n]})
+               for i, n in enumerate(NAMES[:2])]
+    for t in threads:
+        t.start()
+    while sum(e["event"] == "sync" for e in outs["c0"].events) < 2:
+        time.sleep(0.001)
+    late = threading.Thread(target=train_cluster, args=(2, hub.transport("c2", RankGroup()), cfg),
+                            kwargs={"out": outs["c2"]})
+    late.start()
+    for t in [*threads, late]:
+        t.join(60)
+    assert outs["c2"].algo is not None and outs["c2"].algo.membership.healed_from
+    assert all(o.steps == 40 * H for o in outs.values())
+    joined = [e for e in outs["c2"].events if e["event"] == "sync"]
+    assert joined and all(e["participants"] == NAMES for e in joined)
+    first_three = next(i for i, e in enumerate(outs["c0"].events) if e["event"] == "sync" and len(e["participants"]) == 3)
+    assert first_three > 0
+    for n in NAMES[1:]:
+        assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
