@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from edit_train.federation.heal import HealError, decode, encode, local_slice
-from edit_train.federation.quorum import Member, Membership
+from edit_train.cluster.group import RankGroup
+from edit_train.federation.heal import HealError, decode, encode
 from edit_train.local_sgd.healing import Healer
+from edit_train.local_sgd.protocols import Member, Quorum
 
 
 class _Boom:
@@ -43,10 +44,11 @@ def test_garbage_is_refused(payload: bytes) -> None:
         decode(payload)
 
 
-class _FakeComm:
+class _HostileTransport:
     """The receiving side of a heal over a transport that delivers what a hostile peer sent."""
 
-    name, rank, size = "c1", 0, 1
+    name = "c1"
+    cluster = RankGroup()
 
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
@@ -54,25 +56,21 @@ class _FakeComm:
     def recv_bytes(self, src: int) -> bytes:
         return self.payload
 
-    def share_bytes(self, payload: bytes | None) -> bytes:
-        assert payload is not None
-        return payload
-
 
 def test_healer_refuses_a_pickle_from_a_peer(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     applied = []
-    healer = Healer(_FakeComm(pickle.dumps(_Boom(str(marker)))), lambda: ({}, {}),  # type: ignore[arg-type]
-                    lambda meta, tensors: applied.append(meta))
-    m = Membership(1, "q", [Member("c0", 3, 1, ""), Member("c1", 1, 1, "")], me=1)
+    healer = Healer(_HostileTransport(pickle.dumps(_Boom(str(marker)))), lambda: ({}, {}),  # type: ignore[arg-type]
+                    lambda meta, tensors: applied.append(meta), encode, decode)
+    q = Quorum(1, "q", [Member("c0", 3, 1, ""), Member("c1", 1, 1, "")], me=1)
     with pytest.raises(HealError, match="pickle"):
-        healer.run(m)
+        healer.run(q)
     assert not applied and not marker.exists()
 
 
-def test_local_slice_takes_this_ranks_fsdp_shard() -> None:
+def test_shard_takes_this_ranks_fsdp_shard() -> None:
     full = torch.arange(10.0).reshape(5, 2)
-    assert torch.equal(local_slice(full, torch.empty(3, 2), 0, 2), full[:3])
-    assert torch.equal(local_slice(full, torch.empty(2, 2), 1, 2), full[3:])
-    with pytest.raises(HealError):
-        local_slice(full, torch.empty(4, 2), 0, 2)
+    assert torch.equal(RankGroup(None, 0, 2).shard(full, torch.empty(3, 2)), full[:3])
+    assert torch.equal(RankGroup(None, 1, 2).shard(full, torch.empty(2, 2)), full[3:])
+    with pytest.raises(ValueError, match="does not shard"):
+        RankGroup(None, 0, 2).shard(full, torch.empty(4, 2))

@@ -10,23 +10,43 @@ import pytest
 import torch
 from torch import nn
 
-from edit_train.federation.comm import FederationComm
+from edit_train.cluster.group import RankGroup
+from edit_train.federation.transport import lighthouse_transport
+from edit_train.local_sgd.drivers import OverlapDriver
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.overlap import OverlapSync
 from edit_train.local_sgd.penalty import PenaltyConfig
-from edit_train.local_sgd.roster import RosterAggregator
-from edit_train.local_sgd.sync import SyncEngine, Unit
+from edit_train.local_sgd.round import SyncCore, Unit
+from edit_train.local_sgd.rules import make_rule
+
+EXTRA = [4.0, 0.01, 4.0, 0.0]  # local steps, s/step, total steps, stop vote
 
 
-def _setup(seed: int = 0) -> tuple[nn.Module, OverlapSync, OuterState]:
+class _Overlap:
+    """The overlap driver of a lone cluster (its collectives are local)."""
+
+    def __init__(self, driver: OverlapDriver) -> None:
+        self.driver, self.done = driver, 0
+
+    def begin(self, sync: int) -> None:
+        self.driver.begin(sync, 4, EXTRA)
+
+    def land(self) -> bool:
+        before = self.done
+        self.driver.poll(block=True)
+        return self.done == before + 1 and not self.driver.pending
+
+
+def _setup(seed: int = 0) -> tuple[nn.Module, _Overlap, OuterState]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     units = [Unit(f"m{i}", m, list(m.parameters())) for i, m in enumerate(model)]
     outer = OuterState({u.name: u.live() for u in units}, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
-    comm = FederationComm("c0", 0, 1, None, torch.device("cpu"))
-    comm.form(0, {"local_steps": 4})
-    engine = SyncEngine(units, outer, RosterAggregator(PenaltyConfig()), comm)
-    return model, OverlapSync(engine), outer
+    transport = lighthouse_transport("c0", RankGroup(), None)
+    transport.form_start(0, {"local_steps": 4})
+    core = SyncCore(units, outer, make_rule(PenaltyConfig()), transport, clip=10.0)
+    ov = _Overlap(OverlapDriver(core, lambda _r: None, lambda _r, why: pytest.fail(why)))
+    ov.driver.on_complete = lambda _r: setattr(ov, "done", ov.done + 1)
+    return model, ov, outer
 
 
 def _local_step(model: nn.Module, scale: float = 1e-2) -> None:
@@ -42,12 +62,12 @@ def test_nonfinite_replica_is_reset_to_the_anchor(when: str) -> None:
     with torch.no_grad():
         if when == "before_snapshot":
             model[0].weight[0, 0] = math.nan
-    ov.begin(1, 4, [4.0])
+    ov.begin(1)
     _local_step(model)  # local progress while the reduction is in flight
     with torch.no_grad():
         if when == "while_in_flight":
             model[0].bias[1] = math.inf
-    assert ov.poll(block=True)
+    assert ov.land()
     for p, a in zip(model[0].parameters(), outer.anchors["m0"]):
         assert torch.isfinite(p).all()
         torch.testing.assert_close(p, a.to(p.dtype), rtol=0, atol=0)  # θ ← θ̄_new, progress dropped
@@ -56,8 +76,8 @@ def test_nonfinite_replica_is_reset_to_the_anchor(when: str) -> None:
         torch.testing.assert_close(p, a + 1e-2, rtol=0, atol=1e-6)
     # and training goes on from a finite replica: the next sync is normal
     _local_step(model)
-    ov.begin(2, 4, [4.0])
-    assert ov.poll(block=True)
+    ov.begin(2)
+    assert ov.land()
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -65,9 +85,9 @@ def test_healthy_overlap_carries_the_progress_over_exactly() -> None:
     model, ov, outer = _setup(1)
     _local_step(model)
     snap = [p.detach().clone() for p in model.parameters()]
-    ov.begin(1, 4, [4.0])
+    ov.begin(1)
     _local_step(model, 3e-2)
-    assert ov.poll(block=True)
+    assert ov.land()
     # one group, weight 1, outer SGD lr 1 without momentum: θ̄_new = θ_snap
     anchors = [a for n in ("m0", "m1") for a in outer.anchors[n]]
     for p, s, a in zip(model.parameters(), snap, anchors):

@@ -39,13 +39,16 @@ def test_outer_sgd_lr1_uniform_is_parameter_averaging() -> None:
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
-def test_a_participant_lost_mid_round_changes_nothing(mode: str) -> None:
-    """c2 vanishes while the second sync's second unit is being reduced: every survivor's anchor, outer
-    optimizer state and live parameters are exactly what they were before that round, and the next sync
-    runs without c2."""
+@pytest.mark.parametrize("when", ["reduction", "vote"])
+def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> None:
+    """c2 vanishes in the second sync, while its second unit is being reduced or at the commit vote (every
+    reduction landed; layer-wise had applied every unit): every survivor's anchor, outer optimizer state and
+    live parameters are exactly what they were before that round, and the next sync runs without c2."""
     def arm(hub: InProcessFederation) -> None:
-        # c2's allreduces: 3 per sync (one per unit); die at the 5th = sync 2, unit 2
-        hub.kill_at("c2", "allreduce", 5)
+        if when == "reduction":  # c2's allreduces: 3 per sync (one per unit); die at the 5th = sync 2, unit 2
+            hub.kill_at("c2", "allreduce", 5)
+        else:  # c2's allgathers: the norm exchange and the vote of each sync; the 4th = sync 2's vote
+            hub.kill_at("c2", "allgather", 4)
 
     cfg = config(mode, "uniform", syncs=4)
     results = run_inproc(NAMES, cfg, before=arm, flush_each_step=mode == "overlap", snapshot_at=(2 * H - 1,))

@@ -1,0 +1,89 @@
+"""The aggregation seam: rules by name, EDiT's statistics per cluster name over a changing quorum."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edit_train.local_sgd.penalty import PenaltyConfig, PseudoGradAggregator
+from edit_train.local_sgd.rules import EditNormRule, Evidence, UniformRule, make_rule, rule_names
+
+
+def _norms(seed: int, n: int) -> torch.Tensor:
+    return 1 + 0.05 * torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def _ev(norms: torch.Tensor, names: list[str], contributes: list[bool] | None = None, steps: float = 4.0,
+        module: str = "m") -> Evidence:
+    n = len(names)
+    return Evidence(module, tuple(names), torch.as_tensor(norms, dtype=torch.float64),
+                    torch.full((n,), steps, dtype=torch.float64), tuple(contributes or [True] * n))
+
+
+def test_registered_rules_and_a_clear_error_for_an_unknown_one() -> None:
+    assert {"edit_norm", "uniform"} <= set(rule_names())
+    assert isinstance(make_rule(PenaltyConfig(rule="uniform")), UniformRule)
+    with pytest.raises(ValueError, match="algo.penalty.rule: unknown rule 'nope'"):
+        make_rule(PenaltyConfig(rule="nope"))
+    with pytest.raises(ValueError, match="cannot load 'no_such_module:Rule'"):
+        make_rule(PenaltyConfig(rule="no_such_module:Rule"))
+
+
+def test_a_rule_defined_outside_the_package_is_loaded_by_name() -> None:
+    rule = make_rule(PenaltyConfig(rule="custom_rule:FirstClusterOnly"))
+    d = rule.decide(_ev(torch.tensor([1.0, 2.0]), ["a", "b"]))
+    assert d.weights == [1.0, 0.0]
+
+
+def test_full_quorum_matches_the_fixed_set_aggregator() -> None:
+    cfg = PenaltyConfig(warmup_syncs=3)
+    plain, rule = PseudoGradAggregator(cfg, 3), EditNormRule(cfg)
+    for k in range(20):
+        g = _norms(k, 3) * (4.0 if k == 15 else 1.0)
+        a = plain.decide("m", g, torch.full((3,), 4.0))
+        b = rule.decide(_ev(g, ["a", "b", "c"]))
+        assert a.weights == b.weights and a.anomalous == b.anomalous
+
+
+def test_absent_cluster_keeps_its_statistics_and_returns_to_them() -> None:
+    rule = EditNormRule(PenaltyConfig(warmup_syncs=2))
+    for k in range(5):
+        rule.decide(_ev(_norms(k, 2), ["a", "b"]))
+    before = {k: v[1].clone() for k, v in rule.state()[1].items()}
+    for k in range(5, 10):  # b is away
+        assert rule.decide(_ev(_norms(k, 1), ["a"])).weights == [1.0]
+    after = {k: v[1] for k, v in rule.state()[1].items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    d = rule.decide(_ev(_norms(11, 2), ["a", "b"]))
+    assert not any(d.anomalous) and abs(sum(d.weights) - 1) < 1e-9
+
+
+def test_newcomer_and_non_contributor() -> None:
+    rule = EditNormRule(PenaltyConfig())
+    rule.decide(_ev(_norms(0, 2), ["a", "b"]))
+    d = rule.decide(_ev(torch.tensor([1.0, 0.0, 1.1]), ["a", "b", "c"], [True, False, True]))
+    assert rule.roster == ["a", "b", "c"]
+    assert d.weights[1] == 0.0 and not d.anomalous[1] and abs(d.weights[0] + d.weights[2] - 1) < 1e-9
+    nobody = rule.decide(_ev(torch.zeros(2), ["a", "b"], [False, False]))
+    assert nobody.all_anomalous and nobody.weights == [0.0, 0.0]
+
+
+def test_state_round_trip_and_refusal_of_a_mismatched_roster() -> None:
+    rule = EditNormRule(PenaltyConfig())
+    rule.decide(_ev(_norms(0, 2), ["x", "y"]))
+    other = EditNormRule(PenaltyConfig())
+    other.load(*rule.state())
+    a = rule.decide(_ev(_norms(1, 2), ["x", "y"]))
+    b = other.decide(_ev(_norms(1, 2), ["x", "y"]))
+    assert a.weights == b.weights
+    meta, tensors = rule.state()
+    with pytest.raises(ValueError, match="roster of 3"):
+        other.load({"roster": ["x", "y", "z"]}, tensors)
+
+
+def test_uniform_rule_drops_non_finite_and_non_contributors() -> None:
+    d = UniformRule(PenaltyConfig()).decide(_ev(torch.tensor([1.0, math.nan, 2.0, 0.0]), list("abcd"),
+                                                 [True, True, True, False]))
+    assert d.weights == [0.5, 0.0, 0.5, 0.0] and d.anomalous == [False, True, False, False]
