@@ -234,7 +234,7 @@ def eval_series(job: C.Job) -> tuple[list[tuple[float, float]], dict[int, list[t
 
 def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Namespace,
          breakdown_rows: list[dict[str, Any]]) -> Path:
-    from edit_train.report_time import draw_breakdown
+    from edit_train.report.time_split import draw_breakdown
 
     plt = C.pyplot()
     fig = plt.figure(figsize=(13, 5 + 0.32 * len(breakdown_rows)), layout="constrained")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
@@ -28,4 +31,12 @@ def current_umask() -> int:
     return mask
 
 
-__all__ = ["current_umask", "fsync_dir", "fsync_file"]
+def atomic_write_json(path: Path, data: Any) -> None:
+    """Write JSON to `path` through a temporary file renamed into place (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+__all__ = ["atomic_write_json", "current_umask", "fsync_dir", "fsync_file"]

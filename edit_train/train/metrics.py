@@ -67,14 +67,3 @@ class MetricsLogger:
                 sink.close(summary)
             except Exception as exc:  # a failing tracker must not lose the run's own files
                 log.warning("closing %s failed: %s", type(sink).__name__, exc)
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Load a `metrics.jsonl` file (skipping a torn last line)."""
-    events = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events

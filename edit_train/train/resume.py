@@ -1,73 +1,83 @@
-"""Checkpoint a trainer's state and resume from the newest verified checkpoint (`train.checkpoint` writes
+"""Checkpoint what a cluster holds and resume from the newest verified checkpoint (`train.checkpoint` writes
 and verifies the files; this module decides what goes in and how it comes back)."""
 
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
-from edit_train.config import to_container
-from edit_train.train.checkpoint import CheckpointError
+from edit_train.config import Config, to_container
+from edit_train.data.loader import TokenLoader
+from edit_train.local_sgd.state import SyncState
+from edit_train.timing import TimeAccount
+from edit_train.train.checkpoint import CheckpointError, CheckpointManager
+from edit_train.train.progress import TrainingState
+from edit_train.train.spike import SpikeGuard
 from edit_train.train.state import (load_model_tensors, load_optimizer_tensors, model_tensors,
                                     optimizer_tensors, restore_rng, rng_json, rng_tensors)
 
-if TYPE_CHECKING:
-    from edit_train.train.trainer import Trainer
-
 log = logging.getLogger(__name__)
 
-
-def save_checkpoint(tr: Trainer) -> None:
-    """Model, optimizer, algorithm, loader, RNG and time account of this rank (safetensors + JSON)."""
-    p = tr.progress
-    tensors = {"model": model_tensors(tr.model), "optim": optimizer_tensors(tr.optimizer, tr.model),
-               "rng": rng_tensors(), "requeue": tr.spike.state_tensors()}
-    tensors.update(tr.algo.state.tensors())
-    state = {"step": p.step, "tokens": p.tokens, "skipped_steps": p.skipped_steps,
-             "wall_s": p.wall_offset + (time.time() - tr.t0), "loader": tr.loader.state_dict(),
-             "rng": rng_json(), "algo": tr.algo.state.json(), "config": to_container(tr.cfg),
-             "wandb_run_id": tr.wandb.run_id if tr.wandb else None,
-             "spike": tr.spike.state_json(), "time": tr.timing.snapshot()}
-    # groups of a time-scheduled run have different step counts: name the checkpoint by the agreed one
-    path = tr.ckpt.save(p.step if tr.algo.lockstep else tr.algo.global_step, tensors, state)
-    if tr.is_main:
-        log.info("checkpoint saved: %s", path)
+Loaded = tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]]
 
 
-def find_resume(tr: Trainer) -> tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]] | None:
+@dataclass
+class Resumable:
+    """Everything a checkpoint holds besides the training state."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sync: SyncState
+    loader: TokenLoader
+    spike: SpikeGuard
+    timing: TimeAccount
+
+
+def save_checkpoint(ckpt: CheckpointManager, step: int, state: TrainingState, parts: Resumable, cfg: Config,
+                    wandb_run_id: str | None) -> Path:
+    """Model, optimizer, sync state, loader, RNG and time account of this rank (safetensors + JSON), named by
+    `step` (the agreed step: clusters of a time-scheduled run have different step counts)."""
+    tensors = {"model": model_tensors(parts.model), "optim": optimizer_tensors(parts.optimizer, parts.model),
+               "rng": rng_tensors(), "requeue": parts.spike.state_tensors(), **parts.sync.tensors()}
+    saved = {**state.checkpoint_json(), "loader": parts.loader.state_dict(), "rng": rng_json(),
+             "algo": parts.sync.json(), "config": to_container(cfg), "wandb_run_id": wandb_run_id,
+             "spike": parts.spike.state_json(), "time": parts.timing.snapshot()}
+    return ckpt.save(step, tensors, saved)
+
+
+def find_resume(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Loaded | None:
     """The newest verified checkpoint (loaded), or None; refuses one written for another model."""
-    path = tr.ckpt.latest_valid()
+    path = ckpt.latest_valid()
     if path is None:
-        if tr.is_main:
-            log.info("resume: no complete checkpoint in %s, starting fresh", tr.ckpt.root)
+        if is_main:
+            log.info("resume: no complete checkpoint in %s, starting fresh", ckpt.root)
         return None
-    tensors, state = tr.ckpt.load(path)
-    saved = state.get("config", {}).get("model", {})
-    now = to_container(tr.cfg)["model"]
-    changed = sorted(k for k in now if k not in ("init_from", "expert_impl") and k in saved and saved[k] != now[k])
+    tensors, saved = ckpt.load(path)
+    was = saved.get("config", {}).get("model", {})
+    now = to_container(cfg)["model"]
+    changed = sorted(k for k in now if k not in ("init_from", "expert_impl") and k in was and was[k] != now[k])
     if changed:
-        raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {saved[changed[0]]!r} "
+        raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {was[changed[0]]!r} "
                               f"there, {now[changed[0]]!r} now); resume with the same model or use a new run.dir")
-    return path, tensors, state
+    return path, tensors, saved
 
 
-def resume(tr: Trainer, path: Path, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any]) -> None:
-    """Put a loaded checkpoint back into every part of the trainer."""
-    from edit_train.train.trainer import Progress
-
-    load_model_tensors(tr.model, tensors["model"])
-    load_optimizer_tensors(tr.optimizer, tr.model, tensors["optim"])
-    tr.algo.state.load(tensors, state["algo"])
-    tr.loader.load_state_dict(state["loader"])
-    restore_rng(tensors["rng"], state["rng"])
-    if "spike" in state:
-        tr.spike.load(state["spike"], tensors.get("requeue", {}))
-    tr.timing.carry(state.get("time", {}))  # the breakdown covers the incarnations before this one too
-    tr.progress = Progress(step=state["step"], tokens=state["tokens"],
-                           skipped_steps=state["skipped_steps"], wall_offset=state["wall_s"])
-    if tr.is_main:
-        log.info("resumed from %s (step %d)", path, state["step"])
+def resume(loaded: Loaded, state: TrainingState, parts: Resumable, record_found: bool, is_main: bool) -> None:
+    """Put a loaded checkpoint back into every part."""
+    path, tensors, saved = loaded
+    load_model_tensors(parts.model, tensors["model"])
+    load_optimizer_tensors(parts.optimizer, parts.model, tensors["optim"])
+    parts.sync.load(tensors, saved["algo"])
+    parts.loader.load_state_dict(saved["loader"])
+    restore_rng(tensors["rng"], saved["rng"])
+    if "spike" in saved:
+        parts.spike.load(saved["spike"], tensors.get("requeue", {}))
+    parts.timing.carry(saved.get("time", {}))  # the breakdown covers the incarnations before this one too
+    state.restore(saved, record_found)
+    if is_main:
+        log.info("resumed from %s (step %d)", path, saved["step"])

@@ -12,38 +12,11 @@ import fcntl
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-
-if TYPE_CHECKING:
-    from edit_train.train.trainer import Trainer
-
-
-def _atomic_write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-
-
-def useful_path(run_dir: Path, name: str) -> Path:
-    return run_dir / "clusters" / f"{name}.useful.json"
-
-
-def load_useful(run_dir: Path, name: str) -> dict[str, Any]:
-    """What earlier incarnations of this cluster contributed (compute seconds committed in syncs)."""
-    path = useful_path(run_dir, name)
-    if path.exists():
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            pass
-    return {"useful_s": 0.0, "first_start": time.time(), "incarnations": 0, "downtime_s": 0.0, "died_at": None}
-
-
-def save_useful(run_dir: Path, name: str, record: dict[str, Any]) -> None:
-    path = useful_path(run_dir, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, record)
+from edit_train.fsutil import atomic_write_json
+from edit_train.local_sgd.protocols import ClusterGroup
+from edit_train.train.progress import TrainingState
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -83,50 +56,43 @@ def write_cluster_summary(run_dir: Path, record: dict[str, Any], configured: lis
     folder = run_dir / "clusters"
     folder.mkdir(parents=True, exist_ok=True)
     record = {**record, "end": time.time()}
-    _atomic_write(folder / f"{record['name']}.json", record)
+    atomic_write_json(folder / f"{record['name']}.json", record)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = []
         for f in sorted(folder.glob("*.json")):
-            if f.name.endswith(".useful.json"):
+            if f.name.endswith((".progress.json", ".useful.json")):
                 continue
             try:
                 records.append(json.loads(f.read_text()))
             except (OSError, json.JSONDecodeError):
                 continue
         summary = merge(records, configured)
-        _atomic_write(run_dir / "summary.json", summary)
+        atomic_write_json(run_dir / "summary.json", summary)
     return summary
 
 
-def finish_summary(tr: Trainer, val_loss: float, init_val: float | None) -> dict[str, Any]:
-    """This cluster's record (`run.dir/clusters/<name>.json`, every rank takes part) merged by the leader
-    with every other cluster's into `summary.json` (DESIGN.md §5); other ranks return {}."""
-    topo, p = tr.topo, tr.progress
-    wall = p.wall_offset + time.time() - tr.t0
-    mine = {"mfu": sum(tr.mfu_values) / len(tr.mfu_values) if tr.mfu_values else None,
-            "tokens": p.tokens, "steps": p.step, "skipped_steps": p.skipped_steps, **tr.algo.stats(),
-            "slowdown_slept_s": tr.slowdown.slept_s}
-    ranks = topo.group.all_gather_json(mine)
-    lead = ranks[0]
-    alive = time.time() - tr.t_start
-    record = {
-        "name": topo.name, "index": topo.group_index, "ranks": topo.world_size, "device": str(topo.device),
-        "tokens": lead["tokens"], "steps": lead["steps"], "skipped_steps": lead["skipped_steps"],
-        "tokens_per_s": lead["tokens"] / max(wall, 1e-9), "syncs": lead["syncs"], "syncs_joined": lead["syncs"],
-        "syncs_missed": lead["syncs_missed"], "syncs_aborted": lead["syncs_aborted"],
-        "anomalies": lead["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
-        "blocked_s": max(r["blocked_s"] for r in ranks),
-        "blocked_frac": max(r["blocked_s"] for r in ranks) / max(wall, 1e-9),
-        "slowdown_slept_s": lead["slowdown_slept_s"], "local_steps": lead.get("local_steps_per_sync", []),
-        "restarts": max(tr.restarts, tr.useful["incarnations"] - 1), "healed_from": lead["healed_from"],
-        "wall_s": wall, "useful_s": tr.useful["useful_s"], "first_start": tr.useful["first_start"],
-        "downtime_s": tr.useful["downtime_s"],
-        "alive_s": alive, "startup_s": getattr(tr, "startup_s", 0.0),
-        "final_val_loss": val_loss, "initial_val_loss": init_val, "algo": tr.cfg.algo.name,
-        "total_params": tr.param_counts["total_params"], "active_params": tr.param_counts["active_params"],
-        "mfu": lead.get("mfu"), "time": tr.timing.snapshot(),
+def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, Any], *, index: int, device: str,
+                   algo: str, param_counts: dict[str, int], val_loss: float, restarts: int, slowdown_slept_s: float,
+                   time_split: dict[str, float]) -> dict[str, Any]:
+    """This cluster's record for the summary (every rank takes part: its bytes and blocked time count)."""
+    wall = state.wall()
+    ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"]})
+    c = state.carried
+    blocked = max(r["blocked_s"] for r in ranks)
+    return {
+        "name": state.name, "index": index, "ranks": group.size, "device": device,
+        "tokens": state.tokens, "steps": state.step, "steps_trained": c.steps_trained,
+        "tokens_per_step": state.tokens_per_step, "skipped_steps": state.skipped_steps,
+        "tokens_per_s": state.tokens / max(wall, 1e-9), "syncs": stats["syncs"], "syncs_joined": stats["syncs"],
+        "syncs_missed": stats["syncs_missed"], "syncs_aborted": stats["syncs_aborted"],
+        "anomalies": stats["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
+        "blocked_s": blocked, "blocked_frac": blocked / max(wall, 1e-9),
+        "slowdown_slept_s": slowdown_slept_s, "local_steps": stats["local_steps_per_sync"],
+        "restarts": max(restarts, c.incarnations - 1), "healed_from": stats["healed_from"],
+        "wall_s": wall, "useful_s": c.useful_s, "first_start": c.first_start, "downtime_s": c.downtime_s,
+        "alive_s": time.time() - state.t_start, "startup_s": state.startup_s,
+        "final_val_loss": val_loss, "initial_val_loss": state.initial_val_loss, "algo": algo,
+        "total_params": param_counts["total_params"], "active_params": param_counts["active_params"],
+        "mfu": sum(state.mfu) / len(state.mfu) if state.mfu else None, "time": time_split,
     }
-    if tr.is_main:
-        return write_cluster_summary(tr.run_dir, record, [s.name for s in tr.specs])
-    return {}

@@ -13,7 +13,6 @@ import os
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,8 @@ from edit_train.sim.hetero import Slowdown
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
-from edit_train.train.summary import finish_summary, load_useful, save_useful
+from edit_train.train.progress import TrainingState, record_path
+from edit_train.train.summary import cluster_record, write_cluster_summary
 from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
@@ -40,7 +40,7 @@ from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import evaluate, reshard
 from edit_train.train.spike import SpikeGuard
-from edit_train.train.resume import find_resume, resume, save_checkpoint
+from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +67,6 @@ def _install_stop_handlers(trainer: Trainer) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-@dataclass
-class Progress:
-    step: int = 0
-    tokens: int = 0  # this group's tokens
-    skipped_steps: int = 0
-    wall_offset: float = 0.0  # wall seconds of earlier (resumed) segments
-    losses: list[float] = field(default_factory=list)
-
-
 def agree_on_config(cfg: Config, topo: Topology) -> Config:
     """Every rank of the cluster adopts its rank 0's resolved config (`${now:}` may differ between ranks)."""
     if not topo.distributed:
@@ -99,20 +90,17 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.is_main = topo.rank == 0  # this cluster's leader
-        self.t_start = time.time()
         self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
-        # goodput bookkeeping across this cluster's incarnations: compute seconds whose progress a sync committed
-        self.useful = load_useful(self.run_dir, topo.name)
-        if self.useful["incarnations"] > 0 and self.useful.get("saved_at"):
-            self.useful["downtime_s"] += max(self.t_start - self.useful["saved_at"], 0.0)
-        self.useful["incarnations"] += 1
+        t = cfg.train
+        self.rank_batch = self.spec.batch_size or t.batch_size
+        self.group_batch = self.rank_batch * topo.shard_size
+        # this cluster's counters across its incarnations (restarted, resumed or healed: it keeps counting)
+        self.record_found = record_path(self.run_dir, topo.name).exists()
+        self.state = TrainingState.begin(self.run_dir, topo.name, self.group_batch * t.seq_len * t.grad_accum)
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
 
         # ---- data (prepared once by rank 0, cached for everyone else)
-        t = cfg.train
-        self.rank_batch = self.spec.batch_size or t.batch_size
-        self.group_batch = self.rank_batch * topo.shard_size
         parts = len(self.specs)
         min_tokens = parts * self.group_batch * (t.seq_len + 1)
         if self.is_main:
@@ -151,14 +139,12 @@ class Trainer:
         parallelize(self.model, topo, self.precision.fsdp_param_dtype)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len, counts["active_params"])
         self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
-        self.mfu_values: list[float] = []
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
         self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size, run_dir=self.run_dir,
                                     is_group_leader=topo.is_group_leader, cluster=topo.name, rank=topo.rank)
         self.slowdown = Slowdown(topo.group_index, [s.slowdown for s in self.specs],
                                  list(cfg.cluster.slowdown_schedule), len(self.specs))
-        self.progress = Progress()
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
         self.stop_signal: int | None = None
         _install_stop_handlers(self)
@@ -168,10 +154,10 @@ class Trainer:
         self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.world_size, cfg.checkpoint.keep,
                                       barrier=self._barrier)
         # a worker restarted by torchrun / the local launcher (--max-restarts) always resumes
-        self.restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                            int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
-        wants = str(cfg.resume).lower() in ("true", "auto") or self.restarts > 0
-        resume_from = find_resume(self) if wants else None
+        restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or \
+            os.environ.get("EDIT_TRAIN_RESTART", "0") != "0"
+        wants = str(cfg.resume).lower() in ("true", "auto") or restarted
+        resume_from = find_resume(self.ckpt, cfg, self.is_main) if wants else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
         if cfg.logger.kind == "wandb" and topo.is_group_leader:
@@ -188,8 +174,9 @@ class Trainer:
                                     span=self.timing.span)  # the layer-wise sync hooks charge their work to `sync`
         if self.is_main and topo.group_index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
+        self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
-            resume(self, *resume_from)
+            resume(resume_from, self.state, self.resumable, self.record_found, self.is_main)
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
     # ------------------------------------------------------------------ utils
@@ -227,16 +214,21 @@ class Trainer:
         return val_loss
 
     def _log_eval(self, val_loss: float) -> None:
-        p = self.progress
+        p = self.state
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
-                  "tokens": p.tokens, "wall": p.wall_offset + time.time() - self.t0}
+                  "tokens": p.tokens, "wall": p.wall()}
         if self.topo.is_group_leader:
             self.metrics.log("eval", group=self.topo.group_index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
         with self.timing.span("checkpoint"):
-            save_checkpoint(self)
+            # clusters of a time-scheduled run have different step counts: name it by the agreed one
+            step = self.state.step if self.algo.lockstep else self.algo.global_step
+            path = save_checkpoint(self.ckpt, step, self.state, self.resumable, self.cfg,
+                                   self.wandb.run_id if self.wandb else None)
+        if self.is_main:
+            log.info("checkpoint saved: %s", path)
 
     # ------------------------------------------------------------------- loop
     def train_step(self, step: int) -> tuple[float, bool]:
@@ -282,21 +274,21 @@ class Trainer:
         return float(loss_sum), finite
 
     def run(self) -> dict[str, Any]:
-        cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.progress
-        self.t0 = time.time()
-        tokens_per_step = self.group_batch * t.seq_len * t.grad_accum
+        cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.state
+        p.t0 = time.time()
+        tokens_per_step = p.tokens_per_step
         self.timing.claim("startup")  # everything since the process began building this trainer
         with self.timing.span("startup", keeps_blocked=True):  # waiting for the federation to form is start-up
             adopted = self.algo.join()
         if adopted is not None:
             p.step = max(p.step, adopted)  # a healed cluster continues from the federation's step
-        self.startup_s = time.time() - self.t_start
+        p.startup_s = time.time() - p.t_start
         own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
                    desc=f"{cfg.algo.name} {topo.name}", unit="step", dynamic_ncols=True)
-        init_val = self.eval_logged() if p.step == 0 else None
+        if p.step == 0:
+            p.initial_val_loss = self.eval_logged()
         window_tokens, window_time = 0, self.timing.snapshot()
-        val_loss = init_val
         while not self.algo.should_stop(p.step):
             if self.stop_signal is not None:
                 bar.close()
@@ -320,8 +312,7 @@ class Trainer:
                 log.warning("group %d step %d: non-finite loss/gradient, inner step skipped", topo.group_index, step)
                 if topo.is_group_leader:
                     self.metrics.log("skip", step=step + 1, group=topo.group_index, reason="non_finite", loss=loss)
-            p.step += 1
-            p.tokens += tokens_per_step
+            p.trained()
             window_tokens += tokens_per_step
             with self.timing.span("sync"):
                 outcome = self.algo.after_step(step, time.time() - step_t0)
@@ -335,12 +326,13 @@ class Trainer:
                 tps, window_tokens = window_tokens / max(window_split["wall_s"], 1e-9), 0
                 step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
                 if step_mfu is not None:
-                    self.mfu_values.append(step_mfu)
+                    p.mfu.append(step_mfu)
                 if topo.is_group_leader:
                     self.metrics.log("train", step=p.step, group=topo.group_index, cluster=topo.name, loss=float(loss_t),
                                      lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
-                                     wall=p.wall_offset + now - self.t0, skipped=not applied, time_s=window_split)
+                                     wall=p.wall(), skipped=not applied, time_s=window_split)
                     self._log_moe(p.step)
+                    p.save()
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
             if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
@@ -359,7 +351,7 @@ class Trainer:
         val_loss = self.eval_logged()
         if cfg.checkpoint.at_end:
             self.save_checkpoint()
-        summary = finish_summary(self, val_loss, init_val)
+        summary = self._summary(val_loss)
         self.metrics.close(summary)
         self.algo.close()
         if topo.distributed:
@@ -372,11 +364,22 @@ class Trainer:
         committed = self.algo.syncs_done > self._syncs_seen or not self.federated or not self.cfg.algo.local_sgd
         if committed or final:
             self._syncs_seen = self.algo.syncs_done
-            self.useful["useful_s"] += self._compute_since_commit if committed else 0.0
+            self.state.carried.useful_s += self._compute_since_commit if committed else 0.0
             self._compute_since_commit = 0.0
-            self.useful["saved_at"] = time.time()
-            if self.is_main and self.federated:
-                save_useful(self.run_dir, self.topo.name, self.useful)
+            if self.is_main and (self.federated and self.cfg.algo.local_sgd or final):
+                self.state.save()
+
+    def _summary(self, val_loss: float) -> dict[str, Any]:
+        """This cluster's record merged by its leader with every other cluster's into `summary.json`."""
+        restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                       int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
+        record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.group_index,
+                                device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
+                                val_loss=val_loss, restarts=restarts, slowdown_slept_s=self.slowdown.slept_s,
+                                time_split=self.timing.snapshot())
+        if not self.is_main:
+            return {}
+        return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
 
     def _log_moe(self, step: int) -> None:
         out = self._last_out

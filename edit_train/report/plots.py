@@ -9,7 +9,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edit_train.report import DPI, Run, _num
+from edit_train.report.model import Run, _num
+
+DPI = 110
 
 
 # -------------------------------------------------------------------------------------------- plots

@@ -1,18 +1,17 @@
-"""Plots and a summary table from one or more run directories (the `edit-train-report` logic).
+"""The report's data model: one run directory read into a `Run`, and the summary table built from runs.
 
 Reads only the run-directory contract of DESIGN.md §5 — `metrics.jsonl` (+ `summary.json` when the run
 finished, `config.json` for the algorithm name of a run that did not) — so it works on the output of
 every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
-`summary.json`: what the metrics hold is still plotted, the table marks the run incomplete and derives
-its numbers from the events).
+`summary.json`: the table marks the run incomplete and derives its numbers from the events).
 
-Matplotlib is used through `Figure` objects only (no pyplot, no global backend switch), so it is headless.
+A leaf: it imports no other `edit_train` module, so the figures and the orchestrator (`edit_train.report`)
+can depend on it without a cycle.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from edit_train.train.metrics import read_metrics
-
-log = logging.getLogger(__name__)
-
-PLOTS = ("val_loss_vs_tokens.png", "val_loss_vs_wall.png", "loss.png", "tokens_per_s.png", "blocked.png",
-         "expert_load.png", "time.png")
 COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-group bytes",
            "syncs", "anomalies", "blocked %")
 NUMERIC_COLUMNS = frozenset(COLUMNS[2:])
-DPI = 110
 
 
 class ReportError(ValueError):
@@ -38,6 +30,17 @@ class ReportError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- loading
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Load a `metrics.jsonl` file (skipping a torn last line)."""
+    events = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
 def _num(value: Any) -> float:
     """A metric value as float; missing / null (NaN written as null) / non-numeric → NaN."""
     if isinstance(value, bool) or value is None:
@@ -229,16 +232,6 @@ def load_run(path: str | Path) -> Run:
     return Run(path=p, events=events, summary=summary, config=config)
 
 
-def _assign_labels(runs: list[Run]) -> None:
-    """Label = run dir name + algo; dir names that collide get their parent prepended."""
-    names = [r.name for r in runs]
-    for r in runs:
-        name = r.name
-        if names.count(name) > 1:
-            name = f"{r.path.resolve().parent.name}/{name}"
-        r.label = f"{name} ({r.algo})" + ("" if r.completed else " [incomplete]")
-
-
 # ---------------------------------------------------------------------------------------- formatting
 def human_bytes(n: float | int | None) -> str:
     if n is None or not math.isfinite(float(n)):
@@ -304,57 +297,3 @@ def markdown_table(rows: list[dict[str, str]], columns: Sequence[str] = COLUMNS,
     rule = "|" + "|".join(("-" * (widths[c] + 1) + ":") if c in numeric else ("-" * (widths[c] + 2))
                           for c in columns) + "|"
     return "\n".join([line({c: c for c in columns}), rule, *(line(r) for r in rows)])
-
-
-# --------------------------------------------------------------------------------------------- report
-@dataclass
-class Report:
-    out: Path
-    plots: list[Path]
-    table: str
-    runs: list[Run]
-
-
-def default_out(run_dirs: list[str | Path]) -> Path:
-    return Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else Path("report")
-
-
-def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Report:
-    """Load every run (all paths checked before anything is written), draw the plots, write summary.md."""
-    if not run_dirs:
-        raise ReportError("no run directory given")
-    runs = [load_run(p) for p in run_dirs]
-    _assign_labels(runs)
-    out_dir = Path(out) if out is not None else default_out(run_dirs)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from edit_train import report_plots as fig  # the figures import Run from here
-    from edit_train.report_time import plot_time, time_table
-
-    plots = [
-        fig.plot_val_loss(runs, out_dir, "tokens"),
-        fig.plot_val_loss(runs, out_dir, "wall"),
-        fig.plot_loss(runs, out_dir),
-        fig.plot_tokens_per_s(runs, out_dir),
-        fig.plot_blocked(runs, out_dir),
-        fig.plot_expert_load(runs, out_dir),
-        plot_time(runs, out_dir),
-    ]
-    table = markdown_table(table_rows(runs))
-    notes = []
-    for r in runs:
-        if not r.completed:
-            why = "summary.json says completed=false" if r.summary is not None else "no summary.json"
-            notes.append(f"- `{r.path}`: incomplete ({why}; crashed or still running) — its numbers are derived "
-                         "from metrics.jsonl, `n/a` where the events cannot tell; its val loss is "
-                         "the last evaluation's, not a final one.")
-    md = ["# edit-train report", "", table, ""]
-    breakdown = time_table(runs)
-    if breakdown:
-        md += ["## Where the time goes (share of each cluster's wall time)", "", breakdown, ""]
-    if notes:
-        md += [*notes, ""]
-    md += ["Runs: " + ", ".join(f"`{r.path}`" for r in runs), "",
-           *(f"![{p.stem}]({p.name})" for p in plots), ""]
-    (out_dir / "summary.md").write_text("\n".join(md))
-    log.info("report written to %s", out_dir)
-    return Report(out=out_dir, plots=plots, table=table, runs=runs)

@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from edit_train.report import Run, _num, markdown_table
+from edit_train.report.model import Run, _num, markdown_table
+from edit_train.report.plots import _figure, _no_data
 from edit_train.timing import BUCKETS
 
 BUCKET_COLORS = {"compute": "tab:green", "slowdown": "tab:olive", "eval": "tab:purple", "sync": "tab:orange",
@@ -72,8 +73,6 @@ def draw_breakdown(ax: Any, rows: list[tuple[str, dict[str, float]]], title: str
 
 def plot_time(runs: list[Run], out: Path) -> Path:
     """The report's `time.png`: one bar per (run, cluster)."""
-    from edit_train.report_plots import _figure, _no_data
-
     rows = [(f"{label} · {cluster}", t) for label, cluster, t in time_rows(runs)]
     fig = _figure(12, 1.2 + 0.45 * max(len(rows), 2))
     ax = fig.subplots()
