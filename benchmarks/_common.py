@@ -1,5 +1,5 @@
 """Shared helpers for the training benchmarks: run one `edit-train` job as a subprocess, read what it
-wrote (`summary.json`, `metrics.jsonl`, DESIGN.md §5), write JSON results, plots (matplotlib, Agg) and tables.
+wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §5), write JSON results, plots (matplotlib, Agg) and tables.
 
 Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` puts this folder on
 ``sys.path``).

@@ -59,6 +59,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # intra-op threads per rank; 0 = the cores this job may use / training processes on the host
     progress: bool = True
     spike_factor: float = 3.0  # loss > factor x running mean is a spike (0 = off)
     spike_patience: int = 3  # consecutive spiking steps before the batch is skipped and re-queued
@@ -225,6 +226,7 @@ def validate(cfg: Config) -> None:
     _need(t.peak_flops >= 0, "train.peak_flops", f"must be >= 0 (0 = look the device up), got {t.peak_flops}")
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every/eval_batches", "must be >= 0 / >= 1")
+    _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = auto), got {t.threads}")
     _need(a.name in ("ddp", "post_local_sgd", "diloco", "edit", "a_edit"), "algo.name",
           f"unknown algorithm {a.name!r}; choose ddp, post_local_sgd, diloco, edit or a_edit")
     _need(a.schedule in ("step", "time"), "algo.schedule", f"must be step or time, got {a.schedule!r}")

@@ -26,6 +26,7 @@ TINY = [
     "train.log_every=2",
     "logger=none",
     "train.progress=false",
+    "train.threads=1",  # two shared cores: one intra-op thread per in-process run
 ]
 
 CORPUS_FILES = 30

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edit_train.cluster.threads import AUTO, cores_available, plan, training_processes
 from edit_train.config import ClusterSpec, cluster_specs, to_container
 
 
@@ -59,16 +60,19 @@ class LocalFederation:
         if only and not self.jobs:  # a cluster joining the federation from outside its configured list
             self.jobs = [ClusterJob(ClusterSpec(only, max(cfg.cluster.shard_size, 1), len(specs), 1.0))]
         self.stopping = False
+        # every rank of every job started here shares this host's cores with whatever else trains on it
+        ranks = sum(j.spec.ranks for j in self.jobs)
+        self.threads = plan(cfg.train.threads, ranks, training_processes(), cores_available()).threads
 
     def _env(self, job: ClusterJob, rank: int, port: int) -> dict[str, str]:
-        threads = max(1, (os.cpu_count() or 1) // max(sum(j.spec.ranks for j in self.jobs), 1))
         env = dict(os.environ)
         env.update({"EDIT_TRAIN_CLUSTER": job.spec.name, "EDIT_TRAIN_LIGHTHOUSE": self.lighthouse,
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.spec.ranks),
                     "LOCAL_WORLD_SIZE": str(job.spec.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"), "EDIT_TRAIN_RESTART": str(job.restarts),
                     "EDIT_TRAIN_LAUNCHER_BAR": "1", "RUST_LOG": env.get("RUST_LOG", "warn")})
-        env.setdefault("OMP_NUM_THREADS", str(threads))
+        if "OMP_NUM_THREADS" not in env:  # the user's own setting wins
+            env.update({"OMP_NUM_THREADS": str(self.threads), AUTO: "1"})
         env.pop("TORCHELASTIC_RUN_ID", None)
         return env
 

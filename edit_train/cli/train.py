@@ -84,7 +84,7 @@ def _task(dcfg: Any) -> None:
     except KeyboardInterrupt:
         fail(checks.interrupted_message(run_dir), code=130)
     except Exception as exc:  # noqa: BLE001
-        from edit_train.train.trainer import Interrupted
+        from edit_train.train.signals import Interrupted
 
         if isinstance(exc, Interrupted):
             fail(checks.interrupted_message(run_dir, detail=str(exc)), code=130)

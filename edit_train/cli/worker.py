@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from edit_train.cli.train import _user_errors
     from edit_train.config import from_container
-    from edit_train.train.trainer import Interrupted, train
+    from edit_train.train.signals import Interrupted
+    from edit_train.train.trainer import train
 
     try:
         cfg = from_container(json.loads(open(args[0]).read()))

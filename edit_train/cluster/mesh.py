@@ -30,13 +30,13 @@ class TopologyError(ValueError):
 
 @dataclass
 class Topology:
-    """This rank's place in its cluster. `group_index` is the cluster's index in the federation's
+    """This rank's place in its cluster. `index` is the cluster's index in the federation's
     configured list (data partition, slowdown, faults); `name` its federation-wide name."""
 
     world_size: int  # ranks of this cluster
     rank: int  # rank inside the cluster
     name: str
-    group_index: int
+    index: int
     device: torch.device
     backend: str | None
     mesh: Any = None  # 1-D DeviceMesh ("shard",), None when the cluster has one rank
@@ -54,7 +54,7 @@ class Topology:
         return self.world_size > 1
 
     @property
-    def is_group_leader(self) -> bool:
+    def is_leader(self) -> bool:
         return self.rank == 0
 
     @property
@@ -112,7 +112,7 @@ def bound_store(host: str, port: int, world_size: int, is_master: bool, timeout:
     return store
 
 
-def init_topology(name: str, group_index: int, ranks: int, device: str = "auto", backend: str = "auto",
+def init_topology(name: str, index: int, ranks: int, device: str = "auto", backend: str = "auto",
                   timeout_s: float = 600.0) -> Topology:
     """Initialise this cluster's torch.distributed world from the launcher's environment and its mesh."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -120,7 +120,7 @@ def init_topology(name: str, group_index: int, ranks: int, device: str = "auto",
     check_shape(world_size, ranks, name)
     dev = pick_device(device)
     if world_size == 1:
-        return Topology(1, 0, name, group_index, dev, None)
+        return Topology(1, 0, name, index, dev, None)
     be = pick_backend(dev, backend)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -142,7 +142,7 @@ def init_topology(name: str, group_index: int, ranks: int, device: str = "auto",
 
     mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("shard",))
     log.info("cluster %s rank %d/%d backend %s", name, rank, world_size, be)
-    return Topology(world_size, rank, name, group_index, dev, be, mesh)
+    return Topology(world_size, rank, name, index, dev, be, mesh)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

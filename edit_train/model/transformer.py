@@ -199,9 +199,6 @@ class CausalLM(nn.Module):
             elif isinstance(module, MoEBlock):
                 module.reset_buffers()
 
-    def init_weights(self) -> None:
-        self.reset_parameters()
-
     # ------------------------------------------------------------------ MoE helpers
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

@@ -1,6 +1,6 @@
 """The report's data model: one run directory read into a `Run`, and the summary table built from runs.
 
-Reads only the run-directory contract of DESIGN.md §5 — `metrics.jsonl` (+ `summary.json` when the run
+Reads only the run-directory contract of docs/architecture.md §5 — `metrics.jsonl` (+ `summary.json` when the run
 finished, `config.json` for the algorithm name of a run that did not) — so it works on the output of
 every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
 `summary.json`: the table marks the run incomplete and derives its numbers from the events).

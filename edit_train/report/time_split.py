@@ -1,6 +1,6 @@
 """Where every second went, per cluster and run: the report's `time.png` and its markdown table.
 
-Reads `summary.json` `per_cluster.time` (DESIGN.md §5) of finished runs; for a run that did not finish, the
+Reads `summary.json` `per_cluster.time` (docs/architecture.md §5) of finished runs; for a run that did not finish, the
 `time_s` windows of its `train` events summed per cluster (the loop's time up to the last logged step; its
 start-up and final eval are not in any window).
 """

@@ -77,14 +77,14 @@ class FaultInjector:
     """Applies the faults that concern this rank's group."""
 
     def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234,
-                 run_dir: str | Path | None = None, is_group_leader: bool = True, cluster: str = "",
+                 run_dir: str | Path | None = None, is_leader: bool = True, cluster: str = "",
                  rank: int = 0) -> None:
         self.faults = [f for f in parse_faults(specs) if f.group == group or (f.cluster and f.cluster == cluster)]
         self.cluster = cluster or str(group)
         self.rank = rank
         self.group = group
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.is_group_leader = is_group_leader
+        self.is_leader = is_leader
         self.vocab_size = vocab_size
         self._gen = torch.Generator().manual_seed(seed + group)
 
@@ -101,7 +101,7 @@ class FaultInjector:
                     marker.write_text("fired\n")
                     os.kill(os.getpid(), signal.SIGKILL)
         for f in self.faults:
-            if f.kind != "kill" or step != f.start or not self.is_group_leader:
+            if f.kind != "kill" or step != f.start or not self.is_leader:
                 continue
             marker = (self.run_dir or Path(".")) / f".fault-kill-g{f.group}-s{f.start}"
             if marker.exists():

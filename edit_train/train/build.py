@@ -81,5 +81,5 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     optimizer: torch.optim.Optimizer | None = None, federated: bool = True,
                     span: Callable[[str], AbstractContextManager[Any]] | None = None) -> LocalSGD:
     return LocalSGD(local_sgd_config(cfg), model, fsdp_units(model), build_transport(cfg, topo, federated),
-                    (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.group_index,
+                    (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
                     optimizer=optimizer, span=span or (lambda _n: nullcontext()))

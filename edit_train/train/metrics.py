@@ -1,4 +1,4 @@
-"""Metric sinks: `metrics.jsonl` (the contract of DESIGN.md §5), W&B, and a console summary.
+"""Metric sinks: `metrics.jsonl` (the contract of docs/architecture.md §5), W&B, and a console summary.
 
 Every rank may write to the one `metrics.jsonl`: each event is a single `os.write` on an O_APPEND
 descriptor, which the kernel keeps whole for regular files.

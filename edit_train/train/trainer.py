@@ -1,6 +1,6 @@
 """The training loop. One process = one rank; the loop is the same for every algorithm.
 
-The cross-group algorithm is an object wrapped around the loop (`edit_train.local_sgd.algorithms`):
+The cross-cluster algorithm is an object wrapped around the loop (`edit_train.local_sgd.algorithms`):
 it sees the gradients after backward (synchronous warm-up), the step boundary (sync decisions) and the
 forward pass (layer-wise sync hooks). Everything else here is plain training.
 """
@@ -24,6 +24,7 @@ from edit_train.config import Config, to_container, validate
 from edit_train.data.loader import TokenLoader
 from edit_train.data.prepare import ensure_dataset
 from edit_train.cluster.mesh import Topology, init_topology, parallelize
+from edit_train.cluster.threads import ThreadBudget
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.faults import FaultInjector
@@ -41,30 +42,9 @@ from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import evaluate, reshard
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
+from edit_train.train.signals import Interrupted, StopSignal
 
 log = logging.getLogger(__name__)
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM arrived: the run stopped at a step boundary (a checkpoint in progress completed)."""
-
-
-def _install_stop_handlers(trainer: Trainer) -> None:
-    """SIGINT/SIGTERM only set a flag; the loop stops at the next step boundary, so a checkpoint being
-    written is finished (atomically renamed) and nothing is left half-written."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum: int, _frame: Any) -> None:
-        if trainer.stop_signal is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
-        trainer.stop_signal = signum
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
 
 
 def agree_on_config(cfg: Config, topo: Topology) -> Config:
@@ -90,19 +70,22 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
         self.is_main = topo.rank == 0  # this cluster's leader
+        # intra-op threads: the cores this job may use, shared with the other training processes on the host
+        self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.threads.apply()
         self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
         t = cfg.train
         self.rank_batch = self.spec.batch_size or t.batch_size
-        self.group_batch = self.rank_batch * topo.shard_size
+        self.cluster_batch = self.rank_batch * topo.shard_size
         # this cluster's counters across its incarnations (restarted, resumed or healed: it keeps counting)
         self.record_found = record_path(self.run_dir, topo.name).exists()
-        self.state = TrainingState.begin(self.run_dir, topo.name, self.group_batch * t.seq_len * t.grad_accum)
+        self.state = TrainingState.begin(self.run_dir, topo.name, self.cluster_batch * t.seq_len * t.grad_accum)
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
 
         # ---- data (prepared once by rank 0, cached for everyone else)
         parts = len(self.specs)
-        min_tokens = parts * self.group_batch * (t.seq_len + 1)
+        min_tokens = parts * self.cluster_batch * (t.seq_len + 1)
         if self.is_main:
             self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
                                            val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
@@ -118,10 +101,10 @@ class Trainer:
 
             raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                               f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
-        self.loader = TokenLoader(self.data_dir, "train", self.group_batch, t.seq_len,
-                                  part=topo.group_index % parts, num_parts=parts, seed=cfg.seed)
+        self.loader = TokenLoader(self.data_dir, "train", self.cluster_batch, t.seq_len,
+                                  part=topo.index % parts, num_parts=parts, seed=cfg.seed)
 
-        # ---- model, replicated per group, sharded inside it
+        # ---- model, replicated per cluster, sharded inside it
         counts = count_params(cfg.model)
         self.param_counts = counts
         if self.is_main:
@@ -141,13 +124,12 @@ class Trainer:
         self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
                                            eps=t.eps, weight_decay=t.weight_decay)
-        self.faults = FaultInjector(cfg.faults, topo.group_index, cfg.model.vocab_size, run_dir=self.run_dir,
-                                    is_group_leader=topo.is_group_leader, cluster=topo.name, rank=topo.rank)
-        self.slowdown = Slowdown(topo.group_index, [s.slowdown for s in self.specs],
+        self.faults = FaultInjector(cfg.faults, topo.index, cfg.model.vocab_size, run_dir=self.run_dir,
+                                    is_leader=topo.is_leader, cluster=topo.name, rank=topo.rank)
+        self.slowdown = Slowdown(topo.index, [s.slowdown for s in self.specs],
                                  list(cfg.cluster.slowdown_schedule), len(self.specs))
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
-        self.stop_signal: int | None = None
-        _install_stop_handlers(self)
+        self.stop = StopSignal()
 
         # ---- output
         ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
@@ -160,7 +142,7 @@ class Trainer:
         resume_from = find_resume(self.ckpt, cfg, self.is_main) if wants else None
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
-        if cfg.logger.kind == "wandb" and topo.is_group_leader:
+        if cfg.logger.kind == "wandb" and topo.is_leader:
             from edit_train.train.wandb_sink import WandbSink
 
             self.wandb = WandbSink(self.run_dir, cfg.logger.project, cfg.logger.entity, cfg.logger.mode,
@@ -172,7 +154,7 @@ class Trainer:
         self.metrics = MetricsLogger(sinks)
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span)  # the layer-wise sync hooks charge their work to `sync`
-        if self.is_main and topo.group_index == 0:
+        if self.is_main and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
@@ -187,7 +169,7 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast(self.topo.device.type)  # no-op under FSDP2 bf16 params or fp32
 
-    def _group_mean(self, value: torch.Tensor) -> torch.Tensor:
+    def _cluster_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.topo.shard_size > 1:
             value = value.to(self.topo.device)
             dist.all_reduce(value, group=self.topo.shard_pg)
@@ -217,8 +199,8 @@ class Trainer:
         p = self.state
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                   "tokens": p.tokens, "wall": p.wall()}
-        if self.topo.is_group_leader:
-            self.metrics.log("eval", group=self.topo.group_index, cluster=self.topo.name, **record)
+        if self.topo.is_leader:
+            self.metrics.log("eval", group=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self) -> None:
@@ -254,13 +236,13 @@ class Trainer:
             loss_sum += float(out.ce_loss.detach()) / len(batches)
         self.faults.corrupt_grads(step, self.model)
         # the spike decision needs the loss every rank sharing the update agrees on
-        shared = float(self._group_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
+        shared = float(self._cluster_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
         with self.timing.span("sync"):
             shared = self.algo.after_backward(step, shared)
         if self.spike.enabled and shared is not None and self.spike.check(shared, step, batches):
             self.optimizer.zero_grad(set_to_none=True)
-            if topo.is_group_leader:
-                self.metrics.log("spike", step=step + 1, group=topo.group_index, loss=shared,
+            if topo.is_leader:
+                self.metrics.log("spike", step=step + 1, group=topo.index, loss=shared,
                                  running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
             self._last_out, self._lr = out, lr
             return float(loss_sum), True
@@ -290,11 +272,11 @@ class Trainer:
             p.initial_val_loss = self.eval_logged()
         window_tokens, window_time = 0, self.timing.snapshot()
         while not self.algo.should_stop(p.step):
-            if self.stop_signal is not None:
+            if self.stop.signum is not None:
                 bar.close()
-                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop_signal, p.step)
+                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop.signum, p.step)
                 self.metrics.close(None)
-                raise Interrupted(f"stopped by signal {self.stop_signal} at step {p.step}")
+                raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
             step = p.step
             self.faults.maybe_kill(step)
             cut = self.faults.partition_at(step)
@@ -309,9 +291,9 @@ class Trainer:
                 self.slowdown.after_step(step, self.timing.totals["compute"] - compute0)
             if not applied:
                 p.skipped_steps += 1
-                log.warning("group %d step %d: non-finite loss/gradient, inner step skipped", topo.group_index, step)
-                if topo.is_group_leader:
-                    self.metrics.log("skip", step=step + 1, group=topo.group_index, reason="non_finite", loss=loss)
+                log.warning("cluster %s step %d: non-finite loss/gradient, inner step skipped", topo.name, step)
+                if topo.is_leader:
+                    self.metrics.log("skip", step=step + 1, group=topo.index, reason="non_finite", loss=loss)
             p.trained()
             window_tokens += tokens_per_step
             with self.timing.span("sync"):
@@ -320,19 +302,20 @@ class Trainer:
                 p.step = outcome.adopt_step
             self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
-                loss_t = self._group_mean(torch.tensor([loss], dtype=torch.float64))
+                loss_t = self._cluster_mean(torch.tensor([loss], dtype=torch.float64))
                 now, split = time.time(), self.timing.snapshot()
                 window_split, window_time = window(split, window_time), split
                 tps, window_tokens = window_tokens / max(window_split["wall_s"], 1e-9), 0
                 step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
                 if step_mfu is not None:
                     p.mfu.append(step_mfu)
-                if topo.is_group_leader:
-                    self.metrics.log("train", step=p.step, group=topo.group_index, cluster=topo.name, loss=float(loss_t),
+                if topo.is_leader:
+                    self.metrics.log("train", step=p.step, group=topo.index, cluster=topo.name, loss=float(loss_t),
                                      lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
                                      wall=p.wall(), skipped=not applied, time_s=window_split)
                     self._log_moe(p.step)
                     p.save()
+                self.threads.maybe_replan()
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)
             if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
@@ -373,7 +356,7 @@ class Trainer:
         """This cluster's record merged by its leader with every other cluster's into `summary.json`."""
         restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                        int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
-        record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.group_index,
+        record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.index,
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restarts, slowdown_slept_s=self.slowdown.slept_s,
                                 time_split=self.timing.snapshot())
@@ -384,7 +367,7 @@ class Trainer:
     def _log_moe(self, step: int) -> None:
         out = self._last_out
         loads = [load.tolist() for load in self.model.expert_load()]
-        self.metrics.log("moe", step=step, group=self.topo.group_index, cluster=self.topo.name, expert_load=loads,
+        self.metrics.log("moe", step=step, group=self.topo.index, cluster=self.topo.name, expert_load=loads,
                          aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
 
 

@@ -1,0 +1,137 @@
+"""The shape of the code: no import cycle among the modules of edit_train/, no module over 400 lines, no
+function over 80 lines in the sync core and the federation, a thin LocalSGD, a core that imports no model,
+data, Hydra or W&B code. Read from the sources (ast), so nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "edit_train"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every edit_train module `name` imports: at the top, inside functions and under TYPE_CHECKING alike."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            mod = ".".join(p for p in (base, node.module or "") if p)
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in modules and t != name:
+                found.add(t)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert graph["edit_train.train.trainer"], "the import graph is empty: the parser is broken"
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_core_imports_no_model_data_train_cli_hydra_or_wandb() -> None:
+    modules = _modules()
+    banned = ("edit_train.model", "edit_train.data", "edit_train.train", "edit_train.cli", "edit_train.federation")
+    for name, path in modules.items():
+        if not name.startswith("edit_train.local_sgd"):
+            continue
+        deps = _imports(name, path, modules)
+        assert not [d for d in deps if d.startswith(banned)], (name, deps)
+        text = path.read_text()
+        assert "import hydra" not in text and "import wandb" not in text and "omegaconf" not in text, name
+
+
+@pytest.mark.parametrize("limit", [400])
+def test_no_module_over_400_lines(limit: int) -> None:
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > limit}
+    assert not long, long
+
+
+def test_no_function_over_80_lines_in_the_core_and_the_federation() -> None:
+    long = []
+    for sub in ("local_sgd", "federation"):
+        for path in (PKG / sub).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if n > 80:
+                        long.append(f"{sub}/{path.name}:{node.name} ({n} lines)")
+    assert not long, long
+
+
+def test_local_sgd_is_thin() -> None:
+    tree = ast.parse((PKG / "local_sgd" / "algorithms.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LocalSGD")
+    assert cls.end_lineno - cls.lineno + 1 <= 200  # type: ignore[operator]
+
+
+def test_the_sync_sequence_exists_once() -> None:
+    """clip → outer step → re-base is written in one place (round.SyncRound.apply); the re-base in one
+    function (round.rebase) that healing uses too."""
+    steps = [p for p in (PKG / "local_sgd").glob("*.py") if ".outer.step(" in p.read_text()]
+    assert [p.name for p in steps] == ["round.py"]
+    assert "rebase(" in (PKG / "local_sgd" / "healing.py").read_text()
+    for path in PKG.rglob("*.py"):
+        top = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
+        assert path.name == "round.py" or "rebase" not in top, path
