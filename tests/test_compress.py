@@ -183,3 +183,15 @@ def test_error_feedback_drops_non_finite_residual() -> None:
     x = torch.tensor([1.0, float("nan"), 3.0])
     fb.update("k", torch.zeros(3), x)
     assert torch.equal(fb.residual("k"), torch.zeros(3))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_a_payload_at_an_odd_offset_of_a_received_buffer_dequantizes(scheme: str) -> None:
+    """rs_ag slices each peer's chunk out of one receive buffer: a chunk of 19 values (23 or 27 bytes) puts the
+    next one at an offset that is not a multiple of the scales' 4 bytes."""
+    if scheme == "fp8" and not fp8_supported():
+        pytest.skip("no float8 on this torch build")
+    cfg = CompressionConfig(scheme, block_size=8)
+    payload = quantize(torch.randn(19), cfg)
+    buf = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])
+    assert torch.equal(dequantize(buf[3:], 19, cfg), dequantize(payload, 19, cfg))

@@ -13,7 +13,9 @@ from fed_utils import anchors, events, finish, same, start
 COMMON = ["algo=edit", "train.steps=8", "algo.interval=2", "train.batch_size=2", "algo.penalty.warmup_syncs=1"]
 
 
-@pytest.mark.parametrize("mode", ["layerwise", pytest.param("at_end", marks=pytest.mark.slow), "overlap"])
+# at_end and overlap: tests/test_sync_inproc.py runs int8 through every driver in one process
+@pytest.mark.parametrize("mode", ["layerwise", pytest.param("at_end", marks=pytest.mark.slow),
+                                  pytest.param("overlap", marks=pytest.mark.slow)])
 def test_int8_two_clusters_end_on_one_anchor(tmp_path: Path, corpus: str, mode: str) -> None:
     run = tmp_path / mode
     finish(start(run, corpus, *COMMON, "cluster=local_2x1", f"sync.mode={mode}", "sync.compression=int8"))

@@ -66,6 +66,12 @@ def test_killed_cluster_never_stops_the_others_and_heals(tmp_path: Path, corpus:
     assert 3 in parts[first_two:], parts  # c1 back after healing
     assert all(p >= 2 for p in parts)
     _ends_on_one_anchor(run_dir, ["c0", "c1", "c2"])
+    # a restarted cluster's work is counted: every incarnation's tokens (killed at step >= 40, it healed and
+    # adopted the federation's step, so its last incarnation alone trained at most 80 of the 120 steps)
+    for name, c in summary["per_cluster"].items():
+        assert c["tokens"] == c["steps_trained"] * c["tokens_per_step"], name
+    assert summary["per_cluster"]["c1"]["steps_trained"] >= 0.7 * 120
+    assert summary["tokens"] == sum(c["tokens"] for c in summary["per_cluster"].values())
     clean = json.loads((baseline / "summary.json").read_text())["final_val_loss"]
     assert summary["final_val_loss"] <= 1.03 * clean
     assert not cluster_pids("c1", run_dir) and killed_at > 0

@@ -189,6 +189,7 @@ def _overlap_vs_blocking(rank: int, world: int, lighthouse: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # test_sync_inproc.py: overlap and at_end both equal the closed form, in one process
 def test_overlap_without_steps_in_flight_equals_blocking(lighthouse: str) -> None:
     results = run_processes(_overlap_vs_blocking, 2, lighthouse)
     for r in results:

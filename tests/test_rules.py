@@ -87,3 +87,31 @@ def test_uniform_rule_drops_non_finite_and_non_contributors() -> None:
     d = UniformRule(PenaltyConfig()).decide(_ev(torch.tensor([1.0, math.nan, 2.0, 0.0]), list("abcd"),
                                                  [True, True, True, False]))
     assert d.weights == [0.5, 0.0, 0.5, 0.0] and d.anomalous == [False, True, False, False]
+
+
+def test_a_custom_rule_from_outside_the_package_drives_a_real_two_cluster_run(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
+    """`algo.penalty.rule=custom_rule:FirstClusterOnly` (defined in tests/, not in the package) selected by
+    config in a real 2-cluster run (Lighthouse + two cluster jobs): c0 gets all the weight at every sync, c1
+    none, and both end on the anchor c0's updates alone moved."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fed_utils import anchors, same
+
+    run_dir = tmp_path / "custom"
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "edit_train.cli.train", "algo=edit", "cluster=local_2x1", "model=tiny", "logger=none",
+           "train.progress=false", "train.seq_len=32", "train.batch_size=2", "train.steps=8", "algo.interval=4",
+           "train.eval_every=0", "train.eval_batches=1", f"data.source={corpus}", f"run.dir={run_dir}",
+           "algo.penalty.rule=custom_rule:FirstClusterOnly"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    syncs = [e for e in events if e["event"] == "sync"]
+    assert len(syncs) == 4  # 2 syncs x 2 clusters
+    assert all(e["weight"] == (1.0 if e["cluster"] == "c0" else 0.0) for e in syncs), syncs
+    assert same(anchors(run_dir, "c0"), anchors(run_dir, "c1")) == 0.0

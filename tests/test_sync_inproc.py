@@ -67,10 +67,15 @@ def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> N
     assert max_diff(results["c0"].anchors, results["c1"].anchors) == 0.0
 
 
-def test_int8_payloads_bit_identical_and_close_to_fp32() -> None:
-    cfg = config("layerwise", "uniform")
+@pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
+def test_int8_payloads_bit_identical_and_close_to_fp32(mode: str) -> None:
+    """int8 with blockwise scales and error feedback (3 clusters: reduce-scatter as an all-to-all of payloads,
+    then an all-gather of the re-quantized sums): every cluster holds the bit-identical anchor, within the
+    quantization error of the fp32 closed form."""
+    cfg = config(mode, "uniform")
     exact = reference(3, 3, "uniform")
-    results = run_inproc(NAMES, cfg, compression=CompressionConfig("int8", block_size=8))
+    results = run_inproc(NAMES, cfg, compression=CompressionConfig("int8", block_size=8),
+                         flush_each_step=mode == "overlap")
     for name in NAMES[1:]:
         assert max_diff(results[name].anchors, results["c0"].anchors) == 0.0
     assert 0 < max_diff(results["c0"].anchors, exact) <= 2e-3

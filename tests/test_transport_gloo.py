@@ -30,7 +30,7 @@ def _cluster(rank: int, world: int, lighthouse: str, mode: str) -> dict:
     return {"anchors": [[a.tolist() for a in unit] for unit in out.anchors]}
 
 
-@pytest.mark.parametrize("mode", ["layerwise", "overlap"])
+@pytest.mark.parametrize("mode", ["layerwise", pytest.param("overlap", marks=pytest.mark.slow)])
 def test_gloo_processes_equal_threads_and_the_closed_form(mode: str) -> None:
     house = Lighthouse("127.0.0.1:0", 1, 5.0, 5.0)
     try:
