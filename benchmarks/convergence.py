@@ -12,7 +12,7 @@ DiLoCo's and post-local SGD's.
 
 Hyper-parameters. ddp keeps every default. The local-SGD algorithms share `algo.interval=H` and
 `algo.warmup_steps=0` (a synchronous warm-up all-reduces gradients every step and breaks the 1/H budget);
-diloco and post_local_sgd keep their edit_train/conf/algo defaults. EDiT gets (`ALGO_OVERRIDES`, saved in the JSON):
+diloco and post_local_sgd keep their conf/algo defaults. EDiT gets (`ALGO_OVERRIDES`, saved in the JSON):
   * `algo.outer.lr=0.7 algo.outer.momentum=0 algo.outer.nesterov=false`: with the default inner lr (3e-3)
     and only tens of syncs, outer momentum only hurts (quick mode, val loss: 0.7/0.8 Nesterov 2.30,
     1.0/0.5 2.36, 0.7/0.5 2.16, 0.7/0.3 2.12, 1.0/0 2.13, 0.7/0 2.12, 0.5/0 2.15; inner lr 1e-3/2e-3
@@ -49,7 +49,7 @@ ALGOS = ("ddp", "post_local_sgd", "diloco", "edit")
 DEFAULT_OUT = C.RESULTS_DIR / "convergence.json"
 DEFAULT_PLOT = C.RESULTS_DIR / "convergence.png"
 
-# Per-algorithm overrides on top of edit_train/conf/algo/<algo>.yaml (ddp: none, by design).
+# Per-algorithm overrides on top of conf/algo/<algo>.yaml (ddp: none, by design).
 ALGO_OVERRIDES: dict[str, list[str]] = {
     "ddp": [],
     "post_local_sgd": [],

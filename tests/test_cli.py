@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from types import SimpleNamespace
 
@@ -93,6 +94,24 @@ def test_bad_data_source_is_one_line(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     assert not (tmp_path / "run" / "summary.json").exists()
     assert not (tmp_path / "run").exists()  # a failed check leaves no empty run directory
+
+
+@pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
+def test_user_config_dir_adds_options(tmp_path, how):
+    """README "Configuration": a directory of the user's own configs (laid out like conf/) on Hydra's search
+    path adds options to the groups; one may start from a shipped option. Through the console script, run
+    from outside the repository."""
+    mine = tmp_path / "my-conf"
+    (mine / "algo").mkdir(parents=True)
+    (mine / "algo" / "my_edit.yaml").write_text("defaults:\n  - edit\n  - _self_\ninterval: 8\n")
+    where = ["--config-dir", str(mine)] if how == "--config-dir" else [f"hydra.searchpath=[file://{mine}]"]
+    proc = run_cli(*TRAIN, [*where, "algo=my_edit", "--cfg", "job"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    algo = re.search(r"^algo:\n((?:  .*\n)+)", proc.stdout, re.M)
+    assert algo, proc.stdout
+    assert re.search(r"^  name: edit$", algo[1], re.M) and re.search(r"^  interval: 8$", algo[1], re.M), algo[1]
+    assert re.search(r"^    nesterov: true$", algo[1], re.M), algo[1]  # the rest of the shipped edit.yaml too
+    assert not (tmp_path / "runs").exists()
 
 
 def _check_info(stdout: str, model: str) -> dict:

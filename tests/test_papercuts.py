@@ -65,7 +65,8 @@ def test_wheel_install_works_outside_the_repo(tmp_path):
     if Version(setuptools.__version__) < Version("70.1"):
         pytest.importorskip("wheel")
     src = tmp_path / "src"  # build from a copy: the build leaves build/ and *.egg-info behind
-    shutil.copytree(REPO / "edit_train", src / "edit_train", ignore=shutil.ignore_patterns("__pycache__"))
+    for tree in ("edit_train", "conf"):  # the config tree is the top-level conf/, mapped to edit_train.conf
+        shutil.copytree(REPO / tree, src / tree, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     env = {k: v for k, v in cli_env().items() if k != "PYTHONPATH"}
@@ -82,13 +83,33 @@ def test_wheel_install_works_outside_the_repo(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import edit_train; print(edit_train.__file__)"],
                            capture_output=True, text=True, env=env, cwd=elsewhere, check=True)
     assert where.stdout.strip().startswith(str(venv)), where.stdout  # the wheel, not the repository
+    # the wheel's own config tree, not the checkout's conf/ (which an editable install, visible through
+    # --system-site-packages, maps to edit_train.conf as well)
+    conf = subprocess.run([str(venv / "bin" / "python"), "-c", "from edit_train.cli.common import CONF_DIR; "
+                           "print(CONF_DIR)"], capture_output=True, text=True, env=env, cwd=elsewhere, check=True)
+    conf_dir = Path(conf.stdout.strip())
+    assert conf_dir.is_relative_to(venv) and (conf_dir / "config.yaml").is_file(), conf_dir
     proc = subprocess.run([str(venv / "bin" / "edit-train"), "--cfg", "job", "model=small", "algo=edit"],
                           capture_output=True, text=True, env=env, cwd=elsewhere, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Primary config directory not found" not in proc.stderr
     assert re.search(r"^algo:\n  name: edit$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^model:\n  vocab_size: 1024\n  hidden_size: 256$", proc.stdout, re.M), proc.stdout  # small
     assert re.search(r"^data:\n  source: stdlib$", proc.stdout, re.M), proc.stdout
     assert not (elsewhere / "runs").exists()
+
+
+def test_every_subpackage_ships():
+    """pyproject.toml lists the packages (discovery cannot map the top-level conf/ to edit_train.conf): every
+    package under edit_train/ is listed, and the config tree is the package edit_train.conf, from conf/."""
+    from setuptools import find_packages
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set(find_packages(str(REPO), include=["edit_train", "edit_train.*"]))
+    assert set(tool["packages"]) == found | {"edit_train.conf"}, "update [tool.setuptools] packages"
+    assert tool["package-dir"] == {"edit_train.conf": "conf"}
+    assert (REPO / "conf" / "__init__.py").is_file() and (REPO / "conf" / "config.yaml").is_file()
+    assert not (REPO / "edit_train" / "conf").exists()  # a leftover would shadow the mapped package
 
 
 # 3 ---------------------------------------------------------------------------------------------------------
@@ -287,7 +308,8 @@ def test_help_page_is_ours(monkeypatch, capsys):
     page = proc.stdout
     assert page.startswith("edit-train: ") and "powered by Hydra" not in page
     assert "schema" not in page
-    groups = sorted(p.name for p in Path(CONF_DIR).iterdir() if p.is_dir() and p.name != "hydra")
+    groups = sorted(p.name for p in Path(CONF_DIR).iterdir()
+                    if p.is_dir() and p.name != "hydra" and not p.name.startswith(("_", ".")))  # __pycache__
     assert sorted(GROUPS) == groups  # every group of the shipped tree has its line
     for group in groups:
         line = next(i for i, text in enumerate(page.splitlines()) if text.strip().startswith(f"{group}="))

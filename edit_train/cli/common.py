@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any, NoReturn
 
-# The config tree ships inside the package (package data), so a wheel install finds it too.
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# The config tree: the repository's top-level conf/, shipped in the wheel as the package edit_train.conf
+# (edit_train/config_tree.py finds it in an editable install, a wheel install and a bare checkout).
+from edit_train.config_tree import CONF_DIR
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -1,4 +1,4 @@
-"""Model presets (``edit_train/conf/model/*.yaml``) and parameter counting on the meta device."""
+"""Model presets (``conf/model/*.yaml``) and parameter counting on the meta device."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from edit_train.config_tree import CONF_DIR
 from edit_train.model.config import ModelConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
+PRESET_DIR = Path(CONF_DIR) / "model"
 
 
 def available_presets() -> list[str]:
@@ -17,7 +18,7 @@ def available_presets() -> list[str]:
 
 
 def load_preset(name: str) -> ModelConfig:
-    """``edit_train/conf/model/{name}.yaml`` merged over the ``ModelConfig`` defaults, validated."""
+    """``conf/model/{name}.yaml`` merged over the ``ModelConfig`` defaults, validated."""
     path = PRESET_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown model preset {name!r}: no {path}; available presets: "
