@@ -148,3 +148,19 @@ def test_info_bad_override_is_one_line(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "num_experts" in err[0], err
+
+
+def test_n_equal_clusters_from_the_default_config() -> None:
+    """`edit-train cluster.groups=3 cluster.shard_size=1` (as the README says): the default preset's
+    two-entry slowdown does not carry over; an explicit slowdown still has to match."""
+    from edit_train.cli.common import compose
+    from edit_train.config import ConfigError, cluster_specs, validate
+
+    cfg = compose(["cluster.groups=3", "cluster.shard_size=1"])
+    validate(cfg)
+    assert [(s.name, s.ranks, s.slowdown) for s in cluster_specs(cfg)] == [("c0", 1, 1.0), ("c1", 1, 1.0), ("c2", 1, 1.0)]
+    with pytest.raises(ConfigError, match="cluster.slowdown"):
+        validate(compose(["cluster.groups=3", "cluster.slowdown=[1,3]"]))
+    out = run_cli("edit-train", "edit_train.cli.train", ["cluster.groups=3", "cluster.shard_size=1", "--cfg", "job"])
+    assert out.returncode == 0, out.stderr
+    assert "groups: 3" in out.stdout and "slowdown: []" in out.stdout

@@ -58,6 +58,16 @@ def one_line(exc: BaseException) -> str:
     return " — ".join(parts) or type(exc).__name__
 
 
+def equal_clusters(overrides: list[str]) -> list[str]:
+    """`cluster.groups=N` without `cluster=` or `cluster.slowdown=`: N equal clusters. The default preset
+    (`hetero_2x1`) gives its two clusters a slowdown each; that list does not carry over to N clusters.
+    Returns the override that says so (appended to the user's)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and not o.startswith("-")}
+    if "cluster.groups" in keys and not keys & {"cluster", "cluster.slowdown", "cluster.clusters"}:
+        return ["cluster.slowdown=[]"]
+    return []
+
+
 def compose(overrides: list[str]) -> Any:
     """Compose the Hydra config (as `edit-train` would) and return a typed `Config`."""
     from hydra import compose as hydra_compose
@@ -70,7 +80,7 @@ def compose(overrides: list[str]) -> Any:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        dcfg = hydra_compose(config_name="config", overrides=overrides)
+        dcfg = hydra_compose(config_name="config", overrides=[*overrides, *equal_clusters(overrides)])
     return OmegaConf.to_object(dcfg)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edit_train.cli import checks
-from edit_train.cli.common import CONF_DIR, fail, setup_logging
+from edit_train.cli.common import CONF_DIR, equal_clusters, fail, setup_logging
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import MissingMandatoryValue
@@ -139,6 +139,7 @@ def main() -> None:
         print(help_text())
         return
     register_configs()
+    sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.groups=N` alone: N equal clusters
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
     guard, pin = checks.precheck(sys.argv[1:])
     if pin:
