@@ -115,3 +115,20 @@ def test_a_custom_rule_from_outside_the_package_drives_a_real_two_cluster_run(tm
     assert len(syncs) == 4  # 2 syncs x 2 clusters
     assert all(e["weight"] == (1.0 if e["cluster"] == "c0" else 0.0) for e in syncs), syncs
     assert same(anchors(run_dir, "c0"), anchors(run_dir, "c1")) == 0.0
+
+
+def test_the_custom_rule_example_in_the_architecture_doc_works(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import re
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    code = re.search(r"```python\n(# my_rules\.py.*?)```", doc, re.S)
+    assert code, "the example is gone from docs/architecture.md"
+    (tmp_path / "my_rules.py").write_text(code.group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rules", None)
+    rule = make_rule(PenaltyConfig(rule="my_rules:TrustBiggest"))
+    ev = Evidence("m", ("a", "b", "c"), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+                  torch.tensor([4.0, 9.0, 0.0], dtype=torch.float64), (True, True, False))
+    assert rule.decide(ev).weights == [0.0, 1.0, 0.0]
