@@ -109,11 +109,11 @@ def run_overrides(name: str, a: argparse.Namespace) -> list[str]:
 
 
 def plan_stats(summary: dict[str, Any]) -> dict[str, Any]:
-    """Median planned local steps per group, skipping the first (fixed) and the last (cut-short) sync."""
-    per = summary["per_group"]
-    hist = {g: list(per[g].get("local_steps") or []) for g in sorted(per, key=int)}
-    med = {g: (statistics.median(h[1:-1]) if len(h) > 2 else None) for g, h in hist.items()}
-    h0, h1 = med.get("0"), med.get("1")
+    """Median planned local steps per cluster (c0, c1), skipping the first (fixed) and the last (cut-short) sync."""
+    per = summary["per_cluster"]
+    hist = {c: list(per[c].get("local_steps") or []) for c in sorted(per, key=lambda c: per[c]["index"])}
+    med = {c: (statistics.median(h[1:-1]) if len(h) > 2 else None) for c, h in hist.items()}
+    h0, h1 = med.get("c0"), med.get("c1")
     return {"local_steps": hist, "median_H": med, "H0_over_H1": h0 / h1 if h0 and h1 else None}
 
 
@@ -187,7 +187,7 @@ def same_speed_ratio(job: C.Job, alone: list[C.Job]) -> float:
 
 def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train_tps: float,
             alone: list[C.Job]) -> dict[str, Any]:
-    s, pg = job.summary, job.summary["per_group"]
+    s, pc = job.summary, job.summary["per_cluster"]
     blocked, steady = blocked_fracs(job)
     tps = train_tps(job)
     row = {"run": name, "algo": s["algo"], "wall_s": s["wall_s"], "tokens": s["tokens"],
@@ -197,9 +197,9 @@ def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train
            "breakdown": breakdown(name, job),
            "blocked_frac": blocked, "blocked_frac_steady": steady, "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),
            "cross_group_bytes": s.get("cross_group_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
-           "per_group": {g: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
-                                               "slowdown_slept_s", "syncs") if k in v} for g, v in pg.items()},
-           "tps_g0": pg["0"]["tokens_per_s"], "tps_g1": pg["1"]["tokens_per_s"]}
+           "per_cluster": {c: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
+                                                 "slowdown_slept_s", "syncs") if k in v} for c, v in pc.items()},
+           "tps_g0": pc["c0"]["tokens_per_s"], "tps_g1": pc["c1"]["tokens_per_s"]}
     if s["algo"] == "a_edit":
         row.update(plan_stats(s))
         row["speed_ratio_standalone"] = speed_ratio
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(C.table(rows.values(), cols))
     for n, r in rows.items():
         if "median_H" in r:
-            print(f"  {n}: median H per group {r['median_H']} (H0/H1 {C.fmt(r['H0_over_H1'], '.2f')}, standalone "
+            print(f"  {n}: median H per cluster {r['median_H']} (H0/H1 {C.fmt(r['H0_over_H1'], '.2f')}, standalone "
                   f"speed ratio {speed_ratio:.2f}); local steps per sync {r['local_steps']}")
     C.print_targets(result["targets"], a.out, a.plot)
     return result

@@ -181,7 +181,7 @@ def run_seed(a: argparse.Namespace, seed: int) -> tuple[dict[str, Any], dict[str
         s = job.summary
         rows[name] = {"run": name, "final_val_loss": s["final_val_loss"],
                       "ratio_vs_clean": s["final_val_loss"] / clean, "anomalies": s.get("anomalies"),
-                      "anomalies_group1": s["per_group"][str(FAULT_GROUP)].get("anomalies"),
+                      "anomalies_group1": s["per_cluster"][f"c{FAULT_GROUP}"].get("anomalies"),
                       "syncs": s.get("syncs"), "cross_group_bytes": s.get("cross_group_bytes"),
                       "job_wall_s": job.wall_s, "run_dir": job.run_dir}
     detection = {n: sync_table(j, a.start, a.end) for n, j in jobs.items()}

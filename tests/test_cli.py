@@ -18,7 +18,7 @@ TRAIN_KEYS = {"step", "group", "loss", "lr", "tokens", "tokens_per_s", "wall"}
 EVAL_KEYS = {"step", "val_loss", "val_ppl"}
 MOE_KEYS = {"step", "expert_load", "aux_loss", "z_loss"}
 SUMMARY_KEYS = {"algo", "completed", "steps", "tokens", "wall_s", "tokens_per_s", "final_val_loss",
-                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_group"}
+                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
 
 
 def assert_one_line_error(proc, *must_name: str) -> str:
@@ -52,7 +52,9 @@ def test_train_runs_on_default_stdlib_corpus(tmp_path):
     assert summary["tokens"] == 6 * 2 * 32
     assert math.isfinite(summary["final_val_loss"])
     assert summary["cross_group_bytes"] == 0 and summary["syncs"] == 0 and summary["anomalies"] == 0
-    assert set(summary["per_group"]) == {"0"}
+    assert set(summary["per_cluster"]) == {"c0"}
+    # the deprecated alias for old readers: the same records keyed by cluster index
+    assert summary["per_group"] == {str(r["index"]): r for r in summary["per_cluster"].values()}
 
     events = read_events(run_dir / "metrics.jsonl")
     kinds = {e["event"] for e in events}

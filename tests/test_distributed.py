@@ -106,15 +106,15 @@ def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
         assert e["local_steps"] == 4 and 0.0 < e["weight"] < 1.0 and e["bytes"] > 0
         assert e["participants"] == ["c0", "c1"] and e["cluster"] == f"c{e['group']}"
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["completed"] and summary["syncs"] == 2 and set(summary["per_group"]) == {"0", "1"}
-    assert set(summary["per_cluster"]) == {"c0", "c1"} and 0 < summary["goodput"] <= 1
+    assert summary["completed"] and summary["syncs"] == 2 and set(summary["per_cluster"]) == {"c0", "c1"}
+    assert 0 < summary["goodput"] <= 1
     for rec in summary["per_cluster"].values():
         assert rec["ranks"] == 2 and rec["syncs_joined"] == 2 and rec["syncs_missed"] == 0 and rec["restarts"] == 0
     # bytes are counted from what was sent: 2 syncs x full fp32 model per group (+ the tiny norm exchange)
     model_bytes = summary["total_params"] * 4
-    per_group = summary["per_group"]["0"]["cross_group_bytes"]
-    assert 2 * model_bytes <= per_group < 2 * model_bytes * 1.01
-    assert summary["cross_group_bytes"] == 2 * per_group
+    per_cluster = summary["per_cluster"]["c0"]["cross_group_bytes"]
+    assert 2 * model_bytes <= per_cluster < 2 * model_bytes * 1.01
+    assert summary["cross_group_bytes"] == 2 * per_cluster
 
 
 def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> None:
@@ -146,7 +146,7 @@ def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> N
                       corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["algo"] == algo and summary["syncs"] >= 1
-    assert set(summary["per_group"]) == {"0", "1"} and summary["cross_group_bytes"] > 0
+    assert set(summary["per_cluster"]) == {"c0", "c1"} and summary["cross_group_bytes"] > 0
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"train", "eval", "sync", "moe"} <= {e["event"] for e in events}
     g0, g1 = group_params(last_ckpt(run_dir, "c0"), 2), group_params(last_ckpt(run_dir, "c1"), 2)
@@ -215,7 +215,7 @@ def test_nan_gradients_never_reach_the_anchor(tmp_path: Path, corpus: str) -> No
     skips = [(e["step"], e["group"]) for e in events if e["event"] == "skip"]
     assert skips == [(2, 1), (3, 1)]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["per_group"]["1"]["skipped_steps"] == 2 and summary["per_group"]["0"]["skipped_steps"] == 0
+    assert summary["per_cluster"]["c1"]["skipped_steps"] == 2 and summary["per_cluster"]["c0"]["skipped_steps"] == 0
     for cluster in ("c0", "c1"):
         ckpt = last_ckpt(run_dir, cluster)
         outer = load_file(str(ckpt / "rank0-outer.safetensors"))

@@ -1,19 +1,23 @@
 """`edit-train-report`: plots + summary table from hand-written run directories (no training here).
 
-Synthetic runs: a 2-group EDiT run with one anomalous sync, a DDP run (no sync events), a crashed
-single-group run (no summary.json, no evals, a torn last line) and a run that died before its first event.
-Rendering is the slow part (~1 s of CPU per report), so only two tests draw."""
+Synthetic runs: a 2-cluster EDiT run with one anomalous sync, a DDP run (no sync events), a crashed
+single-cluster run (no summary.json, no evals, a torn last line) and a run that died before its first event;
+and a run dir from before `per_cluster` (summary.json with only the deprecated `per_group`).
+Rendering is the slow part (~1 s of CPU per report), so only three tests draw."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 
 from edit_train.cli.report import main
-from edit_train.report import PLOTS, default_out, human_bytes, load_run
+from edit_train.report import PLOTS, default_out, human_bytes, load_run, make_report
+from edit_train.report import model as report_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,11 +49,16 @@ def _evals(steps: int, every: int = 8, groups: int = 2) -> list[dict]:
              "tokens": s * 128 * groups, "wall": 0.1 * s + 0.05} for s in range(0, steps + 1, every)]
 
 
-def _per_group(tokens: int, syncs: int, anomalies: int, nbytes: int, blocked: float, wall: float,
-               local_steps: list[int]) -> dict:
-    return {"tokens": tokens, "steps": 24, "tokens_per_s": tokens / wall, "syncs": syncs, "anomalies": anomalies,
-            "cross_group_bytes": nbytes, "blocked_s": blocked, "blocked_frac": blocked / wall,
-            "local_steps": local_steps}
+def _cluster(index: int, tokens: int, syncs: int, anomalies: int, nbytes: int, blocked: float, wall: float,
+             local_steps: list[int]) -> dict:
+    return {"name": f"c{index}", "index": index, "tokens": tokens, "steps": 24, "tokens_per_s": tokens / wall,
+            "syncs": syncs, "anomalies": anomalies, "cross_group_bytes": nbytes, "blocked_s": blocked,
+            "blocked_frac": blocked / wall, "local_steps": local_steps}
+
+
+def _per_cluster(records: list[dict]) -> dict:
+    """`per_cluster` {name: record} and, as the trainer writes it, the deprecated alias `per_group` {index: record}."""
+    return {"per_cluster": {r["name"]: r for r in records}, "per_group": {str(r["index"]): r for r in records}}
 
 
 @pytest.fixture
@@ -66,13 +75,13 @@ def runs(tmp_path: Path) -> dict[str, Path]:
     edit_summary = {"algo": "edit", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": wall,
                     "tokens_per_s": 2 * steps * 128 / wall, "final_val_loss": 3.6, "initial_val_loss": 6.0,
                     "cross_group_bytes": 6000, "syncs": 3, "anomalies": 1, "blocked_s": 0.15,
-                    "per_group": {str(g): _per_group(steps * 128, 3, int(g == 1), 3000, 0.15, wall, [8, 8, 8])
-                                  for g in range(2)}}
+                    **_per_cluster([_cluster(g, steps * 128, 3, int(g == 1), 3000, 0.15, wall, [8, 8, 8])
+                                    for g in range(2)])}
     ddp_summary = {"algo": "ddp", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": 3.0,
                    "tokens_per_s": 2 * steps * 128 / 3.0, "final_val_loss": 3.5, "initial_val_loss": 6.0,
                    "cross_group_bytes": 5 * 2**30, "syncs": 0, "anomalies": 0, "blocked_s": 0.9,
-                   "per_group": {str(g): _per_group(steps * 128, 0, 0, 5 * 2**29, 0.9 - 0.1 * g, 3.0, [])
-                                 for g in range(2)}}
+                   **_per_cluster([_cluster(g, steps * 128, 0, 0, 5 * 2**29, 0.9 - 0.1 * g, 3.0, [])
+                                   for g in range(2)])}
     crashed_events = _train_events(1, 12)[:-1] + ['{"event":"train","step":16,"gro']  # torn last line
     crashed = tmp_path / "crashed"
     crashed.mkdir()
@@ -136,11 +145,48 @@ def test_default_out_dirs(runs, capsys):
     assert default_out([runs["edit"], runs["ddp"]]) == Path("report")  # several → ./report
 
 
-def test_anomalous_sync_is_found_per_group(runs):
+def test_anomalous_sync_is_found_per_cluster(runs):
     run = load_run(runs["edit"])
     flagged = [(e["sync"], e["group"], e["step"]) for e in run.syncs() if e["anomalous"]]
     assert flagged == [(2, 1, 16)]
-    assert load_run(runs["crashed"]).stats()["per_group"][0]["tokens_per_s"] > 0
+    assert run.clusters == [(0, "c0"), (1, "c1")]
+    assert list(run.stats()["per_cluster"]) == ["c0", "c1"]
+    # an unfinished run: per cluster from the events (no `cluster` field here: named c<index>)
+    assert load_run(runs["crashed"]).stats()["per_cluster"]["c0"]["tokens_per_s"] > 0
+
+
+def test_old_run_dir_with_only_per_group_is_reported_and_warned_once(runs, tmp_path, caplog, monkeypatch):
+    """A run dir from before `per_cluster`: summary.json has only the deprecated `per_group` {index: record}.
+    It is still reported, per cluster by each record's `name` (`c<index>` without one), and a one-line
+    warning is logged once per process, however many such run dirs are loaded."""
+    monkeypatch.setattr(report_model, "_warned_per_group", False)
+    summary = json.loads((runs["ddp"] / "summary.json").read_text())
+    del summary["per_cluster"]
+    summary["per_group"]["0"]["name"] = "fast"
+    del summary["per_group"]["1"]["name"]  # no name at all: c<index>
+    old = []
+    for name in ("old1", "old2"):
+        shutil.copytree(runs["ddp"], tmp_path / name)
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        old.append(tmp_path / name)
+
+    with caplog.at_level(logging.WARNING, logger=report_model.__name__):
+        report = make_report(old, tmp_path / "out")
+    warned = [r for r in caplog.records if "per_cluster" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
+    assert f"{old[0]} predates per_cluster" in warned[0].getMessage()
+
+    _assert_pngs(tmp_path / "out")
+    rows = _table_rows(report.table)
+    assert [r[0] for r in rows] == ["old1", "old2"] and rows[0][1:] == rows[1][1:]
+    assert rows[0][1] == "ddp" and rows[0][7] == "5.0 GiB" and rows[0][10] == "30.0%"
+    for run in report.runs:
+        assert run.clusters == [(0, "fast"), (1, "c1")]
+        per = run.stats()["per_cluster"]
+        assert list(per) == ["fast", "c1"]
+        assert per["fast"]["blocked_s"] == pytest.approx(0.9) and per["c1"]["blocked_s"] == pytest.approx(0.8)
+        assert per["c1"]["tokens_per_s"] == pytest.approx(24 * 128 / 3.0)
 
 
 @pytest.mark.parametrize("make", ["missing", "plain_dir"])

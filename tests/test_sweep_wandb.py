@@ -29,12 +29,12 @@ def test_multirun_gives_each_job_its_own_complete_run_dir(tmp_path: Path, small_
     algos = []
     for job in ("0", "1"):
         summary = json.loads((sweep / job / "summary.json").read_text())
-        assert summary["completed"] and set(summary["per_group"]) == {"0", "1"}
+        assert summary["completed"] and set(summary["per_cluster"]) == {"c0", "c1"}
         algos.append(summary["algo"])
     assert algos == ["ddp", "edit"]
 
 
-def test_wandb_one_offline_run_per_group_in_one_group(tmp_path: Path, small_corpus: str) -> None:
+def test_wandb_one_offline_run_per_cluster_in_one_group(tmp_path: Path, small_corpus: str) -> None:
     run_dir = tmp_path / "run"
     args = ["cluster=local_2x1", "algo=edit", *QUICK, "logger=wandb", "run.name=exp-42",
             f"data.source={small_corpus}", f"run.dir={run_dir}"]

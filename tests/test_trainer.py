@@ -27,7 +27,7 @@ TRAIN_KEYS = {"step", "group", "loss", "lr", "tokens", "tokens_per_s", "wall"}
 EVAL_KEYS = {"step", "val_loss", "val_ppl"}
 MOE_KEYS = {"step", "expert_load", "aux_loss", "z_loss"}
 SUMMARY_KEYS = {"algo", "completed", "steps", "tokens", "wall_s", "tokens_per_s", "final_val_loss",
-                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_group"}
+                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
 
 
 def is_num(x) -> bool:
@@ -68,7 +68,7 @@ def test_summary_contract(run40):
     assert on_disk["final_val_loss"] == pytest.approx(summary["final_val_loss"])
     for key in ("wall_s", "tokens_per_s", "final_val_loss", "blocked_s"):
         assert is_num(on_disk[key]), key
-    assert on_disk["per_group"]["0"]["steps"] == 40
+    assert on_disk["per_cluster"]["c0"]["steps"] == 40
 
 
 def test_metrics_jsonl_contract(run40):
@@ -258,7 +258,7 @@ def test_bf16_autocast_runs_on_cpu(tmp_path, small_corpus):
     s = run_train(tiny_overrides(tmp_path / "run", small_corpus, "train.precision=bf16", "train.steps=3",
                                  "train.eval_every=0", "checkpoint.at_end=false"))
     assert s["completed"] is True and s["steps"] == 3
-    assert is_num(s["final_val_loss"]) and s["per_group"]["0"]["skipped_steps"] == 0
+    assert is_num(s["final_val_loss"]) and s["per_cluster"]["c0"]["skipped_steps"] == 0
     train_events = [e for e in read_events(tmp_path / "run" / "metrics.jsonl") if e["event"] == "train"]
     assert train_events and all(is_num(e["loss"]) for e in train_events)
 
@@ -268,4 +268,4 @@ def test_grad_accum(tmp_path, small_corpus):
                                  "train.eval_every=0", "checkpoint.at_end=false"))
     assert s["completed"] is True and s["steps"] == 3
     assert s["tokens"] == 3 * 2 * TOKENS_PER_STEP  # each step consumes two micro-batches
-    assert is_num(s["final_val_loss"]) and s["per_group"]["0"]["skipped_steps"] == 0
+    assert is_num(s["final_val_loss"]) and s["per_cluster"]["c0"]["skipped_steps"] == 0

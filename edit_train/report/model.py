@@ -12,6 +12,7 @@ can depend on it without a cycle.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ import numpy as np
 COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-group bytes",
            "syncs", "anomalies", "blocked %")
 NUMERIC_COLUMNS = frozenset(COLUMNS[2:])
+
+log = logging.getLogger(__name__)
+_warned_per_group = False  # the deprecated-`per_group` notice is logged once per process
 
 
 class ReportError(ValueError):
@@ -51,6 +55,42 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+def _index(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def summary_clusters(summary: dict[str, Any] | None, where: Path | str = "") -> dict[str, dict[str, Any]]:
+    """`summary.json`'s per-cluster records, {cluster name: record}: `per_cluster`, or for a run dir written
+    before it existed, the deprecated `per_group` {cluster index: record} re-keyed by each record's `name`
+    (`c<index>` without one), with a one-line warning (once per process)."""
+    global _warned_per_group
+    s = summary or {}
+    per_cluster = s.get("per_cluster")
+    if isinstance(per_cluster, dict):
+        return {str(k): v for k, v in per_cluster.items() if isinstance(v, dict)}
+    per_group = s.get("per_group")
+    if not isinstance(per_group, dict) or not per_group:
+        return {}
+    if not _warned_per_group:
+        _warned_per_group = True
+        log.warning("run dir %s predates per_cluster: reading its summary.json's deprecated per_group instead "
+                    "(said once, for the first such run dir)", where or "?")
+    out: dict[str, dict[str, Any]] = {}
+    for key, rec in sorted(per_group.items(), key=lambda kv: (_index(kv[0]) is None, _index(kv[0]) or 0)):
+        if not isinstance(rec, dict):
+            continue
+        index = _index(rec.get("index"))
+        index = _index(key) if index is None else index
+        name = rec.get("name") if isinstance(rec.get("name"), str) else f"c{index if index is not None else key}"
+        out[name] = {**rec, "name": name, "index": index} if index is not None else {**rec, "name": name}
+    return out
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -69,6 +109,11 @@ class Run:
     config: dict[str, Any] | None = None
     label: str = ""
     _stats: dict[str, Any] | None = field(default=None, repr=False)
+    #: {cluster name: summary record}, in the summary's cluster order (empty without a summary)
+    per_cluster: dict[str, dict[str, Any]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.per_cluster = summary_clusters(self.summary, self.path)
 
     # ----------------------------------------------------------------------------- identity
     @property
@@ -98,12 +143,32 @@ class Run:
         for e in self.events:
             if e.get("event") in ("train", "sync", "moe") and isinstance(e.get("group"), int):
                 found.add(e["group"])
-        for g in (self.summary or {}).get("per_group") or {}:
-            try:
-                found.add(int(g))
-            except ValueError:
-                pass
+        found.update(self._summary_index().values())
         return sorted(found)
+
+    def _summary_index(self) -> dict[str, int]:
+        """{cluster name: index} of the summary's records (a record without `index`: its position)."""
+        out = {}
+        for pos, (name, rec) in enumerate(self.per_cluster.items()):
+            index = _index(rec.get("index"))
+            out[name] = pos if index is None else index
+        return out
+
+    def cluster_name(self, group: int) -> str:
+        """The name of the cluster with this index (events' `group`): from the summary, else the events'
+        `cluster` field, else `c<index>`."""
+        for name, index in self._summary_index().items():
+            if index == group:
+                return name
+        for e in self.events:
+            if e.get("group") == group and isinstance(e.get("cluster"), str):
+                return e["cluster"]
+        return f"c{group}"
+
+    @property
+    def clusters(self) -> list[tuple[int, str]]:
+        """(index, name) of every cluster, by index."""
+        return [(g, self.cluster_name(g)) for g in self.groups]
 
     def train(self, group: int) -> dict[str, np.ndarray]:
         """The group's `train` events as arrays sorted by step (a step logged twice, e.g. re-logged after a
@@ -142,7 +207,8 @@ class Run:
 
     # -------------------------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        """The numbers of the summary table (and per-group bars): from `summary.json` when it exists,
+        """The numbers of the summary table (and per-cluster bars, `per_cluster` keyed by cluster name): from
+        `summary.json` when it exists,
         else derived from the events (None where the events cannot tell, e.g. a DDP run's bytes)."""
         if self._stats is None:
             self._stats = self._from_summary() if self.summary is not None else self._from_events()
@@ -152,18 +218,16 @@ class Run:
         s = self.summary or {}
         wall = _num(s.get("wall_s"))
         blocked = _num(s.get("blocked_s"))
-        per_group: dict[int, dict[str, float]] = {}
-        for g, pg in (s.get("per_group") or {}).items():
-            try:
-                gi = int(g)
-            except ValueError:
-                continue
-            b = _num(pg.get("blocked_s"))
-            frac = _num(pg.get("blocked_frac"))
+        per_cluster: dict[str, dict[str, float]] = {}
+        index = self._summary_index()
+        for name in sorted(self.per_cluster, key=lambda n: index[n]):
+            pc = self.per_cluster[name]
+            b = _num(pc.get("blocked_s"))
+            frac = _num(pc.get("blocked_frac"))
             if not math.isfinite(frac) and math.isfinite(b) and wall > 0:
                 frac = b / wall
-            per_group[gi] = {"tokens_per_s": _num(pg.get("tokens_per_s")), "blocked_s": b, "blocked_frac": frac}
-        blocked_fracs = [v["blocked_frac"] for v in per_group.values() if math.isfinite(v["blocked_frac"])]
+            per_cluster[name] = {"tokens_per_s": _num(pc.get("tokens_per_s")), "blocked_s": b, "blocked_frac": frac}
+        blocked_fracs = [v["blocked_frac"] for v in per_cluster.values() if math.isfinite(v["blocked_frac"])]
         if math.isfinite(blocked) and wall > 0:
             blocked_frac = blocked / wall
         else:
@@ -174,14 +238,14 @@ class Run:
         return {"steps": s.get("steps"), "tokens": s.get("tokens"), "wall_s": wall,
                 "tokens_per_s": _num(s.get("tokens_per_s")), "final_val_loss": final,
                 "cross_group_bytes": s.get("cross_group_bytes"), "syncs": s.get("syncs"),
-                "anomalies": s.get("anomalies"), "blocked_frac": blocked_frac, "per_group": per_group}
+                "anomalies": s.get("anomalies"), "blocked_frac": blocked_frac, "per_cluster": per_cluster}
 
     def _from_events(self) -> dict[str, Any]:
         wall = self.wall_s
-        per_group: dict[int, dict[str, float]] = {}
+        per_cluster: dict[str, dict[str, float]] = {}
         steps, tokens = [], 0.0
         syncs = self.syncs()
-        for g in self.groups:
+        for g, name in self.clusters:
             tr = self.train(g)
             ok = np.isfinite(tr["tokens"]) & np.isfinite(tr["wall"])
             g_tokens = float(tr["tokens"][ok][-1]) if ok.any() else math.nan
@@ -192,10 +256,10 @@ class Run:
                 tokens += g_tokens
             mine = [e for e in syncs if e.get("group") == g]
             blocked = float(sum(_num(e.get("blocked_s")) for e in mine)) if mine else math.nan
-            per_group[g] = {"tokens_per_s": g_tokens / g_wall if g_wall > 0 else math.nan,
-                            "blocked_s": blocked,
-                            "blocked_frac": blocked / wall if wall > 0 else math.nan}
-        blocked_fracs = [v["blocked_frac"] for v in per_group.values() if math.isfinite(v["blocked_frac"])]
+            per_cluster[name] = {"tokens_per_s": g_tokens / g_wall if g_wall > 0 else math.nan,
+                                 "blocked_s": blocked,
+                                 "blocked_frac": blocked / wall if wall > 0 else math.nan}
+        blocked_fracs = [v["blocked_frac"] for v in per_cluster.values() if math.isfinite(v["blocked_frac"])]
         sync_ids = {e.get("sync") for e in syncs}
         return {"steps": max(steps) if steps else None, "tokens": int(tokens) if steps else None, "wall_s": wall,
                 "tokens_per_s": tokens / wall if steps and wall > 0 else math.nan,
@@ -204,7 +268,7 @@ class Run:
                 "cross_group_bytes": int(sum(_num(e.get("bytes")) for e in syncs
                                              if math.isfinite(_num(e.get("bytes"))))) if syncs else None,
                 "syncs": len(sync_ids), "anomalies": sum(bool(e.get("anomalous")) for e in syncs),
-                "blocked_frac": max(blocked_fracs) if blocked_fracs else math.nan, "per_group": per_group}
+                "blocked_frac": max(blocked_fracs) if blocked_fracs else math.nan, "per_cluster": per_cluster}
 
     def _last_val(self) -> float:
         last = self.last_eval()

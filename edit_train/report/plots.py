@@ -40,7 +40,7 @@ def _wrap(label: str, width: int = 22) -> str:
 
 
 def plot_val_loss(runs: list[Run], out: Path, x: str) -> Path:
-    """World val loss vs `tokens` or `wall`, one line per run (A-EDiT per-group evals dotted, vs wall)."""
+    """World val loss vs `tokens` or `wall`, one line per run (A-EDiT per-cluster evals dotted, vs wall)."""
     fig = _figure(8, 4.8)
     ax = fig.add_subplot()
     drawn = False
@@ -61,11 +61,12 @@ def plot_val_loss(runs: list[Run], out: Path, x: str) -> Path:
                 gp = [(a, b) for a, b in gp if math.isfinite(a) and math.isfinite(b)]
                 if gp:
                     gx, gy = zip(*gp)
-                    ax.plot(gx, gy, style, lw=1, alpha=0.7, color=color, label=f"{r.label} group {g} (own replica)")
+                    ax.plot(gx, gy, style, lw=1, alpha=0.7, color=color,
+                            label=f"{r.label} {r.cluster_name(g)} (own replica)")
                     drawn = True
     if not drawn:
         _no_data(ax, "no eval events")
-    ax.set_xlabel("tokens (all groups)" if x == "tokens" else "wall clock (s)")
+    ax.set_xlabel("tokens (all clusters)" if x == "tokens" else "wall clock (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(f"Validation loss vs {'tokens' if x == 'tokens' else 'wall clock'}")
     if x == "tokens":
@@ -96,21 +97,21 @@ def _panel_grid(n: int) -> tuple[int, int]:
 
 
 def plot_loss(runs: list[Run], out: Path) -> Path:
-    """Train loss per group, one panel per run, a red x at each sync that flagged that group anomalous."""
+    """Train loss per cluster, one panel per run, a red x at each sync that flagged that cluster anomalous."""
     nrows, ncols = _panel_grid(len(runs))
     fig = _figure(8 * ncols if ncols > 1 else 9, 3.2 * nrows + 0.4)
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=False).ravel()
     for ax in axes[len(runs):]:
         ax.set_visible(False)
     for r, ax in zip(runs, axes):
-        groups = r.groups
-        colors = _colors(max(len(groups), 1))
+        clusters = r.clusters
+        colors = _colors(max(len(clusters), 1))
         drawn, marked, flagged = False, False, 0
-        for g, color in zip(groups, colors):
+        for (g, name), color in zip(clusters, colors):
             tr = r.train(g)
             ok = np.isfinite(tr["loss"])
             if ok.any():
-                ax.plot(tr["step"][ok], tr["loss"][ok], marker=".", ms=4, lw=1.3, color=color, label=f"group {g}")
+                ax.plot(tr["step"][ok], tr["loss"][ok], marker=".", ms=4, lw=1.3, color=color, label=name)
                 drawn = True
             bad = [e for e in r.syncs(g) if e.get("anomalous")]
             flagged += len(bad)
@@ -120,7 +121,7 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
             if ok.any():
                 ys = np.interp(steps, tr["step"][ok], tr["loss"][ok])
                 ax.plot(steps, ys, "x", color="red", ms=9, mew=2,
-                        label=None if marked else "anomalous sync (group flagged)")
+                        label=None if marked else "anomalous sync (cluster flagged)")
             else:  # no loss to sit on: mark along the bottom edge
                 ax.plot(steps, np.full(len(steps), 0.03), "x", color="red", ms=9, mew=2,
                         transform=ax.get_xaxis_transform(), label=None if marked else "anomalous sync")
@@ -129,7 +130,7 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
             _no_data(ax, "no train events")
         title = r.label
         if r.of("sync"):
-            title += f" — {flagged} anomalous of {len(r.syncs())} group-syncs"
+            title += f" — {flagged} anomalous of {len(r.syncs())} cluster-syncs"
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("train loss")
@@ -139,7 +140,7 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
             order = sorted(range(len(labels)), key=lambda i: labels[i].startswith("anomalous"))
             ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=8, loc="upper left",
                       bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.suptitle("Train loss per group (red x: sync where that group's pseudo-gradient was rejected)", fontsize=11)
+    fig.suptitle("Train loss per cluster (red x: sync where that cluster's pseudo-gradient was rejected)", fontsize=11)
     path = out / "loss.png"
     fig.savefig(path)
     return path
@@ -148,30 +149,33 @@ def plot_loss(runs: list[Run], out: Path) -> Path:
 GROUP_HATCHES = ("", "//", "..", "xx", "\\\\", "oo", "++", "--")
 
 
-def _grouped_bars(ax: Any, runs: list[Run], value: Callable[[Run, int], float], fmt: Callable[[float], str],
+def _grouped_bars(ax: Any, runs: list[Run], value: Callable[[Run, str], float], fmt: Callable[[float], str],
                   missing: str = "n/a") -> bool:
-    """x = runs, one bar per group: colored by run (as in every other plot), hatched by group; the value is
-    written on each bar. Returns whether anything was drawn."""
+    """x = runs, one bar per cluster (`value(run, cluster name)`): colored by run (as in every other plot),
+    hatched by cluster index, the legend naming the clusters; the value is written on each bar. Returns whether
+    anything was drawn."""
     from matplotlib.patches import Patch
 
     run_colors = _colors(len(runs))
     width = 0.8 / max(max((len(r.groups) for r in runs), default=1), 1)
-    groups_seen: set[int] = set()
+    seen: dict[int, list[str]] = {}  # hatch (cluster index) → the names it stands for
     drawn, top = False, 0.0
     for i, r in enumerate(runs):
-        groups = r.groups
-        vals = [value(r, g) for g in groups]
+        clusters = r.clusters
+        vals = [value(r, name) for _, name in clusters]
         if not any(math.isfinite(v) for v in vals):
             ax.text(i, 0, missing, ha="center", va="bottom", color="0.4", fontsize=9)
             continue
-        for j, (g, v) in enumerate(zip(groups, vals)):
-            xpos = i + (j - (len(groups) - 1) / 2) * width
+        for j, ((g, name), v) in enumerate(zip(clusters, vals)):
+            xpos = i + (j - (len(clusters) - 1) / 2) * width
             if not math.isfinite(v):
                 ax.text(xpos, 0, missing, ha="center", va="bottom", color="0.4", fontsize=8)
                 continue
             ax.bar(xpos, v, width * 0.92, color=run_colors[i], edgecolor="white", linewidth=0.5,
                    hatch=GROUP_HATCHES[g % len(GROUP_HATCHES)])
-            groups_seen.add(g)
+            names = seen.setdefault(g, [])
+            if name not in names:
+                names.append(name)
             ax.annotate(fmt(v), (xpos, v), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
                         fontsize=8)
             drawn, top = True, max(top, v)
@@ -179,31 +183,31 @@ def _grouped_bars(ax: Any, runs: list[Run], value: Callable[[Run, int], float], 
     ax.set_xlim(-0.6, len(runs) - 0.4)
     ax.set_ylim(0, top * 1.3 if top > 0 else 1)  # headroom: value labels, then a one-line legend
     ax.grid(axis="y", alpha=0.3)
-    if len(groups_seen) > 1:
+    if len(seen) > 1:
         handles = [Patch(facecolor="0.6", edgecolor="white", hatch=GROUP_HATCHES[g % len(GROUP_HATCHES)],
-                         label=f"group {g}") for g in sorted(groups_seen)]
+                         label=" / ".join(seen[g])) for g in sorted(seen)]
         ax.legend(handles=handles, fontsize=8, loc="upper right", ncols=min(len(handles), 4))
     return drawn
 
 
 def plot_tokens_per_s(runs: list[Run], out: Path) -> Path:
-    """Left: per-group tokens/s over the whole run (bars). Right: the windowed train-event throughput vs wall."""
+    """Left: per-cluster tokens/s over the whole run (bars). Right: the windowed train-event throughput vs wall."""
     fig = _figure(13, 4.8)
     left, right = fig.subplots(1, 2, width_ratios=[1, 1.3])
-    drawn = _grouped_bars(left, runs, lambda r, g: _num(r.stats()["per_group"].get(g, {}).get("tokens_per_s")),
+    drawn = _grouped_bars(left, runs, lambda r, c: _num(r.stats()["per_cluster"].get(c, {}).get("tokens_per_s")),
                           lambda v: f"{v:,.0f}")
     if not drawn:
         _no_data(left, "no throughput recorded")
-    left.set_ylabel("tokens/s (group tokens / run wall)")
-    left.set_title("Throughput per group, whole run")
+    left.set_ylabel("tokens/s (cluster tokens / run wall)")
+    left.set_title("Throughput per cluster, whole run")
     any_curve = False
     for r, color in zip(runs, _colors(len(runs))):
-        for g, style in zip(r.groups, GROUP_STYLES * 8):
+        for (g, name), style in zip(r.clusters, GROUP_STYLES * 8):
             tr = r.train(g)
             ok = np.isfinite(tr["tokens_per_s"]) & np.isfinite(tr["wall"])
             if ok.any():
                 right.plot(tr["wall"][ok], tr["tokens_per_s"][ok], style, marker=".", ms=4, color=color,
-                           label=f"{r.label} g{g}")
+                           label=f"{r.label} {name}")
                 any_curve = True
     if any_curve:
         right.legend(fontsize=7, loc="best")
@@ -212,7 +216,7 @@ def plot_tokens_per_s(runs: list[Run], out: Path) -> Path:
         _no_data(right, "no train events")
     right.set_xlabel("wall clock (s)")
     right.set_ylabel("tokens/s (per logging window)")
-    right.set_title("Throughput per group over time")
+    right.set_title("Throughput per cluster over time")
     right.grid(alpha=0.3)
     path = out / "tokens_per_s.png"
     fig.savefig(path)
@@ -220,13 +224,13 @@ def plot_tokens_per_s(runs: list[Run], out: Path) -> Path:
 
 
 def plot_blocked(runs: list[Run], out: Path) -> Path:
-    """Time each group spent blocked on cross-group communication: seconds and share of wall clock."""
+    """Time each cluster spent blocked on cross-group communication: seconds and share of wall clock."""
     fig = _figure(12, 4.8)
     sec, frac = fig.subplots(1, 2)
-    stat = lambda key: (lambda r, g: _num(r.stats()["per_group"].get(g, {}).get(key)))  # noqa: E731
+    stat = lambda key: (lambda r, c: _num(r.stats()["per_cluster"].get(c, {}).get(key)))  # noqa: E731
     if not _grouped_bars(sec, runs, stat("blocked_s"), lambda v: f"{v:.2f}s"):
         _no_data(sec, "no blocking recorded")
-    if not _grouped_bars(frac, runs, lambda r, g: 100 * stat("blocked_frac")(r, g), lambda v: f"{v:.1f}%"):
+    if not _grouped_bars(frac, runs, lambda r, c: 100 * stat("blocked_frac")(r, c), lambda v: f"{v:.1f}%"):
         _no_data(frac, "no blocking recorded")
     sec.set_ylabel("seconds blocked")
     sec.set_title("Time blocked on cross-group sync")
@@ -240,7 +244,7 @@ def plot_blocked(runs: list[Run], out: Path) -> Path:
 
 
 def expert_shares(r: Run) -> tuple[np.ndarray | None, str]:
-    """[layers, experts] share of each MoE layer's routed tokens, summing every group's last `moe` event."""
+    """[layers, experts] share of each MoE layer's routed tokens, summing every cluster's last `moe` event."""
     last: dict[Any, dict[str, Any]] = {}
     for e in r.of("moe"):
         g = e.get("group", 0)
@@ -268,7 +272,7 @@ def expert_shares(r: Run) -> tuple[np.ndarray | None, str]:
     rows = total.sum(axis=1, keepdims=True)
     shares = np.divide(total, rows, out=np.zeros_like(total), where=rows > 0)
     where = f"step {steps[0]}" if len(set(steps)) == 1 else f"steps {min(steps)}–{max(steps)}"
-    return shares, f"{where}, {len(steps)} group{'s' if len(steps) != 1 else ''}"
+    return shares, f"{where}, {len(steps)} cluster{'s' if len(steps) != 1 else ''}"
 
 
 def _layer_names(r: Run, n: int) -> list[str]:

@@ -23,7 +23,7 @@ BUCKET_COLORS = {"compute": "tab:green", "slowdown": "tab:olive", "eval": "tab:p
 def cluster_times(run: Run) -> dict[str, dict[str, float]]:
     """{cluster: {bucket: seconds, "wall_s": seconds}}, in the run's cluster order."""
     out: dict[str, dict[str, float]] = {}
-    for name, c in ((run.summary or {}).get("per_cluster") or {}).items():
+    for name, c in run.per_cluster.items():
         t = c.get("time") if isinstance(c, dict) else None
         if isinstance(t, dict) and all(math.isfinite(_num(t.get(b))) for b in (*BUCKETS, "wall_s")):
             out[str(name)] = {k: _num(t[k]) for k in (*BUCKETS, "wall_s")}
@@ -33,7 +33,8 @@ def cluster_times(run: Run) -> dict[str, dict[str, float]]:
         split = e.get("time_s")
         if not isinstance(split, dict):
             continue
-        acc = out.setdefault(str(e.get("cluster", e.get("group", 0))), dict.fromkeys((*BUCKETS, "wall_s"), 0.0))
+        name = e.get("cluster") if isinstance(e.get("cluster"), str) else run.cluster_name(e.get("group", 0))
+        acc = out.setdefault(name, dict.fromkeys((*BUCKETS, "wall_s"), 0.0))
         for k in acc:
             v = _num(split.get(k))
             acc[k] += v if math.isfinite(v) else 0.0
