@@ -87,6 +87,7 @@ class SyncConfig:
     block_size: int = 256  # int8/fp8: values per absmax scale
     scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
+    gather_max: int = 4  # up to this many clusters each receives every contribution and judges it (0 = never)
 
 
 @dataclass
@@ -262,6 +263,7 @@ def validate(cfg: Config) -> None:
     _need(min(f.join_timeout_s, f.heartbeat_timeout_s, f.quorum_timeout_s, f.collective_timeout_s) > 0,
           "federation.*_timeout_s", "timeouts must be > 0 seconds")
     _need(cfg.run.restart_delay_s >= 0, "run.restart_delay_s", "must be >= 0")
+    _need(cfg.sync.gather_max >= 0, "sync.gather_max", f"must be >= 0 (0 = always a SUM), got {cfg.sync.gather_max}")
     _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")
     _need(c.backend in ("auto", "gloo", "nccl"), "cluster.backend", f"must be auto, gloo or nccl, got {c.backend!r}")
     _need(cfg.sync.mode != "overlap" or a.local_sgd, "sync.mode",

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-BUCKETS: tuple[str, ...] = ("compute", "slowdown", "eval", "sync", "blocked", "checkpoint", "data",
+BUCKETS: tuple[str, ...] = ("compute", "slowdown", "eval", "sync", "probe", "blocked", "checkpoint", "data",
                             "startup", "other")
 _SPANNED = frozenset(BUCKETS) - {"blocked", "other"}
 

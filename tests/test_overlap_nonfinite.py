@@ -18,7 +18,7 @@ from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.round import SyncCore, Unit
 from edit_train.local_sgd.rules import make_rule
 
-EXTRA = [4.0, 0.01, 4.0, 0.0]  # local steps, s/step, total steps, stop vote
+EXTRA = [4.0, 0.01, 4.0, 0.0, 4.0]  # local steps, s/step, total steps, stop vote, tokens (round.EXTRA)
 
 
 class _Overlap:

@@ -45,10 +45,8 @@ def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> N
     reduction landed; layer-wise had applied every unit): every survivor's anchor, outer optimizer state and
     live parameters are exactly what they were before that round, and the next sync runs without c2."""
     def arm(hub: InProcessFederation) -> None:
-        if when == "reduction":  # c2's allreduces: 3 per sync (one per unit); die at the 5th = sync 2, unit 2
-            hub.kill_at("c2", "allreduce", 5)
-        else:  # c2's allgathers: the norm exchange and the vote of each sync; the 4th = sync 2's vote
-            hub.kill_at("c2", "allgather", 4)
+        # c2's all-gathers, 5 per sync: the exchange, one per unit (contributions are gathered), the vote
+        hub.kill_at("c2", "allgather", 8 if when == "reduction" else 10)  # sync 2: unit 2 / the vote
 
     cfg = config(mode, "uniform", syncs=4)
     results = run_inproc(NAMES, cfg, before=arm, flush_each_step=mode == "overlap", snapshot_at=(2 * H - 1,))

@@ -34,24 +34,26 @@ _INIT = threading.Lock()  # the global RNG: clusters that are threads must not i
 def toy_model() -> nn.Sequential:
     with _INIT:
         torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+        return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
 
 
 def units_of(model: nn.Sequential) -> list[nn.Module]:
     return [model[0], model[2], model[4]]
 
 
-def batch(cluster: int, step: int) -> tuple[Tensor, Tensor]:
+def batch(cluster: int, step: int, shared: bool = False) -> tuple[Tensor, Tensor]:
+    """Cluster `cluster`'s batch of step `step`: its own task, or (`shared`) one task for all (other data)."""
     g = torch.Generator().manual_seed(1000 * cluster + step)
     x = torch.randn(8, 6, generator=g)
-    w = torch.randn(6, 3, generator=torch.Generator().manual_seed(7 + cluster))  # each cluster's own task
-    return x, torch.tanh(x @ w) * (1.0 + 0.5 * cluster)
+    w = torch.randn(6, 3, generator=torch.Generator().manual_seed(7 + (0 if shared else cluster)))
+    return x, torch.tanh(x @ w) * (1.0 if shared else 1.0 + 0.5 * cluster)
 
 
-def config(mode: str, rule: str = "edit_norm", syncs: int = 3, phi: float = 0.05, **outer: Any) -> LocalSGDConfig:
+def config(mode: str, rule: str = "edit_norm", syncs: int = 3, phi: float = 0.05, warmup: int = 10,
+           **outer: Any) -> LocalSGDConfig:
     """EDiT over `syncs` intervals of H steps; no anomaly flag can fire in so few syncs (warm-up 10), so the
     weights are the closed-form softmax; φ small enough that clipping acts on some modules."""
-    penalty = PenaltyConfig(rule=rule, warmup_syncs=10, clip_threshold=phi)
+    penalty = PenaltyConfig(rule=rule, warmup_syncs=warmup, clip_threshold=phi, sketch_dim=256)
     return LocalSGDConfig(schedule=ScheduleConfig(interval=H), outer=OuterConfig(**{"lr": 0.7, "momentum": 0.8,
                           "nesterov": True, **outer}), penalty=penalty, mode=mode, total_steps=syncs * H)
 
@@ -77,13 +79,19 @@ def state_of(algo: LocalSGD) -> dict[str, Any]:
 
 
 def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flush_each_step: bool = False,
-                  snapshot_at: tuple[int, ...] = (), out: Outcome | None = None) -> Outcome:
+                  snapshot_at: tuple[int, ...] = (), out: Outcome | None = None,
+                  wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
+                  shared_task: bool = False, lr: float = LR) -> Outcome:
     """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
-    forward). `out` collects events while it runs."""
+    forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
+    its transport (a Byzantine fault)."""
     torch.set_num_threads(1)
     out = out if out is not None else Outcome()
+    current = [0]
+    if wrap is not None:
+        transport = wrap(transport, lambda: current[0])
     model = toy_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
 
     def emit(event: str, **kw: Any) -> None:
         out.events.append({"event": event, **kw})
@@ -97,7 +105,8 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
         adopted = algo.join()
         step = adopted if adopted is not None else 0
         while not algo.should_stop(step):
-            x, y = batch(index, step)
+            current[0] = step
+            x, y = batch(index, step, shared_task)
             try:
                 loss = nn.functional.mse_loss(model(x), y)
             except SyncAborted:
@@ -130,6 +139,7 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
     transports)."""
     hub = hub or InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     tkw = {k: kw.pop(k) for k in ("compression", "link") if k in kw}
+    wraps = kw.pop("wraps", {})
     transports = {n: hub.transport(n, RankGroup(), **tkw) for n in names}
     if before is not None:
         before(hub)
@@ -138,7 +148,7 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
 
     def one(i: int, n: str) -> None:
         try:
-            results[n] = train_cluster(i, transports[n], cfg, **kw)
+            results[n] = train_cluster(i, transports[n], cfg, wrap=wraps.get(n), **kw)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 

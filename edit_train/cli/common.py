@@ -90,6 +90,8 @@ def setup_logging(rank: int = 0) -> None:
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True)
     for noisy in ("wandb", "urllib3", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in filter(None, os.environ.get("EDIT_TRAIN_DEBUG", "").split(",")):  # e.g. edit_train.local_sgd.probe
+        logging.getLogger(name.strip()).setLevel(logging.DEBUG)
     os.environ.setdefault("WANDB_SILENT", "true")
     if not os.environ.get("RUST_LOG"):
         os.environ["RUST_LOG"] = "warn"  # torchft's Lighthouse logs every quorum at INFO otherwise

@@ -41,6 +41,14 @@ class RankGroup:
     def max_(self, t: Tensor) -> Tensor:
         return self._reduce(t, dist.ReduceOp.MAX)
 
+    def all_gather(self, t: Tensor) -> Tensor:
+        """[ranks, *t.shape]: every rank's `t`, in rank order."""
+        if not self._many:
+            return t.unsqueeze(0).clone()
+        outs = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(outs, t.contiguous(), group=self.pg)
+        return torch.stack(outs)
+
     def broadcast_(self, t: Tensor) -> Tensor:
         """The leader's (rank 0's) tensor, in place on every rank."""
         if self._many:

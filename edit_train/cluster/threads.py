@@ -114,6 +114,6 @@ class ThreadBudget:
         return p
 
     def maybe_replan(self) -> None:
-        """Re-plan if `every_s` passed (cheap: one scan of /proc)."""
-        if time.monotonic() >= self._next:
+        """Re-plan if `every_s` passed (one scan of /proc, a few ms); never when the threads are pinned."""
+        if self.requested == 0 and time.monotonic() >= self._next:
             self.apply()

@@ -53,7 +53,8 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback, dequantize, quantize, wire_bytes
 
-__all__ = ["Plan", "plan", "handed_bytes", "group_rank_size", "compressed_sum", "BackgroundReducer"]
+__all__ = ["Plan", "plan", "handed_bytes", "sent_bytes", "group_rank_size", "compressed_sum", "compressed_gather",
+           "BackgroundReducer"]
 
 METHODS = ("auto", "all_reduce", "all_gather", "rs_ag")
 
@@ -218,8 +219,46 @@ def _rs_ag(send: Tensor, pg: Any, cfg: CompressionConfig, fb: ErrorFeedback | No
     return out, in_buf.numel() + width
 
 
+def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
+                      key: str = "") -> tuple[list[Tensor], int]:
+    """Every rank's flat fp32 ``x`` as the others receive it (dequantized payloads, in rank order; this rank's
+    own too, so every rank holds the bit-identical set) -> (the P tensors, bytes this rank handed over).
+    Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves fp32."""
+    if x.dim() != 1:
+        raise ValueError(f"compressed_gather takes a flat tensor, got shape {tuple(x.shape)}")
+    x = x.float().contiguous()
+    _, world = group_rank_size(pg)
+    pg = _default(pg)
+    if not cfg.lossy:
+        return _all_gather(pg, x, world), 4 * x.numel()
+    fb = feedback if (feedback is not None and cfg.error_feedback) else None
+    send = _sender(x, cfg, fb, key)
+    payload = quantize(send, cfg)
+    if fb is not None:
+        fb.update(key, dequantize(payload, x.numel(), cfg), send)
+    return [dequantize(got, x.numel(), cfg) for got in _all_gather(pg, payload, world)], payload.numel()
+
+
+def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionConfig) -> int:
+    """Bytes this rank puts on the wire for one module's exchange among ``world`` participants (the figure
+    the link model and the `bytes` of `sync` events use): a ring all-reduce of fp32 sends 2(P−1)/P·4n; a
+    gather, (P−1) copies of its payload; the compressed sum, what its plan moves (module docstring)."""
+    if world <= 1:
+        return 0
+    if method == "gather":
+        return (world - 1) * wire_bytes(numel, cfg)
+    p = plan(numel, world, cfg)
+    if p.method == "all_reduce":
+        return 2 * (world - 1) * 4 * numel // world
+    if p.method == "all_gather":
+        return (world - 1) * wire_bytes(numel, cfg)
+    sizes = [wire_bytes(e - s, cfg) for s, e in p.bounds]
+    return sum(b for j, b in enumerate(sizes) if j != rank) + (world - 1) * max(sizes)
+
+
 class BackgroundReducer:
-    """Runs ``compressed_sum`` on one worker thread, in submission order (use one per process group)."""
+    """Runs ``compressed_sum`` (or ``compressed_gather``) on one worker thread, in submission order (use one
+    per process group)."""
 
     def __init__(self, name: str = "compressed-sum") -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
@@ -229,6 +268,11 @@ class BackgroundReducer:
         """Start the sum of a snapshot of ``x`` (the caller may keep changing ``x``)."""
         snapshot = x.detach().clone()
         return self._pool.submit(compressed_sum, snapshot, pg, cfg, feedback=feedback, key=key, method=method)
+
+    def submit_gather(self, x: Tensor, pg: Any, cfg: CompressionConfig, *,
+                      feedback: ErrorFeedback | None = None, key: str = "") -> Future[tuple[list[Tensor], int]]:
+        """Start the gather of a snapshot of ``x``."""
+        return self._pool.submit(compressed_gather, x.detach().clone(), pg, cfg, feedback=feedback, key=key)
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

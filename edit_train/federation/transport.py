@@ -22,12 +22,12 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback
-from edit_train.federation.compressed_reduce import BackgroundReducer, handed_bytes, plan
+from edit_train.federation.compressed_reduce import BackgroundReducer, sent_bytes
 from edit_train.federation.forming import Forming
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkClock, LinkModel, Pending
 from edit_train.local_sgd.errors import FederationError, FederationRefused
-from edit_train.local_sgd.protocols import ClusterGroup, Quorum
+from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,15 +48,16 @@ class _FutureWork:
     """A compressed reduction running on a lane's background thread, seen as a Work: wait() puts the sum
     in place."""
 
-    def __init__(self, future: Any, out: Tensor) -> None:
+    def __init__(self, future: Any, out: Tensor | None) -> None:
         self._future, self._out = future, out
 
     def is_completed(self) -> bool:
         return bool(self._future.done())
 
     def wait(self) -> None:
-        total, _ = self._future.result()
-        self._out.copy_(total)
+        got, _ = self._future.result()
+        if self._out is not None:  # a sum: put it in place (a gather's pieces are read from the future)
+            self._out.copy_(got)
 
 
 def _sum_opts() -> AllreduceOptions:
@@ -104,6 +105,10 @@ class LaneTransport:
     @property
     def quorum(self) -> Quorum | None:
         return self._quorum
+
+    @property
+    def exact(self) -> bool:
+        return not self.compression.lossy
 
     @property
     def _shared(self) -> bool:
@@ -193,8 +198,8 @@ class LaneTransport:
         works: list[Any] = []
         ready_at = 0.0
         c = self.cluster
-        if c.rank == 0:
-            ready_at = self.clock.account(vec.numel() * vec.element_size())
+        if c.rank == 0:  # a ring all-gather: this leader's row goes to each of the n − 1 others
+            ready_at = self.clock.account((n - 1) * vec.numel() * vec.element_size())
             works = [self.lanes.groups[0].allgather([out], [vec], AllgatherOptions())]
 
         def share(ok: bool) -> bool:
@@ -212,76 +217,92 @@ class LaneTransport:
 
         return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
 
-    # ------------------------------------------------------- module reduce
-    def _lane_sum(self, lane: int, flat: Tensor, key: str) -> tuple[Any, int]:
-        """Start the SUM of `flat` (in place) over one lane: (work, bytes handed to the collectives)."""
-        pg = self.lanes.groups[lane]
-        if not key or not self.compression.lossy:
-            return pg.allreduce([flat], _sum_opts()), flat.numel() * flat.element_size()
+    # ------------------------------------------------------- module reduce / gather
+    def _lane(self, lane: int, flat: Tensor, key: str, gather: bool) -> tuple[Any, Callable[[], list[Tensor]], int]:
+        """Start a SUM (in place) or a gather of `flat` over one lane: (work, its result — the sum, or every
+        participant's piece in quorum order —, bytes this rank puts on the wire). Pseudo-gradients (`key`
+        given) go compressed under a lossy scheme, with this rank's error feedback."""
         assert self._quorum is not None
+        pg, world, me = self.lanes.groups[lane], len(self._quorum.members), self._quorum.me
+        lossy = bool(key) and self.compression.lossy
+        cfg = self.compression if lossy else CompressionConfig()
+        nbytes = sent_bytes("gather" if gather else "sum", flat.numel(), world, me, cfg)
+        if not lossy:
+            if gather:
+                outs = [torch.empty_like(flat) for _ in range(world)]
+                return pg.allgather([outs], [flat], AllgatherOptions()), lambda: outs, nbytes
+            return pg.allreduce([flat], _sum_opts()), lambda: [flat], nbytes
         reducer = self._reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
-        nbytes = handed_bytes(plan(flat.numel(), len(self._quorum.members), self.compression), self._quorum.me,
-                              self.compression)
-        future = reducer.submit(flat, pg, self.compression, feedback=self.feedback, key=f"{key}#{lane}")
-        return _FutureWork(future, flat), nbytes
+        if gather:
+            future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}")
+            return _FutureWork(future, None), lambda: future.result()[0], nbytes
+        future = reducer.submit(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}")
+        return _FutureWork(future, flat), lambda: [flat], nbytes
 
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Pending[None]:
         """In-place SUM over the participants of a module's (already weighted) local shards."""
         if not self._shared or not tensors:
             return Pending(self.clock, [], 0.0)
+        return self._move(tensors, params, key, gather=False)  # type: ignore[return-value]
+
+    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None,
+               key: str = "") -> Pending[Contributions]:
+        """Every participant's contribution for a module, as this rank holds it (`Contributions.parts`
+        [participant][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
+        dequantized payload, this cluster's own included, so every participant judges and sums bit-identical
+        tensors. The chunked layout also hands out each participant's whole flat Δ."""
+        if not self._shared:
+            return Pending(self.clock, [], 0.0, result=lambda: Contributions([[t.detach().clone() for t in tensors]]))
+        return self._move(tensors, params, key, gather=True)
+
+    def _move(self, tensors: list[Tensor], params: list[Tensor] | None, key: str, gather: bool) -> Pending[Any]:
+        """Paired (equal-size clusters: lane r carries rank r's own shard) or chunked (the module's full flat Δ
+        cut into `chunks` pieces over this cluster's ranks) — then back into this rank's layout."""
         assert self._quorum is not None
-        if self._quorum.paired:
-            return self._paired(tensors, key)
-        return self._chunked(tensors, params, key)
-
-    def _paired(self, tensors: list[Tensor], key: str) -> Pending[None]:
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
-        work, nbytes = self._lane_sum(self.cluster.rank, flat, key)
-        ready_at = self.clock.account(nbytes)
-
-        def unflatten(ok: bool) -> bool:
-            if not self.cluster.agree(ok):
-                return False
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-            return True
-
-        return Pending(self.clock, [work], ready_at, settle=unflatten, what="pseudo-gradient reduction")
-
-    def _chunked(self, tensors: list[Tensor], params: list[Tensor] | None, key: str) -> Pending[None]:
-        c = self.cluster
+        c, n = self.cluster, len(self._quorum.members)
+        paired = self._quorum.paired
         likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
-        fulls = [c.full(t, p) for t, p in zip(tensors, likes)]
+        fulls = tensors if paired else [c.full(t, p) for t, p in zip(tensors, likes)]
         flat = torch.cat([f.detach().reshape(-1).to("cpu", torch.float32) for f in fulls])
-        pieces = list(torch.tensor_split(flat, self.chunks))
-        mine = [j for j in range(self.chunks) if j % c.size == c.rank]
-        works, nbytes = [], 0
-        for j in mine:
-            work, n = self._lane_sum(j, pieces[j], key)
-            nbytes += n
-            works.append(work)
-        ready_at = self.clock.account(nbytes) if mine else 0.0
+        pieces = [flat] if paired else list(torch.tensor_split(flat, self.chunks))
+        mine = [c.rank] if paired else [j for j in range(self.chunks) if j % c.size == c.rank]
+        started = [self._lane(j, pieces[0] if paired else pieces[j], key, gather) for j in mine]
+        ready_at = self.clock.account(sum(b for _, _, b in started)) if started else 0.0
+        out: list[list[Tensor]] = []
+        whole: list[Tensor] = []
 
-        def assemble(ok: bool) -> bool:
+        def settle(ok: bool) -> bool:
             if not c.agree(ok):
                 return False
-            full = torch.zeros_like(flat)
-            bounds = [0]
-            for p in pieces:
-                bounds.append(bounds[-1] + p.numel())
-            for j in mine:
-                full[bounds[j]:bounds[j + 1]] = pieces[j]
-            full = c.sum_(full.to(c.device))
-            offset = 0
-            for t, f in zip(tensors, fulls):
-                whole = full[offset:offset + f.numel()].view(f.shape)
-                offset += f.numel()
-                t.copy_(c.shard(whole, t).to(t.dtype))
+            rows = [[got()[0]] for _, got, _ in started] if not gather else [got() for _, got, _ in started]
+            full = torch.zeros(n if gather else 1, flat.numel())
+            if paired:
+                full = torch.stack(rows[0])
+            else:
+                bounds = [0]
+                for piece in pieces:
+                    bounds.append(bounds[-1] + piece.numel())
+                for j, got in zip(mine, rows):
+                    for i, t in enumerate(got):
+                        full[i, bounds[j]:bounds[j + 1]] = t
+                full = c.sum_(full.to(c.device))
+                whole.append(full.cpu())
+            for row in full:
+                parts, offset = [], 0
+                for t, f in zip(tensors, fulls):
+                    whole = row[offset:offset + f.numel()].view(f.shape)
+                    offset += f.numel()
+                    parts.append(whole.to(t.dtype) if paired else c.shard(whole, t).to(t.dtype))
+                out.append(parts)
+            if not gather:
+                for t, part in zip(tensors, out[0]):
+                    t.copy_(part)
             return True
 
-        return Pending(self.clock, works, ready_at, settle=assemble, what="pseudo-gradient reduction")
+        works = [w for w, _, _ in started]
+        result = (lambda: Contributions(out, whole[0] if whole else None)) if gather else None
+        return Pending(self.clock, works, ready_at, settle=settle, what="pseudo-gradient " +
+                       ("gather" if gather else "reduction"), result=result)
 
     # --------------------------------------------------------------- healing
     def send_bytes(self, payload: bytes, dst: int) -> None:

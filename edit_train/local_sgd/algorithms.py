@@ -23,12 +23,13 @@ from torch import Tensor, nn
 
 from edit_train.local_sgd.drivers import BlockingDriver, Driver, OverlapDriver
 from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
-from edit_train.local_sgd.gradients import GradientExchange, average
+from edit_train.local_sgd.gradients import GradientExchange
 from edit_train.local_sgd.healing import Decode, Encode, Healer, Replica
 from edit_train.local_sgd.membership import Membership, MembershipConfig
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.pacer import PaceConfig, Pacer
 from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.probe import Probe
 from edit_train.local_sgd.protocols import Quorum, Transport
 from edit_train.local_sgd.records import Records
 from edit_train.local_sgd.round import SyncCore, SyncReport, build_units
@@ -52,6 +53,8 @@ class LocalSGDConfig:
     eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
+    tokens_per_step: int = 0  # this cluster's tokens per step (weights by tokens); 0: count steps
+    gather_max: int = 4  # judge what was sent: up to this many clusters every one receives every contribution
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,16 @@ class LocalSGD:
     def __init__(self, cfg: LocalSGDConfig, model: nn.Module, unit_modules: list[nn.Module], transport: Transport,
                  codec: tuple[Encode, Decode], emit: Callable[..., None] | None = None, cluster_index: int = 0,
                  optimizer: torch.optim.Optimizer | None = None,
-                 span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext()) -> None:
+                 span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext(),
+                 probe_loss: Callable[[], float] | None = None) -> None:
         self.cfg, self.t, self.span = cfg, transport, span
         self.warmup = StepSchedule(cfg.schedule)
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s,
-                                      cfg.eval_every), transport.cluster)
+                                      cfg.eval_every, cfg.tokens_per_step), transport.cluster)
         self.rule = make_rule(cfg.penalty)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.records = Records(transport, emit, cluster_index)
+        self.probe = Probe(self.replica.units, probe_loss, span)  # usefulness of each update (verified rule)
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
@@ -89,9 +94,10 @@ class LocalSGD:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
         units = self.replica.units
         core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
-                        self.cfg.penalty.clip_phi, self.span)
-        self.driver = OverlapDriver(core, self.records.completed, self._aborted) if self.cfg.mode == "overlap" else \
-            BlockingDriver(core, self.records.completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
+                        self.cfg.penalty.clip_phi, self.span, self.cfg.gather_max,
+                        getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None)
+        self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
+            BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 
     # ------------------------------------------------------------------ the loop's calls
     def join(self) -> int | None:
@@ -104,14 +110,7 @@ class LocalSGD:
             self.membership.sync_index = q.max_sync
             self.t.abort()
         elif q is not None and self.driver is None:  # ddp / warm-up: the others are averaging gradients
-            zeros = [torch.zeros_like(u.to_local() if hasattr(u, "to_local") else u)
-                     for u in (p.data for p in self.replica.model.parameters())]
-            riders = int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0)
-            try:
-                average(self.t, q, zeros + [torch.zeros(1, device=self.t.cluster.device) for _ in range(riders)])
-            except FederationError as exc:
-                log.warning("cluster %s: joining the gradient exchange failed: %s", self.t.name, exc)
-                self.t.abort()
+            self.grads.join(q, self.replica.model, int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0))
         elif q is not None:  # the others are mid-sync: take part with weight 0
             self._run_sync(q)
         return self._take_adopted()
@@ -136,6 +135,7 @@ class LocalSGD:
                 self.start_local_phase()
             return StepOutcome(self._take_adopted())
         p.local_step(step, seconds - (self.t.blocked_s - self._blocked_mark))
+        self.probe.score()  # the last committed round's updates, on this cluster's probe slice
         if self.driver is not None and self.driver.pending:
             self._exchanged(self.driver.poll())
         if self.t.forming:
@@ -205,7 +205,7 @@ class LocalSGD:
         contributors = any(m.contributes for m in q.members)
         self.membership.sync_index = q.max_sync + (1 if contributors else 0)
         self.records.step = self.pacer.total_steps
-        extra, local_steps = self.pacer.extra(), self.pacer.local_steps
+        extra, local_steps = self.pacer.extra() + self.probe.row(q.names), self.pacer.local_steps
         self.pacer.synced()
         if not contributors:
             self.t.abort()
@@ -225,7 +225,12 @@ class LocalSGD:
         if rows is not None and q is not None:
             self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
 
+    def _completed(self, report: SyncReport) -> None:
+        self.records.completed(report)
+        self.probe.committed(report.participants)
+
     def _aborted(self, report: SyncReport, why: str) -> None:
+        self.probe.dropped()
         self.records.aborted(report, why)
         self.membership.sync_index = max(self.membership.sync_index - 1, 0)
 

@@ -64,3 +64,13 @@ class GradientExchange:
         agreed = float(extra[0].item()) if loss is not None else None
         stop = vote is not None and float(extra[-1].item()) > 0
         return agreed, stop
+
+    def join(self, q: Quorum, model: nn.Module, riders: int) -> None:
+        """A cluster joining a quorum that is averaging gradients takes part with zeros (and learns nothing)."""
+        zeros = [torch.zeros_like(p.data.to_local() if hasattr(p.data, "to_local") else p.data) for p in model.parameters()]
+        zeros += [torch.zeros(1, device=self.t.cluster.device) for _ in range(riders)]
+        try:
+            average(self.t, q, zeros)
+        except FederationError as exc:
+            log.warning("cluster %s: joining the gradient exchange failed: %s", self.t.name, exc)
+            self.t.abort()

@@ -27,6 +27,7 @@ class PaceConfig:
     total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
+    tokens_per_step: int = 0  # this cluster's tokens per local step (what its contribution is worth)
 
 
 class Pacer:
@@ -97,7 +98,8 @@ class Pacer:
 
     def extra(self) -> list[float]:
         """What this cluster tells the others at a sync (round.EXTRA)."""
-        return [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self.vote)]
+        tokens = self.local_steps * (self.cfg.tokens_per_step or 1)
+        return [float(self.local_steps), self.timer.mean(), float(self.total_steps), float(self.vote), float(tokens)]
 
     def synced(self) -> None:
         """A sync started with the local steps taken so far."""

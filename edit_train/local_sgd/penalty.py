@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ __all__ = [
     "weighted",
     "aggregate",
     "decide_with",
+    "flag",
 ]
 
 _WEIGHTINGS = ("softmax", "uniform")
@@ -44,7 +46,7 @@ class PenaltyConfig:
     ``rule`` names the aggregation rule (`local_sgd/rules.py`): a registered name or ``"module:attr"`` of a
     rule class defined outside the package; the other fields are the parameters of the built-in rules."""
 
-    rule: str = "edit_norm"
+    rule: str = "verified"
     anomaly: bool = True
     weighting: str = "softmax"
     clip: bool = True
@@ -57,6 +59,15 @@ class PenaltyConfig:
     sigma_floor: float = 0.05  # σ used in z is at least sigma_floor·|μ|
     readmit_after: int = 12  # the k-th consecutive flag of a worker is accepted as its new level (0 = never)
     regime_change: bool = True  # a shift shared by most workers rescales everyone's statistics instead
+    # the `verified` rule (docs/sync_math.md): direction and usefulness evidence, weights by tokens
+    sketch_dim: int = 1024  # count-sketch buckets per module for the direction test (a power of two; 0 = off)
+    direction_rate: float = 0.3  # EWMA rate of the reference direction (accepted aggregates)
+    direction_alpha: float = 0.2  # EWMA rate of each cluster's direction statistics (cosines drift in training)
+    direction_z: float = 4.0  # the direction test's nominal z (cosine differences have heavier tails than norms)
+    probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
+    probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
+    report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
+    max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
 
     @property
     def clip_phi(self) -> float | None:
@@ -83,6 +94,16 @@ class PenaltyConfig:
             raise ValueError(f"{_PREFIX}.sigma_floor must be in [0, 1), got {self.sigma_floor}")
         if self.readmit_after < 0:
             raise ValueError(f"{_PREFIX}.readmit_after must be >= 0 (0 = never re-admit), got {self.readmit_after}")
+        if self.sketch_dim < 0 or self.sketch_dim & (self.sketch_dim - 1):
+            raise ValueError(f"{_PREFIX}.sketch_dim must be 0 or a power of two, got {self.sketch_dim}")
+        if not (self.direction_z > 0 and math.isfinite(self.direction_z)):
+            raise ValueError(f"{_PREFIX}.direction_z must be > 0, got {self.direction_z}")
+        if not 0.0 < self.direction_alpha < 1.0:
+            raise ValueError(f"{_PREFIX}.direction_alpha must be in (0, 1), got {self.direction_alpha}")
+        if not 0.0 < self.direction_rate <= 1.0:
+            raise ValueError(f"{_PREFIX}.direction_rate must be in (0, 1], got {self.direction_rate}")
+        if self.probe_tokens < 0 or not self.max_token_ratio >= 1.0 or not self.report_tolerance > 0:
+            raise ValueError(f"{_PREFIX}: probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
 
 _FIELDS = ("mu", "m2", "count", "streak", "streak_mu", "streak_m2")
@@ -107,6 +128,7 @@ class Decision:
     z: list[float]
     all_anomalous: bool
     threshold: list[float] = field(default_factory=list)
+    evidence: list[dict[str, Any]] = field(default_factory=list)  # per worker: what the rule measured and why
 
     def as_dict(self) -> dict:
         """JSON-friendly dict; non-finite floats become ``None``."""
@@ -116,14 +138,18 @@ class Decision:
         return d
 
 
-def anomaly_details(decisions: Mapping[str, Decision], worker: int) -> dict[str, dict[str, float | None]]:
+def anomaly_details(decisions: Mapping[str, Decision], worker: int) -> dict[str, dict[str, Any]]:
     """``{module: {"z": z, "threshold": bound}}`` for every module where ``worker`` was anomalous (for the
     ``sync`` event: why a cluster was left out). Non-finite values become ``None``."""
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, d in decisions.items():
         if d.anomalous[worker]:
             thr = d.threshold[worker] if d.threshold else math.inf
-            out[name] = {"z": _finite_or_none(float(d.z[worker])), "threshold": _finite_or_none(float(thr))}
+            z = d.z[worker] if d.z else math.nan
+            out[name] = {"z": _finite_or_none(float(z)), "threshold": _finite_or_none(float(thr))}
+            if d.evidence:
+                out[name].update({k: _finite_or_none(v) if isinstance(v, float) else v
+                                  for k, v in d.evidence[worker].items()})
     return out
 
 
@@ -230,22 +256,24 @@ def aggregate(
     return out, coef
 
 
-def decide_with(st: EWMAStats, module: str, g: Tensor, steps: Tensor | None, cfg: PenaltyConfig) -> Decision:
-    """One module's EDiT decision against the statistics ``st`` (one row per worker of ``g``), which are
-    updated with the accepted values: the anomaly test, regime rescale, re-admission and weights."""
-    x = per_step(g, steps)
+def flag(st: EWMAStats, x: Tensor, cfg: PenaltyConfig, floor_abs: float = 0.0,
+         regime: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The anomaly test of values ``x`` (larger = worse) against per-worker statistics ``st``: (anomalous —
+    non-finite included —, z, threshold, re-admitted). Applies the regime rescale (for ratio-scaled values,
+    `regime`) and tracks streaks; the caller folds the accepted values in (``st.update``). σ is at least
+    ``sigma_floor·|μ|`` and ``floor_abs``."""
     finite = torch.isfinite(x)
     anomalous = ~finite
     readmit = torch.zeros_like(finite)
     floor = cfg.sigma_floor
-    z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+    z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor, floor_abs))
     thr = torch.full_like(x, math.inf)
     if cfg.anomaly:
         # At least 2 accepted values are needed for a meaningful σ, whatever warmup_syncs says.
         warm = st.count >= max(cfg.warmup_syncs, 2)
         thr = torch.where(warm, st.threshold(cfg.z_threshold), thr)
-        if cfg.regime_change and _regime(st, x, z, thr, warm, finite):
-            z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor))
+        if regime and cfg.regime_change and _regime(st, x, z, thr, warm, finite):
+            z = torch.where(st.count == 0, torch.where(finite, 0.0, x), st.zscore(x, floor, floor_abs))
             warm = st.count >= max(cfg.warmup_syncs, 2)
             thr = torch.where(warm, st.threshold(cfg.z_threshold), torch.full_like(x, math.inf))
         flagged = warm & finite & (z > thr)
@@ -256,6 +284,14 @@ def decide_with(st: EWMAStats, module: str, g: Tensor, steps: Tensor | None, cfg
                 st.rebase(readmit)  # the streak (this value included) becomes the new level
             flagged = flagged & ~readmit
         anomalous = anomalous | flagged
+    return anomalous, z, thr, readmit
+
+
+def decide_with(st: EWMAStats, module: str, g: Tensor, steps: Tensor | None, cfg: PenaltyConfig) -> Decision:
+    """One module's EDiT decision against the statistics ``st`` (one row per worker of ``g``), which are
+    updated with the accepted values: the anomaly test, regime rescale, re-admission and weights."""
+    x = per_step(g, steps)
+    anomalous, z, thr, readmit = flag(st, x, cfg)
     st.update(x, ~anomalous & ~readmit)
     w = weights(g, anomalous, cfg, steps)
     return Decision(module=module, norms=g.tolist(), weights=w.tolist(), anomalous=anomalous.tolist(),

@@ -120,15 +120,15 @@ class EWMAStats:
     def sigma(self) -> Tensor:
         return self.var.sqrt()
 
-    def sigma_eff(self, floor: float) -> Tensor:
-        """``max(σ, floor·|μ|)``: a near-constant history cannot make σ ~ 0."""
-        return torch.maximum(self.sigma, floor * self.mu.abs())
+    def sigma_eff(self, floor: float, floor_abs: float = 0.0) -> Tensor:
+        """``max(σ, floor·|μ|, floor_abs)``: a near-constant history cannot make σ ~ 0."""
+        return torch.maximum(torch.maximum(self.sigma, floor * self.mu.abs()), torch.full_like(self.mu, floor_abs))
 
-    def zscore(self, x: Tensor, floor: float = 0.0) -> Tensor:
+    def zscore(self, x: Tensor, floor: float = 0.0, floor_abs: float = 0.0) -> Tensor:
         """``(x − μ)/σ_eff``; with σ_eff == 0: 0 if x == μ, ±inf otherwise (NaN stays NaN)."""
         x = x.to(torch.float64)
         d = x - self.mu
-        sigma = self.sigma_eff(floor)
+        sigma = self.sigma_eff(floor, floor_abs)
         z = d / torch.where(sigma > 0, sigma, torch.ones_like(sigma))
         inf = torch.full_like(d, math.inf)
         flat = torch.where(d > 0, inf, torch.where(d < 0, -inf, torch.where(d == 0, 0.0, d)))

@@ -23,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["Member", "Quorum", "Handle", "ClusterGroup", "Residuals", "Transport"]
+__all__ = ["Member", "Quorum", "Handle", "ClusterGroup", "Contributions", "Residuals", "Transport"]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -101,6 +101,16 @@ class Quorum:
         return Quorum(int(d["quorum_id"]), str(d["nonce"]), [Member.from_json(m) for m in d["members"]], int(d["me"]))
 
 
+@dataclass
+class Contributions:
+    """Every participant's contribution to one module, as one rank holds it: `parts[i]` is participant i's
+    tensors in this rank's local layout; `whole[i]` its module's whole flat Δ when every rank of every cluster
+    holds it (None when the layouts are the same everywhere and each rank holds its own shard)."""
+
+    parts: list[list[Tensor]]
+    whole: Tensor | None = None
+
+
 class Handle(Protocol[T_co]):
     """A collective in flight."""
 
@@ -123,6 +133,8 @@ class ClusterGroup(Protocol):
     def sum_(self, t: Tensor) -> Tensor: ...  # in place
 
     def max_(self, t: Tensor) -> Tensor: ...  # in place
+
+    def all_gather(self, t: Tensor) -> Tensor: ...  # [ranks, *t.shape], in rank order
 
     def broadcast_(self, t: Tensor) -> Tensor: ...  # the leader's (rank 0's) tensor, in place
 
@@ -152,6 +164,7 @@ class Transport(Protocol):
 
     name: str  # this cluster's name
     federated: bool  # False: a lone cluster (every call is local)
+    exact: bool  # contributions arrive exactly as handed over (no lossy compression)
     cluster: ClusterGroup
     feedback: Residuals
 
@@ -176,6 +189,10 @@ class Transport(Protocol):
     def all_gather(self, vec: Tensor, what: str = "norm exchange") -> Handle[Tensor]: ...  # [members, n] float64
 
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Handle[None]: ...
+
+    # every participant's contribution as this rank holds it: exactly what each one sent
+    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None,
+               key: str = "") -> Handle[Contributions]: ...
 
     def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
 

@@ -26,13 +26,25 @@ from torch import Tensor, nn
 
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import Decision, anomaly_details, clip_factor, weighted
-from edit_train.local_sgd.protocols import Handle, Transport
+from edit_train.local_sgd.evidence import buckets, measure, shard_positions, snap
+from edit_train.local_sgd.protocols import Contributions, Handle, Transport
 from edit_train.local_sgd.rules import Aggregator, Evidence
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote")  # per-cluster scalars of the exchange
+EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  # per-cluster scalars of the exchange
+
+
+def probe_medians(scores: Tensor) -> Tensor:
+    """[evaluators, candidates] loss changes -> per candidate the median over the *other* evaluators (NaN when
+    none of them measured it): nobody vouches for its own update."""
+    out = []
+    for i in range(scores.shape[1]):
+        col = torch.cat([scores[:i, i], scores[i + 1:, i]])
+        col = col[torch.isfinite(col)]
+        out.append(float(torch.quantile(col, 0.5)) if col.numel() else math.nan)  # the middle two averaged
+    return torch.tensor(out, dtype=torch.float64)
 
 
 @dataclass
@@ -88,9 +100,28 @@ class SyncCore:
     transport: Transport
     clip: float | None  # φ (None: no clipping)
     span: Callable[[str], AbstractContextManager[Any]] = lambda _name: nullcontext()
+    gather_max: int = 4  # up to this many participants every one receives every contribution and judges it
+    sketch_dim: int = 0  # count-sketch buckets per module for the rule's direction test (0: none)
+    keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
+        self._hashed: dict[tuple[str, bool], tuple[Tensor, Tensor] | None] = {}
+
+    def hashed(self, name: str, whole: bool) -> tuple[Tensor, Tensor] | None:
+        """The count sketch's buckets and signs for unit `name`: its whole flat Δ, or this rank's shard
+        (computed once)."""
+        if self.sketch_dim <= 0:
+            return None
+        key = (name, whole)
+        if key not in self._hashed:
+            params, cluster = self.unit(name).params, self.transport.cluster
+            if whole:
+                pos = torch.arange(sum(p.numel() for p in params), dtype=torch.int64)
+            else:
+                pos = torch.cat(shard_positions(params, cluster.rank, cluster.size))
+            self._hashed[key] = buckets(pos, self.sketch_dim)
+        return self._hashed[key]
 
     def unit(self, name: str) -> Unit:
         return self.units[self.index[name]]
@@ -109,6 +140,7 @@ class SyncReport:
     bytes: int = 0
     blocked_s: float = 0.0
     cluster_norm: float = 0.0  # this cluster's whole-model ‖Δ‖
+    sizes: dict[str, int] = field(default_factory=dict)  # parameters per unit (for the effective weight)
     nonfinite: list[str] = field(default_factory=list)  # units whose reduced Δ was non-finite
 
 
@@ -123,12 +155,17 @@ class SyncRound:
         q = core.transport.quorum
         assert q is not None, "a round needs an issued quorum"
         self.core, self.eager, self.shared = core, eager, q.shared
-        self.report = SyncReport(sync, local_steps, q.names, q.me)
+        # judge what was sent: every participant receives every contribution (a few clusters), else a SUM of
+        # w·Δ decided from the norms each one reported
+        self.gather = q.shared and len(q.members) <= core.gather_max
+        self.report = SyncReport(sync, local_steps, q.names, q.me, sizes={u: core.outer.numel(u) for u in core.index})
+        self.meta: dict[str, Tensor] = {}  # per participant: reported norms, steps, tokens, probe scores
         self.todo = [u.name for u in core.units]  # in unit order
         self.snap: dict[str, list[Tensor]] = {}
-        self.inflight: dict[str, tuple[Handle[None], list[Tensor]]] = {}
+        self.inflight: dict[str, tuple[Handle[Any], list[Tensor]]] = {}
         self.landed: dict[str, list[Tensor]] = {}
         self.undo: dict[str, Any] = {}
+        self.sqnorm: dict[str, float] = {}  # gathered: ‖Σ wᵢΔᵢ‖² per unit, from the Gram matrix
         self.ok = True  # False once something makes this cluster vote no
 
     def _wait(self, handle: Handle[T]) -> T:
@@ -160,18 +197,29 @@ class SyncRound:
         return self._counted(lambda: c.transport.all_gather(vec, "norm exchange"))
 
     def gathered(self, handle: Handle[Tensor]) -> Tensor:
-        """Wait for the exchange; decide every module. Returns the EXTRA columns [participants, 4]."""
+        """Wait for the exchange ([‖Δ‖² per unit ‖ EXTRA ‖ probe score of every participant's last update]);
+        in SUM mode decide every module now. Returns the EXTRA columns [participants, len(EXTRA)]."""
         rows = self._wait(handle).cpu()
-        n = len(self.core.units)
+        n, k = len(self.core.units), len(EXTRA)
         norms = rows[:, :n].clamp_min(0).sqrt()
-        steps = rows[:, n]
-        names = tuple(self.report.participants)
-        contributes = tuple(bool(s > 0) for s in steps.tolist())
-        for i, unit in enumerate(self.core.units):
-            ev = Evidence(unit.name, names, norms[:, i].clone(), steps.clone(), contributes)
-            self.report.decisions[unit.name] = self.core.rule.decide(ev)
+        scores = rows[:, n + k:]
+        if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
+            scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
+        self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": rows[:, n + EXTRA.index("tokens")],
+                     "probe": probe_medians(scores)}
+        if not self.gather:
+            for i, unit in enumerate(self.core.units):
+                self.report.decisions[unit.name] = self.core.rule.decide(self._evidence(unit.name, norms[:, i], {}))
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
-        return rows[:, n:]
+        return rows[:, n:n + k]
+
+    def _evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
+        steps = self.meta["steps"]
+        i = self.core.index[name]
+        extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
+                 "probe": self.meta["probe"].clone(), **measured}
+        return Evidence(name, tuple(self.report.participants), norms.clone(), steps.clone(),
+                        tuple(bool(s > 0) for s in steps.tolist()), extra)
 
     # ------------------------------------------------------------------ per unit
     def _delta(self, name: str) -> list[Tensor]:
@@ -182,31 +230,60 @@ class SyncRound:
 
     @torch.no_grad()
     def launch(self, name: str) -> None:
-        """Start the reduction of w·Δ of unit `name` (once)."""
+        """Start moving unit `name`'s contribution (once): Δ itself to be gathered, or w·Δ into a SUM."""
         if name in self.inflight or name in self.landed or name not in self.todo:
             return
         c = self.core
         unit = c.unit(name)
         c.outer.params[name] = unit.live()
         c.outer.prefetch(name)
+        if self.gather:
+            delta = self._delta(name)
+            self.inflight[name] = (self._counted(lambda: c.transport.gather(delta, unit.params, name)), delta)
+            return
         w = self.report.decisions[name].weights[self.report.position]
         delta = weighted(self._delta(name), float(w))
-        handle = self._counted(lambda: c.transport.reduce_(delta, unit.params, name))
-        self.inflight[name] = (handle, delta)
+        self.inflight[name] = (self._counted(lambda: c.transport.reduce_(delta, unit.params, name)), delta)
 
     def ready(self, name: str) -> bool:
         return name in self.landed or (name in self.inflight and self.inflight[name][0].ready())
 
     @torch.no_grad()
     def land(self, name: str) -> None:
-        """Wait for unit `name`'s reduced Δ (raises FederationError when a participant was lost)."""
+        """Wait for unit `name`'s contributions (raises FederationError when a participant was lost); gathered,
+        judge them and sum them here. A non-finite result can never be applied: this cluster votes no."""
         self.launch(name)
         handle, delta = self.inflight.pop(name)
-        self._wait(handle)
+        got = self._wait(handle)
+        if self.gather:
+            delta = self._judge(name, got)
         if not all(bool(torch.isfinite(d).all()) for d in delta):
             self.report.nonfinite.append(name)
             self.ok = False
         self.landed[name] = delta
+
+    def _judge(self, name: str, got: Contributions) -> list[Tensor]:
+        """The rule decides on what every participant sent (its Gram matrix, finiteness, sketches); the
+        weighted sum is taken here, in participant order, identically on every cluster."""
+        c = self.core
+        m = measure(got, c.transport.cluster, lambda whole: c.hashed(name, whole), c.sketch_dim)
+        measured = {"gram": m.gram, "finite": torch.tensor(m.finite), "exact": torch.tensor(c.transport.exact)}
+        if m.sketches is not None:
+            measured["sketches"] = m.sketches
+        decision = c.rule.decide(self._evidence(name, m.norms, measured))
+        w = [snap(float(x)) if ok else 0.0 for x, ok in zip(decision.weights, m.finite)]
+        decision.weights = w
+        self.report.decisions[name] = decision
+        used = [i for i, x in enumerate(w) if x != 0.0]
+        wt = torch.tensor([w[i] for i in used], dtype=torch.float64)
+        self.sqnorm[name] = float(wt @ m.gram[used][:, used] @ wt) if used else 0.0
+        if c.keep is not None:
+            c.keep(name, [a.detach().clone() for a in c.outer.anchors[name]], got)
+        total = [torch.zeros_like(d, dtype=torch.float32) for d in got.parts[self.report.position]]
+        for i in used:  # participant order: the same sum on every cluster
+            for t, part in zip(total, got.parts[i]):
+                t.add_(part.to(t.dtype), alpha=w[i])
+        return total
 
     @torch.no_grad()
     def apply(self, name: str) -> None:
@@ -221,9 +298,13 @@ class SyncRound:
         if decision.all_anomalous or name in report.nonfinite:
             report.clip[name] = 0.0  # no outer step; every cluster lands on the anchor it had
         else:
-            sq = torch.tensor([sum(float(d.double().pow(2).sum()) for d in delta)], dtype=torch.float64,
-                              device=c.transport.cluster.device)
-            coef = clip_factor(float(c.transport.cluster.sum_(sq)), c.clip)
+            if name in self.sqnorm:  # gathered: wᵀGw from the Gram matrix, the same number on every cluster
+                sq = self.sqnorm.pop(name)
+            else:
+                t = torch.tensor([sum(float(d.double().pow(2).sum()) for d in delta)], dtype=torch.float64,
+                                 device=c.transport.cluster.device)
+                sq = float(c.transport.cluster.sum_(t))
+            coef = clip_factor(sq, c.clip)
             c.outer.step(name, [d * coef for d in delta] if coef != 1.0 else delta)
             report.clip[name] = coef
         rebase(live, c.outer.anchors[name], self.snap.pop(name, None))
@@ -257,14 +338,15 @@ def summarize(report: SyncReport) -> dict[str, Any]:
     """The `sync` event fields for this cluster (docs/architecture.md §5)."""
     me = report.position
     decisions = list(report.decisions.values())
-    weights = [d.weights[me] for d in decisions]
+    sizes = [report.sizes.get(d.module, 1) for d in decisions]
     anomalous = [d.module for d in decisions if d.anomalous[me]]
     clips = [c for c in report.clip.values() if c > 0] or [0.0]
     return {
         "sync": report.sync,
         "local_steps": report.local_steps,
         "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
-        "weight": sum(weights) / max(len(weights), 1),
+        # this cluster's effective share of the merged update: its weight per module, by the module's size
+        "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
         "anomalous_modules": anomalous,
         "anomaly_details": anomaly_details(report.decisions, me),  # {module: {z, threshold}} of flagged ones

@@ -7,7 +7,8 @@ participant runs the same rule on the same evidence, so every cluster takes the 
 communication. A rule owns whatever statistics it keeps (per cluster *name*, so an absent cluster's history
 is untouched), and hands them over as JSON + tensors for checkpoints and healing.
 
-Rules are chosen by `algo.penalty.rule`: a name registered here (`edit_norm`, `uniform`) or
+Rules are chosen by `algo.penalty.rule`: a built-in name (`verified`, the default, in `verified.py`;
+`edit_norm`, EDiT's rule; `uniform`) or
 ``"package.module:Class"`` for a rule defined outside this package (imported on first use). Adding one:
 
     @register_rule("my_rule")
@@ -64,6 +65,8 @@ class Aggregator(Protocol):
 
 
 _RULES: dict[str, Callable[[PenaltyConfig], Aggregator]] = {}
+# built-in rules in modules of their own, by import path (resolved on first use, like a user's rule)
+_BUILTIN = {"verified": "edit_train.local_sgd.verified:VerifiedRule"}
 
 
 def register_rule(name: str) -> Callable[[type], type]:
@@ -75,12 +78,12 @@ def register_rule(name: str) -> Callable[[type], type]:
 
 
 def rule_names() -> list[str]:
-    return sorted(_RULES)
+    return sorted({*_RULES, *_BUILTIN})
 
 
 def make_rule(cfg: PenaltyConfig) -> Aggregator:
     """The rule `cfg.rule` names (a registered name or "module:attr"), built from `cfg`."""
-    spec = cfg.rule
+    spec = _BUILTIN.get(cfg.rule, cfg.rule)
     if spec in _RULES:
         return _RULES[spec](cfg)
     module, sep, attr = spec.partition(":")

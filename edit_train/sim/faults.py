@@ -11,6 +11,13 @@
                    `run.restart_delay_s` and it heals from a live peer;
 * `partition`    — cluster `cluster` cannot reach the others (nor the Lighthouse) for `seconds` from step
                    `step`: it keeps training alone and rejoins afterwards.
+
+Byzantine faults happen where a real one would, in what the cluster sends (`sim/byzantine.py` wraps its
+transport); its own training is healthy and it reports its true norms:
+* `sign_flip`        — it sends −Δ;
+* `random_direction` — it sends a random vector with Δ's norm (module by module);
+* `lie_norm`         — it reports Δ's norm and sends 10 Δ;
+* `nan_payload`      — it reports finite norms and sends NaN.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition")
+PAYLOAD_KINDS = ("sign_flip", "random_direction", "lie_norm", "nan_payload")
+KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition", *PAYLOAD_KINDS)
 
 
 class FaultError(ValueError):
@@ -112,6 +120,15 @@ class FaultInjector:
     def partition_at(self, step: int) -> float:
         """Seconds this cluster is cut off from the federation starting at `step` (0: none)."""
         return sum(f.seconds for f in self.faults if f.kind == "partition" and f.start == step)
+
+    def payload_fault(self, step: int) -> str | None:
+        """The Byzantine fault active at `step`, if any (what the cluster sends is corrupted)."""
+        active = [f.kind for f in self.faults if f.kind in PAYLOAD_KINDS and f.active(step, self.group)]
+        return active[0] if active else None
+
+    @property
+    def byzantine(self) -> bool:
+        return any(f.kind in PAYLOAD_KINDS for f in self.faults)
 
     def lr_scale(self, step: int) -> float:
         scale = 1.0

@@ -22,6 +22,8 @@ from edit_train.federation.transport import LaneTransport, lighthouse_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
+from edit_train.sim.byzantine import ByzantineTransport
+from edit_train.sim.faults import FaultInjector
 from edit_train.train.metrics import MetricsLogger
 
 
@@ -49,7 +51,7 @@ def my_cluster(cfg: Config, specs: list[ClusterSpec]) -> ClusterSpec:
     return ClusterSpec(name, ranks, zlib.crc32(name.encode()) % max(len(specs), 1), 1.0)
 
 
-def local_sgd_config(cfg: Config) -> LocalSGDConfig:
+def local_sgd_config(cfg: Config, tokens_per_step: int = 0) -> LocalSGDConfig:
     a = cfg.algo
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
@@ -59,7 +61,8 @@ def local_sgd_config(cfg: Config) -> LocalSGDConfig:
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
-                          membership=membership, shares_loss=cfg.train.spike_factor > 0)
+                          membership=membership, shares_loss=cfg.train.spike_factor > 0,
+                          tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max)
 
 
 def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTransport:
@@ -79,7 +82,14 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
                     optimizer: torch.optim.Optimizer | None = None, federated: bool = True,
-                    span: Callable[[str], AbstractContextManager[Any]] | None = None) -> LocalSGD:
-    return LocalSGD(local_sgd_config(cfg), model, fsdp_units(model), build_transport(cfg, topo, federated),
+                    span: Callable[[str], AbstractContextManager[Any]] | None = None, tokens_per_step: int = 0,
+                    probe_loss: Callable[[], float] | None = None,
+                    faults: tuple[FaultInjector, Callable[[], int]] | None = None) -> LocalSGD:
+    """The algorithm of this rank: its transport (wrapped by a Byzantine fault if one is configured for this
+    cluster), the probe of each update's usefulness, the core's config."""
+    transport: Any = build_transport(cfg, topo, federated)
+    if faults is not None and faults[0].byzantine:
+        transport = ByzantineTransport(transport, faults[0], faults[1], seed=cfg.seed + topo.index)
+    return LocalSGD(local_sgd_config(cfg, tokens_per_step), model, fsdp_units(model), transport,
                     (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
-                    optimizer=optimizer, span=span or (lambda _n: nullcontext()))
+                    optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+
+import numpy as np
 from typing import Callable
 
 import torch
@@ -13,7 +15,7 @@ from torch import nn
 
 from edit_train.cluster.mesh import Topology
 from edit_train.config import TrainConfig
-from edit_train.data.loader import eval_batches
+from edit_train.data.loader import TokenDataset, eval_batches
 
 
 def reshard(model: nn.Module) -> None:
@@ -44,6 +46,42 @@ def evaluate(model: nn.Module, data_dir: str | Path, t: TrainConfig, topo: Topol
         with autocast():
             out = model(x.to(topo.device), y.to(topo.device))
         total += torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
+    if topo.distributed:
+        total = total.to(topo.device)
+        dist.all_reduce(total, group=topo.shard_pg)
+        total = total.cpu()
+    reshard(model)
+    model.train()
+    return float(total[0] / total[1])
+
+
+def probe_batch(data_dir: str | Path, seq_len: int, tokens: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe slice of cluster `part`: ⌈tokens / seq_len⌉ windows from the *end* of the val split (the val
+    loss is measured on its first windows), a different stretch for every cluster."""
+    ds = TokenDataset(data_dir, "val")
+    rows = max(1, -(-tokens // seq_len))
+    windows = max((ds.tokens - 1) // seq_len, 1)
+    first = max(windows - rows * (part + 1), 0) % windows
+    data = torch.from_numpy(np.stack([ds.get(((first + i) % windows) * seq_len,
+                                             ((first + i) % windows) * seq_len + seq_len + 1)
+                                      for i in range(rows)]).astype(np.int64))
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+@torch.no_grad()
+def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], topo: Topology,
+               autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
+    """Mean loss of one batch, its rows split over the cluster's ranks (every rank runs one forward)."""
+    x, y = batch
+    xs, ys = x[topo.shard_rank::topo.shard_size], y[topo.shard_rank::topo.shard_size]
+    if xs.shape[0] == 0:
+        xs, ys, weight = x[:1], y[:1], 0.0
+    else:
+        weight = float(ys.numel())
+    model.eval()
+    with autocast():
+        out = model(xs.to(topo.device), ys.to(topo.device))
+    total = torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
     if topo.distributed:
         total = total.to(topo.device)
         dist.all_reduce(total, group=topo.shard_pg)

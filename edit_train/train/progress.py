@@ -89,9 +89,13 @@ class TrainingState:
     def wall(self) -> float:
         return self.wall_offset + time.time() - self.t0
 
-    def save(self) -> None:
-        """The counters across incarnations, for the next one (the leader calls this)."""
-        self.carried.saved_at = time.time()
+    def save(self, every_s: float = 0.0) -> None:
+        """The counters across incarnations, for the next one (the leader calls this); with `every_s`, only
+        if that long has passed since the last save."""
+        now = time.time()
+        if every_s > 0 and self.carried.saved_at is not None and now - self.carried.saved_at < every_s:
+            return
+        self.carried.saved_at = now
         atomic_write_json(record_path(self.run_dir, self.name), asdict(self.carried))
 
     # ------------------------------------------------------------ checkpoint

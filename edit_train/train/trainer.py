@@ -39,7 +39,7 @@ from edit_train.train.lr import lr_at
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 from edit_train.train.parallel import apply_layer_options, precision_policy
-from edit_train.train.evaluation import evaluate, reshard
+from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, reshard
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
@@ -152,8 +152,13 @@ class Trainer:
                                    run_id=resume_from[2].get("wandb_run_id") if resume_from else None)
             sinks.append(self.wandb)
         self.metrics = MetricsLogger(sinks)
+        probe = None
+        if cfg.algo.local_sgd and cfg.algo.penalty.probe_tokens > 0:  # each update's usefulness (verified rule)
+            batch = probe_batch(self.data_dir, t.seq_len, cfg.algo.penalty.probe_tokens, topo.index)
+            probe = lambda: batch_loss(self.model, batch, topo, self._autocast)  # noqa: E731
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
-                                    span=self.timing.span)  # the layer-wise sync hooks charge their work to `sync`
+                                    span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
+                                    probe_loss=probe, faults=(self.faults, lambda: self.state.step))
         if self.is_main and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
@@ -216,7 +221,8 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, bool]:
         """One inner step (with gradient accumulation). Returns (loss, applied)."""
         t, topo = self.cfg.train, self.topo
-        lr = lr_at(step, t.lr, t.steps, t.lr_warmup_steps, t.min_lr_ratio) * self.faults.lr_scale(step)
+        faulty = bool(self.faults.faults)  # fault injection configured for this cluster (else: no calls at all)
+        lr = lr_at(step, t.lr, t.steps, t.lr_warmup_steps, t.min_lr_ratio) * (self.faults.lr_scale(step) if faulty else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.set_step(step)
@@ -224,7 +230,8 @@ class Trainer:
         with self.timing.span("data"):
             batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
         for x, y in batches:
-            x, y = self.faults.corrupt_batch(step, x, y)
+            if faulty:
+                x, y = self.faults.corrupt_batch(step, x, y)
             try:
                 with self._autocast():
                     out = self.model(x.to(topo.device), y.to(topo.device))
@@ -234,7 +241,8 @@ class Trainer:
                     out = self.model(x.to(topo.device), y.to(topo.device))
             (out.loss / len(batches)).backward()
             loss_sum += float(out.ce_loss.detach()) / len(batches)
-        self.faults.corrupt_grads(step, self.model)
+        if faulty:
+            self.faults.corrupt_grads(step, self.model)
         # the spike decision needs the loss every rank sharing the update agrees on
         shared = float(self._cluster_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
         with self.timing.span("sync"):
@@ -278,10 +286,11 @@ class Trainer:
                 self.metrics.close(None)
                 raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
             step = p.step
-            self.faults.maybe_kill(step)
-            cut = self.faults.partition_at(step)
-            if cut > 0:
-                self.algo.partition(cut)
+            if self.faults.faults:
+                self.faults.maybe_kill(step)
+                cut = self.faults.partition_at(step)
+                if cut > 0:
+                    self.algo.partition(cut)
             step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
             with self.timing.span("compute"):
                 loss, applied = self.train_step(step)
@@ -314,7 +323,7 @@ class Trainer:
                                      lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
                                      wall=p.wall(), skipped=not applied, time_s=window_split)
                     self._log_moe(p.step)
-                    p.save()
+                    p.save(every_s=10.0)  # counters across incarnations, for a cluster killed between syncs
                 self.threads.maybe_replan()
                 bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
             bar.update(1)

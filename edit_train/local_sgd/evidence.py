@@ -1,0 +1,105 @@
+"""What a gathered round measures on the contributions the participants actually sent: their Gram matrix
+(norms, pairwise cosines, the norm of any weighted sum), which of them are finite, and a count sketch of each
+(a fixed random projection to `dim` buckets that keeps inner products in expectation) for the direction test.
+
+Every cluster must take the same decision from these numbers, so they are computed in a canonical layout:
+on the module's whole flat Δ when every rank holds it (clusters of different size: the chunked layout
+assembles it), or per rank on its shard when every participant has the same layout (equal sizes: rank r
+holds the same elements everywhere), summed over the cluster's ranks in rank order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from edit_train.local_sgd.protocols import ClusterGroup, Contributions
+
+_MUL = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int64 (wrapping arithmetic)
+
+
+@dataclass
+class Measured:
+    gram: Tensor  # float64 [P, P]: ⟨Δᵢ, Δⱼ⟩ over the whole module (NaN rows for non-finite senders)
+    finite: list[bool]
+    sketches: Tensor | None  # float64 [P, dim]
+
+    @property
+    def norms(self) -> Tensor:
+        d = self.gram.diagonal().clone()
+        return torch.where(torch.tensor(self.finite), d.clamp_min(0).sqrt(), torch.full_like(d, math.nan))
+
+
+def shard_positions(params: list[Tensor], rank: int, size: int) -> list[Tensor]:
+    """The position of every element of this rank's local part of each parameter in the module's flat Δ
+    (parameters flattened and concatenated in order; FSDP2 Shard(0) is torch.chunk of dim 0)."""
+    out, offset = [], 0
+    for p in params:
+        shape = tuple(p.shape)  # a DTensor reports the global shape
+        numel = math.prod(shape)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        start = 0
+        if local.numel() != numel and shape:
+            rows, per = shape[0], -(-shape[0] // size)
+            start = min(rank * per, rows) * (numel // max(rows, 1))
+        out.append(offset + start + torch.arange(local.numel(), dtype=torch.int64))
+        offset += numel
+    return out
+
+
+def buckets(pos: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """The count sketch's bucket and sign of every flat position (a fixed hash: the same on every cluster)."""
+    h = pos * _MUL + 0x632BE59BD9B4E019  # wraps in int64
+    return (h >> 17) & (dim - 1), ((h >> 43) & 1).to(torch.float32) * 2 - 1
+
+
+def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int) -> Tensor:
+    """[P, P + 1 + dim] (float64): Gram rows, non-finite counts, sketches of this part of the module. The
+    products accumulate in fp32 (BLAS); the decisions made from them need far less than fp32's precision."""
+    x = rows.float()
+    finite = torch.isfinite(x)
+    bad = (~finite).sum(dim=1, keepdim=True)
+    if bool(bad.any()):
+        x = torch.where(finite, x, torch.zeros_like(x))
+    parts = [(x @ x.T).double(), bad.double()]
+    if dim > 0 and hashed is not None:
+        b, sign = hashed
+        parts.append(torch.zeros(x.shape[0], dim, dtype=torch.float32).index_add_(1, b, x * sign).double())
+    return torch.cat(parts, dim=1)
+
+
+def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], tuple[Tensor, Tensor] | None],
+            dim: int) -> Measured:
+    """Gram matrix, finiteness and (dim > 0, a power of two) sketches of every participant's contribution.
+    `hashed(whole)`: the sketch's buckets and signs for the whole flat module, or this rank's shard of it."""
+    if got.whole is not None:  # identical on every rank of every cluster
+        m = _partials(got.whole, hashed(True), dim)
+    else:
+        rows = torch.stack([torch.cat([t.detach().reshape(-1).cpu() for t in parts]) for parts in got.parts])
+        per_rank = cluster.all_gather(_partials(rows, hashed(False), dim).to(cluster.device)).cpu()
+        m = per_rank[0].clone()
+        for r in range(1, per_rank.shape[0]):  # rank order: the same sum in every cluster of this layout
+            m += per_rank[r]
+    n = m.shape[0]
+    finite = [bool(v == 0) for v in m[:, n].tolist()]
+    gram = m[:, :n].clone()
+    for i, ok in enumerate(finite):
+        if not ok:
+            gram[i, :] = gram[:, i] = math.nan
+    return Measured(gram, finite, m[:, n + 1:].clone() if dim > 0 else None)
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    """cos(a, b) in float64 (0 when either is zero)."""
+    na, nb = float(a.norm()), float(b.norm())
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else 0.0
+
+
+def snap(w: float, bits: int = 30) -> float:
+    """A weight on a 2^-bits grid: measurements that differ in their last bits between clusters (another
+    summation order on other hardware) still give every cluster the same weight."""
+    return round(w * (1 << bits)) / (1 << bits)

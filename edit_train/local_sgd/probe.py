@@ -1,0 +1,82 @@
+"""Usefulness of every participant's update, measured by this cluster on its own probe slice of validation
+data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (participant i's model as it sent it),
+(L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each participant is then judged on the
+median score the *other* clusters gave it (`round.probe_medians`), so nobody vouches for itself.
+
+A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
+trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
+one forward per participant plus one of the anchor on `algo.penalty.probe_tokens` tokens per sync (the
+`probe` time bucket), and the contributions held until then.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from edit_train.local_sgd.protocols import Contributions
+from edit_train.local_sgd.round import Unit
+
+log = logging.getLogger(__name__)
+
+
+class Probe:
+    def __init__(self, units: list[Unit], loss: Callable[[], float] | None,
+                 span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext()) -> None:
+        self.units, self.loss, self.span = units, loss, span
+        self.kept: dict[str, tuple[list[Tensor], Contributions]] = {}
+        self.names: list[str] = []  # participants of the committed round waiting to be scored
+        self.scores: dict[str, float] = {}  # name -> relative loss change its last update caused here
+
+    @property
+    def enabled(self) -> bool:
+        return self.loss is not None
+
+    def keep(self, unit: str, old_anchor: list[Tensor], got: Contributions) -> None:
+        if self.enabled:
+            self.kept[unit] = (old_anchor, got)
+
+    def committed(self, names: list[str]) -> None:
+        """The round these contributions came from committed: score them at the next step boundary."""
+        self.names = list(names) if len(self.kept) == len(self.units) else []
+        if not self.names:
+            self.kept.clear()
+
+    def dropped(self) -> None:
+        self.kept.clear()
+        self.names = []
+
+    def row(self, names: list[str]) -> list[float]:
+        """This cluster's scores for the members of a quorum (NaN: not measured here)."""
+        return [self.scores.get(n, float("nan")) for n in names]
+
+    @torch.no_grad()
+    def score(self) -> None:
+        """Evaluate every kept participant's update (restores the live parameters afterwards)."""
+        if not self.names or self.loss is None:
+            return
+        with self.span("probe"):
+            backup = {u.name: [t.detach().clone() for t in u.live()] for u in self.units}
+            try:
+                self._set(lambda name, old, parts: old)
+                base = self.loss()
+                for i, who in enumerate(self.names):
+                    self._set(lambda name, old, parts, i=i: [a - p.to(a.dtype) for a, p in zip(old, parts.parts[i])])
+                    self.scores[who] = (self.loss() - base) / max(abs(base), 1e-12)
+                log.debug("probe: base %.4f, loss change %s", base, {n: round(self.scores[n], 4) for n in self.names})
+            finally:
+                for u in self.units:
+                    for t, b in zip(u.live(), backup[u.name]):
+                        t.copy_(b)
+                self.dropped()
+
+    def _set(self, value: Callable[[str, list[Tensor], Contributions], list[Tensor]]) -> None:
+        for u in self.units:
+            old, got = self.kept[u.name]
+            for t, v in zip(u.live(), value(u.name, old, got)):
+                t.copy_(v.to(t.device, t.dtype))

@@ -1,0 +1,96 @@
+"""The `verified` rule judges what each cluster sent, in whole sync rounds of 3 clusters in one process: a
+cluster whose transport corrupts its contribution (sign flip, random direction, ×10 with the true norm
+reported, NaN) gets weight 0 at every sync of the fault, for the reason the event names; the honest clusters
+share the update by tokens; nothing non-finite reaches an anchor."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.round import probe_medians
+from edit_train.local_sgd.rules import Evidence, make_rule
+from edit_train.sim.byzantine import ByzantineTransport, corrupt
+from edit_train.sim.faults import FaultInjector
+from toy_federation import H, config, max_diff, run_inproc
+
+NAMES = ["c0", "c1", "c2"]
+SYNCS = 20
+START, END = 12 * H, 16 * H  # steps whose sends are corrupted: the syncs that start at steps 48..60
+EXPECT = {"sign_flip": "direction", "random_direction": "direction", "lie_norm": "misreported",
+          "nan_payload": "non_finite"}
+
+
+def _byzantine(kind: str):  # type: ignore[no-untyped-def]
+    faults = FaultInjector([{"kind": kind, "group": 1, "start": START, "end": END}], group=1, vocab_size=2)
+    return lambda transport, step: ByzantineTransport(transport, faults, step)
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECT))
+def test_a_corrupted_contribution_gets_weight_0_for_what_it_was(kind: str) -> None:
+    results = run_inproc(NAMES, config("layerwise", "verified", syncs=SYNCS, warmup=2),
+                         wraps={"c1": _byzantine(kind)}, shared_task=True, lr=0.01)  # still learning: a direction
+    events = {n: [e for e in r.events if e["event"] == "sync"] for n, r in results.items()}
+    faulty = [e for e in events["c1"] if START <= e["step"] < END]  # the syncs sent while the fault was on
+    assert len(faulty) == 4, events["c1"]
+    for e in faulty:
+        assert e["weight"] == 0.0 and e["anomalous"], e
+        reasons = {r for detail in e["anomaly_details"].values() for r in detail["reasons"]}
+        assert EXPECT[kind] in reasons, (kind, e["anomaly_details"])
+    for n in ("c0", "c2"):  # the honest clusters share the update by tokens (equal here): exactly 1/2 each
+        for e in events[n]:
+            if START <= e["step"] < END:
+                assert e["weight"] == 0.5 and not e["anomalous"], e
+    clean = [e for n in NAMES for e in events[n] if not START <= e["step"] < END]
+    assert not [e for e in clean if e["anomalous"]], "a false flag outside the fault"
+    for n in NAMES:
+        assert all(math.isfinite(float(t.abs().max())) for unit in results[n].anchors for t in unit)
+        assert max_diff(results[n].anchors, results["c0"].anchors) == 0.0
+
+
+def test_the_rule_on_crafted_contributions() -> None:
+    """Exact flags and weights: a liar whose reported norm is not what it sent, a NaN sender, and tokens."""
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0, warmup_syncs=10))
+    norms = torch.tensor([1.0, 2.0, math.nan, 1.5], dtype=torch.float64)
+    ev = Evidence("m", ("a", "b", "c", "d"), norms, torch.full((4,), 4.0, dtype=torch.float64), (True,) * 4,
+                  {"finite": torch.tensor([True, True, False, True]), "exact": torch.tensor(True),
+                   "reported": torch.tensor([1.0, 0.2, 1.0, 1.5], dtype=torch.float64),
+                   "tokens": torch.tensor([100.0, 100.0, 100.0, 300.0], dtype=torch.float64)})
+    d = rule.decide(ev)
+    assert d.anomalous == [False, True, True, False]
+    assert d.weights == [0.25, 0.0, 0.0, 0.75]
+    assert d.evidence[1]["reasons"] == ["misreported"] and d.evidence[2]["reasons"] == ["non_finite"]
+
+
+def test_tokens_claims_are_capped() -> None:
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0, max_token_ratio=2.0))
+    ev = Evidence("m", ("a", "b", "c"), torch.ones(3, dtype=torch.float64), torch.full((3,), 4.0, dtype=torch.float64),
+                  (True,) * 3, {"tokens": torch.tensor([100.0, 100.0, 1e9], dtype=torch.float64)})
+    assert rule.decide(ev).weights == [0.25, 0.25, 0.5]  # 1e9 counts as 2 x the median (100)
+
+
+def test_probe_medians_exclude_the_judged_cluster() -> None:
+    scores = torch.tensor([[-9.0, 0.3, -0.1], [-0.2, 9.0, math.nan], [-0.4, 0.5, 9.0]], dtype=torch.float64)
+    m = probe_medians(scores)  # rows: evaluators; columns: judged clusters; the diagonal never counts
+    assert m[0].item() == pytest.approx(-0.3) and m[1].item() == pytest.approx(0.4) and m[2].item() == -0.1
+
+
+def test_an_update_that_hurt_the_others_probe_is_left_out() -> None:
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    ev = Evidence("m", ("a", "b"), torch.ones(2, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64),
+                  (True,) * 2, {"probe": torch.tensor([-0.05, 0.2], dtype=torch.float64)})
+    d = rule.decide(ev)
+    assert d.weights == [1.0, 0.0] and d.evidence[1]["reasons"] == ["useless"]
+
+
+def test_corruptions_keep_or_break_what_they_should() -> None:
+    gen = torch.Generator().manual_seed(0)
+    t = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)]
+    norm = float(torch.sqrt(sum(x.pow(2).sum() for x in t)))
+    r = corrupt("random_direction", t, gen)
+    assert float(torch.sqrt(sum(x.pow(2).sum() for x in r))) == pytest.approx(norm, rel=1e-5)
+    assert all(torch.equal(a, -b) for a, b in zip(corrupt("sign_flip", t, gen), t))
+    assert all(torch.isnan(x).all() for x in corrupt("nan_payload", t, gen))
