@@ -269,7 +269,8 @@ class LaneTransport:
         started = [self._lane(j, pieces[0] if paired else pieces[j], key, gather) for j in mine]
         ready_at = self.clock.account(sum(b for _, _, b in started)) if started else 0.0
         out: list[list[Tensor]] = []
-        whole: list[Tensor] = []
+        whole: list[Tensor] = []  # chunked: every participant's whole flat Δ (the same on every rank)
+        local: list[Tensor] = []  # paired: every participant's flat shard as this rank holds it
 
         def settle(ok: bool) -> bool:
             if not c.agree(ok):
@@ -278,6 +279,7 @@ class LaneTransport:
             full = torch.zeros(n if gather else 1, flat.numel())
             if paired:
                 full = torch.stack(rows[0])
+                local.append(full)
             else:
                 bounds = [0]
                 for piece in pieces:
@@ -300,7 +302,8 @@ class LaneTransport:
             return True
 
         works = [w for w, _, _ in started]
-        result = (lambda: Contributions(out, whole[0] if whole else None)) if gather else None
+        result = (lambda: Contributions(out, whole[0] if whole else None, local[0] if local else None)) \
+            if gather else None
         return Pending(self.clock, works, ready_at, settle=settle, what="pseudo-gradient " +
                        ("gather" if gather else "reduction"), result=result)
 

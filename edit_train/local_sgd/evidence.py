@@ -58,14 +58,11 @@ def buckets(pos: Tensor, dim: int) -> tuple[Tensor, Tensor]:
 
 
 def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int) -> Tensor:
-    """[P, P + 1 + dim] (float64): Gram rows, non-finite counts, sketches of this part of the module. The
-    products accumulate in fp32 (BLAS); the decisions made from them need far less than fp32's precision."""
+    """[P, P + dim] (float64): Gram rows and sketches of this part of the module. The products accumulate in
+    fp32 (BLAS); the decisions made from them need far less than fp32's precision. A non-finite row shows
+    as a non-finite diagonal entry (and its own sketch row): nothing else is contaminated."""
     x = rows.float()
-    finite = torch.isfinite(x)
-    bad = (~finite).sum(dim=1, keepdim=True)
-    if bool(bad.any()):
-        x = torch.where(finite, x, torch.zeros_like(x))
-    parts = [(x @ x.T).double(), bad.double()]
+    parts = [(x @ x.T).double()]
     if dim > 0 and hashed is not None:
         b, sign = hashed
         parts.append(torch.zeros(x.shape[0], dim, dtype=torch.float32).index_add_(1, b, x * sign).double())
@@ -79,18 +76,19 @@ def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], 
     if got.whole is not None:  # identical on every rank of every cluster
         m = _partials(got.whole, hashed(True), dim)
     else:
-        rows = torch.stack([torch.cat([t.detach().reshape(-1).cpu() for t in parts]) for parts in got.parts])
+        rows = got.rows if got.rows is not None else \
+            torch.stack([torch.cat([t.detach().reshape(-1).cpu() for t in parts]) for parts in got.parts])
         per_rank = cluster.all_gather(_partials(rows, hashed(False), dim).to(cluster.device)).cpu()
         m = per_rank[0].clone()
         for r in range(1, per_rank.shape[0]):  # rank order: the same sum in every cluster of this layout
             m += per_rank[r]
     n = m.shape[0]
-    finite = [bool(v == 0) for v in m[:, n].tolist()]
+    finite = [math.isfinite(v) for v in m.diagonal().tolist()]
     gram = m[:, :n].clone()
     for i, ok in enumerate(finite):
         if not ok:
             gram[i, :] = gram[:, i] = math.nan
-    return Measured(gram, finite, m[:, n + 1:].clone() if dim > 0 else None)
+    return Measured(gram, finite, m[:, n:].clone() if dim > 0 else None)
 
 
 def cosine(a: Tensor, b: Tensor) -> float:

@@ -109,6 +109,7 @@ class Contributions:
 
     parts: list[list[Tensor]]
     whole: Tensor | None = None
+    rows: Tensor | None = None  # [participant, this rank's elements]: `parts` flattened, when the transport has it
 
 
 class Handle(Protocol[T_co]):
