@@ -1,6 +1,6 @@
 """`edit-train-report`: plots + summary table from hand-written run directories (no training here).
 
-Synthetic runs: a 2-cluster EDiT run with one anomalous sync, a DDP run (no sync events), a crashed
+Synthetic runs: a 2-cluster EDiT run with one anomalous sync and a fault in its config.json, a DDP run (no sync events), a crashed
 single-cluster run (no summary.json, no evals, a torn last line) and a run that died before its first event;
 and a run dir from before `per_cluster` (summary.json with only the deprecated `per_group`).
 Rendering is the slow part (~1 s of CPU per report), so only three tests draw."""
@@ -18,6 +18,7 @@ import pytest
 from edit_train.cli.report import main
 from edit_train.report import PLOTS, default_out, human_bytes, load_run, make_report
 from edit_train.report import model as report_model
+from edit_train.report.weights import fault_windows, weight_series, weights_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -89,7 +90,9 @@ def runs(tmp_path: Path) -> dict[str, Path]:
         "".join((e if isinstance(e, str) else json.dumps(e) + "\n") for e in crashed_events))
     (crashed / "config.json").write_text(json.dumps({"algo": {"name": "diloco"}}))
     return {
-        "edit": _write_run(tmp_path / "edit", edit_events, edit_summary),
+        "edit": _write_run(tmp_path / "edit", edit_events, edit_summary,
+                           {"algo": {"name": "edit"},
+                            "faults": [{"kind": "garbage_data", "group": 1, "start": 10, "end": 18}]}),
         "ddp": _write_run(tmp_path / "ddp", [*_evals(steps), *_train_events(2, steps)], ddp_summary),
         "crashed": crashed,
         "empty": _write_run(tmp_path / "empty", [], None),
@@ -206,3 +209,56 @@ def test_human_bytes():
     assert human_bytes(512) == "512 B"
     assert human_bytes(112469376) == "107.3 MiB"
     assert human_bytes(None) == "n/a"
+
+
+def test_weights_data_from_crafted_run(tmp_path, caplog):
+    """`weights.png`'s data: each cluster's (step, weight, anomalous) per sync, by name, a re-logged sync
+    counted once and a missing weight NaN; the fault windows of config.json as parse_faults reads them."""
+    def sync(k, step, g, name, weight, bad=False, **extra):
+        return {"event": "sync", "sync": k, "step": step, "group": g, "cluster": name, "weight": weight,
+                "anomalous": bad, "anomalous_modules": ["layers.0"] if bad else [],
+                "anomaly_details": {"layers.0": {"reasons": ["norm"]}} if bad else {}, **extra}
+
+    names = ("west", "east", "north")
+    events = [*(sync(1, 8, g, n, 1 / 3) for g, n in enumerate(names)),
+              sync(2, 16, 0, "west", 0.5), sync(2, 16, 1, "east", 0.0, bad=True), sync(2, 16, 2, "north", 0.5),
+              sync(2, 16, 1, "east", 0.0, bad=True),  # re-logged after a resume: counted once
+              sync(3, 24, 0, "west", 0.4), sync(3, 24, 1, "east", 0.2, bad=True), sync(3, 24, 2, "north", None)]
+    faults = [{"kind": "garbage_data", "group": 1, "start": 10, "end": 18},
+              {"kind": "lr_spike", "cluster": "north", "start": 20, "factor": 5},  # no end: to the end of the run
+              {"kind": "kill_cluster", "cluster": 2, "step": 12},
+              {"kind": "partition", "cluster": "west", "step": 4, "seconds": 3},
+              {"kind": "bogus", "group": 0}]  # rejected by parse_faults: skipped with a warning
+    run = load_run(_write_run(tmp_path / "crafted", events, None, {"algo": {"name": "edit"}, "faults": faults}))
+
+    series = weight_series(run)
+    assert list(series) == ["west", "east", "north"]
+    assert series["west"] == [(8, pytest.approx(1 / 3), False), (16, 0.5, False), (24, 0.4, False)]
+    assert series["east"] == [(8, pytest.approx(1 / 3), False), (16, 0.0, True), (24, 0.2, True)]
+    assert series["north"][:2] == [(8, pytest.approx(1 / 3), False), (16, 0.5, False)]
+    step, weight, bad = series["north"][2]
+    assert step == 24 and math.isnan(weight) and not bad
+
+    with caplog.at_level(logging.WARNING):
+        windows = fault_windows(run)
+    assert windows == [("garbage_data on east", 10, 18), ("lr_spike on north", 20, math.inf),
+                       ("kill_cluster on north", 12, None), ("partition on west", 4, None)]
+    assert any("faults[4] skipped" in r.getMessage() for r in caplog.records)
+
+    # the panel: a line per cluster, a span per window, a dashed line per one-step fault (no rendering here)
+    ax = weights_figure([run]).axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"west", "east", "north", "garbage_data on east", "lr_spike on north (to the end)",
+            "kill_cluster on north", "partition on west"} <= set(labels)
+    assert not [t for t in ax.texts if t.get_text() == "no syncs"]
+
+
+def test_weights_without_syncs_or_faults(runs):
+    """DDP (no sync events): a "no syncs" panel, no error; no config.json / no faults: no windows."""
+    ddp, edit = load_run(runs["ddp"]), load_run(runs["edit"])
+    assert weight_series(ddp) == {} and fault_windows(ddp) == []
+    assert fault_windows(edit) == [("garbage_data on c1", 10, 18)]
+    assert weight_series(edit)["c1"] == [(8, 0.5, False), (16, 0.0, True), (24, 0.5, False)]
+    fig = weights_figure([edit, ddp, load_run(runs["empty"])])
+    texts = [[t.get_text() for t in ax.texts] for ax in fig.axes]
+    assert texts[0] == [] and texts[1] == ["no syncs"] and texts[2] == ["no syncs"]

@@ -14,7 +14,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="edit-train-report",
         description="Plot and tabulate edit-train runs (val loss, train loss with anomaly markers, throughput, "
-                    "time blocked on sync, expert load) from their run.dir.")
+                    "time blocked on sync, expert load, each cluster's weight per sync with fault windows) from their run.dir.")
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run.dir (holds metrics.jsonl)")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="output folder (default: RUN_DIR/report for one run, ./report for several)")

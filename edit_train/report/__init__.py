@@ -1,9 +1,10 @@
 """Plots and a summary table from one or more run directories (the `edit-train-report` logic).
 
 The orchestrator of the report package: `make_report` loads the runs (`report.model`), draws the figures
-(`report.plots`, `report.time_split`) and writes `summary.md`. It works on the output of every algorithm:
-DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no `summary.json`: what
-the metrics hold is still plotted, the table marks the run incomplete and derives its numbers from the events).
+(`report.plots`, `report.time_split`, `report.weights`) and writes `summary.md`. It works on the output of
+every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
+`summary.json`: what the metrics hold is still plotted, the table marks the run incomplete and derives its
+numbers from the events).
 
 Matplotlib is used through `Figure` objects only (no pyplot, no global backend switch), so it is headless.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 from edit_train.report import plots as fig
 from edit_train.report.model import ReportError, Run, human_bytes, load_run, markdown_table, table_rows
 from edit_train.report.time_split import plot_time, time_table
+from edit_train.report.weights import plot_weights
 
 __all__ = ["PLOTS", "Report", "ReportError", "Run", "default_out", "human_bytes", "load_run", "make_report",
            "markdown_table", "table_rows"]
@@ -24,7 +26,7 @@ __all__ = ["PLOTS", "Report", "ReportError", "Run", "default_out", "human_bytes"
 log = logging.getLogger(__name__)
 
 PLOTS = ("val_loss_vs_tokens.png", "val_loss_vs_wall.png", "loss.png", "tokens_per_s.png", "blocked.png",
-         "expert_load.png", "time.png")
+         "expert_load.png", "time.png", "weights.png")
 
 
 def _assign_labels(runs: list[Run]) -> None:
@@ -66,6 +68,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
         fig.plot_blocked(runs, out_dir),
         fig.plot_expert_load(runs, out_dir),
         plot_time(runs, out_dir),
+        plot_weights(runs, out_dir),
     ]
     table = markdown_table(table_rows(runs))
     notes = []
