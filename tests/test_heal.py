@@ -53,7 +53,7 @@ class _HostileTransport:
     def __init__(self, payload: bytes) -> None:
         self.payload = payload
 
-    def recv_bytes(self, src: int) -> bytes:
+    def recv_bytes(self, src: int, max_bytes: int = 1 << 40) -> bytes:
         return self.payload
 
 

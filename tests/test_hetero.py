@@ -18,6 +18,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation import heal
 from edit_train.federation.forming import Forming
 from edit_train.federation.link import LinkClock, LinkModel
+from edit_train.federation import auth
 from edit_train.federation.quorum import Lighthouse
 from edit_train.federation.transport import LaneTransport, lighthouse_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
@@ -56,7 +57,7 @@ def _form(comm: LaneTransport, sync: int, data: dict) -> None:
 
 @pytest.fixture()
 def lighthouse():
-    house = Lighthouse("127.0.0.1:0", 2, 5.0, 5.0)
+    house = Lighthouse("127.0.0.1:0", auth.INSECURE, 2, 5.0, 5.0)
     yield house.address
     house.shutdown()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edit_train.cluster.group import RankGroup
+from edit_train.federation import auth
 from edit_train.federation.quorum import Lighthouse
 from edit_train.federation.transport import lighthouse_transport
 from edit_train.local_sgd.membership import MembershipConfig
@@ -32,7 +33,7 @@ def _cluster(rank: int, world: int, lighthouse: str, mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["layerwise", pytest.param("overlap", marks=pytest.mark.slow)])
 def test_gloo_processes_equal_threads_and_the_closed_form(mode: str) -> None:
-    house = Lighthouse("127.0.0.1:0", 1, 5.0, 5.0)
+    house = Lighthouse("127.0.0.1:0", auth.INSECURE, 1, 5.0, 5.0)
     try:
         procs = run_processes(_cluster, 3, house.address, mode)
     finally:

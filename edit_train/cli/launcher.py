@@ -51,8 +51,9 @@ class ClusterJob:
 
 
 class LocalFederation:
-    def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "") -> None:
+    def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "", key_file: str = "") -> None:
         self.cfg = cfg
+        self.key_file = key_file  # every cluster job started here reads the federation key from it
         self.cfg_path = cfg_path
         self.lighthouse = lighthouse
         specs = cluster_specs(cfg)
@@ -66,6 +67,8 @@ class LocalFederation:
 
     def _env(self, job: ClusterJob, rank: int, port: int) -> dict[str, str]:
         env = dict(os.environ)
+        if self.key_file:
+            env["EDIT_TRAIN_FEDERATION_KEY_FILE"] = self.key_file
         env.update({"EDIT_TRAIN_CLUSTER": job.spec.name, "EDIT_TRAIN_LIGHTHOUSE": self.lighthouse,
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.spec.ranks),
                     "LOCAL_WORLD_SIZE": str(job.spec.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -183,6 +186,7 @@ class Bars:
 
 def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
     """Start the Lighthouse (unless federation.lighthouse names one) and the clusters; supervise them."""
+    from edit_train.federation import auth
     from edit_train.federation.quorum import Lighthouse
 
     run_dir = Path(cfg.run.dir)
@@ -192,11 +196,17 @@ def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
     f = cfg.federation
     house = None
     lighthouse = f.lighthouse
+    key_file = f.key_file or os.environ.get(auth.KEY_ENV, "")
+    if not key_file and not f.insecure:  # a key per run, in the run directory (a late cluster finds it there)
+        key_file = str(run_dir / "federation.key")
+        if not Path(key_file).exists():
+            auth.new_key(key_file)
     if not lighthouse:
-        house = Lighthouse(f"{f.host}:0", f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+        key = auth.load_key(key_file) if key_file else auth.INSECURE
+        house = Lighthouse(f"{f.host}:0", key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
         lighthouse = house.address
         (run_dir / "federation.json").write_text(json.dumps({"lighthouse": lighthouse}) + "\n")
-    fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only)
+    fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only, key_file=key_file)
     bars = Bars(run_dir / "metrics.jsonl", fed.jobs, cfg.train.steps, cfg.train.progress and sys.stderr.isatty(),
                 cfg.algo.name)
     interrupted: list[int] = []

@@ -39,11 +39,13 @@ def main(argv: list[str] | None = None) -> None:
         cfg = compose(overrides)
     except Exception as exc:  # noqa: BLE001 - one line for a bad override
         fail(one_line(exc))
+    from edit_train.federation import auth
     from edit_train.federation.quorum import Lighthouse
 
     f = cfg.federation
     try:
-        house = Lighthouse(args.bind, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+        key = auth.resolve(f.key_file, f.insecure, [args.bind])
+        house = Lighthouse(args.bind, key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
     except Exception as exc:  # noqa: BLE001 - e.g. the port is taken
         fail(f"cannot start the Lighthouse on {args.bind}: {one_line(exc)}")
     print(f"edit-train-lighthouse: serving at {house.address} (min_clusters={f.min_clusters}, "

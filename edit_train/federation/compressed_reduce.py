@@ -42,6 +42,7 @@ thread per group: :class:`BackgroundReducer` (one worker thread; ``submit`` retu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -220,10 +221,12 @@ def _rs_ag(send: Tensor, pg: Any, cfg: CompressionConfig, fb: ErrorFeedback | No
 
 
 def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
-                      key: str = "") -> tuple[list[Tensor], int]:
+                      key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
+                      unseal: Callable[[int, Tensor], Tensor | None] | None = None) -> tuple[list[Tensor] | None, int]:
     """Every rank's flat fp32 ``x`` as the others receive it (dequantized payloads, in rank order; this rank's
     own too, so every rank holds the bit-identical set) -> (the P tensors, bytes this rank handed over).
-    Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves fp32."""
+    Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves fp32. ``seal`` appends
+    a tag to this rank's payload and ``unseal(rank, payload)`` checks one (None: the whole result is None)."""
     if x.dim() != 1:
         raise ValueError(f"compressed_gather takes a flat tensor, got shape {tuple(x.shape)}")
     x = x.float().contiguous()
@@ -236,7 +239,14 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
     payload = quantize(send, cfg)
     if fb is not None:
         fb.update(key, dequantize(payload, x.numel(), cfg), send)
-    return [dequantize(got, x.numel(), cfg) for got in _all_gather(pg, payload, world)], payload.numel()
+    sent = seal(payload) if seal is not None else payload
+    out = []
+    for i, got in enumerate(_all_gather(pg, sent, world)):
+        body = unseal(i, got) if unseal is not None else got
+        if body is None:
+            return None, sent.numel()
+        out.append(dequantize(body, x.numel(), cfg))
+    return out, sent.numel()
 
 
 def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionConfig) -> int:
@@ -269,10 +279,13 @@ class BackgroundReducer:
         snapshot = x.detach().clone()
         return self._pool.submit(compressed_sum, snapshot, pg, cfg, feedback=feedback, key=key, method=method)
 
-    def submit_gather(self, x: Tensor, pg: Any, cfg: CompressionConfig, *,
-                      feedback: ErrorFeedback | None = None, key: str = "") -> Future[tuple[list[Tensor], int]]:
+    def submit_gather(self, x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
+                      key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
+                      unseal: Callable[[int, Tensor], Tensor | None] | None = None,
+                      ) -> Future[tuple[list[Tensor] | None, int]]:
         """Start the gather of a snapshot of ``x``."""
-        return self._pool.submit(compressed_gather, x.detach().clone(), pg, cfg, feedback=feedback, key=key)
+        return self._pool.submit(compressed_gather, x.detach().clone(), pg, cfg, feedback=feedback, key=key,
+                                 seal=seal, unseal=unseal)
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

@@ -19,14 +19,16 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions
 
+from edit_train.federation import auth
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback
-from edit_train.federation.compressed_reduce import BackgroundReducer, sent_bytes
+from edit_train.federation.modules import ModuleMover
+from edit_train.federation.seal import TAG, Seal
 from edit_train.federation.forming import Forming
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkClock, LinkModel, Pending
-from edit_train.local_sgd.errors import FederationError, FederationRefused
+from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 
 log = logging.getLogger(__name__)
@@ -44,36 +46,16 @@ class QuorumService(Protocol):
     def close(self) -> None: ...
 
 
-class _FutureWork:
-    """A compressed reduction running on a lane's background thread, seen as a Work: wait() puts the sum
-    in place."""
-
-    def __init__(self, future: Any, out: Tensor | None) -> None:
-        self._future, self._out = future, out
-
-    def is_completed(self) -> bool:
-        return bool(self._future.done())
-
-    def wait(self) -> None:
-        got, _ = self._future.result()
-        if self._out is not None:  # a sum: put it in place (a gather's pieces are read from the future)
-            self._out.copy_(got)
-
-
-def _sum_opts() -> AllreduceOptions:
-    opts = AllreduceOptions()
-    opts.reduceOp = ReduceOp.SUM
-    return opts
-
-
 class LaneTransport:
     """Cross-cluster collectives of one rank. Not `federated` (a lone cluster): every call is local."""
 
     def __init__(self, name: str, cluster: ClusterGroup, lanes: Lanes, federated: bool,
                  service: QuorumService | None = None, store_addr: str = "", chunks: int = 4,
                  link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
-                 compression: CompressionConfig | None = None, store: Any = None) -> None:
+                 compression: CompressionConfig | None = None, store: Any = None,
+                 key: bytes = auth.INSECURE) -> None:
         self.name, self.cluster, self.lanes, self.federated = name, cluster, lanes, federated
+        self.key = key  # authenticates what the lanes carry (tags bound to the quorum's nonce)
         self.store = store  # the leader's store the lanes rendezvous in (kept alive with the transport)
         self.service, self.store_addr, self.chunks = service, store_addr, chunks
         self.clock = LinkClock(link)
@@ -85,7 +67,8 @@ class LaneTransport:
         self.compression = compression or CompressionConfig()
         self.compression.validate()
         self.feedback = ErrorFeedback()
-        self._reducers: dict[int, BackgroundReducer] = {}
+        self.mover = ModuleMover(cluster, lanes, self.clock, self.compression, self.feedback, chunks)
+        self._seal = Seal(key, "")  # the current quorum's tags (its nonce once issued)
 
     # ------------------------------------------------------------ accounting
     @property
@@ -145,6 +128,8 @@ class LaneTransport:
             raise
         if done:
             self._quorum, self._forming = self._forming.quorum, None
+            if self._quorum is not None:
+                self._seal = Seal(self.key, self._quorum.nonce)
         return done, self._quorum
 
     def _ask(self, sync: int, data: dict[str, Any]) -> dict[str, Any]:
@@ -170,9 +155,7 @@ class LaneTransport:
         self.lanes.abort()
 
     def close(self) -> None:
-        for r in self._reducers.values():
-            r.shutdown(wait=False)
-        self._reducers.clear()
+        self.mover.close()
         self.lanes.abort()
         if self.service is not None:
             self.service.close()
@@ -195,15 +178,28 @@ class LaneTransport:
         if n == 1:
             out[0].copy_(vec)
             return Pending(self.clock, [], 0.0, result=lambda: result(torch.stack(out)))
+        assert q is not None
         works: list[Any] = []
         ready_at = 0.0
         c = self.cluster
-        if c.rank == 0:  # a ring all-gather: this leader's row goes to each of the n − 1 others
-            ready_at = self.clock.account((n - 1) * vec.numel() * vec.element_size())
-            works = [self.lanes.groups[0].allgather([out], [vec], AllgatherOptions())]
+        context = self._seal.context(what)
+        sealed = [torch.empty(vec.numel() + TAG // 8, dtype=torch.float64) for _ in range(n)]
+        if c.rank == 0:  # a ring all-gather: this leader's row (and its tag) goes to each of the n − 1 others
+            ready_at = self.clock.account((n - 1) * (vec.numel() * vec.element_size() + TAG))
+            works = [self.lanes.groups[0].allgather([sealed], [self._seal.wrap(vec, context, q.me)],
+                                                    AllgatherOptions())]
 
         def share(ok: bool) -> bool:
-            if c.size > 1:  # the leader's rows (and whether it got them) to the cluster
+            if c.rank == 0 and ok:
+                for i, got in enumerate(sealed):
+                    row = self._seal.unwrap(got, context, i)
+                    if row is None:
+                        log.warning("cluster %s: the %s row of %s does not verify (altered on the way?): rejected",
+                                    self.name, what, q.members[i].name)
+                        ok = False
+                        break
+                    out[i].copy_(row)
+            if c.size > 1:  # the leader's rows (and whether it got them, verified) to the cluster
                 flat = torch.zeros(n + 1, vec.numel(), dtype=vec.dtype)
                 if c.rank == 0:
                     flat[0, 0] = 1.0 if ok else 0.0
@@ -218,119 +214,63 @@ class LaneTransport:
         return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
 
     # ------------------------------------------------------- module reduce / gather
-    def _lane(self, lane: int, flat: Tensor, key: str, gather: bool) -> tuple[Any, Callable[[], list[Tensor]], int]:
-        """Start a SUM (in place) or a gather of `flat` over one lane: (work, its result — the sum, or every
-        participant's piece in quorum order —, bytes this rank puts on the wire). Pseudo-gradients (`key`
-        given) go compressed under a lossy scheme, with this rank's error feedback."""
-        assert self._quorum is not None
-        pg, world, me = self.lanes.groups[lane], len(self._quorum.members), self._quorum.me
-        lossy = bool(key) and self.compression.lossy
-        cfg = self.compression if lossy else CompressionConfig()
-        nbytes = sent_bytes("gather" if gather else "sum", flat.numel(), world, me, cfg)
-        if not lossy:
-            if gather:
-                outs = [torch.empty_like(flat) for _ in range(world)]
-                return pg.allgather([outs], [flat], AllgatherOptions()), lambda: outs, nbytes
-            return pg.allreduce([flat], _sum_opts()), lambda: [flat], nbytes
-        reducer = self._reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
-        if gather:
-            future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}")
-            return _FutureWork(future, None), lambda: future.result()[0], nbytes
-        future = reducer.submit(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}")
-        return _FutureWork(future, flat), lambda: [flat], nbytes
-
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Pending[None]:
         """In-place SUM over the participants of a module's (already weighted) local shards."""
         if not self._shared or not tensors:
             return Pending(self.clock, [], 0.0)
-        return self._move(tensors, params, key, gather=False)  # type: ignore[return-value]
+        assert self._quorum is not None
+        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=False)
 
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None,
                key: str = "") -> Pending[Contributions]:
         """Every participant's contribution for a module, as this rank holds it (`Contributions.parts`
         [participant][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
         dequantized payload, this cluster's own included, so every participant judges and sums bit-identical
-        tensors. The chunked layout also hands out each participant's whole flat Δ."""
+        tensors; each piece authenticated (`seal.py`). The chunked layout also hands out the whole flat Δ."""
         if not self._shared:
             return Pending(self.clock, [], 0.0, result=lambda: Contributions([[t.detach().clone() for t in tensors]]))
-        return self._move(tensors, params, key, gather=True)
-
-    def _move(self, tensors: list[Tensor], params: list[Tensor] | None, key: str, gather: bool) -> Pending[Any]:
-        """Paired (equal-size clusters: lane r carries rank r's own shard) or chunked (the module's full flat Δ
-        cut into `chunks` pieces over this cluster's ranks) — then back into this rank's layout."""
         assert self._quorum is not None
-        c, n = self.cluster, len(self._quorum.members)
-        paired = self._quorum.paired
-        likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
-        fulls = tensors if paired else [c.full(t, p) for t, p in zip(tensors, likes)]
-        flat = torch.cat([f.detach().reshape(-1).to("cpu", torch.float32) for f in fulls])
-        pieces = [flat] if paired else list(torch.tensor_split(flat, self.chunks))
-        mine = [c.rank] if paired else [j for j in range(self.chunks) if j % c.size == c.rank]
-        started = [self._lane(j, pieces[0] if paired else pieces[j], key, gather) for j in mine]
-        ready_at = self.clock.account(sum(b for _, _, b in started)) if started else 0.0
-        out: list[list[Tensor]] = []
-        whole: list[Tensor] = []  # chunked: every participant's whole flat Δ (the same on every rank)
-        local: list[Tensor] = []  # paired: every participant's flat shard as this rank holds it
-
-        def settle(ok: bool) -> bool:
-            if not c.agree(ok):
-                return False
-            rows = [[got()[0]] for _, got, _ in started] if not gather else [got() for _, got, _ in started]
-            full = torch.zeros(n if gather else 1, flat.numel())
-            if paired:
-                full = torch.stack(rows[0])
-                local.append(full)
-            else:
-                bounds = [0]
-                for piece in pieces:
-                    bounds.append(bounds[-1] + piece.numel())
-                for j, got in zip(mine, rows):
-                    for i, t in enumerate(got):
-                        full[i, bounds[j]:bounds[j + 1]] = t
-                full = c.sum_(full.to(c.device))
-                whole.append(full.cpu())
-            for row in full:
-                parts, offset = [], 0
-                for t, f in zip(tensors, fulls):
-                    whole = row[offset:offset + f.numel()].view(f.shape)
-                    offset += f.numel()
-                    parts.append(whole.to(t.dtype) if paired else c.shard(whole, t).to(t.dtype))
-                out.append(parts)
-            if not gather:
-                for t, part in zip(tensors, out[0]):
-                    t.copy_(part)
-            return True
-
-        works = [w for w, _, _ in started]
-        result = (lambda: Contributions(out, whole[0] if whole else None, local[0] if local else None)) \
-            if gather else None
-        return Pending(self.clock, works, ready_at, settle=settle, what="pseudo-gradient " +
-                       ("gather" if gather else "reduction"), result=result)
+        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True)
 
     # --------------------------------------------------------------- healing
     def send_bytes(self, payload: bytes, dst: int) -> None:
-        """Leader to leader over lane 0 (length first, then the bytes)."""
-        pg = self.lanes.groups[0]
-        n = torch.tensor([len(payload)], dtype=torch.int64)
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        """Leader to leader over lane 0: length, then the bytes followed by their tag (bound to this quorum,
+        this sender and the receiver)."""
+        assert self._quorum is not None
+        pg, me = self.lanes.groups[0], self._quorum.me
+        sealed = payload + self._seal.tag(f"{self._seal.nonce}/heal/{dst}", me, payload)
+        n = torch.tensor([len(sealed)], dtype=torch.int64)
+        buf = torch.frombuffer(bytearray(sealed), dtype=torch.uint8)
         Pending(self.clock, [pg.send([n], dst, 11)], self.clock.account(8), what="heal header").wait()
-        Pending(self.clock, [pg.send([buf], dst, 12)], self.clock.account(len(payload)), what="heal payload").wait()
+        Pending(self.clock, [pg.send([buf], dst, 12)], self.clock.account(len(sealed)), what="heal payload").wait()
 
-    def recv_bytes(self, src: int) -> bytes:
-        pg = self.lanes.groups[0]
+    def recv_bytes(self, src: int, max_bytes: int = 1 << 40) -> bytes:
+        """The payload `src` sent, checked: its length against `max_bytes` before anything is allocated, then
+        its tag (HealError: the payload is refused, nothing in it is used)."""
+        assert self._quorum is not None
+        pg, who = self.lanes.groups[0], self._quorum.members[src].name
         n = torch.zeros(1, dtype=torch.int64)
         Pending(self.clock, [pg.recv([n], src, 11)], 0.0, what="heal header").wait()
-        buf = torch.empty(int(n.item()), dtype=torch.uint8)
+        size = int(n.item())
+        if not TAG <= size <= max_bytes + TAG:
+            raise HealError(f"healing payload from cluster {who}: {size} bytes where at most {max_bytes} fit this "
+                            "model: refused before reading it")
+        buf = torch.empty(size, dtype=torch.uint8)
         Pending(self.clock, [pg.recv([buf], src, 12)], 0.0, what="heal payload").wait()
-        return bytes(buf.numpy().tobytes())
+        raw = bytes(buf.numpy().tobytes())
+        payload, mac = raw[:-TAG], raw[-TAG:]
+        if not self._seal.ok(f"{self._seal.nonce}/heal/{self._quorum.me}", src, payload, mac):
+            raise HealError(f"healing payload from cluster {who} does not verify (another key, or altered): refused")
+        return payload
 
 
 def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | None, host: str = "127.0.0.1",
                          chunks: int = 4, link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
                          collective_timeout_s: float = 30.0, compression: CompressionConfig | None = None,
-                         ) -> LaneTransport:
-    """A cluster's transport across hosts: torchft's Lighthouse at `lighthouse` (None: a lone cluster) and
-    gloo lanes bound to `host`; the leader serves the lanes' rendezvous from a store on `host`."""
+                         key: bytes = auth.INSECURE) -> LaneTransport:
+    """A cluster's transport across hosts: the federation's gate at `lighthouse` (None: a lone cluster) and
+    gloo lanes bound to `host`; the leader serves the lanes' rendezvous from a store on `host`. `key`
+    authenticates the membership and everything the lanes carry but a plain SUM."""
     from edit_train.cluster.mesh import bound_store
     from edit_train.federation.lanes import BoundGloo
     from edit_train.federation.quorum import QuorumClient
@@ -339,7 +279,7 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
     store, service = None, None
     if lighthouse is not None and cluster.rank == 0:
         store = bound_store(host, 0, 1, True, timeout)
-        service = QuorumClient(lighthouse, name)
+        service = QuorumClient(lighthouse, name, key)
     return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
                          f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
-                         compression, store=store)
+                         compression, store=store, key=key)

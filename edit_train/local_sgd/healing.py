@@ -12,6 +12,7 @@ the synchronous warm-up, the replica itself and its inner optimizer.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,10 +79,11 @@ class Healer:
 
     def _receive(self, q: Quorum) -> None:
         c, src = self.t.cluster, q.members[q.source].name
+        _, local = self.collect()
         payload: bytes | None = None
         if c.rank == 0:
-            try:
-                payload = self.t.recv_bytes(q.source)
+            try:  # refused before anything is allocated if it is larger than this model's state can be
+                payload = self.t.recv_bytes(q.source, max_bytes=payload_cap(local))
             except FederationError as exc:
                 log.warning("cluster %s: healing from %s failed: %s", self.t.name, src, exc)
                 payload = b""
@@ -89,7 +91,7 @@ class Healer:
         if not payload:
             raise FederationError(f"healing from {src} failed")
         meta, tensors = self.decode(payload, f"cluster {src}")
-        _, local = self.collect()
+        check_payload(meta, tensors, local, f"cluster {src}")
         mine: dict[str, Tensor] = {}
         for k, t in tensors.items():
             like = local.get(k, (None, None))[0]
@@ -97,8 +99,65 @@ class Healer:
                 mine[k] = c.shard(t, like) if like is not None else t
             except ValueError as exc:
                 raise HealError(f"healing payload from {src}: {k}: {exc}") from None
-        self.apply(meta, mine)
+        try:
+            self.apply(meta, mine)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HealError(f"healing payload from {src} does not fit this model: {exc}") from None
         log.info("cluster %s: healed from %s (sync %d)", self.t.name, src, int(meta.get("sync_index", -1)))
+
+
+# ------------------------------------------------------------ what a heal may carry
+def _full_shape(entry: tuple[Tensor, Tensor | None]) -> tuple[int, ...]:
+    t, like = entry
+    return tuple(like.shape) if like is not None else tuple(t.shape)
+
+
+def payload_cap(local: LocalState) -> int:
+    """The most bytes a heal payload for this state can take: every tensor whole, in 8-byte elements (an
+    optimizer state the receiver does not have yet is at most its parameter's size), plus headers."""
+    params = sum(math.prod(_full_shape(e)) for k, e in local.items() if k.startswith(("param/", "outer/")))
+    return 8 * (3 * params + sum(math.prod(_full_shape(e)) for e in local.values())) + (1 << 22)
+
+
+_META = {"sync_index": int, "total_steps": int, "global_step": int, "local_phase": bool, "rule": dict, "from": str}
+
+
+def _owner(key: str, local: LocalState) -> tuple[Tensor, Tensor | None] | None:
+    """The local entry an optimizer state tensor belongs to: its unit's anchor, or its parameter."""
+    if key.startswith("outer/"):
+        unit_kind, _, index = key[len("outer/"):].rpartition("/")
+        return local.get(f"outer/{unit_kind.rpartition('/')[0]}/anchor/{index}")
+    if key.startswith("optim/"):
+        return local.get("param/" + key[len("optim/"):].rpartition("/")[0])
+    return None
+
+
+def check_payload(meta: dict[str, Any], tensors: dict[str, Tensor], local: LocalState, peer: str) -> None:
+    """Everything of a heal payload before any of it is adopted: the metadata's fields and types, and every
+    tensor's key (known to this model), shape, dtype and finiteness (HealError naming the first problem)."""
+    for k, kind in _META.items():
+        v = meta.get(k)
+        if k in meta and not (isinstance(v, kind) and (kind is not int or not isinstance(v, bool))):
+            raise HealError(f"healing payload from {peer}: {k} is {type(v).__name__}, not {kind.__name__}")
+        if kind is int and isinstance(v, int) and not 0 <= v < 1 << 62:
+            raise HealError(f"healing payload from {peer}: {k} = {v} is out of range")
+    for key, t in tensors.items():
+        entry = local.get(key)
+        if entry is None:  # optimizer state the receiver does not hold yet: shaped like its parameter
+            if key.startswith("penalty/"):
+                continue  # the rule's statistics: checked by the rule when it loads them
+            owner = _owner(key, local)
+            if owner is None or (t.dim() > 0 and tuple(t.shape) != _full_shape(owner)):
+                raise HealError(f"healing payload from {peer}: unexpected tensor {key!r} {tuple(t.shape)}")
+        elif tuple(t.shape) != _full_shape(entry) or t.dtype != entry[0].dtype:
+            raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype} {tuple(t.shape)}, this model has "
+                            f"{entry[0].dtype} {_full_shape(entry)}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise HealError(f"healing payload from {peer}: {key!r} is not finite")
+    if meta.get("local_phase"):
+        missing = [k for k in local if "/anchor/" in k and k not in tensors]
+        if missing:
+            raise HealError(f"healing payload from {peer}: no {missing[0]!r}")
 
 
 # ------------------------------------------------------------ what a heal copies

@@ -199,7 +199,7 @@ class Transport(Protocol):
 
     def send_bytes(self, payload: bytes, dst: int) -> None: ...  # leader to leader
 
-    def recv_bytes(self, src: int) -> bytes: ...
+    def recv_bytes(self, src: int, max_bytes: int = 1 << 40) -> bytes: ...  # refused past max_bytes
 
     def carry(self, bytes_sent: int, blocked_s: float) -> None: ...  # counters of earlier incarnations (resume)
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
 from edit_train.config import ClusterSpec, Config, ConfigError, cluster_specs, to_container
-from edit_train.federation import heal
+from edit_train.federation import auth, heal
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
 from edit_train.federation.transport import LaneTransport, lighthouse_transport
@@ -72,12 +72,16 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
     if federated and lighthouse is None:
         raise ConfigError("federation.lighthouse: this cluster is part of a federation but no Lighthouse address "
                           "is set; run `edit-train` (it starts one) or pass federation.lighthouse=HOST:PORT")
-    return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None,
-                                os.environ.get("EDIT_TRAIN_HOST") or f.host, f.chunks,
+    host = os.environ.get("EDIT_TRAIN_HOST") or f.host
+    try:
+        key = auth.resolve(f.key_file, f.insecure, [lighthouse or "", host]) if federated else auth.INSECURE
+    except auth.KeyFileError as exc:
+        raise ConfigError(str(exc)) from None
+    return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None, host, f.chunks,
                                 LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
                                 f.quorum_timeout_s, f.collective_timeout_s,
                                 CompressionConfig(cfg.sync.compression, cfg.sync.block_size, cfg.sync.scale_dtype,
-                                                  cfg.sync.error_feedback))
+                                                  cfg.sync.error_feedback), key)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,

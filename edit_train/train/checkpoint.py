@@ -5,6 +5,11 @@ shard, inner optimizer, outer state, penalty statistics, RNG) and `rank{r}-state
 `manifest.json` (size + SHA-256 of every file). Every rank writes into `step_NNNNNNNN.tmp/`, fsyncs,
 meets the others at a barrier, then rank 0 writes the manifest and renames the directory into place:
 a crash mid-save leaves the previous checkpoint as the newest complete one. Nothing is unpickled.
+
+What is read back is parsed totally: the manifest and the state JSON are read with a size cap before
+parsing and a bounded nesting depth, the manifest must have the writer's schema, and every file it names
+must be a plain name that (symlinks resolved) stays inside its checkpoint directory, which stays inside the
+root. Any violation is one `CheckpointError` line naming the file; `latest_valid()` skips that checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,16 +28,111 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from edit_train import safejson
 from edit_train.fsutil import fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20  # read no more of a manifest than this (a real one is ~150 bytes per file)
+MAX_STATE_BYTES = 64 << 20  # nor of a rank's state JSON (a real one is a few KiB)
+MAX_FILES = 100_000
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, corrupt, incompatible); the message names the file."""
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Does `path` (symlinks resolved) lie inside the directory `root` (resolved)?"""
+    try:
+        path.resolve().relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop; outside
+        return False
+    return True
+
+
+def read_json(path: Path, max_bytes: int, what: str) -> dict[str, Any]:
+    """A JSON object from a regular file, read with a size cap before parsing and a bounded nesting depth
+    (CheckpointError naming `path` otherwise). Never blocks on a FIFO or reads a device."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable {what} ({_why(exc)})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: unreadable {what} (not a regular file)")
+        if st.st_size > max_bytes:
+            raise CheckpointError(f"{path}: {what} of {st.st_size} bytes exceeds the {max_bytes}-byte cap")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: unreadable {what} ({_why(exc)})") from None
+    finally:
+        os.close(fd)
+    try:
+        doc = safejson.loads(data, max_bytes)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: unreadable {what} ({_why(exc)})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: {what} is a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def _nat(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_name(name: Any) -> str | None:
+    """Why `name` is not a plain file name of a checkpoint directory (None when it is one)."""
+    if not isinstance(name, str):
+        return "not a string"
+    if not name or len(name.encode("utf-8", "surrogatepass")) > 255:
+        return "empty or longer than 255 bytes"
+    if name in (".", "..") or "/" in name or "\\" in name or not name.isprintable():
+        return "not a plain file name (a path, '..', or unprintable characters)"
+    if name == MANIFEST:
+        return "the manifest cannot list itself"
+    return None
+
+
+def parse_manifest(doc: Any, where: str | Path) -> dict[str, Any]:
+    """The manifest `doc` checked against the schema the writer uses: {"step": int >= 0, "world_size":
+    int >= 1, "files": {plain name: {"bytes": int >= 0, "sha256": 64 hex}}} (keys a later writer may add
+    are ignored); CheckpointError otherwise."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{where}: malformed manifest ({why})")
+
+    if not isinstance(doc, dict):
+        raise bad(f"a JSON {type(doc).__name__}, not an object")
+    if not _nat(doc.get("step")):
+        raise bad("step is not an integer >= 0")
+    if not (_nat(doc.get("world_size")) and doc["world_size"] >= 1):
+        raise bad("world_size is not an integer >= 1")
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        raise bad("files is not an object")
+    if len(files) > MAX_FILES:
+        raise bad(f"{len(files)} files, more than {MAX_FILES}")
+    for name, info in files.items():
+        why = check_name(name)
+        if why is not None:
+            raise bad(f"file name {name!r:.80}: {why}")
+        if not isinstance(info, dict) or "bytes" not in info or "sha256" not in info:
+            raise bad(f"{name}: entry is not an object with bytes and sha256")
+        if not _nat(info["bytes"]):
+            raise bad(f"{name}: bytes is not an integer >= 0")
+        if not (isinstance(info["sha256"], str) and _SHA256.fullmatch(info["sha256"])):
+            raise bad(f"{name}: sha256 is not 64 lowercase hex digits")
+    return doc
 
 
 def sha256_file(path: Path) -> str:
@@ -121,21 +222,40 @@ class CheckpointManager:
                 steps.append(int(m.group(1)))
         return sorted(steps)
 
+    def member(self, path: Path, name: str) -> Path:
+        """`path / name` for a plain file name (or the manifest's), refused unless it, symlinks resolved,
+        stays inside the checkpoint directory `path`, which itself stays inside this manager's root."""
+        if not _inside(path, self.root):
+            raise CheckpointError(f"{path}: resolves outside the checkpoint root {self.root} (a symlink?): refused")
+        if name != MANIFEST and check_name(name) is not None:
+            raise CheckpointError(f"{path}: {name!r:.80} is not a plain file name: refused")
+        f = path / name
+        if not _inside(f, path):
+            raise CheckpointError(f"{f}: resolves outside the checkpoint directory (a symlink?): refused")
+        return f
+
+    def read_manifest(self, path: Path) -> dict[str, Any]:
+        """The checked manifest of checkpoint directory `path` (CheckpointError naming the problem)."""
+        mpath = self.member(path, MANIFEST)
+        return parse_manifest(read_json(mpath, MAX_MANIFEST_BYTES, "manifest"), mpath)
+
     def verify(self, path: Path) -> None:
-        """Raise CheckpointError naming the first missing / truncated / corrupt file."""
-        mpath = path / MANIFEST
-        try:
-            manifest = json.loads(mpath.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{mpath}: unreadable manifest ({exc})") from None
-        for name, info in manifest.get("files", {}).items():
-            f = path / name
-            if not f.is_file():
-                raise CheckpointError(f"{f}: listed in the manifest but missing")
-            if f.stat().st_size != info["bytes"]:
-                raise CheckpointError(f"{f}: size {f.stat().st_size} != {info['bytes']} in the manifest (truncated)")
-            if sha256_file(f) != info["sha256"]:
-                raise CheckpointError(f"{f}: SHA-256 mismatch with the manifest (corrupt)")
+        """Raise CheckpointError naming the first missing / truncated / corrupt / out-of-place file."""
+        manifest = self.read_manifest(path)
+        for name, info in manifest["files"].items():
+            f = self.member(path, name)
+            try:
+                st = f.stat()
+                if not stat.S_ISREG(st.st_mode):
+                    raise CheckpointError(f"{f}: listed in the manifest but not a regular file")
+                if st.st_size != info["bytes"]:
+                    raise CheckpointError(f"{f}: size {st.st_size} != {info['bytes']} in the manifest (truncated)")
+                if sha256_file(f) != info["sha256"]:
+                    raise CheckpointError(f"{f}: SHA-256 mismatch with the manifest (corrupt)")
+            except FileNotFoundError:
+                raise CheckpointError(f"{f}: listed in the manifest but missing") from None
+            except OSError as exc:
+                raise CheckpointError(f"{f}: unreadable ({_why(exc)})") from None
 
     def latest_valid(self) -> Path | None:
         """Newest checkpoint whose manifest verifies; corrupt ones are reported in one line and skipped."""
@@ -152,7 +272,7 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
     def load(self, path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
         """This rank's tensor parts (safetensors only) and JSON state."""
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = self.read_manifest(path)
         if manifest.get("world_size") != self.world_size:
             raise CheckpointError(
                 f"{path}: saved with {manifest.get('world_size')} processes, this run has {self.world_size}; "
@@ -163,16 +283,13 @@ class CheckpointManager:
             if not name.startswith(prefix):
                 continue
             if name.endswith(".safetensors"):
+                f = self.member(path, name)
                 try:
-                    tensors[name[len(prefix):-len(".safetensors")]] = load_file(str(path / name))
+                    tensors[name[len(prefix):-len(".safetensors")]] = load_file(str(f))
                 except Exception as exc:  # noqa: BLE001 - safetensors refuses anything else (no unpickling)
-                    raise CheckpointError(f"{path / name}: not a valid safetensors file ({exc}); delete this "
+                    raise CheckpointError(f"{f}: not a valid safetensors file ({_why(exc)}); delete this "
                                           f"checkpoint or resume from an older one") from None
             elif not name.endswith("-state.json"):
                 raise CheckpointError(f"{path / name}: unexpected file type; only safetensors and JSON are loaded")
-        state_path = path / f"{prefix}state.json"
-        try:
-            state = json.loads(state_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{state_path}: unreadable ({exc})") from None
+        state = read_json(self.member(path, f"{prefix}state.json"), MAX_STATE_BYTES, "state")
         return tensors, state

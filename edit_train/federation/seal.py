@@ -1,0 +1,50 @@
+"""Tags on what one quorum's lanes carry: every row of a small exchange, every piece of a gathered
+contribution and every heal payload is followed by its HMAC-SHA256 tag (auth.tag), bound to the quorum's
+nonce (fresh per quorum, issued by the gate), to the sender's position and to a sequence number of the
+operation (every member issues the same operations in the same order), so a message cannot be altered,
+replayed into another quorum or passed off as another member's. A plain SUM all-reduce mixes the
+contributions on the way and cannot be authenticated this way; docs/architecture.md says what that needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from edit_train.federation import auth
+
+TAG = auth.TAG_BYTES
+
+
+class Seal:
+    def __init__(self, key: bytes, nonce: str) -> None:
+        self.key, self.nonce, self.seq = key, nonce, 0
+
+    def context(self, what: str) -> str:
+        """The context of the next operation (call once per operation, on every member)."""
+        self.seq += 1
+        return f"{self.nonce}/{self.seq}/{what}"
+
+    def tag(self, context: str, sender: int, data: bytes) -> bytes:
+        return auth.tag(self.key, context, str(sender).encode(), data)
+
+    def ok(self, context: str, sender: int, data: bytes, mac: bytes) -> bool:
+        return auth.valid(self.key, context, mac, str(sender).encode(), data)
+
+    # ------------------------------------------------------------ tensors
+    def wrap(self, t: Tensor, context: str, sender: int) -> Tensor:
+        """`t` (flat, contiguous, CPU) followed by its tag, in `t`'s dtype (the tag's raw bytes)."""
+        t = t.detach().contiguous()
+        raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        mac = torch.frombuffer(bytearray(self.tag(context, sender, raw.numpy().tobytes())), dtype=torch.uint8)
+        return torch.cat([t, mac.view(t.dtype)]) if t.dtype != torch.uint8 else torch.cat([t, mac])
+
+    def unwrap(self, got: Tensor, context: str, sender: int) -> Tensor | None:
+        """The payload of a wrapped tensor from `sender`, or None when its tag does not verify."""
+        k = TAG // got.element_size()
+        body, mac = got[:-k].contiguous(), got[-k:].contiguous()
+        raw = body.view(torch.uint8) if body.dtype != torch.uint8 else body
+        rawmac = mac.view(torch.uint8) if mac.dtype != torch.uint8 else mac
+        if not self.ok(context, sender, raw.numpy().tobytes(), rawmac.numpy().tobytes()):
+            return None
+        return body
