@@ -1,7 +1,7 @@
 """The `verified` rule judges what each cluster sent, in whole sync rounds of 3 clusters in one process: a
 cluster whose transport corrupts its contribution (sign flip, random direction, ×10 with the true norm
-reported, NaN) gets weight 0 at every sync of the fault, for the reason the event names; the honest clusters
-share the update by tokens; nothing non-finite reaches an anchor."""
+reported, NaN) gets weight 0 at every sync of the fault, for the reason the event names, and one sync of
+probation after it; the honest clusters share the update by tokens; nothing non-finite reaches an anchor."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ def test_a_corrupted_contribution_gets_weight_0_for_what_it_was(kind: str) -> No
         for e in events[n]:
             if START <= e["step"] < END:
                 assert e["weight"] == 0.5 and not e["anomalous"], e
-    clean = [e for n in NAMES for e in events[n] if not START <= e["step"] < END]
+    # after the fault, one sync of probation (its last update was corrupt and, without a probe here, did not
+    # demonstrably help): c1 alone, for that reason alone; then it is back
+    after = [e for e in events["c1"] if e["step"] >= END]
+    assert after[0]["weight"] == 0.0
+    assert {r for d in after[0]["anomaly_details"].values() for r in d["reasons"]} == {"probation"}
+    assert after[1]["weight"] > 0.3 and not after[1]["anomalous"]
+    clean = [e for n in NAMES for e in events[n] if not START <= e["step"] < END and e is not after[0]]
     assert not [e for e in clean if e["anomalous"]], "a false flag outside the fault"
     for n in NAMES:
         assert all(math.isfinite(float(t.abs().max())) for unit in results[n].anchors for t in unit)
@@ -94,3 +100,49 @@ def test_corruptions_keep_or_break_what_they_should() -> None:
     assert float(torch.sqrt(sum(x.pow(2).sum() for x in r))) == pytest.approx(norm, rel=1e-5)
     assert all(torch.equal(a, -b) for a, b in zip(corrupt("sign_flip", t, gen), t))
     assert all(torch.isnan(x).all() for x in corrupt("nan_payload", t, gen))
+
+
+def _ev(module: str, sync: int, finite: list[bool], probe: list[float]) -> Evidence:
+    n = len(finite)
+    return Evidence(module, tuple(f"c{i}" for i in range(n)), torch.ones(n, dtype=torch.float64),
+                    torch.full((n,), 4.0, dtype=torch.float64), (True,) * n,
+                    {"finite": torch.tensor(finite), "sync": torch.tensor(sync),
+                     "probe": torch.tensor(probe, dtype=torch.float64)})
+
+
+def test_probation_follows_a_mostly_corrupt_sync_unless_the_update_helped() -> None:
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    nan = math.nan
+    # sync 5: c1 corrupt in 2 of 3 modules (a majority), c2 in 1 of 3
+    for module, fin in (("a", [True, False, True]), ("b", [True, False, False]), ("c", [True, True, True])):
+        rule.decide(_ev(module, 5, fin, [nan] * 3))
+    # sync 6: c1 is held out of every module although what it sends now is fine; c2 is not
+    d = rule.decide(_ev("a", 6, [True] * 3, [-0.1, 0.05, 0.0]))
+    assert d.weights == [0.5, 0.0, 0.5] and d.evidence[1]["reasons"] == ["probation"]
+    assert rule.decide(_ev("c", 6, [True] * 3, [-0.1, 0.05, 0.0])).weights == [0.5, 0.0, 0.5]
+    # its update of sync 5 demonstrably helped the others (probe <= 0): no probation
+    rule2 = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    meta, tensors = rule.state()
+    rule2.load(meta, tensors)
+    rule2.probation, rule2.sync = {"c1"}, 6  # as if sync 6 were being decided afresh
+    assert rule2.decide(_ev("b", 6, [True] * 3, [-0.1, -0.02, 0.0])).weights == pytest.approx([1 / 3] * 3)
+    # sync 7 after a clean sync 6: nobody on probation; a gap in the syncs clears it too
+    assert rule.decide(_ev("a", 7, [True] * 3, [nan] * 3)).weights == pytest.approx([1 / 3] * 3)
+    for module in ("a", "b"):
+        rule.decide(_ev(module, 8, [True, False, True], [nan] * 3))
+    assert rule.decide(_ev("a", 10, [True] * 3, [nan] * 3)).weights == pytest.approx([1 / 3] * 3)
+
+
+def test_probation_and_pooled_direction_state_round_trip() -> None:
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    for module in ("a", "b"):
+        rule.decide(_ev(module, 3, [True, False, True], [math.nan] * 3))
+    rule.decide(_ev("a", 4, [True] * 3, [math.nan] * 3))
+    meta, tensors = rule.state()
+    other = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    other.load(meta, tensors)
+    assert other.probation == {"c1"} and other.sync == 4 and other.tally == rule.tally
+    d1, d2 = rule.decide(_ev("b", 4, [True] * 3, [math.nan] * 3)), other.decide(_ev("b", 4, [True] * 3, [math.nan] * 3))
+    assert d1.weights == d2.weights and d1.weights[1] == 0.0
+    with pytest.raises(ValueError, match="probation"):
+        other.load({**meta, "tally": {"c0": [1, "x"]}}, tensors)

@@ -62,8 +62,8 @@ class PenaltyConfig:
     # the `verified` rule (docs/sync_math.md): direction and usefulness evidence, weights by tokens
     sketch_dim: int = 1024  # count-sketch buckets per module for the direction test (a power of two; 0 = off)
     direction_rate: float = 0.3  # EWMA rate of the reference direction (accepted aggregates)
-    direction_alpha: float = 0.2  # EWMA rate of each cluster's direction statistics (cosines drift in training)
-    direction_z: float = 4.0  # the direction test's nominal z (cosine differences have heavier tails than norms)
+    direction_alpha: float = 0.05  # EWMA rate per accepted value of a module's pooled direction statistics
+    direction_z: float = 4.0  # the direction test's nominal z (agreements have heavier tails than norms)
     probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
     probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
     report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar

@@ -217,7 +217,7 @@ class SyncRound:
         steps = self.meta["steps"]
         i = self.core.index[name]
         extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
-                 "probe": self.meta["probe"].clone(), **measured}
+                 "probe": self.meta["probe"].clone(), "sync": torch.tensor(self.report.sync), **measured}
         return Evidence(name, tuple(self.report.participants), norms.clone(), steps.clone(),
                         tuple(bool(s > 0) for s in steps.tolist()), extra)
 

@@ -6,44 +6,53 @@ Per module, a contributing cluster is left out (weight 0) when any of these hold
 * its contribution is not finite (measured on what it sent; whatever it reported);
 * it misreported: the norm it announced differs from the norm of what it sent (lossless links only);
 * norm: its per-step norm is anomalously large against its own history (EDiT's test, `penalty.flag`);
-* direction: 1 − cos(its contribution, the reference) is anomalously large against its own history — the
-  reference is an EWMA of the accepted aggregates' directions, the same on every cluster, kept as a count
-  sketch (`evidence.py`); a regime change shared by most clusters is re-learned, a fault window is not;
+* direction: it disagrees with the other clusters — the median of its exact pairwise cosines with the
+  trusted others, against the module's pooled history (`direction.py`; with two clusters, the reference
+  direction of past accepted updates tells which of a disagreeing pair is off);
 * usefulness: the other clusters' median relative loss change of their probe slice under its previous
   update (θ̄ − Δᵢ against θ̄) was above `probe_tolerance` — nobody scores its own update; non-IID data makes
-  an honest cluster's own local model a few percent worse on another's slice, a harmful one far more.
+  an honest cluster's own local model a few percent worse on another's slice, a harmful one far more;
+* probation: most of its modules were left out of its previous sync as corrupt (direction, non-finite,
+  misreported), and that update did not demonstrably help the others (its probe score was not below
+  −`probe_tolerance`/10, a tenth of the tolerance as an improvement): an update that
+  broken is not trusted in any module of the next sync — small modules (norms, biases) whose direction is
+  too noisy to judge included.
 
-Statistics are updated with accepted values only, per cluster name. Weights: the accepted clusters' claimed
-tokens, each capped at `max_token_ratio` × the median claim (a cluster cannot buy weight by exaggerating).
+Norm statistics are per cluster name, direction statistics pooled per module; both learn accepted values
+only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
+cluster cannot buy weight by exaggerating).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from edit_train.local_sgd.evidence import cosine
+from edit_train.local_sgd.direction import KEYS as DIRECTION_KEYS
+from edit_train.local_sgd.direction import DirectionTest, Verdict, cosines
 from edit_train.local_sgd.penalty import Decision, PenaltyConfig, flag, per_step
 from edit_train.local_sgd.penalty_stats import EWMAStats
 from edit_train.local_sgd.rules import Evidence, nobody, spread
 
-_TESTS = ("norm", "direction")
-DIRECTION_SIGMA = 0.02  # cosine units: the spread below which two directions are not told apart
+log = logging.getLogger(__name__)
+_TESTS = ("norm", *DIRECTION_KEYS)
 
 
 class VerifiedRule:
     def __init__(self, cfg: PenaltyConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.sketch_dim = cfg.sketch_dim  # the round measures sketches of this size for the direction test
-        self._direction_cfg = dataclasses.replace(cfg, z_threshold=cfg.direction_z)
+        self.sketch_dim = cfg.sketch_dim  # the round measures sketches of this size (the reference direction)
         self.roster: list[str] = []
-        self.stats: dict[str, EWMAStats] = {}  # "<test>/<module>" -> one row per roster slot
-        self.refs: dict[str, Tensor] = {}  # module -> unit-norm reference direction (sketch)
+        self.stats: dict[str, EWMAStats] = {}  # "norm/<module>" -> one row per roster slot
+        self.direction = DirectionTest(cfg)
+        self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
+        self.tally: dict[str, list[int]] = {}  # name -> [modules judged, modules left out as corrupt]
+        self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
 
     def _rows(self, key: str, names: list[str]) -> tuple[EWMAStats, Tensor]:
         new = [n for n in names if n not in self.roster]
@@ -51,13 +60,22 @@ class VerifiedRule:
             self.roster.extend(new)
             for st in self.stats.values():
                 st.grow(len(new))
-        st = self.stats.setdefault(key, EWMAStats(len(self.roster), self._alpha(key)))
+        st = self.stats.setdefault(key, EWMAStats(len(self.roster), self.cfg.ewma_alpha))
         return st, torch.tensor([self.roster.index(n) for n in names], dtype=torch.long)
 
-    def _alpha(self, key: str) -> float:
-        return self.cfg.direction_alpha if key.startswith("direction/") else self.cfg.ewma_alpha
+    def _new_sync(self, ev: Evidence) -> None:
+        """At the first module of a new sync, the previous sync's tallies decide who is on probation."""
+        sync = int(ev.extra["sync"]) if "sync" in ev.extra else self.sync
+        if sync == self.sync:
+            return
+        if sync == self.sync + 1:
+            self.probation = {n for n, (judged, corrupt) in self.tally.items() if 2 * corrupt > judged}
+        else:  # a gap (this cluster missed syncs): the others' last sync is not known here
+            self.probation = set()
+        self.sync, self.tally = sync, {}
 
     def decide(self, ev: Evidence) -> Decision:
+        self._new_sync(ev)
         idx = ev.contributors
         if not idx:
             return nobody(ev)
@@ -70,30 +88,46 @@ class VerifiedRule:
             bad |= ~ev.extra["finite"].bool()[idx]
         lied = self._misreported(ev, g, idx)
         useless = self._useless(ev, idx)
-        x_dir = self._directions(ev, idx)
+        probe = torch.as_tensor(ev.extra["probe"], dtype=torch.float64)[idx] if "probe" in ev.extra else None
+        helped = -0.1 * cfg.probe_tolerance  # "demonstrably helped": lowered the others' probe loss this much
+        held = torch.tensor([n in self.probation and not (probe is not None and float(probe[j]) < helped)
+                             for j, n in enumerate(names)], dtype=torch.bool)
         flags: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # test -> (flagged, z, bound, readmitted)
-        pending: dict[str, tuple[EWMAStats, Tensor, EWMAStats, Tensor]] = {}
-        for test, x in (("norm", x_norm), ("direction", x_dir)):
-            if x is not None:
-                st, rows = self._rows(f"{test}/{ev.module}", names)
-                sub = st.select(rows)
-                # directions: differences of cosines, around 0 (no ratio rescale; σ at least DIRECTION_SIGMA)
-                flags[test] = flag(sub, x, self._direction_cfg, DIRECTION_SIGMA, regime=False) \
-                    if test == "direction" else flag(sub, x, cfg)
-                pending[test] = (st, rows, sub, x)
-        anomalous = bad | lied | useless
+        st, rows = self._rows(f"norm/{ev.module}", names)
+        sub = st.select(rows)
+        flags["norm"] = flag(sub, x_norm, cfg)
+        sketches = ev.extra.get("sketches")
+        sk = [sketches[i] for i in idx] if sketches is not None else None
+        verdict: Verdict | None = None
+        if "gram" in ev.extra:
+            gram = torch.as_tensor(ev.extra["gram"])[idx][:, idx]
+            verdict = self.direction.judge(ev.module, gram, ~(bad | lied | useless | held), sk)
+            flags["direction"] = (verdict.flagged, verdict.z, verdict.bound, torch.zeros_like(bad))
+        anomalous = bad | lied | useless | held
         for an, _z, _thr, _readmit in flags.values():
             anomalous = anomalous | an
-        for test, (st, rows, sub, x) in pending.items():  # statistics learn from accepted values only
-            sub.update(x, ~anomalous & ~flags[test][3])
-            st.assign(rows, sub)
+        sub.update(x_norm, ~anomalous & ~flags["norm"][3])  # statistics learn from accepted values only
+        st.assign(rows, sub)
+        if verdict is not None:
+            self.direction.learn(ev.module, verdict, ~anomalous)
+        corrupt = bad | lied | (verdict.flagged if verdict is not None else torch.zeros_like(bad))
+        for j, n in enumerate(names):
+            t = self.tally.setdefault(n, [0, 0])
+            t[0] += 1
+            t[1] += int(bool(corrupt[j]))
         w = self._weights(ev, idx, anomalous)
-        before = dict(self.refs)  # the reference this decision was judged against
-        self._follow(ev, idx, w)
+        ref_cos = [self.direction.ref_cosine(ev.module, s) for s in sk] if sk is not None else [None] * len(idx)
+        self.direction.follow(ev.module, sk, w)
         d = Decision(module=ev.module, norms=g.tolist(), weights=w.tolist(), anomalous=anomalous.tolist(),
                      z=flags["norm"][1].tolist(), all_anomalous=bool(anomalous.all()),
                      threshold=flags["norm"][2].tolist(),
-                     evidence=self._evidence(ev, idx, flags, bad, lied, useless, x_dir, before))
+                     evidence=self._evidence(ev, idx, flags, (bad, lied, useless, held), verdict, ref_cos))
+        if log.isEnabledFor(logging.DEBUG):  # EDIT_TRAIN_DEBUG=edit_train.local_sgd.verified: every decision
+            pair = cosines(torch.as_tensor(ev.extra["gram"])[idx][:, idx]).tolist() if "gram" in ev.extra else None
+            log.debug("decision %s: %s", ev.module, {n: {
+                "w": round(float(w[j]), 4), "pair": [round(v, 3) for v in pair[j]] if pair else None,
+                **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.evidence[j].items()}}
+                for j, n in enumerate(names)})
         out = spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
         out.evidence = [d.evidence[idx.index(i)] if i in idx else {} for i in range(len(ev.names))]
         return out
@@ -114,19 +148,6 @@ class VerifiedRule:
         p = torch.as_tensor(probe, dtype=torch.float64)[idx]
         return torch.isfinite(p) & (p > self.cfg.probe_tolerance)
 
-    def _directions(self, ev: Evidence, idx: list[int]) -> Tensor | None:
-        """Each contributor's distance 1 − cos(contribution, reference) minus the lower median distance of
-        this sync (None: no sketch or no reference yet). The shared drift of training (updates grow less
-        aligned as the loss flattens) cancels, and a cluster whose statistics froze while it was left out is
-        not judged against a past level on its return."""
-        sk, ref = ev.extra.get("sketches"), self.refs.get(ev.module)
-        if sk is None or ref is None:
-            return None
-        dist = torch.tensor([1.0 - cosine(sk[i], ref) for i in idx], dtype=torch.float64)
-        ok = dist[torch.isfinite(dist)]
-        med = float(ok.sort().values[(ok.numel() - 1) // 2]) if ok.numel() else 0.0
-        return dist - med
-
     def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> Tensor:
         tokens = torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
         tokens = torch.where(torch.isfinite(tokens), tokens.clamp_min(0.0), torch.zeros_like(tokens))
@@ -138,35 +159,22 @@ class VerifiedRule:
         total = float(t.sum())
         return t / total if total > 0 else ok.double() / float(ok.sum())
 
-    def _follow(self, ev: Evidence, idx: list[int], w: Tensor) -> None:
-        """The reference moves toward the accepted aggregate's direction."""
-        sk = ev.extra.get("sketches")
-        if sk is None or not bool((w > 0).any()):
-            return
-        agg = sum(float(w[j]) * sk[i] for j, i in enumerate(idx) if float(w[j]) > 0)
-        norm = float(agg.norm())  # type: ignore[union-attr]
-        if not norm > 0 or not math.isfinite(norm):
-            return
-        direction = agg / norm
-        ref = self.refs.get(ev.module)
-        a = self.cfg.direction_rate
-        ref = direction if ref is None else (1 - a) * ref + a * direction
-        self.refs[ev.module] = ref / max(float(ref.norm()), 1e-300)
-
     @staticmethod
-    def _evidence(ev: Evidence, idx: list[int], flags: dict, bad: Tensor, lied: Tensor, useless: Tensor,
-                  x_dir: Tensor | None, refs: dict[str, Tensor]) -> list[dict[str, Any]]:
+    def _evidence(ev: Evidence, idx: list[int], flags: dict, hits: tuple[Tensor, Tensor, Tensor, Tensor],
+                  verdict: Verdict | None, ref_cos: list[float | None]) -> list[dict[str, Any]]:
+        bad = hits[0]
         out = []
         for j, i in enumerate(idx):
-            why = [r for r, hit in (("non_finite", bad[j]), ("misreported", lied[j]), ("useless", useless[j]))
-                   if bool(hit)]
+            why = [r for r, hit in zip(("non_finite", "misreported", "useless", "probation"), hits) if bool(hit[j])]
             e: dict[str, Any] = {"measured_norm": float(ev.norms[i])}
             for test, (an, z, thr, _) in flags.items():
                 e[f"{test}_z"], e[f"{test}_threshold"] = float(z[j]), float(thr[j])
                 if bool(an[j]) and not bool(bad[j]):
                     why.append(test)
-            if x_dir is not None and "sketches" in ev.extra and ev.module in refs:
-                e["cosine"] = cosine(ev.extra["sketches"][i], refs[ev.module])
+            if verdict is not None and math.isfinite(float(verdict.agreement[j])):
+                e["agreement"] = float(verdict.agreement[j])  # median cosine with the trusted others
+            if ref_cos[j] is not None:
+                e["cosine"] = ref_cos[j]  # with the reference direction
             for key in ("reported", "probe"):
                 if key in ev.extra:
                     e[key] = float(ev.extra[key][i])
@@ -176,10 +184,12 @@ class VerifiedRule:
 
     # ------------------------------------------------------------------ state
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        tensors = {f"{k}/{f}": getattr(st, f).clone().contiguous() for k, st in self.stats.items()
+        stats = {**self.stats, **self.direction.stats}
+        tensors = {f"{k}/{f}": getattr(st, f).clone().contiguous() for k, st in stats.items()
                    for f in EWMAStats.FIELDS}
-        tensors.update({f"ref/{m}": r.clone().contiguous() for m, r in self.refs.items()})
-        return {"roster": list(self.roster)}, tensors
+        tensors.update({f"ref/{m}": r.clone().contiguous() for m, r in self.direction.refs.items()})
+        return {"roster": list(self.roster), "sync": self.sync, "probation": sorted(self.probation),
+                "tally": {n: list(t) for n, t in self.tally.items()}}, tensors
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         roster = [str(n) for n in meta.get("roster", [])]
@@ -193,8 +203,20 @@ class VerifiedRule:
                 continue
             test, _, rest = key.partition("/")
             module, _, fname = rest.rpartition("/")
-            if test not in _TESTS or fname not in EWMAStats.FIELDS or val.dim() != 1 or val.shape[0] != len(roster):
+            rows = 1 if test in DIRECTION_KEYS else len(roster)  # direction statistics are pooled per module
+            if test not in _TESTS or fname not in EWMAStats.FIELDS or val.dim() != 1 or val.shape[0] != rows:
                 raise ValueError(f"penalty state: {key!r} does not fit a roster of {len(roster)} clusters")
-            st = stats.setdefault(f"{test}/{module}", EWMAStats(len(roster), self._alpha(f"{test}/")))
+            alpha = self.cfg.direction_alpha if test in DIRECTION_KEYS else self.cfg.ewma_alpha
+            st = stats.setdefault(f"{test}/{module}", EWMAStats(rows, alpha))
             setattr(st, fname, val.detach().cpu().to(torch.int64 if fname in ("count", "streak") else torch.float64))
-        self.roster, self.stats, self.refs = roster, stats, refs
+        sync, probation, tally = meta.get("sync", -1), meta.get("probation", []), meta.get("tally", {})
+        if not (isinstance(sync, int) and isinstance(probation, list) and isinstance(tally, dict)
+                and all(isinstance(t, list) and len(t) == 2 and all(isinstance(v, int) for v in t)
+                        for t in tally.values())):
+            raise ValueError("penalty state: unreadable probation record")
+        self.roster = roster
+        self.stats = {k: v for k, v in stats.items() if k.startswith("norm/")}
+        self.direction.stats = {k: v for k, v in stats.items() if not k.startswith("norm/")}
+        self.direction.refs = refs
+        self.sync, self.probation = sync, {str(n) for n in probation}
+        self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}
