@@ -109,6 +109,7 @@ class ClusterConfig:
     slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{group, step, factor}] mid-run changes
     link: LinkConfig = field(default_factory=LinkConfig)
     backend: str = "auto"  # auto | gloo | nccl
+    timeout_s: float = 600.0  # a collective among this cluster's own ranks that takes longer fails (a rank died)
 
 
 @dataclass
@@ -384,6 +385,7 @@ def validate(cfg: Config) -> None:
     _need(f.chunks >= 1, "federation.chunks", f"must be >= 1, got {f.chunks}")
     _need(min(f.join_timeout_s, f.heartbeat_timeout_s, f.quorum_timeout_s, f.collective_timeout_s) > 0,
           "federation.*_timeout_s", "timeouts must be > 0 seconds")
+    _need(c.timeout_s > 0, "cluster.timeout_s", "must be > 0 seconds")
     _need(cfg.run.restart_delay_s >= 0, "run.restart_delay_s", "must be >= 0")
     _need(cfg.sync.gather_max >= 0, "sync.gather_max", f"must be >= 0 (0 = always a SUM), got {cfg.sync.gather_max}")
     _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")

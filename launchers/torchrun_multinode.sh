@@ -15,6 +15,9 @@
 #   NODE_RANK       this node's rank in the cluster, 0..NNODES-1                         (required)
 #   NPROC_PER_NODE  worker processes on this node (one per GPU); the same on all nodes   (required)
 #   RDZV_ENDPOINT   host:port of this cluster's node rank 0 (its own rendezvous)         (required)
+#   KEY_FILE        the federation key (edit-train-keygen PATH; the same file for every cluster and the
+#                   Lighthouse; passed to the workers as EDIT_TRAIN_FEDERATION_KEY_FILE) (required unless
+#                   LIGHTHOUSE is this host's loopback or federation.insecure=true is given)
 #   HOST_ADDR       this node's address as the other clusters reach it (cross-cluster
 #                   traffic binds to it)                                    (default: `hostname`)
 #   RDZV_ID         rendezvous id                                           (default: edit-$CLUSTER)
@@ -65,14 +68,24 @@ case $RDZV_BACKEND in
 esac
 
 overrides=("$@")
-has_run_dir=0
+has_run_dir=0 insecure=0
 for a in "${overrides[@]}"; do
     case $a in
         -m | --multirun) die "Hydra multirun (-m) cannot run under torchrun; launch one job per configuration" ;;
         run.dir=* | +run.dir=* | ++run.dir=*) has_run_dir=1 ;;
         federation.lighthouse=* | cluster.only=*) die "$a: set LIGHTHOUSE / CLUSTER instead (this script passes them)" ;;
+        federation.key_file=*) die "$a: set KEY_FILE instead (this script passes it)" ;;
+        federation.insecure=true | federation.insecure=True) insecure=1 ;;
     esac
 done
+KEY_FILE=${KEY_FILE:-${EDIT_TRAIN_FEDERATION_KEY_FILE:-}}
+lh_host=${LIGHTHOUSE#http://}
+lh_host=${lh_host%:*}
+if [[ -n $KEY_FILE ]]; then
+    [[ -r $KEY_FILE ]] || die "KEY_FILE=$KEY_FILE cannot be read on this node (copy the federation key here, mode 0600)"
+elif ((insecure == 0)) && [[ ! $lh_host =~ ^(localhost|127\.[0-9.]+|\[::1\])$ ]]; then
+    die "KEY_FILE is not set: a federation across hosts needs a key so that only its members can join, steer or read it (make one with edit-train-keygen PATH, give every cluster and the Lighthouse the same file), or pass federation.insecure=true"
+fi
 ((has_run_dir)) || overrides+=("run.dir=runs/edit-train")
 overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
@@ -126,6 +139,7 @@ else
 fi
 cmd+=(-m edit_train.cli.train "${overrides[@]}")
 envs=(EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_HOST="$HOST_ADDR")
+if [[ -n $KEY_FILE ]]; then envs+=(EDIT_TRAIN_FEDERATION_KEY_FILE="$KEY_FILE"); fi
 
 if [[ ${EDIT_DRY_RUN:-0} == 1 ]]; then
     printf '%q ' env "${envs[@]}" "${cmd[@]}" | sed 's/ $//'

@@ -12,12 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import cli_env, script_cmd
+from edit_train.federation import auth
 
 REPO = Path(__file__).resolve().parents[1]
 MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
@@ -53,10 +55,11 @@ def parse_cmd(line: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
 # --------------------------------------------------------------------------------------------------
 # torchrun_multinode.sh
 
+KEY = str(auth.new_key(Path(tempfile.mkdtemp(prefix="edit-train-test-key-")) / "fed.key"))  # mode 0600
 NODE = {"CLUSTER": "a", "LIGHTHOUSE": "lh0:29510", "NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "4",
-        "RDZV_ENDPOINT": "a0:29500", "HOST_ADDR": "a1"}
+        "RDZV_ENDPOINT": "a0:29500", "HOST_ADDR": "a1", "KEY_FILE": KEY}
 VARS = ("CLUSTER", "LIGHTHOUSE", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS",
-        "RDZV_BACKEND", "RDZV_CONF", "HOST_ADDR", "EDIT_TRAIN_CLUSTER")
+        "RDZV_BACKEND", "RDZV_CONF", "HOST_ADDR", "EDIT_TRAIN_CLUSTER", "KEY_FILE", auth.KEY_ENV)
 
 
 def multinode(*overrides: str, check: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
@@ -72,7 +75,7 @@ def test_multinode_dry_run_is_one_cluster_job() -> None:
     proc = multinode("algo=edit", **NODE)
     assert proc.returncode == 0, proc.stderr
     env, flags, overrides = parse_cmd(proc.stdout.strip())
-    assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": "a1"}
+    assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": "a1", auth.KEY_ENV: KEY}
     assert flags == {"--nnodes": "2", "--nproc-per-node": "4", "--rdzv-backend": "static",
                      "--rdzv-endpoint": "a0:29500", "--rdzv-id": "edit-a", "--max-restarts": "3", "--node-rank": "1"}
     assert overrides == ["algo=edit", "run.dir=runs/edit-train", "federation.lighthouse=lh0:29510"]
@@ -98,12 +101,23 @@ def test_multinode_keeps_run_dir_and_supports_c10d() -> None:
     ({**NODE, "NPROC_PER_NODE": "gpu"}, (), "NPROC_PER_NODE must be a positive integer"),
     ({**NODE, "RDZV_BACKEND": "etcd"}, (), "RDZV_BACKEND must be static or c10d"),
     (NODE, ("cluster.only=b",), "set LIGHTHOUSE / CLUSTER instead"),
+    ({k: v for k, v in NODE.items() if k != "KEY_FILE"}, (), "KEY_FILE is not set: a federation across hosts"),
+    ({**NODE, "KEY_FILE": "/nonexistent/fed.key"}, (), "KEY_FILE=/nonexistent/fed.key cannot be read"),
+    (NODE, (f"federation.key_file={KEY}",), "set KEY_FILE instead"),
 ])
 def test_multinode_refuses_bad_input(env: dict[str, str], args: tuple[str, ...], needle: str) -> None:
     proc = multinode(*args, **env)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_multinode_without_a_key_only_on_loopback_or_when_told() -> None:
+    keyless = {k: v for k, v in NODE.items() if k != "KEY_FILE"}
+    for env, args in (({**keyless, "LIGHTHOUSE": "127.0.0.1:29510"}, ()), (keyless, ("federation.insecure=true",))):
+        proc = multinode(*args, **env)
+        assert proc.returncode == 0, proc.stderr
+        assert auth.KEY_ENV not in parse_cmd(proc.stdout.strip())[0]
 
 
 def test_multinode_checks_the_cluster_size_before_launching() -> None:
@@ -128,11 +142,11 @@ FED_RUN = ["algo=edit", "algo.interval=4", "model=tiny", "logger=none", "train.p
            "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", "federation.collective_timeout_s=15"]
 
 
-def start_lighthouse(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+def start_lighthouse(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
     addr_file = tmp_path / "lighthouse.addr"
     proc = subprocess.Popen([*script_cmd("edit-train-lighthouse", "edit_train.cli.lighthouse"),
                              "--bind", "127.0.0.1:0", "--address-file", str(addr_file),
-                             "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5"],
+                             "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", *overrides],
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + 60
@@ -147,13 +161,13 @@ def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path:
     edit-train-lighthouse. b's worker SIGKILLs itself at step 9; b's torchrun restarts it (MAX_RESTARTS=1), it
     heals from a and both finish. a is never restarted and keeps syncing (alone) while b is down."""
     run_dir = tmp_path / "run"
-    house, address = start_lighthouse(tmp_path)
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
     jobs = []
     try:
         for name in ("a", "b"):
             env = cli_env(CLUSTER=name, LIGHTHOUSE=address, NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
                           RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", HOST_ADDR="127.0.0.1", MAX_RESTARTS="1",
-                          GLOO_SOCKET_IFNAME="lo")
+                          GLOO_SOCKET_IFNAME="lo", KEY_FILE=KEY)
             for var in ("EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER"):
                 env.pop(var, None)
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed below)
@@ -242,9 +256,9 @@ def slurm(tmp_path: Path):
                       SLURM_JOB_NUM_NODES=str(len(hosts.split())), SLURM_NODEID="0", SLURMD_NODENAME=hosts.split()[0],
                       SLURM_GPUS_ON_NODE="4", SLURM_GPUS_PER_NODE="4", SLURM_JOB_CPUS_PER_NODE="32(x2)",
                       SLURM_SUBMIT_DIR=str(tmp_path), EDIT_SKIP_TOPOLOGY_CHECK="0" if check else "1",
-                      CLUSTER="a", LIGHTHOUSE="lh0:29510")
+                      CLUSTER="a", LIGHTHOUSE="lh0:29510", KEY_FILE=KEY)
         for var in ("NPROC_PER_NODE", "RDZV_ID", "RDZV_BACKEND", "RDZV_PORT", "HOST_ADDR", "SLURM_HET_SIZE",
-                    "SLURM_RESTART_COUNT", "EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER"):
+                    "SLURM_RESTART_COUNT", "EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER", auth.KEY_ENV):
             env.pop(var, None)
         for k, v in extra.items():
             if v is None:
@@ -272,7 +286,7 @@ def test_slurm_one_job_is_one_cluster(slurm) -> None:
     cmds = node_commands(proc.stdout)
     assert len(cmds) == 2, proc.stdout
     for rank, (env, flags, overrides) in enumerate(cmds):
-        assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": f"gpu-a{rank}"}
+        assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": f"gpu-a{rank}", auth.KEY_ENV: KEY}
         assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank) and flags["--nproc-per-node"] == "4"
         assert flags["--rdzv-endpoint"] == f"gpu-a0:{10000 + 4242 % 20000}"
         assert flags["--rdzv-id"] == "edit-a-4242" and flags["--rdzv-backend"] == "static"
@@ -297,6 +311,8 @@ def test_slurm_cluster_name_from_job_name_and_requeue_resumes(slurm) -> None:
     ({"SLURM_HET_SIZE": "2"}, "heterogeneous Slurm jobs"),
     ({"SLURM_JOB_ID": None}, "submit this with sbatch"),
     ({"RDZV_PORT": "99999"}, "RDZV_PORT must be a port number"),
+    ({"KEY_FILE": None}, "KEY_FILE is not set"),
+    ({"KEY_FILE": "/nonexistent/fed.key"}, "cannot be read"),
 ])
 def test_slurm_refuses_before_launching(slurm, kwargs: dict, needle: str) -> None:
     proc = slurm(**kwargs)
@@ -313,18 +329,31 @@ def test_slurm_refuses_nodes_with_different_gpu_counts(slurm) -> None:
 
 
 def test_slurm_lighthouse_job(slurm) -> None:
+    """It binds the node's own name (what the clusters dial), never every interface unless told, and passes
+    the key; without one it refuses unless federation.insecure=true."""
     proc = slurm("federation.min_clusters=2", script=LH_SBATCH, EDIT_DRY_RUN="1", LIGHTHOUSE_PORT="29600")
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout.strip())
-    assert argv == ["edit-train-lighthouse", "--bind", "0.0.0.0:29600", "--address-file",
-                    str(slurm.dir / "lighthouse-4242.addr"), "federation.min_clusters=2"]
+    assert argv == ["edit-train-lighthouse", "--bind", f"{socket.gethostname()}:29600", "--address-file",
+                    str(slurm.dir / "lighthouse-4242.addr"), "federation.min_clusters=2", f"federation.key_file={KEY}"]
+    chosen = slurm(script=LH_SBATCH, EDIT_DRY_RUN="1", LIGHTHOUSE_BIND="10.0.0.5:29510")
+    assert shlex.split(chosen.stdout.strip())[2] == "10.0.0.5:29510"
+    keyless = slurm(script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None)
+    assert keyless.returncode == 2 and "KEY_FILE is not set" in keyless.stderr and keyless.stdout == ""
+    insecure = slurm("federation.insecure=true", script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None)
+    assert insecure.returncode == 0 and "federation.key_file" not in insecure.stdout
 
 
 def test_lighthouse_cli_refuses_bad_input(tmp_path: Path) -> None:
     cmd = script_cmd("edit-train-lighthouse", "edit_train.cli.lighthouse")
-    bad = subprocess.run([*cmd, "federation.min_clusters=two"], capture_output=True, text=True, env=cli_env(),
-                         timeout=120)
+    bad = subprocess.run([*cmd, "--bind", "127.0.0.1:0", "federation.min_clusters=two"], capture_output=True,
+                         text=True, env=cli_env(), timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "min_clusters" in bad.stderr, bad.stderr
+    unbound = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert unbound.returncode == 2 and "--bind" in unbound.stderr  # no default address
+    exposed = subprocess.run([*cmd, "--bind", "0.0.0.0:0"], capture_output=True, text=True,
+                             env={k: v for k, v in cli_env().items() if k != auth.KEY_ENV}, timeout=120)
+    assert exposed.returncode == 2 and exposed.stderr.count("\n") == 1 and "needs a key" in exposed.stderr
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()

@@ -1,14 +1,18 @@
-"""`edit-train-lighthouse`: torchft's Lighthouse with the federation settings of an edit-train config.
+"""`edit-train-lighthouse`: the federation's Lighthouse (torchft's) behind its authenticating gate.
 
-Start one per federation on any host every cluster can reach, then point each cluster job at it
-(`LIGHTHOUSE=host:port` for the launchers, `federation.lighthouse=host:port` for `edit-train`):
+Start one per federation on a host every cluster can reach, on an address you name, with the federation key
+(`edit-train-keygen PATH` makes one), then point each cluster job at it (`LIGHTHOUSE=host:port` for the
+launchers, `federation.lighthouse=host:port` for `edit-train`):
 
-    edit-train-lighthouse federation.min_clusters=2 federation.join_timeout_s=30 --bind 0.0.0.0:29510
+    edit-train-lighthouse --bind 10.0.0.5:29510 federation.key_file=/secrets/fed.key \
+        federation.min_clusters=2 federation.join_timeout_s=30
 
-Its quorum rules come from the same keys the clusters read (`federation.min_clusters`,
-`join_timeout_s`, `heartbeat_timeout_s`), so the grace window is configured in one place. torchft's
-own `torchft_lighthouse` CLI works as well; this one only saves translating the keys into its flags.
-It prints its address, then serves until SIGINT/SIGTERM.
+Only requests signed with the key reach torchft's Lighthouse, which listens on 127.0.0.1 of this host only,
+with its dashboard (and the dashboard's unauthenticated kill endpoint): reach those with an SSH tunnel, never
+by exposing the port. There is no default address: binding every interface is something you say
+(`--bind 0.0.0.0:29510`), and across hosts a key is required unless `federation.insecure=true`. Its quorum
+rules come from the keys the clusters read (`federation.min_clusters`, `join_timeout_s`,
+`heartbeat_timeout_s`). It prints its address, then serves until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="edit-train-lighthouse",
                                 description="torchft's Lighthouse for an edit-train federation; other arguments "
                                             "are edit-train config overrides (federation.*).")
-    p.add_argument("--bind", default="0.0.0.0:29510", help="host:port to listen on (default 0.0.0.0:29510)")
+    p.add_argument("--bind", required=True, help="host:port to listen on (e.g. the host's address on the network "
+                                                 "the clusters share; no default)")
     p.add_argument("--address-file", default="", help="also write the address (host:port) to this file")
     return p.parse_known_args(argv)
 
@@ -48,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         house = Lighthouse(args.bind, key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
     except Exception as exc:  # noqa: BLE001 - e.g. the port is taken
         fail(f"cannot start the Lighthouse on {args.bind}: {one_line(exc)}")
-    print(f"edit-train-lighthouse: serving at {house.address} (min_clusters={f.min_clusters}, "
+    kind = "insecure: no key" if key == auth.INSECURE else f"key id {auth.fingerprint(key)}"
+    print(f"edit-train-lighthouse: serving at {house.address} ({kind}; min_clusters={f.min_clusters}, "
           f"join_timeout_s={f.join_timeout_s:g}, heartbeat_timeout_s={f.heartbeat_timeout_s:g})", flush=True)
     if args.address_file:
         with open(args.address_file, "w") as fh:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from edit_train.cli import checks
-from edit_train.cli.common import CONF_DIR, equal_clusters, fail, setup_logging
+from edit_train.cli.common import CONF_DIR, equal_clusters, fail, one_line, setup_logging
+from edit_train.local_sgd.errors import ClusterError
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from omegaconf.errors import MissingMandatoryValue
@@ -79,6 +80,8 @@ def _task(dcfg: Any) -> None:
         summary = launch(cfg)
     except SystemExit:
         raise
+    except ClusterError as exc:  # under torchrun: this cluster's ranks lost each other (restartable, exit 1)
+        fail(f"cluster {os.environ.get('EDIT_TRAIN_CLUSTER', '-')}: {one_line(exc)}", code=1)
     except _user_errors() as exc:
         checks.fail_user_error(exc)  # one line; config/topology errors from rank 0 only
     except KeyboardInterrupt:

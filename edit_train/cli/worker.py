@@ -21,12 +21,15 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from edit_train.cli.train import _user_errors
     from edit_train.config import from_container
+    from edit_train.local_sgd.errors import ClusterError
     from edit_train.train.signals import Interrupted
     from edit_train.train.trainer import train
 
     try:
         cfg = from_container(json.loads(open(args[0]).read()))
         train(cfg)
+    except ClusterError as exc:  # this cluster's ranks lost each other: restartable (exit 1), alone
+        fail(f"cluster {os.environ.get('EDIT_TRAIN_CLUSTER', '-')} rank {rank}: {one_line(exc)}", code=1)
     except _user_errors() as exc:
         fail(f"cluster {os.environ.get('EDIT_TRAIN_CLUSTER', '-')} rank {rank}: {one_line(exc)}")
     except (Interrupted, KeyboardInterrupt):

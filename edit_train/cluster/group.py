@@ -4,29 +4,48 @@ only: no pickle. A cluster of one rank makes every call local."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from edit_train.local_sgd.errors import ClusterError
+
 
 class RankGroup:
-    """One cluster's ranks (`pg` None: a lone rank)."""
+    """One cluster's ranks (`pg` None: a lone rank). Every collective ends within `timeout_s` (the group's
+    own timeout, `cluster.timeout_s`): past it, or when a rank died, `ClusterError` says which call waited."""
 
     def __init__(self, pg: dist.ProcessGroup | None = None, rank: int = 0, size: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, timeout_s: float = 600.0) -> None:
         self.pg, self.rank, self.size = pg, rank, size
         self.device = device or torch.device("cpu")
+        self.timeout_s = timeout_s
 
     @property
     def _many(self) -> bool:
         return self.pg is not None and self.size > 1
 
+    @contextlib.contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as exc:
+            if isinstance(exc, ClusterError):
+                raise
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            who = "its leader (rank 0)" if what.startswith("broadcast") else "a rank of this cluster"
+            raise ClusterError(f"cluster {what} across {self.size} ranks did not complete within "
+                               f"{self.timeout_s:g} s (cluster.timeout_s): {who} died or stalled ({why})") from None
+
     def _reduce(self, t: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
         if self._many:
-            dist.all_reduce(t, op=op, group=self.pg)
+            with self._guard("all-reduce"):
+                dist.all_reduce(t, op=op, group=self.pg)
         return t
 
     def agree(self, ok: bool) -> bool:
@@ -46,13 +65,15 @@ class RankGroup:
         if not self._many:
             return t.unsqueeze(0).clone()
         outs = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(outs, t.contiguous(), group=self.pg)
+        with self._guard("all-gather"):
+            dist.all_gather(outs, t.contiguous(), group=self.pg)
         return torch.stack(outs)
 
     def broadcast_(self, t: Tensor) -> Tensor:
         """The leader's (rank 0's) tensor, in place on every rank."""
         if self._many:
-            dist.broadcast(t, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+            with self._guard("broadcast"):
+                dist.broadcast(t, src=dist.get_global_rank(self.pg, 0), group=self.pg)
         return t
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
@@ -78,13 +99,16 @@ class RankGroup:
             return [obj]
         payload = json.dumps(obj).encode()
         sizes = [torch.zeros(1, dtype=torch.long, device=self.device) for _ in range(self.size)]
-        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=self.device), group=self.pg)
+        with self._guard("all-gather"):
+            dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=self.device),
+                            group=self.pg)
         width = int(max(int(s.item()) for s in sizes))
         buf = torch.zeros(width, dtype=torch.uint8, device=self.device)
         if payload:
             buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         bufs = [torch.zeros(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
-        dist.all_gather(bufs, buf, group=self.pg)
+        with self._guard("all-gather"):
+            dist.all_gather(bufs, buf, group=self.pg)
         return [json.loads(bytes(b[:int(s.item())].cpu().numpy().tobytes()).decode()) for b, s in zip(bufs, sizes)]
 
     def full(self, local: Tensor, like: Tensor | None) -> Tensor:
@@ -94,7 +118,8 @@ class RankGroup:
 
             dt = DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape,
                                     stride=like.stride(), run_check=False)
-            return dt.full_tensor()
+            with self._guard("all-gather of a sharded tensor"):
+                return dt.full_tensor()
         return local
 
     def shard(self, full: Tensor, like: Tensor) -> Tensor:

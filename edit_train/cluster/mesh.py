@@ -40,6 +40,7 @@ class Topology:
     device: torch.device
     backend: str | None
     mesh: Any = None  # 1-D DeviceMesh ("shard",), None when the cluster has one rank
+    timeout_s: float = 600.0  # every collective inside the cluster ends by then (cluster.timeout_s)
 
     @property
     def shard_size(self) -> int:
@@ -65,7 +66,7 @@ class Topology:
     @functools.cached_property
     def group(self) -> RankGroup:
         """The cluster's ranks, for what they do together (agree, sum, broadcast)."""
-        return RankGroup(self.shard_pg, self.rank, self.world_size, self.device)
+        return RankGroup(self.shard_pg, self.rank, self.world_size, self.device, self.timeout_s)
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -142,7 +143,7 @@ def init_topology(name: str, index: int, ranks: int, device: str = "auto", backe
 
     mesh = init_device_mesh(dev.type, (world_size,), mesh_dim_names=("shard",))
     log.info("cluster %s rank %d/%d backend %s", name, rank, world_size, be)
-    return Topology(world_size, rank, name, index, dev, be, mesh)
+    return Topology(world_size, rank, name, index, dev, be, mesh, timeout_s)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

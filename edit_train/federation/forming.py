@@ -16,8 +16,11 @@ is the synchronous quorum (`FederationComm.form`); only the time spent waiting t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from edit_train.federation.link import LinkClock
 from edit_train.local_sgd.errors import FederationError, FederationRefused
@@ -45,8 +48,8 @@ class Background:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def join(self) -> None:
-        self._done.wait()
+    def join(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
 
     def wait(self) -> Any:
         self._done.wait()
@@ -61,8 +64,11 @@ class Forming:
     `connect(quorum)` configures this rank's lanes and says whether every peer connected."""
 
     def __init__(self, cluster: ClusterGroup, clock: LinkClock, ask: Callable[[], dict[str, Any]] | None,
-                 connect: Callable[[Quorum], bool], abort: Callable[[], None]) -> None:
+                 connect: Callable[[Quorum], bool], abort: Callable[[], None],
+                 deadlines: tuple[float, float] = (330.0, 60.0)) -> None:
         self.cluster, self.clock, self.connect, self.abort = cluster, clock, connect, abort
+        self.deadlines = {"asking": deadlines[0], "connecting": deadlines[1]}  # seconds per phase
+        self.started = time.monotonic()
         self.phase = "asking"
         self.quorum: Quorum | None = None
         self._issued: Quorum | None = None
@@ -70,13 +76,31 @@ class Forming:
         self._ask = Background(ask, "edit-train-quorum") if ask is not None else None
 
     def _ready(self, job: Background | None, block: bool) -> bool:
-        """The same answer on every rank of the cluster: has `job` (this rank's, if any) finished?"""
+        """The same answer on every rank of the cluster: has `job` (this rank's, if any) finished? Past the
+        phase's deadline on any rank, FederationError naming what never came (every rank raises it)."""
+        limit = self.deadlines[self.phase]
         if block:
+            done = True
             if job is not None:
                 with self.clock.waiting():
-                    job.join()
+                    done = job.join(max(0.0, self.started + limit - time.monotonic()))
+            late = self.cluster.max_(torch.tensor([0.0 if done else 1.0], device=self.cluster.device))
+            if float(late[0]) > 0:
+                self._expired(limit)
             return True
-        return self.cluster.agree(job is None or job.done())
+        state = torch.tensor([0.0 if job is None or job.done() else 1.0,
+                              1.0 if time.monotonic() - self.started > limit else 0.0], device=self.cluster.device)
+        pending, expired = (float(v) > 0 for v in self.cluster.max_(state))
+        if pending and expired:
+            self._expired(limit)
+        return not pending
+
+    def _expired(self, limit: float) -> None:
+        what = {"asking": "the Lighthouse's answer to this cluster's quorum request",
+                "connecting": f"every peer of quorum {self._issued.quorum_id if self._issued else '?'} to connect "
+                              "its lanes"}[self.phase]
+        self.abort()
+        raise FederationError(f"{what} did not come within {limit:g} s: this sync is skipped")
 
     def poll(self, block: bool = False) -> bool:
         c = self.cluster
@@ -92,7 +116,7 @@ class Forming:
             if issued is None or len(issued.members) <= 1:
                 self.quorum, self.phase = issued, "done"
                 return True
-            self._issued, self.phase = issued, "connecting"
+            self._issued, self.phase, self.started = issued, "connecting", time.monotonic()
             self._connect = Background(lambda: self.connect(issued), "edit-train-lanes")
         if self.phase == "connecting":
             if not self._ready(self._connect, block):

@@ -10,9 +10,10 @@ not verify never reaches the Lighthouse: it is absent (logged once per name and 
 refuse, stop, heal or send state, never counted in a quorum, never waited for. torchft's dashboard and its
 `POST /replica/:id/kill` are on the loopback interface with the Lighthouse.
 
-Wire format (both ways): 4-byte big-endian length ‖ JSON `{"body": {...}, "mac": hex}`, at most
-`MAX_FRAME` bytes; `mac` = HMAC-SHA256 (auth.tag) over the body's canonical JSON, with the context
-"gate/request" or "gate/response". Every field of a body is checked (type, range, size) before use.
+Wire format (both ways): 4-byte big-endian length ‖ 32-byte tag ‖ the body's canonical JSON, at most
+`MAX_FRAME` bytes; the tag is HMAC-SHA256 (auth.tag) over exactly those JSON bytes, with the context
+"gate/request" or "gate/response", and is checked before anything is parsed. Every field of a body is
+checked (type, range, size) before use.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from edit_train.local_sgd.errors import FederationError
 log = logging.getLogger(__name__)
 
 MAX_FRAME = 64 * 1024
+MAX_WARNED = 1024  # distinct (name, host) pairs of unauthenticated records logged one by one
 MAX_SKEW_S = 300.0  # a request more than this far from the gate's clock is stale (or from the future)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*")  # fullmatch; no "..", at most 64
 DATA_KEYS = {"local_steps": int, "incarnation": str, "fp": str, "total_steps": int}
@@ -45,11 +47,10 @@ class FrameError(ValueError):
 
 # ----------------------------------------------------------------------------------- frames
 def pack(body: dict[str, Any], key: bytes, context: str) -> bytes:
-    raw = json.dumps({"body": body, "mac": auth.tag(key, context, auth.canonical(body)).hex()},
-                     separators=(",", ":")).encode()
-    if len(raw) > MAX_FRAME:
-        raise FrameError(f"frame of {len(raw)} bytes exceeds {MAX_FRAME}")
-    return struct.pack(">I", len(raw)) + raw
+    raw = auth.canonical(body)
+    if len(raw) + auth.TAG_BYTES > MAX_FRAME:
+        raise FrameError(f"frame of {len(raw) + auth.TAG_BYTES} bytes exceeds {MAX_FRAME}")
+    return struct.pack(">I", auth.TAG_BYTES + len(raw)) + auth.tag(key, context, raw) + raw
 
 
 def read_frame(sock: socket.socket) -> bytes:
@@ -70,24 +71,21 @@ def _read(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-def unpack(raw: bytes, key: bytes, context: str) -> dict[str, Any]:
-    """The verified body of a frame, or FrameError (not JSON, too deep, wrong shape, bad tag)."""
+def unpack(frame: bytes, key: bytes, context: str) -> dict[str, Any]:
+    """The verified body of a frame (tag ‖ JSON), or FrameError. The tag is checked over the exact bytes
+    first: nothing unauthenticated is parsed, and no byte can change without the tag failing."""
+    mac, raw = frame[:auth.TAG_BYTES], frame[auth.TAG_BYTES:]
+    if not auth.valid(key, context, mac, raw):
+        raise FrameError("tag does not verify (another key, or altered)")
     if raw.count(b"[") + raw.count(b"{") > 256:
         raise FrameError("too deeply nested")
     try:
-        msg = json.loads(raw.decode("utf-8"))
+        body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise FrameError("not JSON") from None
-    if not isinstance(msg, dict) or not isinstance(msg.get("body"), dict) or not isinstance(msg.get("mac"), str):
-        raise FrameError("not a {body, mac} message")
-    try:
-        mac = bytes.fromhex(msg["mac"])
-        body_bytes = auth.canonical(msg["body"])
-    except ValueError:
-        raise FrameError("unreadable tag or body") from None
-    if not auth.valid(key, context, mac, body_bytes):
-        raise FrameError("tag does not verify (another key, or altered)")
-    return msg["body"]
+    if not isinstance(body, dict):
+        raise FrameError("not a JSON object")
+    return body
 
 
 def check_member(d: Any) -> dict[str, Any]:
@@ -135,6 +133,7 @@ class Gate:
         self._client = LighthouseClient(self._inner.address(), datetime.timedelta(seconds=10))
         self._seen: dict[tuple[str, str], float] = {}  # (name, nonce) -> when (replays inside the skew window)
         self._warned: set[tuple[str, str]] = set()
+        self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
         self._lock = threading.Lock()
         host, _, port = bind.rpartition(":")
         handler = type("Handler", (_Handler,), {"gate": self})
@@ -154,11 +153,18 @@ class Gate:
 
     # ------------------------------------------------------------------ requests
     def absent(self, peer: str, why: str, name: str = "?") -> None:
+        """Log a record that did not verify, once per (claimed name, host); past MAX_WARNED of them, once."""
         with self._lock:
-            first = (name, peer) not in self._warned
-            self._warned.add((name, peer))
+            first = (name, peer) not in self._warned and len(self._warned) < MAX_WARNED
+            if first:
+                self._warned.add((name, peer))
+            flood = not first and len(self._warned) == MAX_WARNED
+            if flood:
+                self._warned.add(("", ""))  # past the cap: said once
         if first:
             log.warning("unauthenticated record from %s (name %r): %s; ignored", peer, name, why)
+        elif flood:
+            log.warning("more than %d unauthenticated names/hosts: no longer logging each", MAX_WARNED - 1)
 
     def fresh(self, body: dict[str, Any]) -> None:
         ts, nonce, name = body.get("ts"), body.get("nonce"), body.get("name")
@@ -191,14 +197,24 @@ class Gate:
             raise FrameError("bad timeout")
         import datetime
 
+        with self._lock:
+            self._signed[name] = (me["store"], time.time() + timeout)
         try:
             q = self._client.quorum(replica_id=name, timeout=datetime.timedelta(seconds=timeout), address=name,
                                     store_address=me["store"], step=me["sync"], world_size=me["size"],
                                     shrink_only=False, data=me["data"])
         except Exception as exc:  # noqa: BLE001 - torchft reports a timeout as a RuntimeError
             return {"kind": "error", "re": body["nonce"], "error": str(exc).strip().splitlines()[0][:300]}
-        members = [{"name": m.replica_id, "sync": int(m.step), "size": int(m.world_size), "store": m.store_address,
-                    "data": dict(m.data or {})} for m in q.participants]
+        members = []
+        for m in q.participants:  # only members whose own signed request is pending: torchft's Lighthouse is
+            with self._lock:      # on loopback, but a process on this host could still reach it directly
+                signed = self._signed.get(m.replica_id)
+            if signed is None or signed[0] != m.store_address or signed[1] < time.time() - 60:
+                self.absent("127.0.0.1 (the Lighthouse directly)", "in a quorum without a signed request",
+                            str(m.replica_id)[:64])
+                continue
+            members.append({"name": m.replica_id, "sync": int(m.step), "size": int(m.world_size),
+                            "store": m.store_address, "data": dict(m.data or {})})
         created = getattr(q, "created", None)
         stamp = f"{getattr(created, 'seconds', 0)}.{getattr(created, 'nanos', 0)}"
         # the same for every member of this quorum, and unguessable without the key: it namespaces the
@@ -212,12 +228,13 @@ class _Handler(socketserver.BaseRequestHandler):
     gate: Gate
 
     def handle(self) -> None:
-        sock, peer = self.request, f"{self.client_address[0]}:{self.client_address[1]}"
+        sock, peer = self.request, str(self.client_address[0])  # the host: logged once per (name, host)
         sock.settimeout(10.0)
         name = "?"
         try:
-            body = unpack(read_frame(sock), self.gate.key, "gate/request")
-            name = str(body.get("name", "?"))[:64]
+            raw = read_frame(sock)
+            name = claimed_name(raw)
+            body = unpack(raw, self.gate.key, "gate/request")
             self.gate.fresh(body)
             sock.settimeout(None)
             sock.sendall(pack(self.gate.serve(body), self.gate.key, "gate/response"))
@@ -228,6 +245,19 @@ class _Handler(socketserver.BaseRequestHandler):
             self.gate.absent(peer, str(exc), name)
         except OSError as exc:
             self.gate.absent(peer, str(exc), name)
+
+
+def claimed_name(frame: bytes) -> str:
+    """The name an unverified (bounded) frame claims, for the log only; "?" when there is none."""
+    raw = frame[auth.TAG_BYTES:]
+    if raw.count(b"[") + raw.count(b"{") > 256:
+        return "?"
+    try:
+        body = json.loads(raw.decode("utf-8"))
+        name = body.get("name") if isinstance(body, dict) else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "?"
+    return name[:64] if isinstance(name, str) else "?"
 
 
 # ----------------------------------------------------------------------------------- clients

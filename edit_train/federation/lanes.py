@@ -73,6 +73,7 @@ class Lanes:
         self.abort()
         self.quorum = quorum
         store = quorum.members[0].store
+        groups: dict[int, Any] = {}
         for j in lanes_of(rank, size, quorum, chunks):
             pg = self.make_group()
             try:
@@ -81,7 +82,12 @@ class Lanes:
             except Exception as exc:  # noqa: BLE001
                 raise FederationError(f"lane {j} of quorum {quorum.quorum_id} with {quorum.names} could "
                                       f"not connect: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
-            self.groups[j] = pg
+            groups[j] = pg
+        if self.quorum is not quorum:  # given up on meanwhile (its deadline passed): never used
+            for pg in groups.values():
+                pg.abort(errored=False)
+            raise FederationError(f"quorum {quorum.quorum_id}: lanes connected after their deadline")
+        self.groups = groups
 
     def abort(self) -> None:
         for pg in self.groups.values():

@@ -71,10 +71,11 @@ class Pending(Generic[T]):
     """A cross-cluster collective in flight (the core's `Handle`). `wait()` returns its result and raises
     `FederationError` when it failed; the seconds it blocked are added to the clock and left in
     `blocked_s`. `settle(ok) -> ok` runs after the works on every rank of the cluster (it agrees inside the
-    cluster and moves the result into place), so all ranks of a cluster fail or succeed together."""
+    cluster and moves the result into place), so all ranks of a cluster fail or succeed together; it may
+    return a string instead of False: the reason of the failure."""
 
     def __init__(self, clock: LinkClock, works: list[Any], ready_at: float,
-                 settle: Callable[[bool], bool] | None = None, what: str = "collective",
+                 settle: Callable[[bool], bool | str] | None = None, what: str = "collective",
                  result: Callable[[], T] | None = None) -> None:
         self._clock, self._works, self._ready_at, self._settle = clock, works, ready_at, settle
         self._result = result
@@ -109,12 +110,13 @@ class Pending(Generic[T]):
             remaining = self._ready_at - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
-        ok = error is None
+        ok: bool | str = error is None
         if self._settle is not None:
-            ok = self._settle(ok)
+            ok = self._settle(bool(ok))  # a str: failed, for that reason
         self.done = True
         self.blocked_s = time.perf_counter() - t0
         self._clock.blocked_s += self.blocked_s
-        if not ok:
-            why = (str(error).strip().splitlines() or [repr(error)])[0] if error is not None else "a peer rank failed"
+        if ok is not True:
+            why = (str(error).strip().splitlines() or [repr(error)])[0] if error is not None else \
+                (ok if isinstance(ok, str) and ok else "a peer rank failed")
             raise FederationError(f"{self.what} failed: {why}")

@@ -10,7 +10,6 @@ fails the whole move on every rank of the cluster (the sync is rolled back; noth
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from edit_train.federation.link import LinkClock, Pending
 from edit_train.federation.seal import TAG, Seal
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 
-log = logging.getLogger(__name__)
 
 
 class _FutureWork:
@@ -115,11 +113,12 @@ class ModuleMover:
         whole: list[Tensor] = []  # chunked: every participant's whole flat Δ (the same on every rank)
         local: list[Tensor] = []  # paired: every participant's flat shard as this rank holds it
 
-        def settle(ok: bool) -> bool:
+        def settle(ok: bool) -> bool | str:
             rows = [got() for _, got, _ in started] if ok else []
-            if not c.agree(ok and all(r is not None for r in rows)):
-                if ok:
-                    log.warning("a contribution to module %s does not verify (altered on the way?): rejected", key)
+            verified = all(r is not None for r in rows)
+            if not c.agree(ok and verified):
+                if ok and not verified:
+                    return f"a contribution to module {key} does not verify (another key, or altered on the way)"
                 return False
             full = torch.zeros(n if gather else 1, flat.numel())
             if q.paired:

@@ -53,13 +53,14 @@ class LaneTransport:
                  service: QuorumService | None = None, store_addr: str = "", chunks: int = 4,
                  link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
                  compression: CompressionConfig | None = None, store: Any = None,
-                 key: bytes = auth.INSECURE) -> None:
+                 key: bytes = auth.INSECURE, connect_timeout_s: float = 60.0) -> None:
         self.name, self.cluster, self.lanes, self.federated = name, cluster, lanes, federated
         self.key = key  # authenticates what the lanes carry (tags bound to the quorum's nonce)
         self.store = store  # the leader's store the lanes rendezvous in (kept alive with the transport)
         self.service, self.store_addr, self.chunks = service, store_addr, chunks
         self.clock = LinkClock(link)
         self.quorum_timeout_s = quorum_timeout_s
+        self.connect_timeout_s = connect_timeout_s  # connecting a quorum's lanes ends by then, whatever the peers do
         self._quorum: Quorum | None = None
         self._forming: Forming | None = None  # a quorum being formed in the background
         # pseudo-gradient payloads: fp32 SUM all-reduce, or bf16/int8/fp8 (compressed_reduce) with this rank's
@@ -111,7 +112,10 @@ class LaneTransport:
             self._quorum = Quorum.solo(self.name, sync, self.cluster.size, data)
             return
         ask = (lambda: self._ask(sync, data)) if self.cluster.rank == 0 else None
-        self._forming = Forming(self.cluster, self.clock, ask, self._connect, self.lanes.abort)
+        # every wait has an end: the gate answers within quorum_timeout_s (+ its own connect), lanes connect
+        # within connect_timeout_s; past those, the sync is skipped with a line that says what never came
+        self._forming = Forming(self.cluster, self.clock, ask, self._connect, self.lanes.abort,
+                                deadlines=(self.quorum_timeout_s + 15.0, self.connect_timeout_s))
 
     @property
     def forming(self) -> bool:
@@ -189,13 +193,13 @@ class LaneTransport:
             works = [self.lanes.groups[0].allgather([sealed], [self._seal.wrap(vec, context, q.me)],
                                                     AllgatherOptions())]
 
-        def share(ok: bool) -> bool:
+        def share(ok: bool) -> bool | str:
+            why = ""
             if c.rank == 0 and ok:
                 for i, got in enumerate(sealed):
                     row = self._seal.unwrap(got, context, i)
                     if row is None:
-                        log.warning("cluster %s: the %s row of %s does not verify (altered on the way?): rejected",
-                                    self.name, what, q.members[i].name)
+                        why = f"the row of cluster {q.members[i].name} does not verify (another key, or altered)"
                         ok = False
                         break
                     out[i].copy_(row)
@@ -209,7 +213,7 @@ class LaneTransport:
                 ok = bool(flat[0, 0] > 0)
                 for i in range(n):
                     out[i].copy_(flat[i + 1])
-            return ok
+            return True if ok else (why or False)
 
         return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
 
@@ -282,4 +286,4 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
         service = QuorumClient(lighthouse, name, key)
     return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
                          f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
-                         compression, store=store, key=key)
+                         compression, store=store, key=key, connect_timeout_s=collective_timeout_s)

@@ -8,7 +8,7 @@ tries again at the next one.
 
 from __future__ import annotations
 
-__all__ = ["FederationError", "FederationRefused", "SyncAborted", "HealError"]
+__all__ = ["FederationError", "FederationRefused", "SyncAborted", "HealError", "ClusterError"]
 
 
 class FederationError(RuntimeError):
@@ -27,3 +27,8 @@ class SyncAborted(RuntimeError):
 class HealError(FederationError):
     """A healing payload that is not ours or does not fit this model (refused; nothing in it was executed
     or adopted)."""
+
+
+class ClusterError(RuntimeError):
+    """The ranks of one cluster lost each other (a rank died or stalled past `cluster.timeout_s`): this
+    cluster stops with one line, and its launcher restarts it alone; the other clusters are not affected."""

@@ -149,6 +149,8 @@ def check_payload(meta: dict[str, Any], tensors: dict[str, Tensor], local: Local
             owner = _owner(key, local)
             if owner is None or (t.dim() > 0 and tuple(t.shape) != _full_shape(owner)):
                 raise HealError(f"healing payload from {peer}: unexpected tensor {key!r} {tuple(t.shape)}")
+            if not t.is_floating_point():  # optimizer moments and step counts are floats here
+                raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype}, not a floating-point state")
         elif tuple(t.shape) != _full_shape(entry) or t.dtype != entry[0].dtype:
             raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype} {tuple(t.shape)}, this model has "
                             f"{entry[0].dtype} {_full_shape(entry)}")

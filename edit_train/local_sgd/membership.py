@@ -1,8 +1,10 @@
 """This cluster's place in the federation: a quorum per sync (admission, healing, step adoption) and the
 meeting before the first step.
 
-A quorum is admitted when the source's configuration fingerprint matches ours (else `FederationRefused`:
-retrying cannot help); then whoever is behind heals from the source (`healing.py`). Under a step schedule
+A quorum is admitted when our configuration fingerprint is the one most members run (else
+`FederationRefused`: retrying cannot help; a lone misconfigured member refuses itself, never the others)
+and the source runs it too (else the sync is skipped); then whoever is behind heals from the source
+(`healing.py`). Under a step schedule
 every cluster ends at `train.steps`, so a cluster that fell behind (joined late, lost a quorum race)
 adopts the federation's step rather than syncing one interval late forever.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +70,13 @@ class Membership:
         if q is None:
             return None
         src = q.members[q.source]
-        if src.data.get("fp") != self.cfg.fingerprint and q.me != q.source:
-            raise FederationRefused(f"cluster {self.t.name} runs another configuration than cluster {src.name} "
+        agreed = federation_fingerprint(q)
+        if self.cfg.fingerprint != agreed:
+            raise FederationRefused(f"cluster {self.t.name} runs another configuration than the federation "
                                     "(model, algorithm or federation.chunks differ); start it with the federation's config")
+        if src.data.get("fp") != agreed:  # the one ahead is the misconfigured one: it leaves, nobody heals from it
+            raise FederationError(f"cluster {src.name} runs another configuration than the federation: "
+                                  "this sync is skipped")
         healed = self.healer.run(q)
         if healed is not None:
             self.healed_from.append(healed)
@@ -115,3 +122,12 @@ class Membership:
         """The step this cluster moved to (once): the loop continues from there."""
         step, self.adopt_step = self.adopt_step, None
         return step
+
+
+def federation_fingerprint(q: Quorum) -> str:
+    """The configuration most members of `q` run (a tie: the heal source's, if it is among the most
+    common): a single misconfigured member refuses itself instead of stopping everyone else."""
+    counts = Counter(str(m.data.get("fp", "")) for m in q.members)
+    top = max(counts.values())
+    src = str(q.members[q.source].data.get("fp", ""))
+    return src if counts[src] == top else min(f for f, c in counts.items() if c == top)

@@ -62,7 +62,7 @@ class Trainer:
         self.specs = cluster_specs(cfg)
         self.spec = my_cluster(cfg, self.specs)
         self.topo = init_topology(self.spec.name, self.spec.index, self.spec.ranks,
-                                  self.spec.device or cfg.train.device, cfg.cluster.backend)
+                                  self.spec.device or cfg.train.device, cfg.cluster.backend, cfg.cluster.timeout_s)
         self.cfg = cfg = agree_on_config(cfg, self.topo)
         topo = self.topo
         self.federated = len(self.specs) > 1 or bool(cfg.federation.lighthouse)
