@@ -11,34 +11,21 @@ import math
 import pytest
 import torch
 
-from edit_train.cluster.group import RankGroup
 from edit_train.federation.heal import HealError, decode, encode
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.healing import Healer
 from edit_train.local_sgd.membership import federation_fingerprint
 from edit_train.local_sgd.protocols import Member, Quorum
+from test_heal import _HostileTransport  # delivers what the peer sent (well framed: a key holder's bug)
 
 LOCAL = {"outer/layers.0/anchor/0": (torch.zeros(4, 3), None), "param/layers.0.weight": (torch.zeros(4, 3), None)}
 GOOD = {"outer/layers.0/anchor/0": torch.ones(4, 3), "param/layers.0.weight": torch.ones(4, 3),
         "optim/layers.0.weight/exp_avg": torch.zeros(4, 3)}
 
 
-class _Peer:
-    """A transport that delivers what the peer sent (well framed, authenticated: a key holder's bug)."""
-
-    name = "c1"
-    cluster = RankGroup()
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-    def recv_bytes(self, src: int, max_bytes: int = 1 << 40) -> bytes:
-        return self.payload
-
-
 def _heal(meta: dict, tensors: dict) -> list:
     applied: list = []
-    healer = Healer(_Peer(encode(meta, tensors)), lambda: ({}, LOCAL),  # type: ignore[arg-type]
+    healer = Healer(_HostileTransport(encode(meta, tensors)), lambda: ({}, LOCAL),  # type: ignore[arg-type]
                     lambda m, t: applied.append(m), encode, decode)
     healer.run(Quorum(1, "q", [Member("c0", 9, 1, ""), Member("c1", 1, 1, "")], me=1))
     return applied

@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     kind = "insecure: no key" if key == auth.INSECURE else f"key id {auth.fingerprint(key)}"
     print(f"edit-train-lighthouse: serving at {house.address} ({kind}; min_clusters={f.min_clusters}, "
           f"join_timeout_s={f.join_timeout_s:g}, heartbeat_timeout_s={f.heartbeat_timeout_s:g})", flush=True)
+    print(f"edit-train-lighthouse: torchft's dashboard (no authentication) on loopback only: {house.dashboard} "
+          "(reach it with an SSH tunnel)", flush=True)
     if args.address_file:
         with open(args.address_file, "w") as fh:
             fh.write(house.address + "\n")

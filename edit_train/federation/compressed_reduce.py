@@ -230,10 +230,18 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
     if x.dim() != 1:
         raise ValueError(f"compressed_gather takes a flat tensor, got shape {tuple(x.shape)}")
     x = x.float().contiguous()
-    _, world = group_rank_size(pg)
+    me, world = group_rank_size(pg)
     pg = _default(pg)
     if not cfg.lossy:
-        return _all_gather(pg, x, world), 4 * x.numel()
+        if seal is None or unseal is None:
+            return _all_gather(pg, x, world), 4 * x.numel()
+        sent, plain = seal(x), []
+        for i, got in enumerate(_all_gather(pg, sent, world)):
+            body = x if i == me else unseal(i, got)  # this rank's own piece needs no check
+            if body is None:
+                return None, sent.numel() * sent.element_size()
+            plain.append(body)
+        return plain, sent.numel() * sent.element_size()
     fb = feedback if (feedback is not None and cfg.error_feedback) else None
     send = _sender(x, cfg, fb, key)
     payload = quantize(send, cfg)
@@ -242,7 +250,8 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
     sent = seal(payload) if seal is not None else payload
     out = []
     for i, got in enumerate(_all_gather(pg, sent, world)):
-        body = unseal(i, got) if unseal is not None else got
+        # this rank's own piece came back as it was sent: its payload needs no check
+        body = (payload if i == me else unseal(i, got)) if unseal is not None else got
         if body is None:
             return None, sent.numel()
         out.append(dequantize(body, x.numel(), cfg))

@@ -146,6 +146,11 @@ class Gate:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
 
+    @property
+    def dashboard(self) -> str:
+        """torchft's own Lighthouse (and its dashboard): on this host's loopback only."""
+        return str(self._inner.address())
+
     def shutdown(self) -> None:
         self._server.shutdown()
         self._server.server_close()

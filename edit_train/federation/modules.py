@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
+from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback
 from edit_train.federation.compressed_reduce import BackgroundReducer, sent_bytes
@@ -83,14 +83,8 @@ class ModuleMover:
             return _FutureWork(future, flat), lambda: [flat], nbytes
         nbytes += (world - 1) * TAG  # every piece is followed by its tag
 
-        def opened(pieces: list[Tensor]) -> list[Tensor] | None:
-            out = [seal.unwrap(p, ctx, i) for i, p in enumerate(pieces)]
-            return None if any(o is None for o in out) else out  # type: ignore[return-value]
-
-        if not lossy:
-            sent = seal.wrap(flat, ctx, me)
-            outs = [torch.empty_like(sent) for _ in range(world)]
-            return pg.allgather([outs], [sent], AllgatherOptions()), lambda: opened(outs), nbytes
+        # on the lane's own thread (in order per lane): tagging, the gather and checking the others' tags
+        # overlap the training thread's compute (hashlib releases the GIL), lossless or compressed alike
         reducer = self.reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
         future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}",
                                        seal=lambda payload: seal.wrap(payload, ctx, me),

@@ -25,26 +25,32 @@ class Seal:
         self.seq += 1
         return f"{self.nonce}/{self.seq}/{what}"
 
-    def tag(self, context: str, sender: int, data: bytes) -> bytes:
+    def tag(self, context: str, sender: int, data: bytes | memoryview) -> bytes:
         return auth.tag(self.key, context, str(sender).encode(), data)
 
-    def ok(self, context: str, sender: int, data: bytes, mac: bytes) -> bool:
+    def ok(self, context: str, sender: int, data: bytes | memoryview, mac: bytes) -> bool:
         return auth.valid(self.key, context, mac, str(sender).encode(), data)
 
     # ------------------------------------------------------------ tensors
     def wrap(self, t: Tensor, context: str, sender: int) -> Tensor:
         """`t` (flat, contiguous, CPU) followed by its tag, in `t`'s dtype (the tag's raw bytes)."""
         t = t.detach().contiguous()
-        raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-        mac = torch.frombuffer(bytearray(self.tag(context, sender, raw.numpy().tobytes())), dtype=torch.uint8)
-        return torch.cat([t, mac.view(t.dtype)]) if t.dtype != torch.uint8 else torch.cat([t, mac])
+        out = torch.empty(t.numel() + TAG // t.element_size(), dtype=t.dtype)
+        out[:t.numel()].copy_(t)
+        raw = out.view(torch.uint8)
+        mac = self.tag(context, sender, _bytes(raw[:-TAG]))  # hashed in place (no copy)
+        raw[-TAG:].copy_(torch.frombuffer(bytearray(mac), dtype=torch.uint8))
+        return out
 
     def unwrap(self, got: Tensor, context: str, sender: int) -> Tensor | None:
         """The payload of a wrapped tensor from `sender`, or None when its tag does not verify."""
-        k = TAG // got.element_size()
-        body, mac = got[:-k].contiguous(), got[-k:].contiguous()
-        raw = body.view(torch.uint8) if body.dtype != torch.uint8 else body
-        rawmac = mac.view(torch.uint8) if mac.dtype != torch.uint8 else mac
-        if not self.ok(context, sender, raw.numpy().tobytes(), rawmac.numpy().tobytes()):
+        got = got.contiguous()
+        raw = got.view(torch.uint8)
+        if not self.ok(context, sender, _bytes(raw[:-TAG]), bytes(_bytes(raw[-TAG:]))):
             return None
-        return body
+        return got[:-(TAG // got.element_size())]
+
+
+def _bytes(t: Tensor) -> memoryview:
+    """A uint8 CPU tensor's bytes, without copying them (hashlib reads the buffer directly)."""
+    return memoryview(t.numpy()).cast("B")

@@ -17,6 +17,9 @@ Rules are chosen by `algo.penalty.rule`: a built-in name (`verified`, the defaul
         def decide(self, ev: Evidence) -> Decision: ...
         def state(self) -> tuple[dict, dict[str, Tensor]]: return {}, {}
         def load(self, meta: dict, tensors: dict[str, Tensor]) -> None: ...
+
+A rule that wants count sketches of the gathered contributions in `extra["sketches"]` says how many buckets
+with a `sketch_dim` attribute (the round reads it once; a rule that wraps another must pass it on).
 """
 
 from __future__ import annotations

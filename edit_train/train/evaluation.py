@@ -46,6 +46,11 @@ def evaluate(model: nn.Module, data_dir: str | Path, t: TrainConfig, topo: Topol
         with autocast():
             out = model(x.to(topo.device), y.to(topo.device))
         total += torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
+    return _finish(model, total, topo)
+
+
+def _finish(model: nn.Module, total: torch.Tensor, topo: Topology) -> float:
+    """[Σ loss·weight, Σ weight] summed over the cluster's ranks → the mean; the model back to training."""
     if topo.distributed:
         total = total.to(topo.device)
         dist.all_reduce(total, group=topo.shard_pg)
@@ -81,11 +86,4 @@ def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], topo:
     model.eval()
     with autocast():
         out = model(xs.to(topo.device), ys.to(topo.device))
-    total = torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64)
-    if topo.distributed:
-        total = total.to(topo.device)
-        dist.all_reduce(total, group=topo.shard_pg)
-        total = total.cpu()
-    reshard(model)
-    model.train()
-    return float(total[0] / total[1])
+    return _finish(model, torch.tensor([float(out.ce_loss) * weight, weight], dtype=torch.float64), topo)

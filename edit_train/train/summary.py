@@ -77,7 +77,10 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
                    time_split: dict[str, float]) -> dict[str, Any]:
     """This cluster's record for the summary (every rank takes part: its bytes and blocked time count)."""
     wall = state.wall()
-    ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"]})
+    from edit_train.federation.auth import SPENT
+
+    ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"],
+                                   "auth_s": SPENT[0]})
     c = state.carried
     blocked = max(r["blocked_s"] for r in ranks)
     return {
@@ -95,4 +98,5 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "final_val_loss": val_loss, "initial_val_loss": state.initial_val_loss, "algo": algo,
         "total_params": param_counts["total_params"], "active_params": param_counts["active_params"],
         "mfu": sum(state.mfu) / len(state.mfu) if state.mfu else None, "time": time_split,
+        "auth_s": max(r["auth_s"] for r in ranks),  # computing and checking tags (part of sync/blocked time)
     }
