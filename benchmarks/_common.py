@@ -64,14 +64,12 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
     `<run_dir>/job.log`. Raises JobError (with the log's tail) if it fails or writes no summary.
     `reuse=True` returns the run already in `run_dir` instead if it completed with the same overrides."""
     run_dir = Path(run_dir).resolve()
-    args = [*BASE_OVERRIDES, *overrides, f"run.dir={run_dir}"]
-    record = run_dir / "bench_job.json"
-    if reuse and record.exists() and (run_dir / "summary.json").exists():
-        rec = json.loads(record.read_text())
-        if rec.get("args") == args:
-            if verbose:
-                print(f"{name}: reusing the finished run in {run_dir}", flush=True)
-            return Job(name, run_dir, args, float(rec["wall_s"]), read_summary(run_dir), read_metrics(run_dir))
+    args = job_args(run_dir, overrides)
+    rec = finished_run(run_dir, overrides) if reuse else None
+    if rec is not None:
+        if verbose:
+            print(f"{name}: reusing the finished run in {run_dir}", flush=True)
+        return Job(name, run_dir, args, float(rec["wall_s"]), read_summary(run_dir), read_metrics(run_dir))
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -95,13 +93,32 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
         raise JobError(f"{name}: edit-train failed (rc={rc}); log {log_path}:\n{tail}")
     job = Job(name, run_dir, list(args), wall, read_summary(run_dir), read_metrics(run_dir))
-    record.write_text(json.dumps({"args": args, "wall_s": wall}))
+    (run_dir / "bench_job.json").write_text(json.dumps({"args": args, "wall_s": wall}))
     if verbose:
         s = job.summary
         print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f}s, val loss "
               f"{s.get('final_val_loss', float('nan')):.4f}, {s.get('cross_group_bytes', 0) / 1e6:.1f} MB "
               "cross-group", flush=True)
     return job
+
+
+def job_args(run_dir: Path, overrides: Sequence[str]) -> list[str]:
+    """The `edit-train` arguments `run_job` passes (and records in `<run_dir>/bench_job.json`)."""
+    return [*BASE_OVERRIDES, *overrides, f"run.dir={Path(run_dir).resolve()}"]
+
+
+def finished_run(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | None:
+    """The `bench_job.json` record of a run in `run_dir` that completed with exactly these overrides
+    (what `run_job(..., reuse=True)` would reuse), else None."""
+    run_dir = Path(run_dir).resolve()
+    record = run_dir / "bench_job.json"
+    if not (record.exists() and (run_dir / "summary.json").exists()):
+        return None
+    try:
+        rec = json.loads(record.read_text())
+    except json.JSONDecodeError:
+        return None
+    return rec if rec.get("args") == job_args(run_dir, overrides) else None
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

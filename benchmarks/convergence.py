@@ -32,11 +32,32 @@ job walls; ~25-35 min when the box is busier).
     python benchmarks/convergence.py --quick          # 4 x 200 steps, H=8, batch 8, seed 0: ~4-8 min
     python benchmarks/convergence.py                  # 4 x 3 seeds x 320 steps, H=8, batch 8 (~25-35 min)
     python benchmarks/convergence.py --steps 400 --interval 16 --seeds 0 1 --out r.json --plot r.png
+
+Tuned mode (`--tune`, `--confirm`, or both): every algorithm gets the same tuning budget, then is confirmed
+on 3 seeds at its best. Every run: `cluster=local cluster.groups=G cluster.shard_size=1`, model=tiny,
+1000 steps, batch 8, seq_len 128, eval every 100 steps on 8 batches; the local-SGD algorithms share
+`algo.interval=H` (8) and `algo.warmup_steps=0`. ALGO_OVERRIDES is not used here.
+  1. --tune, seed 0, 2 clusters: ddp and post_local_sgd: inner lr (`train.lr`) in {2e-3, 3e-3, 5e-3}
+     (post_local_sgd's outer step is plain averaging by definition, outer lr 1 / momentum 0: pinned, not
+     tuned); diloco and edit: outer lr in {0.5, 0.7, 1.0} x outer momentum in {0, 0.5, 0.8} (Nesterov when
+     momentum > 0) at inner lr 3e-3, then the inner lr grid at the best outer point. No outer momentum
+     warm-up (edit_train has none). Best = lowest final val loss (summary.json). 28 runs.
+  2. --confirm: seeds 0 1 2 at each algorithm's best, at 2 and 4 clusters (the seed-0, 2-cluster runs are
+     the tuning runs themselves); per algorithm and cluster count: val loss mean/min/max, ratio to ddp, the
+     targets (edit <= every tuned baseline on every seed, edit <= 1.02 x ddp) and, when edit misses one,
+     why: the modules the anomaly test flagged (sync events of metrics.jsonl), the sweep, the edit/ddp gap
+     along training and across cluster counts. Without --tune it reads the tuning from --tuned (or --out).
+Run directories: <workdir>/tuned/<model>_<steps>steps_H<H>/g<G>/seed<S>/<algo>/<setting>; with --reuse a
+finished run with identical overrides is not run again (an interrupted grid resumes).
+
+    python benchmarks/convergence.py --tune --confirm --quick   # 2x2 outer grid, 1 inner lr, 120 steps, seed 0
+    python benchmarks/convergence.py --tune --confirm --reuse   # 28 tuning + 20 confirm runs (hours on 2 cores)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -44,8 +65,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+import _tuning as T  # noqa: E402
 
 ALGOS = ("ddp", "post_local_sgd", "diloco", "edit")
+TUNE_SEED, TUNE_GROUPS = T.TUNE_SEED, T.TUNE_GROUPS  # tuned mode: the grid runs on seed 0 at 2 clusters
 DEFAULT_OUT = C.RESULTS_DIR / "convergence.json"
 DEFAULT_PLOT = C.RESULTS_DIR / "convergence.png"
 
@@ -61,7 +84,24 @@ ALGO_OVERRIDES: dict[str, list[str]] = {
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run: 200 steps, H=8, batch 8, one seed")
+    ap.add_argument("--quick", action="store_true", help="reduced run: 200 steps, H=8, batch 8, one seed "
+                    "(tuned mode: 2x2 outer grid, inner lr 3e-3 only, 120 steps, 2 clusters, seed 0)")
+    ap.add_argument("--tune", action="store_true",
+                    help="tuned mode, phase 1: the grid per algorithm (seed 0, 2 clusters)")
+    ap.add_argument("--confirm", action="store_true", help="tuned mode, phase 2: --seeds at each algorithm's best, "
+                    "at --clusters cluster counts (after --tune, or from the tuning in --tuned)")
+    ap.add_argument("--tuned", type=Path, default=None,
+                    help="JSON with the tuning (for --confirm alone; default --out)")
+    ap.add_argument("--clusters", type=int, nargs="+", default=None, help="tuned mode: cluster counts to confirm at "
+                    "(default 2 4; --quick: 2)")
+    ap.add_argument("--model", default="tiny", help="tuned mode: model preset (conf/model)")
+    ap.add_argument("--inner-lrs", type=float, nargs="+", default=None, help="tuned mode: train.lr grid "
+                    "(default 2e-3 3e-3 5e-3; --quick: 3e-3)")
+    ap.add_argument("--base-lr", type=float, default=3e-3, help="tuned mode: train.lr of the outer grid")
+    ap.add_argument("--outer-lrs", type=float, nargs="+", default=None, help="tuned mode: algo.outer.lr grid "
+                    "(default 0.5 0.7 1.0; --quick: 0.5 1.0)")
+    ap.add_argument("--outer-momenta", type=float, nargs="+", default=None, help="tuned mode: algo.outer.momentum "
+                    "grid, Nesterov when > 0 (default 0 0.5 0.8; --quick: 0 0.8)")
     ap.add_argument("--steps", type=int, default=None, help="train.steps for every algorithm")
     ap.add_argument("--interval", type=int, default=None, help="H = algo.interval for the local-SGD algorithms")
     ap.add_argument("--batch-size", type=int, default=None, help="train.batch_size (per rank)")
@@ -81,6 +121,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse finished runs in --workdir that had exactly the same overrides")
     a = ap.parse_args(argv)
+    a.tuned_mode = a.tune or a.confirm
+    if a.tuned_mode:
+        a.steps = a.steps or (120 if a.quick else 1000)
+        a.eval_every = a.eval_every if a.eval_every is not None else (20 if a.quick else 100)
+        a.clusters = a.clusters or ([TUNE_GROUPS] if a.quick else [TUNE_GROUPS, 4])
+        a.inner_lrs = a.inner_lrs or ([a.base_lr] if a.quick else [2e-3, 3e-3, 5e-3])
+        a.outer_lrs = a.outer_lrs or ([0.5, 1.0] if a.quick else [0.5, 0.7, 1.0])
+        a.outer_momenta = a.outer_momenta or ([0.0, 0.8] if a.quick else [0.0, 0.5, 0.8])
     a.steps = a.steps or (200 if a.quick else 320)
     a.interval = a.interval or 8
     a.batch_size = a.batch_size or 8
@@ -210,6 +258,8 @@ def run_seed(a: argparse.Namespace, seed: int) -> tuple[dict[str, Any], dict[str
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.tuned_mode:
+        return tuned_main(a)
     t0 = time.perf_counter()
     per_seed: dict[int, dict[str, Any]] = {}
     curves: dict[str, dict[int, tuple[list[float], list[float]]]] = {}
@@ -249,6 +299,100 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           ("min", "min", ".4f"), ("max", "max", ".4f"), ("ratio", "/ddp mean", ".4f"),
                           ("ratio_max", "/ddp max", ".4f")]))
     C.print_targets(tg, a.out, a.plot)
+    return result
+
+
+# --------------------------------------------------------------------------- tuned mode (--tune / --confirm)
+def confirm(a: argparse.Namespace, best: dict[str, T.Setting], run: T.Runner) -> dict[str, Any]:
+    """Phase 2: every seed at each algorithm's best, per cluster count (the tuning runs are reused)."""
+    out: dict[str, Any] = {}
+    for groups in a.clusters:
+        t0 = time.perf_counter()
+        per_seed: dict[int, dict[str, Any]] = {}
+        curves: dict[str, dict[int, tuple[list[int], list[float]]]] = {}
+        edit_jobs = []
+        for seed in a.seeds:
+            jobs = {algo: run(best[algo], seed, groups, reuse=(seed == TUNE_SEED and groups == TUNE_GROUPS))
+                    for algo in a.algos}
+            rows = {n: row_for(j, jobs["ddp"].summary, a.interval) for n, j in jobs.items()}
+            per_seed[seed] = {"results": rows, "targets": targets(rows, a.interval),
+                              "overrides": {n: j.overrides for n, j in jobs.items()}}
+            for n, j in jobs.items():
+                curves.setdefault(n, {})[seed] = T.mean_eval_curve(j)
+            edit_jobs += [jobs["edit"]] if "edit" in jobs else []
+        summary, _ = across_seeds(per_seed)
+        out[str(groups)] = {
+            "summary": summary, "targets": T.tuned_targets(per_seed), "per_seed": per_seed,
+            "flagged_modules": T.flagged_modules(edit_jobs),
+            "gap_vs_step": T.gap_vs_step([curves["edit"][s] for s in a.seeds], [curves["ddp"][s] for s in a.seeds])
+            if "edit" in curves else [],
+            "curves": {n: {str(s): {"steps": c[0], "val_loss": c[1]} for s, c in by.items()}
+                       for n, by in curves.items()},
+            "wall_s": time.perf_counter() - t0}
+    return out
+
+
+def tuned_main(a: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    tu: dict[str, Any] | None = None
+    if not a.tune:
+        src = a.tuned or a.out
+        tu = json.loads(Path(src).read_text()).get("tune") if Path(src).exists() else None
+        if not tu:
+            raise SystemExit(f"--confirm without --tune needs the tuning in {src} (run --tune first)")
+        missing = [x for x in a.algos if x not in tu["best"]]
+        if missing:
+            raise SystemExit(f"{src} has no tuning for {missing}")
+        for k in ("model", "steps", "interval"):
+            if tu.get(k) != getattr(a, k):
+                print(f"warning: the tuning in {src} was at {k}={tu.get(k)}, this run uses {getattr(a, k)}")
+    n_tune = T.planned_tune_runs(a.algos, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta) if a.tune else 0
+    plan = [TUNE_GROUPS] * n_tune
+    if a.confirm:
+        plan += [G for G in a.clusters for s in a.seeds
+                 if not (a.tune and G == TUNE_GROUPS and s == TUNE_SEED) for _ in a.algos]
+    print(f"tuned mode: {len(plan)} runs ({n_tune} tuning at seed {TUNE_SEED} x {TUNE_GROUPS} clusters, "
+          f"{len(plan) - n_tune} confirming at seeds {a.seeds} x clusters {a.clusters if a.confirm else []}); "
+          f"{a.model}, {a.steps} steps, batch {a.batch_size}, seq {a.seq_len}, H={a.interval}; "
+          "ETA after the first run", flush=True)
+    run = T.Runner(a, T.Progress(plan))
+    setup = {"cluster": "local (cluster.groups=G cluster.shard_size=1)", "model": a.model, "steps": a.steps,
+             "interval": a.interval, "warmup_steps": 0, "batch_size": a.batch_size, "seq_len": a.seq_len,
+             "eval_every": a.eval_every, "eval_batches": a.eval_batches, "tune_seed": TUNE_SEED,
+             "tune_groups": TUNE_GROUPS, "seeds": a.seeds, "clusters": a.clusters, "inner_lrs": a.inner_lrs,
+             "base_lr": a.base_lr, "outer_lrs": a.outer_lrs, "outer_momenta": a.outer_momenta,
+             "post_local_sgd_outer": "averaging: outer SGD lr 1, momentum 0 (by definition, not tuned)",
+             "outer_momentum_warmup": "none", "extra_overrides": a.extra, "algo_set": a.algo_set}
+    result: dict[str, Any] = {"benchmark": "convergence", "mode": "tuned", "quick": a.quick, "setup": setup}
+    if a.tune:
+        tu = T.tune(a, run)
+        T.print_tune(tu)
+    assert tu is not None
+    result["tune"] = tu
+    C.write_json(a.out, {**result, "wall_s": time.perf_counter() - t0, "env": C.environment()})
+    curves = {TUNE_GROUPS: {n: (b["curve"]["steps"], b["curve"]["val_loss"]) for n, b in tu["best"].items()
+                            if n in a.algos}}
+    if a.confirm:
+        best = {algo: T.Setting.from_dict(tu["best"][algo]) for algo in a.algos}
+        co = result["confirm"] = confirm(a, best, run)
+        first = str(a.clusters[0])  # the old contract's summary/targets/per_seed: the first cluster count
+        result.update({k: co[first][k] for k in ("summary", "targets", "per_seed")})
+        s0 = str(a.seeds[0])
+        curves = {int(G): {n: (c[s0]["steps"], c[s0]["val_loss"]) for n, c in g["curves"].items()}
+                  for G, g in co.items()}
+    wall = time.perf_counter() - t0
+    result.update({"wall_s": wall, "env": C.environment()})
+    C.write_json(a.out, result)
+    labels = {n: b["label"] for n, b in tu["best"].items()}
+    T.plot(curves, labels, tu["outer_grid"], a.plot,
+           f"{a.model} MoE, {a.steps} steps, batch {a.batch_size}x{a.seq_len}, H={a.interval}, each algorithm "
+           f"tuned on seed {TUNE_SEED} at {TUNE_GROUPS} clusters; curves: seed "
+           f"{a.seeds[0] if a.confirm else TUNE_SEED}")
+    if a.confirm:
+        T.print_confirm(a, tu, result["confirm"])
+    print(f"wrote {a.out} and {a.plot}")
+    print(f"tuned mode wall {wall / 60:.1f} min ({run.progress.done_n} runs, {run.progress.reused} reused; "
+          f"sum of the trained runs' walls {sum(w for _, w in run.progress.walls) / 60:.1f} min)")
     return result
 
 

@@ -1,32 +1,54 @@
-"""EDiT's anomaly-aware penalty under an injected fault: clean vs faulty vs faulty with the penalty off.
+"""The `verified` aggregation rule against one faulty cluster: is it left out, and what does the fault cost?
 
-Three `algo=edit` runs of the tiny MoE on `cluster=local_2x1` (2 groups x 1 shard), same seed and data:
-  * clean       — no fault;
-  * faulty      — group 1 misbehaves for steps [start, end) (`garbage_data`: it trains on uniform random
-                  tokens; `--fault lr_spike`: its inner LR is multiplied by `--factor`), full penalty;
-  * penalty_off — the same fault with `algo.penalty.anomaly=false algo.penalty.weighting=uniform
-                  algo.penalty.clip=false` (plain DiLoCo-style averaging of the pseudo-gradients).
-The window starts after the EWMA warm-up: anomaly detection is live from sync W+1 on (W =
-`algo.penalty.warmup_syncs`; the benchmark sets W = 5 for all three runs to fit a short run, the conf default
-is 10), i.e. from step (W+1)*H, so the default start is (W+1)*H.
+For every fault kind (training-side: `garbage_data`, `lr_spike` ×`--lr-factor`; at the transport:
+`sign_flip`, `random_direction`, `lie_norm`, `nan_payload`), every cluster count N (`cluster=local
+cluster.groups=N cluster.shard_size=1`) and every seed, `algo=edit` (layer-wise, H = `algo.interval` = 8,
+W = `algo.penalty.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
+`train.spike_factor=0`) with cluster c1 faulty for steps [56, 152), against references with the same N and
+seed: `clean` (no fault) and an ORACLE — the same fault, but a rule that knows the window
+(`benchmarks/_oracle_rule.py`, `algo.penalty.rule=_oracle_rule:OracleRule`) drops exactly c1's window syncs
+and is the `verified` rule otherwise: what the lost tokens cost. The oracle is not one run for every kind:
+a training-side fault leaves c1's replica and AdamW state off after the window (measured, 2 clusters, seed 0:
+the garbage_data oracle ends 1.2 % above an oracle whose c1 trained healthily), so each training-side kind
+has its own (`oracle_garbage_data`, `oracle_lr_spike`); a payload fault leaves c1's training healthy and
+its contributions are dropped anyway, so the four share `oracle_payload` (no fault, syncs 7..18 dropped).
 
-Reported: the syncs whose pseudo-gradient window [step - local_steps, step) overlaps the fault window; the
-syncs at which group 1 was flagged anomalous (`sync` events, with the modules) in the faulty run; false
-flags (outside the window, or on group 0); the final validation loss of each run, faulty/clean (target <= 1.01)
-and penalty_off/clean (expected measurably worse). JSON + plot (val loss vs step, fault window shaded,
-anomaly markers; group 1's pseudo-gradient norm per sync) + a printed table.
+The window: sync k is taken at step k·H. The norm test is live from sync W+1 (step 48), the direction test
+from sync W+2 (step 56: the reference exists from sync 1, so its statistics hold W values by then), so the
+window starts at step 56 when every test is warm. A payload fault corrupts what is sent during its steps:
+syncs 7..18 (steps 56..144); a training-side fault contaminates the syncs whose local steps [step − H, step)
+overlap it: syncs 8..19 (steps 64..152). 12 syncs either way: the usefulness probe scores an update one sync
+late, so a fault only it catches is missed at the window's first sync (1 of 12 = 8 %, inside the 10 %
+allowance), and the 11 syncs after the window show the recovery.
 
-Seeds: the default preset repeats the three runs for seeds 0, 1, 2 and reports mean and min..max of each
-run's loss and of the ratios; the targets must hold on every seed. The plot shows the first seed.
+Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
+  * c1's `weight` is 0 (left out of every module) in >= 90 % of the window's syncs (min over seeds);
+  * false flags on the clean runs <= 1 % per check (a check = one cluster × one module × one sync, all
+    syncs; flagged modules counted from `anomalous_modules` of every cluster);
+  * final val loss <= 1.01 × clean and <= 1.005 × oracle (one-sided: better than the oracle is fine);
+  * NaN never reaches an anchor: every tensor of `checkpoints/<cluster>/step_*/rank*-outer.safetensors`
+    (anchors and outer Nesterov momentum) at the end of every run is finite (`checkpoint.at_end=true`,
+    unlike `_common.BASE_OVERRIDES`). A non-finite outer step would leave the momentum non-finite for
+    good, so the end-of-run check covers the whole run;
+  * and, as a check of the benchmark, every oracle dropped exactly its window's syncs.
+JSON (`--out`) + plot (`--plot`: every cluster's weight per sync for each kind, first seed, smallest N;
+val loss / clean and / oracle per kind and N) + printed tables.
 
-    python benchmarks/penalty_faults.py --quick                    # 3 x 240 steps, H=8, W=5, seed 0
-    python benchmarks/penalty_faults.py --quick --fault lr_spike --factor 20
-    python benchmarks/penalty_faults.py                            # 3 seeds x 3 x 240 steps, H=8, W=5
+    python benchmarks/penalty_faults.py --quick   # N=2, seed 0, garbage_data sign_flip nan_payload: 6 runs
+    python benchmarks/penalty_faults.py           # N=2,3,4 × seeds 0,1,2 × (clean + 3 oracles + 6 kinds): 90 runs
+    python benchmarks/penalty_faults.py --kinds lie_norm --clusters 3 --seeds 0 --reuse
+
+Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs) ~5 min with the cores
+nearly free (a 2-cluster run 47-54 s), 11.7 min with them shared (88-151 s a run). A 4-cluster run costs
+~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
+better guide). Runs are deterministic: a rerun gives the same val losses to the last digit.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,219 +56,294 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from convergence import spread  # noqa: E402
+import _oracle_rule  # noqa: E402
+from _penalty_faults_plot import plot  # noqa: E402
 
-PENALTY_OFF = ["algo.penalty.anomaly=false", "algo.penalty.weighting=uniform", "algo.penalty.clip=false"]
-FAULT_GROUP = 1
+KINDS = ("garbage_data", "lr_spike", "sign_flip", "random_direction", "lie_norm", "nan_payload")
+TRAINING_SIDE = ("garbage_data", "lr_spike")  # the rest corrupt what is sent (sim/byzantine.py)
+QUICK_KINDS = ("garbage_data", "sign_flip", "nan_payload")
+FAULT_GROUP, FAULTY = 1, "c1"
+TARGETS = {"weight0_share": 0.9, "false_flags": 0.01, "vs_clean": 1.01, "vs_oracle": 1.005}
+ORACLE_RULE = "algo.penalty.rule=_oracle_rule:OracleRule"
+
+
+def oracle_of(kind: str) -> str:
+    """The oracle run a fault kind is compared with (a payload fault leaves c1's training healthy)."""
+    return f"oracle_{kind}" if kind in TRAINING_SIDE else "oracle_payload"
+
+
+def window_kind(run: str) -> str | None:
+    """The fault kind whose window a run's syncs are counted against (None: the clean run)."""
+    kind = run.removeprefix("oracle_")
+    return None if run == "clean" else "sign_flip" if kind == "payload" else kind
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="reduced run: 240 steps, H=8, W=5, batch 8, one seed")
-    ap.add_argument("--fault", choices=("garbage_data", "lr_spike", "nan_grad"), default="garbage_data")
-    ap.add_argument("--factor", type=float, default=20.0, help="LR multiplier for --fault lr_spike")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--interval", type=int, default=None, help="H = algo.interval")
-    ap.add_argument("--warmup-syncs", type=int, default=None, help="algo.penalty.warmup_syncs (W)")
-    ap.add_argument("--start", type=int, default=None, help="first faulty step (0-based); default (W+1)*H")
-    ap.add_argument("--end", type=int, default=None, help="end of the window (exclusive); default start + 8*H")
-    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="2 clusters, seed 0, garbage_data sign_flip nan_payload")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=None)
+    ap.add_argument("--clusters", type=int, nargs="+", default=None, help="cluster counts (default 2 3 4)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2; --quick: 0")
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--interval", type=int, default=8, help="H = algo.interval")
+    ap.add_argument("--warmup-syncs", type=int, default=5, help="W = algo.penalty.warmup_syncs")
+    ap.add_argument("--start", type=int, default=None, help="first faulty step; default (W+2)*H")
+    ap.add_argument("--end", type=int, default=None, help="end of the window (exclusive); default start + 12*H")
+    ap.add_argument("--lr-factor", type=float, default=10.0, help="inner LR multiplier of lr_spike")
+    ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=48)
     ap.add_argument("--eval-batches", type=int, default=8)
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default 0 1 2; --quick: 0)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra override for all three runs (repeatable)")
+                    help="extra override for every run (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "penalty_faults")
-    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "penalty_faults.json")
-    ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "penalty_faults.png")
+    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "penalty_faults.json")
+    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "docs" / "penalty_faults.png")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
-    ap.add_argument("--reuse", action="store_true",
-                    help="reuse finished runs in --workdir that had exactly the same overrides")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished runs in --workdir with the same overrides")
     a = ap.parse_args(argv)
-    a.steps = a.steps or 240
-    a.interval = a.interval or 8
-    a.warmup_syncs = a.warmup_syncs if a.warmup_syncs is not None else 5
-    a.batch_size = a.batch_size or 8
-    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
-    a.eval_every = a.eval_every or (2 * a.interval)
-    a.start = a.start if a.start is not None else (a.warmup_syncs + 1) * a.interval
-    a.end = a.end if a.end is not None else a.start + 8 * a.interval
-    if a.start < (a.warmup_syncs + 1) * a.interval:
-        print(f"warning: the window starts at step {a.start}, before anomaly detection is live "
-              f"(step {(a.warmup_syncs + 1) * a.interval} = (W+1)*H)", flush=True)
-    if not 0 <= a.start < a.end <= a.steps:
-        ap.error(f"fault window [{a.start}, {a.end}) must lie inside [0, {a.steps})")
+    a.kinds = a.kinds or list(QUICK_KINDS if a.quick else KINDS)
+    a.clusters = a.clusters or ([2] if a.quick else [2, 3, 4])
+    a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])
+    a.start = a.start if a.start is not None else (a.warmup_syncs + 2) * a.interval
+    a.end = a.end if a.end is not None else a.start + 12 * a.interval
+    if min(a.clusters) < 2:
+        ap.error("--clusters: the faulty cluster c1 needs at least 2 clusters")
+    if not 0 <= a.start < a.end <= a.steps - a.interval:
+        ap.error(f"fault window [{a.start}, {a.end}) must lie inside [0, {a.steps - a.interval}) (a sync after it)")
+    if a.start < (a.warmup_syncs + 2) * a.interval:
+        print(f"warning: the window starts at step {a.start}, before every test is warm (step "
+              f"{(a.warmup_syncs + 2) * a.interval} = (W+2)*H)", flush=True)
     return a
 
 
-def fault_spec(a: argparse.Namespace) -> str:
-    fields = f"kind:{a.fault},group:{FAULT_GROUP},start:{a.start},end:{a.end}"
-    if a.fault == "lr_spike":
-        fields += f",factor:{a.factor}"
-    return f"faults=[{{{fields}}}]"
+def window_syncs(a: argparse.Namespace, kind: str, steps: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """The syncs a fault on [start, end) concerns. `steps`: sync -> (step, local steps) from the events;
+    None: the schedule (sync k at step k·H)."""
+    if steps is None:
+        steps = {k: (k * a.interval, a.interval) for k in range(1, a.steps // a.interval + 1)}
+    if kind in TRAINING_SIDE:
+        return sorted(k for k, (s, n) in steps.items() if s - n < a.end and s > a.start)
+    return sorted(k for k, (s, _) in steps.items() if a.start <= s < a.end)
 
 
-def common_overrides(a: argparse.Namespace, seed: int) -> list[str]:
-    return ["cluster=local_2x1", "algo=edit", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
+def fault_spec(a: argparse.Namespace, kind: str) -> str:
+    fields = f"kind:{kind},group:{FAULT_GROUP},start:{a.start},end:{a.end}"
+    return f"faults=[{{{fields}{f',factor:{a.lr_factor}' if kind == 'lr_spike' else ''}}}]"
+
+
+def common_overrides(a: argparse.Namespace, n: int, seed: int) -> list[str]:
+    return ["model=tiny", "algo=edit", "cluster=local", f"cluster.groups={n}", "cluster.shard_size=1",
+            "checkpoint.at_end=true",  # the anchors are checked for NaN (BASE_OVERRIDES turns it off)
+            "algo.penalty.rule=verified", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
             f"train.eval_batches={a.eval_batches}", f"algo.interval={a.interval}", "algo.warmup_steps=0",
             f"algo.penalty.warmup_syncs={a.warmup_syncs}", *a.extra]
 
 
-def sync_table(job: C.Job, start: int, end: int) -> dict[str, Any]:
-    """Anomaly flags per group vs the syncs whose local steps overlap [start, end).
+def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str, str]]]:
+    """(clusters, seed, run, overrides, extra environment) of every run, in order."""
+    out = []
+    for n in a.clusters:
+        for seed in a.seeds:
+            base = common_overrides(a, n, seed)
+            out.append((n, seed, "clean", base, {}))
+            for oracle in dict.fromkeys(oracle_of(k) for k in a.kinds):
+                kind = window_kind(oracle)
+                win = window_syncs(a, kind)
+                fault = [fault_spec(a, kind)] if kind in TRAINING_SIDE else []
+                spec = f"{FAULTY}:{win[0]}:{win[-1]}"  # run.name: the window is in the overrides (--reuse)
+                out.append((n, seed, oracle, [*base, *fault, ORACLE_RULE, f"run.name=oracle-{spec.replace(':', '-')}"],
+                            {_oracle_rule.ENV: spec}))
+            out += [(n, seed, k, [*base, fault_spec(a, k)], {}) for k in a.kinds]
+    return out
 
-    `flagged_*` = group 1 had any module flagged; `specific_*` = group 1 had a module flagged that group 0
-    did not (flags shared by both groups come from the EWMA statistics, not from the fault)."""
-    by_sync: dict[int, dict[int, dict[str, Any]]] = {}
+
+def run_with_env(name: str, run_dir: Path, overrides: list[str], env: dict[str, str],
+                 a: argparse.Namespace) -> C.Job:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return C.run_job(name, run_dir, overrides, timeout=a.timeout, reuse=a.reuse)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
+    """(files checked, non-finite 'file:tensor's, module names) over every cluster's last checkpoint."""
+    from safetensors.torch import load_file
+
+    files = sorted(run_dir.glob("checkpoints/*/step_*/rank*-outer.safetensors"))
+    if not files:
+        raise C.JobError(f"{run_dir}: no checkpoints/<cluster>/step_*/rank*-outer.safetensors")
+    bad, modules = [], set()
+    for f in files:
+        for key, t in load_file(str(f)).items():
+            modules.add(key.rsplit("/", 2)[0])
+            if t.is_floating_point() and not bool(t.isfinite().all()):
+                bad.append(f"{f.relative_to(run_dir)}:{key}")
+    return len(files), bad, sorted(modules)
+
+
+def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trace: bool) -> dict[str, Any]:
+    """Per-run numbers: c1's weight over the window syncs, flags per check, anchors, val loss."""
+    by: dict[int, dict[str, dict[str, Any]]] = {}
     for e in job.events("sync"):
-        by_sync.setdefault(int(e["sync"]), {})[int(e["group"])] = e
-    g1 = [by_sync[k][FAULT_GROUP] for k in sorted(by_sync) if FAULT_GROUP in by_sync[k]]
-    overlap = [e["sync"] for e in g1 if e["step"] - e["local_steps"] < end and e["step"] > start]
-
-    def mods(e: dict[str, Any] | None) -> set[str]:
-        return set(e.get("anomalous_modules", [])) if e and e.get("anomalous") else set()
-
-    flagged = [e["sync"] for e in g1 if e["anomalous"]]
-    specific = [e["sync"] for e in g1 if mods(e) - mods(by_sync[e["sync"]].get(1 - FAULT_GROUP))]
-    flagged_g0 = [k for k in sorted(by_sync) if mods(by_sync[k].get(1 - FAULT_GROUP))]
-    return {
-        "overlapping_syncs": overlap,
-        "overlapping_steps": [e["step"] for e in g1 if e["sync"] in overlap],
-        "flagged_syncs_group1": flagged,
-        "flagged_steps_group1": [e["step"] for e in g1 if e["anomalous"]],
-        "specific_syncs_group1": specific,
-        "flagged_modules_group1": {str(e["sync"]): e.get("anomalous_modules", []) for e in g1 if e["anomalous"]},
-        "flagged_modules_group0": {str(k): sorted(mods(by_sync[k].get(1 - FAULT_GROUP))) for k in flagged_g0},
-        "detected": sorted(set(flagged) & set(overlap)),
-        "missed": sorted(set(overlap) - set(flagged)),
-        "false_flags_group1": sorted(set(flagged) - set(overlap)),
-        "specific_outside_window": sorted(set(specific) - set(overlap)),
-        "flagged_syncs_group0": flagged_g0,
-        "recall": len(set(flagged) & set(overlap)) / max(len(overlap), 1),
-        "group1_weight_in_window": [round(e["weight"], 4) for e in g1 if e["sync"] in overlap],
+        by.setdefault(int(e["sync"]), {})[str(e["cluster"])] = e
+    syncs = sorted(by)
+    steps = {k: (int(by[k][FAULTY]["step"]), int(by[k][FAULTY]["local_steps"])) for k in syncs if FAULTY in by[k]}
+    kind = window_kind(run)
+    win = [] if kind is None else window_syncs(a, kind, steps)
+    c1 = {k: by[k][FAULTY] for k in steps}
+    zero = [k for k in win if float(c1[k]["weight"]) <= 1e-12]
+    files, nonfinite, modules = anchor_check(job.run_dir)
+    events = [e for k in syncs for e in by[k].values()]
+    checks = len(events) * len(modules)
+    flags = sum(len(e.get("anomalous_modules", [])) for e in events)
+    honest = [e for e in events if e["cluster"] != FAULTY]
+    honest_flags = sum(len(e.get("anomalous_modules", [])) for e in honest)
+    reasons = {k: sorted({r for d in c1[k].get("anomaly_details", {}).values() for r in d.get("reasons", [])})
+               for k in c1 if c1[k].get("anomalous")}
+    _, losses = job.eval_curve()
+    s = job.summary
+    rec: dict[str, Any] = {
+        "clusters": n, "seed": seed, "run": run, "faulty": FAULTY, "final_val_loss": s.get("final_val_loss"),
+        "window_syncs": win, "weight0_syncs": zero, "weight0_share": len(zero) / len(win) if win else None,
+        "c1_weight_in_window": [round(float(c1[k]["weight"]), 4) for k in win],
+        "c1_flag_reasons": {str(k): v for k, v in reasons.items()},
+        "c1_dropped_outside_window": [k for k in c1 if k not in win and float(c1[k]["weight"]) <= 1e-12],
+        "checks": checks, "flags": flags, "false_flag_rate": flags / checks if run == "clean" and checks else None,
+        "honest_flags": honest_flags, "honest_flag_rate": honest_flags / max(len(honest) * len(modules), 1),
+        "anchor_files": files, "nonfinite_anchor_tensors": nonfinite[:20], "nan_in_anchors": bool(nonfinite),
+        "val_losses_finite": all(math.isfinite(v) for v in [*losses, s.get("final_val_loss", math.nan)]),
+        "syncs": len(syncs), "modules": modules, "job_wall_s": job.wall_s, "run_dir": job.run_dir,
     }
+    if run.startswith("oracle_"):
+        rec["oracle_dropped"] = [k for k in c1 if "oracle" in reasons.get(k, [])]
+        rec["oracle_window_ok"] = rec["oracle_dropped"] == win
+    if trace:
+        rec["trace"] = {"syncs": syncs, "steps": [next(iter(by[k].values()))["step"] for k in syncs],
+                        "weights": {c: [round(float(by[k][c]["weight"]), 4) if c in by[k] else None for k in syncs]
+                                    for c in sorted({c for k in syncs for c in by[k]})},
+                        "anomalous": {c: [k for k in syncs if c in by[k] and by[k][c].get("anomalous")]
+                                      for c in sorted({c for k in syncs for c in by[k]})}}
+    return rec
 
 
-def plot(jobs: dict[str, C.Job], a: argparse.Namespace, path: Path) -> Path:
-    plt = C.pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    colors = {"clean": "tab:green", "faulty": "tab:blue", "penalty_off": "tab:red"}
-    for name, job in jobs.items():
-        steps, losses = job.eval_curve()
-        ax.plot(steps[1:], losses[1:], marker="o", ms=3, color=colors[name], label=name)
-    ax.axvspan(a.start, a.end, color="orange", alpha=0.2, label=f"{a.fault} on group {FAULT_GROUP}")
-    det = sync_table(jobs["faulty"], a.start, a.end)
-    specific = set(det["specific_syncs_group1"])
-    labelled: set[bool] = set()
-    for k, st in zip(det["flagged_syncs_group1"], det["flagged_steps_group1"]):
-        own = k in specific
-        kind = "group 1 only" if own else "group 0 too"
-        ax.axvline(st, color="black" if own else "grey", ls=":" if own else "--", lw=1,
-                   label=None if own in labelled else f"faulty: group 1 flagged ({kind})")
-        labelled.add(own)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"EDiT, 2 groups, H={a.interval}: {a.fault} on group {FAULT_GROUP}")
-    ax.legend(fontsize=8)
-    for name, job in jobs.items():
-        ev = [e for e in job.events("sync") if e["group"] == FAULT_GROUP and e.get("pseudo_grad_norm") is not None]
-        ax2.plot([e["step"] for e in ev], [e["pseudo_grad_norm"] for e in ev], marker=".", color=colors[name],
-                 label=f"{name}: group 1 ||Δ||")
-        bad = [e for e in ev if e["anomalous"]]
-        if bad:
-            ax2.scatter([e["step"] for e in bad], [e["pseudo_grad_norm"] for e in bad], marker="x", s=60,
-                        color=colors[name], zorder=5, label=f"{name}: group 1 flagged (any module)")
-    ax2.axvspan(a.start, a.end, color="orange", alpha=0.2)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("step (sync)")
-    ax2.set_ylabel("group 1 pseudo-gradient norm (whole model)")
-    ax2.legend(fontsize=8)
-    for x in (ax, ax2):
-        x.grid(alpha=0.3)
-    return C.save_fig(fig, path)
+def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per (clusters, kind) over the seeds (the oracles too)."""
+    ref = {(r["clusters"], r["seed"], r["run"]): r for r in runs}
+    rows = []
+    for n in a.clusters:
+        for kind in [*a.kinds, *dict.fromkeys(oracle_of(k) for k in a.kinds)]:
+            rs = [r for r in runs if r["clusters"] == n and r["run"] == kind]
+            if not rs:
+                continue
+            vs_c = [r["final_val_loss"] / ref[(n, r["seed"], "clean")]["final_val_loss"] for r in rs]
+            oracle = kind.startswith("oracle_")
+            vs_o = [] if oracle else [r["final_val_loss"] / ref[(n, r["seed"], oracle_of(kind))]["final_val_loss"]
+                                      for r in rs]
+            clean_ff = [ref[(n, r["seed"], "clean")]["false_flag_rate"] for r in rs]
+            shares = [r["weight0_share"] for r in rs]
+            row = {"clusters": n, "kind": kind, "seeds": [r["seed"] for r in rs],
+                   "weight0_min": min(shares), "weight0_mean": sum(shares) / len(shares),
+                   "clean_ff_max": max(clean_ff), "honest_ff_max": max(r["honest_flag_rate"] for r in rs),
+                   "vs_clean_mean": sum(vs_c) / len(vs_c), "vs_clean_worst": max(vs_c),
+                   "vs_oracle_mean": sum(vs_o) / len(vs_o) if vs_o else None,
+                   "vs_oracle_worst": max(vs_o, default=None),
+                   "nan": any(r["nan_in_anchors"] or not r["val_losses_finite"] for r in rs)}
+            if oracle:
+                row["ok"] = all(r["oracle_window_ok"] for r in rs) and not row["nan"]
+            else:
+                row["ok"] = (row["weight0_min"] >= TARGETS["weight0_share"] and row["clean_ff_max"]
+                             <= TARGETS["false_flags"] and row["vs_clean_worst"] <= TARGETS["vs_clean"]
+                             and row["vs_oracle_worst"] <= TARGETS["vs_oracle"] and not row["nan"])
+            rows.append(row)
+    return rows
 
 
-def run_seed(a: argparse.Namespace, seed: int) -> tuple[dict[str, Any], dict[str, C.Job]]:
-    base, fault = common_overrides(a, seed), fault_spec(a)
-    plan = {"clean": base, "faulty": [*base, fault], "penalty_off": [*base, fault, *PENALTY_OFF]}
-    jobs = {n: C.run_job(f"{n} seed {seed}", a.workdir / f"seed{seed}" / n, ov, timeout=a.timeout,
-                         reuse=a.reuse) for n, ov in plan.items()}
-    for n, j in jobs.items():
-        j.name = n
-    clean = jobs["clean"].summary["final_val_loss"]
-    rows = {}
-    for name, job in jobs.items():
-        s = job.summary
-        rows[name] = {"run": name, "final_val_loss": s["final_val_loss"],
-                      "ratio_vs_clean": s["final_val_loss"] / clean, "anomalies": s.get("anomalies"),
-                      "anomalies_group1": s["per_cluster"][f"c{FAULT_GROUP}"].get("anomalies"),
-                      "syncs": s.get("syncs"), "cross_group_bytes": s.get("cross_group_bytes"),
-                      "job_wall_s": job.wall_s, "run_dir": job.run_dir}
-    detection = {n: sync_table(j, a.start, a.end) for n, j in jobs.items()}
-    r_f, r_off = rows["faulty"]["ratio_vs_clean"], rows["penalty_off"]["ratio_vs_clean"]
-    tg = {"faulty_over_clean": r_f, "faulty_le_1.01x_clean": r_f <= 1.01,
-          "penalty_off_over_clean": r_off, "penalty_off_worse_than_faulty": r_off > r_f,
-          "penalty_off_minus_faulty": rows["penalty_off"]["final_val_loss"] - rows["faulty"]["final_val_loss"]}
-    curves = {n: dict(zip(("step", "val_loss"), j.eval_curve())) for n, j in jobs.items()}
-    return {"results": rows, "detection": detection, "targets": tg, "curves": curves,
-            "overrides": {n: j.overrides for n, j in jobs.items()}}, jobs
+def targets(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    faulty = [r for r in rows if not r["kind"].startswith("oracle_")]
+    worst = {"weight0_share": min((r["weight0_min"] for r in faulty), default=None),
+             "false_flags": max((r["false_flag_rate"] for r in runs if r["run"] == "clean"), default=None),
+             "vs_clean": max((r["vs_clean_worst"] for r in faulty), default=None),
+             "vs_oracle": max((r["vs_oracle_worst"] for r in faulty), default=None)}
+    out = {}
+    for key, what in (("weight0_share", "c1 weight 0 in >= 90% of window syncs (min)"),
+                      ("false_flags", "clean false flags per check <= 1% (max)"),
+                      ("vs_clean", "final val loss / clean <= 1.01 (worst)"),
+                      ("vs_oracle", "final val loss / oracle <= 1.005 (worst)")):
+        v, bound = worst[key], TARGETS[key]
+        ok = v is not None and (v >= bound if key == "weight0_share" else v <= bound)
+        out[what] = {"value": v, "bound": bound, "pass": ok}
+    bad = [f"{r['clusters']}/{r['seed']}/{r['run']}" for r in runs
+           if r["nan_in_anchors"] or not r["val_losses_finite"]]
+    out["no NaN in any anchor (end checkpoints, every run)"] = {"value": bad, "pass": not bad}
+    miss = [f"{r['clusters']}/{r['seed']}/{r['run']}" for r in runs if not r.get("oracle_window_ok", True)]
+    out["every oracle dropped exactly its window syncs"] = {"value": miss, "pass": not miss}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    bench = str(C.BENCH_DIR)  # the oracle rule is imported by every edit-train process
+    os.environ["PYTHONPATH"] = os.pathsep.join([bench, *[p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p and p != bench]])
+    todo = plan(a)
+    oracles = list(dict.fromkeys(oracle_of(k) for k in a.kinds))
+    print(f"{len(todo)} runs: clusters {a.clusters} × seeds {a.seeds} × (clean + {' '.join(oracles)} + "
+          f"{' '.join(a.kinds)}); fault on {FAULTY} for steps [{a.start}, {a.end}), {a.steps} steps, H={a.interval},"
+          f" W={a.warmup_syncs}; window syncs: payload {window_syncs(a, 'sign_flip')}, "
+          f"training-side {window_syncs(a, 'garbage_data')}", flush=True)
     t0 = time.perf_counter()
-    per_seed: dict[int, dict[str, Any]] = {}
-    first: dict[str, C.Job] = {}
-    for seed in a.seeds:
-        per_seed[seed], jobs = run_seed(a, seed)
-        first = first or jobs
-    summary = {n: {"final_val_loss": spread([ps["results"][n]["final_val_loss"] for ps in per_seed.values()]),
-                   "ratio_vs_clean": spread([ps["results"][n]["ratio_vs_clean"] for ps in per_seed.values()])}
-               for n in ("clean", "faulty", "penalty_off")}
-    every = lambda key: all(ps["targets"][key] for ps in per_seed.values())  # noqa: E731
-    targets = {"faulty_le_1.01x_clean_every_seed": every("faulty_le_1.01x_clean"),
-               "penalty_off_worse_than_faulty_every_seed": every("penalty_off_worse_than_faulty"),
-               "faulty_over_clean_per_seed": [ps["targets"]["faulty_over_clean"] for ps in per_seed.values()],
-               "penalty_off_over_clean_per_seed": [ps["targets"]["penalty_off_over_clean"]
-                                                   for ps in per_seed.values()],
-               "group1_flagged_in_window_per_seed": [ps["detection"]["faulty"]["recall"] for ps in per_seed.values()],
-               "false_flags_clean_run_per_seed": [len(ps["detection"]["clean"]["flagged_syncs_group1"])
-                                                  + len(ps["detection"]["clean"]["flagged_syncs_group0"])
-                                                  for ps in per_seed.values()]}
+    runs: list[dict[str, Any]] = []
+    spent, spent_n = 0.0, 0  # seconds and cluster-runs of the runs not reused (ETA: cost ∝ cluster count)
+    for i, (n, seed, run, overrides, env) in enumerate(todo):
+        t = time.perf_counter()
+        job = run_with_env(f"[{i + 1}/{len(todo)}] n{n} seed {seed} {run}", a.workdir / f"n{n}" / f"seed{seed}" / run,
+                           overrides, env, a)
+        if time.perf_counter() - t > 1.0:
+            spent, spent_n = spent + time.perf_counter() - t, spent_n + n
+        runs.append(measure(job, a, n, seed, run, trace=seed == a.seeds[0]))
+        left = sum(m for m, *_ in todo[i + 1:])
+        if spent_n and left:
+            print(f"  ETA ~{spent / spent_n * left / 60:.0f} min for the {len(todo) - i - 1} runs left", flush=True)
+    rows = aggregate(runs, a)
+    tg = targets(runs, rows)
     wall = time.perf_counter() - t0
     result = {
         "benchmark": "penalty_faults", "quick": a.quick,
-        "setup": {"fault": a.fault, "factor": a.factor if a.fault == "lr_spike" else None, "group": FAULT_GROUP,
-                  "window": [a.start, a.end], "steps": a.steps, "interval": a.interval,
-                  "warmup_syncs": a.warmup_syncs, "detection_live_from_step": (a.warmup_syncs + 1) * a.interval,
-                  "batch_size": a.batch_size, "seq_len": a.seq_len, "seeds": a.seeds},
-        "summary": summary, "targets": targets, "per_seed": per_seed, "wall_s": wall, "env": C.environment(),
+        "setup": {"kinds": a.kinds, "clusters": a.clusters, "seeds": a.seeds, "faulty": FAULTY,
+                  "window": [a.start, a.end], "window_syncs": {"payload": window_syncs(a, "sign_flip"),
+                                                               "training_side": window_syncs(a, "garbage_data")},
+                  "steps": a.steps, "interval": a.interval, "warmup_syncs": a.warmup_syncs,
+                  "lr_factor": a.lr_factor, "batch_size": a.batch_size, "seq_len": a.seq_len,
+                  "targets": TARGETS, "extra": a.extra},
+        "rows": rows, "targets": tg, "runs": runs, "wall_s": wall, "env": C.environment(),
     }
     C.write_json(a.out, result)
-    plot(first, a, a.plot)
-    cols = [("run", "run", ""), ("final_val_loss", "val loss", ".4f"), ("ratio_vs_clean", "/clean", ".4f"),
-            ("anomalies_group1", "g1 flags", ""), ("anomalies", "all flags", ""), ("syncs", "syncs", ""),
-            ("job_wall_s", "job s", ".0f")]
-    print(f"fault {a.fault} on group {FAULT_GROUP}, steps [{a.start}, {a.end}); detection live from step "
-          f"{(a.warmup_syncs + 1) * a.interval} (W={a.warmup_syncs}, H={a.interval})")
-    for seed, ps in per_seed.items():
-        d, dc = ps["detection"]["faulty"], ps["detection"]["clean"]
-        print(f"seed {seed}:")
-        print(C.table(ps["results"].values(), cols))
-        print(f"  syncs overlapping the window: {d['overlapping_syncs']}; group 1 flagged at {d['flagged_syncs_group1']}"
-              f" (group-1-only {d['specific_syncs_group1']}); missed {d['missed']}; "
-              f"outside the window: g1 {d['false_flags_group1']}, g0 {d['flagged_syncs_group0']}")
-        print(f"  clean run: g1 flagged {dc['flagged_syncs_group1']}, g0 flagged {dc['flagged_syncs_group0']}")
-    srows = [{"run": n, **{k: v["final_val_loss"][k] for k in ("mean", "std", "min", "max")},
-              "ratio": v["ratio_vs_clean"]["mean"], "ratio_max": v["ratio_vs_clean"]["max"]}
-             for n, v in summary.items()]
-    print(f"across seeds {a.seeds} (total wall {wall / 60:.1f} min):")
-    print(C.table(srows, [("run", "run", ""), ("mean", "val loss mean", ".4f"), ("std", "std", ".4f"),
-                          ("min", "min", ".4f"), ("max", "max", ".4f"), ("ratio", "/clean mean", ".4f"),
-                          ("ratio_max", "/clean max", ".4f")]))
-    C.print_targets(targets, a.out, a.plot)
+    plot(result, a.plot)
+    cols = [("kind", "kind", ""), ("weight0_min", "c1 w=0 (min)", ".2f"), ("weight0_mean", "mean", ".2f"),
+            ("clean_ff_max", "clean FF/check", ".4f"), ("honest_ff_max", "honest FF", ".4f"),
+            ("vs_clean_mean", "/clean", ".4f"), ("vs_clean_worst", "worst", ".4f"),
+            ("vs_oracle_mean", "/oracle", ".4f"), ("vs_oracle_worst", "worst", ".4f"), ("nan", "NaN", ""),
+            ("ok", "pass", "")]
+    for n in a.clusters:
+        print(f"\n{n} clusters, seeds {a.seeds} (c1 w=0: share of window syncs where c1 had weight 0; FF: "
+              "flagged modules per check; honest FF: the other clusters in the faulty run):")
+        print(C.table([r for r in rows if r["clusters"] == n], cols))
+    for r in runs:
+        if r["run"] in a.kinds and r["seed"] == a.seeds[0] and r["clusters"] == a.clusters[0]:
+            kept = {k: w for k, w in zip(r["window_syncs"], r["c1_weight_in_window"]) if k not in r["weight0_syncs"]}
+            print(f"  n{r['clusters']} seed {r['seed']} {r['run']}: c1 kept weight at window syncs {kept or '-'}; "
+                  f"weight 0 outside the window at syncs {r['c1_dropped_outside_window'] or '-'}")
+    print(f"\ntotal wall {wall / 60:.1f} min; targets:")
+    C.print_targets({k: f"{'pass' if v['pass'] else 'FAIL'} ({C.fmt(v['value'])})" for k, v in tg.items()},
+                    a.out, a.plot)
     return result
 
 
