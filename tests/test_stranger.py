@@ -37,18 +37,19 @@ def _frame(body: object, key: bytes) -> bytes:
 
 def _send(address: str, data: bytes) -> bytes:
     host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.settimeout(5)
-        try:
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.settimeout(5)
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
             return sock.recv(1024)
-        except OSError:
-            return b""
+    except OSError:
+        return b""
 
 
-def _stranger(address: str, attempts: list[str], stop: threading.Event) -> None:
-    """Everything an outsider can try, in turn, until told to stop."""
+def _stranger(address: str, attempts: list[str], stop: threading.Event, round_done: threading.Event) -> None:
+    """Everything an outsider can try, in turn, until told to stop: crafted frames first (they are quick),
+    then torchft's client; `round_done` is set after each full round."""
     from torchft.coordination import LighthouseClient
 
     other = secrets.token_bytes(32)  # a key, but not the federation's
@@ -61,18 +62,6 @@ def _stranger(address: str, attempts: list[str], stop: threading.Event) -> None:
         ("torchft quorum, list data", dict(replica_id="lst", step=1, data=[1, 2, 3])),
     ]
     while not stop.is_set():
-        for what, kwargs in tries:
-            try:
-                client = LighthouseClient(address, datetime.timedelta(seconds=2))
-                client.quorum(timeout=datetime.timedelta(seconds=2), **kwargs)  # type: ignore[arg-type]
-                attempts.append(f"ACCEPTED: {what}")
-            except Exception:  # noqa: BLE001 - refused, as it should be
-                attempts.append(f"refused: {what}")
-            try:
-                LighthouseClient(address, datetime.timedelta(seconds=2)).heartbeat(f"hb{len(attempts)}")
-                attempts.append("ACCEPTED: torchft heartbeat")
-            except Exception:  # noqa: BLE001
-                attempts.append("refused: torchft heartbeat")
         now = time.time()
         for what, body, key in (
             ("quorum signed with another key", {"kind": "quorum", "name": "evil", "member": member, "timeout_s": 5,
@@ -90,6 +79,19 @@ def _stranger(address: str, attempts: list[str], stop: threading.Event) -> None:
                           ("deep JSON", struct.pack(">I", 40_000) + b"[" * 20_000 + b"]" * 20_000),
                           ("garbage", os.urandom(256))):
             attempts.append(("ACCEPTED: " if _send(address, raw) else "refused: ") + what)
+        for what, kwargs in tries:
+            try:
+                client = LighthouseClient(address, datetime.timedelta(seconds=0.5))
+                client.quorum(timeout=datetime.timedelta(seconds=0.5), **kwargs)  # type: ignore[arg-type]
+                attempts.append(f"ACCEPTED: {what}")
+            except Exception:  # noqa: BLE001 - refused, as it should be
+                attempts.append(f"refused: {what}")
+            try:
+                LighthouseClient(address, datetime.timedelta(seconds=0.5)).heartbeat(f"hb{len(attempts)}")
+                attempts.append("ACCEPTED: torchft heartbeat")
+            except Exception:  # noqa: BLE001
+                attempts.append("refused: torchft heartbeat")
+        round_done.set()
         stop.wait(0.5)
 
 
@@ -104,14 +106,15 @@ def test_a_keyless_stranger_cannot_join_steer_stop_or_slow_the_federation(tmp_pa
     run_dir = tmp_path / "stranger"
     proc = start(run_dir, corpus, *RUN)
     attempts: list[str] = []
-    stop = threading.Event()
+    stop, round_done = threading.Event(), threading.Event()
     try:
         wait_for(run_dir, lambda e: e["event"] == "sync", proc=proc)  # the federation is up
         address = json.loads((run_dir / "federation.json").read_text())["lighthouse"]
         assert (run_dir / "federation.key").stat().st_mode & 0o777 == 0o600  # the launcher made a key
-        thread = threading.Thread(target=_stranger, args=(address, attempts, stop), daemon=True)
+        thread = threading.Thread(target=_stranger, args=(address, attempts, stop, round_done), daemon=True)
         thread.start()
-        wait_for(run_dir, lambda e: e["event"] == "sync" and e.get("sync", 0) >= 8, proc=proc)
+        assert round_done.wait(timeout=120), attempts  # at least one full round while the run was up
+        assert proc.poll() is None, "the run ended before the stranger finished one round: lengthen RUN"
     finally:
         stop.set()
     out = finish(proc)
