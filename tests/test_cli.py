@@ -24,7 +24,8 @@ SUMMARY_KEYS = {"algo", "completed", "steps", "tokens", "wall_s", "tokens_per_s"
 def assert_one_line_error(proc, *must_name: str) -> str:
     """Exit code 2, stderr exactly one `error: ...` line naming every string given, no traceback."""
     assert proc.returncode == 2, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    lines = proc.stderr.strip().splitlines()
+    # the thread budget's warning depends on what else trains on this host, not on the command under test
+    lines = [ln for ln in proc.stderr.strip().splitlines() if "host oversubscribed" not in ln]
     assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{proc.stderr}"
     line = lines[0]
     assert line.startswith("error:"), line

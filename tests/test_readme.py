@@ -54,3 +54,99 @@ def test_quick_start_and_test_command() -> None:
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     cmd = re.search(r"Tests \(the exact command CI runs.*?```bash\n(.+?)\n```", README, re.S).group(1).strip()
     assert cmd in ci.splitlines()
+
+
+# ------------------------------------------------------------------ the README's export and report commands
+def _readme_commands(*programs: str) -> list[str]:
+    """Every line of the README's ```bash blocks that runs one of `programs` (a trailing `# comment` cut)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line.split(" ", 1)[0] in programs:
+                lines.append(line)
+    return lines
+
+
+def _stage(cwd: Path, commands: list[str], sweep: Path) -> dict[str, Path]:
+    """Make every `runs/...` path the commands name exist under `cwd`: a `runs/multirun-*` folder is a sweep
+    folder (Hydra's multirun.yaml, its jobs linked to the real sweep's), any other `runs/NAME` a run directory
+    (linked to the sweep's jobs in turn). Returns {README path: what it stands for}."""
+    import shlex
+
+    runs = [sweep / "0", sweep / "1"]
+    staged: dict[str, Path] = {}
+    literal_sweeps = [a for c in commands for a in shlex.split(c)
+                      if re.fullmatch(r"runs/multirun-[^*?/\[]+/?", a)]
+    for name in {a.rstrip("/") for a in literal_sweeps} or {"runs/multirun-20261123-200000"}:
+        folder = cwd / name
+        folder.mkdir(parents=True)
+        (folder / "multirun.yaml").write_text((sweep / "multirun.yaml").read_text())
+        for job in runs:
+            (folder / job.name).symlink_to(job)
+        staged[name] = sweep
+    for c in commands:
+        for a in shlex.split(c):
+            if a.startswith("runs/") and not any(ch in a for ch in "*?[") and a.rstrip("/") not in staged:
+                target = runs[len([p for p in staged.values() if p in runs]) % len(runs)]
+                (cwd / a).parent.mkdir(parents=True, exist_ok=True)
+                (cwd / a.rstrip("/")).symlink_to(target)
+                staged[a.rstrip("/")] = target
+    return staged
+
+
+def _bin_dir(tmp: Path) -> Path:
+    """edit-train-export / edit-train-report as the console scripts (or `python -m` where not installed)."""
+    import shlex
+
+    from conftest import script_cmd
+
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    for prog, module in (("edit-train-export", "edit_train.cli.export"), ("edit-train-report", "edit_train.cli.report")):
+        script = bin_dir / prog
+        script.write_text(f"#!/bin/sh\nexec {shlex.join(script_cmd(prog, module))} \"$@\"\n")
+        script.chmod(0o755)
+    return bin_dir
+
+
+def test_readme_export_and_sweep_report_commands_run(tmp_path, tmp_path_factory, small_corpus):
+    """The README's `edit-train-export` and `edit-train-report` lines, run verbatim by the shell in a
+    directory whose `runs/…` are a real two-cluster sweep (tests/test_export_report.py::tiny_sweep): the
+    export of a run directory and the sweep reports (a sweep folder, and the `runs/multirun-*/*` glob that
+    also matches multirun.yaml) must work as written."""
+    import os
+    import shlex
+    import subprocess
+
+    from conftest import cli_env
+    from test_export_report import tiny_sweep
+
+    exports = _readme_commands("edit-train-export")
+    reports = _readme_commands("edit-train-report")
+    assert any(re.fullmatch(r"runs/\d{8}-\d{6}", shlex.split(c)[1]) for c in exports), \
+        f"the README shows no export of a run directory: {exports}"
+    assert any("runs/multirun-*/*" in c for c in reports), f"no sweep report in the README: {reports}"
+    sweep = tiny_sweep(tmp_path_factory, small_corpus)
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    _stage(cwd, exports + reports, sweep)
+    env = cli_env(PATH=f"{_bin_dir(tmp_path)}{os.pathsep}{os.environ.get('PATH', '')}")
+    for command in exports + reports:
+        proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"README command failed: {command}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        args = shlex.split(command)
+        if args[0] == "edit-train-export":
+            out = cwd / (args[args.index("--out") + 1] if "--out" in args else Path(args[1]) / "hf")
+            assert proc.stdout.startswith("exported ") and len(proc.stdout.splitlines()) == 1, proc.stdout
+            assert "clusters c0, c1" in proc.stdout, proc.stdout
+            for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+                assert (out / name).is_file(), (command, name)
+        else:
+            report_line = proc.stdout.strip().splitlines()[-1]
+            out = Path(re.match(r"report: (.+?) \(", report_line).group(1))
+            assert (cwd / out / "summary.md").is_file(), (command, proc.stdout)
+            if "*" in command:
+                assert "multirun.yaml: not a run directory" in proc.stderr, proc.stderr
+                assert proc.stdout.count("| edit |") == 2, proc.stdout

@@ -262,3 +262,10 @@ def test_weights_without_syncs_or_faults(runs):
     fig = weights_figure([edit, ddp, load_run(runs["empty"])])
     texts = [[t.get_text() for t in ax.texts] for ax in fig.axes]
     assert texts[0] == [] and texts[1] == ["no syncs"] and texts[2] == ["no syncs"]
+
+
+def test_every_time_bucket_has_a_colour() -> None:
+    from edit_train.report.time_split import BUCKET_COLORS
+    from edit_train.timing import BUCKETS
+
+    assert set(BUCKETS) <= set(BUCKET_COLORS), set(BUCKETS) - set(BUCKET_COLORS)

@@ -2,6 +2,10 @@
 
 * `check_run_dir`: `run.dir` must be a directory we may create, and must not already hold a run unless
   `resume` asks to continue it (a second run would append to its metrics.jsonl and overwrite its checkpoints).
+  A whole run (a lone cluster, or the local launcher with every cluster) looks at everything in run.dir; a
+  cluster job (`cluster.only=X` or `EDIT_TRAIN_CLUSTER=X`, by hand, torchrun or Slurm) at X's traces only.
+* `check_run_lock`: no cluster this invocation starts may be being written by another process
+  (`clusters/<name>.lock`, edit_train/train/runlock.py): refused in one line naming its PID and host.
 * `RunDirGuard`: a run directory this invocation created is removed again when the run fails before writing
   anything into it (Hydra creates `run.dir` before the task runs).
 * `interrupted_message`: what Ctrl-C leaves behind, said truthfully (a checkpoint exists or it does not).
@@ -11,6 +15,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -27,6 +32,7 @@ log = logging.getLogger(__name__)
 RUN_ARTIFACTS = ("summary.json", "metrics.jsonl", "checkpoints", "config.json")
 # Written by the local launcher before any worker starts: not a run's output.
 SCAFFOLDING = frozenset({"launch_config.json"})
+LOCKS = "clusters"  # clusters/<name>.lock (train/runlock.py): a run's lock files are not its output either
 _STEP_DIR = re.compile(r"step_(\d+)$")
 
 
@@ -63,8 +69,50 @@ def _holds_run(run_dir: Path) -> str | None:
     return None
 
 
-def check_run_dir(run_dir: str | os.PathLike[str], resume: str) -> None:
-    """Raise RunDirError when `run.dir` is a file (or below one), or already holds a run and `resume` is off."""
+def job_cluster(cfg: Any) -> str | None:
+    """The one cluster this job trains (EDIT_TRAIN_CLUSTER or cluster.only), or None for a whole run."""
+    return os.environ.get("EDIT_TRAIN_CLUSTER") or getattr(cfg.cluster, "only", "") or None
+
+
+def job_clusters(cfg: Any) -> list[str]:
+    """The clusters this invocation starts: a cluster job its own, a whole run every configured one."""
+    from edit_train.config import cluster_specs
+
+    name = job_cluster(cfg)
+    return [name] if name else [s.name for s in cluster_specs(cfg)]
+
+
+def check_run_lock(cfg: Any) -> None:
+    """Refuse (RunLocked, one line) when another process holds the lock of a cluster this invocation starts.
+    Only a job's rank 0 takes the lock, so only it (or a launcher) checks; the probe creates nothing."""
+    from edit_train.train.runlock import check_free, job_rank
+
+    if job_rank() == 0:
+        check_free(cfg.run.dir, job_clusters(cfg))
+
+
+def _cluster_trace(path: Path, cluster: str) -> Path | None:
+    """What in run.dir `path` says `cluster` ran there: its checkpoints, its records, its events."""
+    own = [path / "checkpoints" / cluster, path / "clusters" / f"{cluster}.progress.json",
+           path / "clusters" / f"{cluster}.json"]
+    hit = next((p for p in own if p.is_file() or (p.is_dir() and any(p.iterdir()))), None)
+    if hit is not None:
+        return hit
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file():  # its events (a cluster that died before its first record): a byte search, chunked
+        needle = b'"cluster":' + json.dumps(cluster).encode()
+        with open(metrics, "rb") as f:
+            tail = b""
+            while chunk := f.read(1 << 22):
+                if needle in tail + chunk:
+                    return metrics
+                tail = chunk[-len(needle):]
+    return None
+
+
+def check_run_dir(run_dir: str | os.PathLike[str], resume: str, cluster: str | None = None) -> None:
+    """Raise RunDirError when `run.dir` is a file (or below one), or already holds a run and `resume` is off.
+    `cluster` (default: EDIT_TRAIN_CLUSTER): one cluster job; only its own traces count."""
     path = Path(run_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run.dir: {path} is a file, not a directory; choose another run.dir")
@@ -76,10 +124,9 @@ def check_run_dir(run_dir: str | os.PathLike[str], resume: str) -> None:
             break
     if not path.is_dir() or str(resume).lower() in ("true", "auto") or _restarted():
         return
-    cluster = os.environ.get("EDIT_TRAIN_CLUSTER")
+    cluster = cluster or os.environ.get("EDIT_TRAIN_CLUSTER")
     if cluster:  # one cluster job of a federation sharing run.dir: only this cluster's own traces count
-        own = [path / "checkpoints" / cluster, path / "clusters" / f"{cluster}.json"]
-        hit = next((p for p in own if p.is_file() or (p.is_dir() and any(p.iterdir()))), None)
+        hit = _cluster_trace(path, cluster)
         if hit is not None:
             raise RunDirError(f"run.dir: {path} already holds cluster {cluster}'s run ({hit.relative_to(path)}); "
                               "continue it with resume=auto or choose a new run.dir")
@@ -108,7 +155,8 @@ class RunDirGuard:
         if self.existed or not self.path.is_dir():
             return False
         for root, _dirs, files in os.walk(self.path):
-            if any(not (Path(root) == self.path and f in SCAFFOLDING) for f in files):
+            if any(not (Path(root) == self.path and f in SCAFFOLDING) and
+                   not (Path(root) == self.path / LOCKS and f.endswith(".lock")) for f in files):
                 return False
         shutil.rmtree(self.path, ignore_errors=True)
         return not self.path.exists()
@@ -211,7 +259,8 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
     try:
         cfg = compose(argv)
         validate(cfg)
-        check_run_dir(cfg.run.dir, cfg.resume)
+        check_run_lock(cfg)  # another process writing one of our clusters: say who, before anything else
+        check_run_dir(cfg.run.dir, cfg.resume, job_cluster(cfg))
         check_data_source(cfg.data.source)
         if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: check its cluster's
             from edit_train.cluster.mesh import check_shape       # size before Hydra creates run.dir

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
@@ -17,6 +18,25 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def _unknown_key_hint(exc: BaseException) -> str | None:
+    """`train.stpes=10`: the key does not exist; name the closest one that does (`did you mean train.steps?`)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    if not isinstance(exc, (ConfigAttributeError, ConfigKeyError)) or " not in " not in str(exc):
+        return None
+    full_key, key, parent = getattr(exc, "full_key", None), getattr(exc, "key", None), getattr(exc, "parent_node", None)
+    if not full_key or key is None or parent is None or not hasattr(parent, "keys"):
+        return None
+    prefix = str(full_key)[:-len(str(key))].rstrip(".") if str(full_key).endswith(str(key)) else ""
+    known = [str(k) for k in parent.keys() if str(k) != "hydra"]
+    close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+    where = f"in {prefix}" if prefix else "at the top level"
+    if close:
+        return f"{full_key}: no such config key {where}; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    listed = ", ".join(sorted(known)[:15]) + (", …" if len(known) > 15 else "")
+    return f"{full_key}: no such config key {where} (it has: {listed})"
+
+
 def _config_hint(exc: BaseException) -> str | None:
     """Say a bad group choice or an unset mandatory key the way a user fixes it."""
     from hydra.errors import MissingConfigException
@@ -25,7 +45,12 @@ def _config_hint(exc: BaseException) -> str | None:
     if isinstance(exc, MissingConfigException) and exc.options is not None and exc.missing_cfg_file:
         group, _, name = str(exc.missing_cfg_file).rpartition("/")
         if group:
-            return f"{group}={name}: no such {group} option; choose one of {', '.join(sorted(exc.options))}"
+            close = difflib.get_close_matches(name, list(exc.options), n=1)
+            return (f"{group}={name}: no such {group} option" + (f" (did you mean {group}={close[0]}?)" if close else "")
+                    + f"; choose one of {', '.join(sorted(exc.options))}")
+    unknown = _unknown_key_hint(exc)
+    if unknown:
+        return unknown
     if isinstance(exc, MissingMandatoryValue):
         key = getattr(exc, "full_key", None) or "a value"
         if key == "data.source":

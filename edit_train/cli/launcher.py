@@ -3,8 +3,9 @@
 Every cluster is its own set of processes with its own store (rank 0's, on 127.0.0.1), its own
 restarts (`run.max_restarts`, after `run.restart_delay_s`) and `EDIT_TRAIN_CLUSTER=<name>` in its
 environment; a cluster that dies is restarted alone and heals from a live peer, the others never stop.
-Ctrl-C stops every cluster and the Lighthouse. Progress bars (one per cluster) are drawn here from the
-run's metrics.jsonl.
+Ctrl-C stops every cluster and the Lighthouse. Progress (one bar per cluster on a terminal, periodic log
+lines elsewhere) is drawn here from the run's metrics.jsonl; while the bars are up, what the clusters print
+is relayed above them.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable
 
 from edit_train.cluster.threads import AUTO, cores_available, plan, training_processes
 from edit_train.config import ClusterSpec, cluster_specs, to_container
@@ -61,6 +63,8 @@ class LocalFederation:
         if only and not self.jobs:  # a cluster joining the federation from outside its configured list
             self.jobs = [ClusterJob(ClusterSpec(only, max(cfg.cluster.shard_size, 1), len(specs), 1.0))]
         self.stopping = False
+        self.say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
+        self.relay: Callable[[subprocess.Popen], None] | None = None  # set: the processes' output goes through it
         # every rank of every job started here shares this host's cores with whatever else trains on it
         ranks = sum(j.spec.ranks for j in self.jobs)
         self.threads = plan(cfg.train.threads, ranks, training_processes(), cores_available()).threads
@@ -81,9 +85,14 @@ class LocalFederation:
 
     def start(self, job: ClusterJob) -> None:
         port = free_port()
+        pipe = subprocess.PIPE if self.relay is not None else None
         job.procs = [subprocess.Popen([sys.executable, "-m", "edit_train.cli.worker", str(self.cfg_path)],
-                                      env=self._env(job, r, port), preexec_fn=_die_with_parent)
+                                      env=self._env(job, r, port), preexec_fn=_die_with_parent,
+                                      stdout=pipe, stderr=pipe)
                      for r in range(job.spec.ranks)]
+        if self.relay is not None:
+            for proc in job.procs:
+                self.relay(proc)
         job.state = "running"
 
     def _kill(self, job: ClusterJob, sig: int = signal.SIGKILL) -> None:
@@ -99,8 +108,8 @@ class LocalFederation:
         for job in self.jobs:
             if job.state == "waiting" and now >= job.restart_at and not self.stopping:
                 job.restarts += 1
-                print(f"[edit-train] restarting cluster {job.spec.name} (restart {job.restarts}/"
-                      f"{self.cfg.run.max_restarts})", file=sys.stderr, flush=True)
+                self.say(f"[edit-train] restarting cluster {job.spec.name} (restart {job.restarts}/"
+                         f"{self.cfg.run.max_restarts})")
                 self.start(job)
             if job.state != "running":
                 continue
@@ -118,8 +127,8 @@ class LocalFederation:
                 else:
                     job.state = "waiting"
                     job.restart_at = now + self.cfg.run.restart_delay_s
-                    print(f"[edit-train] cluster {job.spec.name} died (exit {job.exit_codes}); restarting in "
-                          f"{self.cfg.run.restart_delay_s:g}s, the others go on", file=sys.stderr, flush=True)
+                    self.say(f"[edit-train] cluster {job.spec.name} died (exit {job.exit_codes}); restarting in "
+                             f"{self.cfg.run.restart_delay_s:g}s, the others go on")
             elif all(c == 0 for c in codes):
                 job.state = "done"
 
@@ -143,17 +152,38 @@ class LocalFederation:
 
 
 class Bars:
-    """One progress bar per cluster, fed from metrics.jsonl `train` events."""
+    """Each cluster's progress, fed from metrics.jsonl `train` and `sync` events: one bar per cluster on a
+    terminal (the clusters' own output relayed above the bars), periodic log lines per cluster elsewhere
+    (`train.progress=false`: neither)."""
 
     def __init__(self, path: Path, jobs: list[ClusterJob], total: int, enabled: bool, desc: str) -> None:
-        self.path, self.enabled, self.offset = path, enabled, 0
-        self.bars: dict[str, Any] = {}
-        if enabled:
-            from tqdm import tqdm
+        from edit_train.train.progress import Progress
 
-            for i, job in enumerate(jobs):
-                self.bars[job.spec.name] = tqdm(total=total, position=i, desc=f"{desc} {job.spec.name}",
-                                                unit="step", dynamic_ncols=True, leave=True)
+        self.path, self.enabled, self.offset = path, enabled, 0
+        self.names = {job.spec.name for job in jobs}  # the clusters started here (not others in run.dir)
+        self.progress = Progress([job.spec.name for job in jobs], total, desc, enabled=enabled)
+        self._relays: list[threading.Thread] = []
+
+    @property
+    def shown(self) -> bool:
+        """Bars on a terminal: anything else printed must go through `write`."""
+        return self.progress.tty
+
+    def write(self, line: str, file: IO[str] | None = None) -> None:
+        self.progress.write(line, file=file)
+
+    def relay(self, proc: subprocess.Popen) -> None:
+        """Copy a cluster process's stdout and stderr line by line above the bars."""
+        for stream, target in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            if stream is not None:
+                thread = threading.Thread(target=self._copy, args=(stream, target), daemon=True)
+                thread.start()
+                self._relays.append(thread)
+
+    def _copy(self, stream: IO[bytes], target: IO[str]) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                self.write(raw.decode(errors="replace").rstrip("\r\n"), file=target)
 
     def update(self) -> None:
         if not self.enabled or not self.path.exists():
@@ -168,20 +198,19 @@ class Bars:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            bar = self.bars.get(str(ev.get("cluster")))
-            if bar is None:
+            name = str(ev.get("cluster"))
+            if name not in self.names:
                 continue
             if ev.get("event") == "train":
-                bar.n = min(int(ev["step"]), bar.total)
-                bar.set_postfix(loss=f"{ev['loss']:.3f}", tok_s=f"{ev['tokens_per_s']:,.0f}", refresh=False)
-                bar.refresh()
+                self.progress.report(name, int(ev["step"]), float(ev["loss"]), float(ev["tokens_per_s"]))
             elif ev.get("event") == "sync":
-                bar.set_postfix_str(f"sync {ev['sync']} with {len(ev.get('participants', []))} cluster(s)")
+                self.progress.note(name, f"sync {ev['sync']} with {len(ev.get('participants', []))} cluster(s)")
 
     def close(self) -> None:
         self.update()
-        for bar in self.bars.values():
-            bar.close()
+        for thread in self._relays:  # the processes have exited: their pipes end
+            thread.join(timeout=5.0)
+        self.progress.close()
 
 
 def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
@@ -207,8 +236,9 @@ def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
         lighthouse = house.address
         (run_dir / "federation.json").write_text(json.dumps({"lighthouse": lighthouse}) + "\n")
     fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only, key_file=key_file)
-    bars = Bars(run_dir / "metrics.jsonl", fed.jobs, cfg.train.steps, cfg.train.progress and sys.stderr.isatty(),
-                cfg.algo.name)
+    bars = Bars(run_dir / "metrics.jsonl", fed.jobs, cfg.train.steps, cfg.train.progress, cfg.algo.name)
+    if bars.shown:  # nothing else may write between the bars
+        fed.say, fed.relay = bars.write, bars.relay
     interrupted: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:

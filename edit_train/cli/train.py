@@ -35,16 +35,18 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     """One rank of one cluster (under torchrun / our launcher), a lone one-rank cluster in this process,
     or a local federation: a Lighthouse and one supervised job per cluster."""
     from edit_train.config import cluster_specs, validate
+    from edit_train.train.runlock import job_lock
     from edit_train.train.trainer import train
 
     validate(cfg)
     specs = cluster_specs(cfg)
-    if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER"):
-        return train(cfg)
-    if len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only:
-        return train(cfg)
+    if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER") or (
+            len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only):
+        with job_lock(cfg, specs):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
+            return train(cfg)
     from edit_train.cli.launcher import run_local
 
+    checks.check_run_lock(cfg)  # (again: a sweep skips the precheck) before the launcher writes anything
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
@@ -92,8 +94,12 @@ def _task(dcfg: Any) -> None:
         if isinstance(exc, Interrupted):
             fail(checks.interrupted_message(run_dir, detail=str(exc)), code=130)
         raise
-    if summary and int(os.environ.get("RANK", "0")) == 0 and not os.environ.get("EDIT_TRAIN_CLUSTER"):
-        print(closing_block(summary, str(cfg.run.dir)), flush=True)
+    if summary and int(os.environ.get("RANK", "0")) == 0:  # every launch path ends with the closing block
+        from edit_train.config import cluster_specs
+
+        # a cluster's own job (torchrun / Slurm, EDIT_TRAIN_CLUSTER set): its numbers first, then the federation's
+        print(closing_block(summary, str(cfg.run.dir), cluster=os.environ.get("EDIT_TRAIN_CLUSTER"),
+                            expected=[s.name for s in cluster_specs(cfg)]), flush=True)
 
 
 def time_split(t: dict[str, float]) -> str:
@@ -104,28 +110,63 @@ def time_split(t: dict[str, float]) -> str:
     return " · ".join(f"{k} {v:.0%}" for k, v in shares) + f" of {t.get('wall_s', 0.0):.0f}s"
 
 
-def closing_block(summary: dict[str, Any], run_dir: str) -> str:
-    """What happened, in a few lines: the run, then (for a federation) each cluster and the traffic."""
-    init = summary.get("initial_val_loss")
-    val = f"{init:.3f} -> {summary['final_val_loss']:.3f}" if init is not None else f"{summary['final_val_loss']:.3f}"
-    lines = [f"done: {summary['steps']} steps, {summary['tokens']:,} tokens in {summary['wall_s']:.1f}s, "
-             f"val loss {val}; run dir {run_dir}"]
+def local_steps_text(steps: list[int]) -> str:
+    """The local steps of a cluster's syncs, for the closing block: each of them when there are at most 4
+    (`32 and 8 local steps`: a 40-step run at H=32; their median, 20, is a count no sync had), else their
+    true median (`median 16 local steps each`; of an even count, the mean of the middle two)."""
+    import statistics
+
+    if not steps:
+        return ""
+    if len(steps) <= 4:
+        listed = ", ".join(str(s) for s in steps[:-1]) + (" and " if len(steps) > 1 else "") + str(steps[-1])
+        return f"{listed} local steps"
+    return f"median {statistics.median(steps):g} local steps each"
+
+
+def _run_line(rec: dict[str, Any], run_dir: str) -> str:
+    init = rec.get("initial_val_loss")
+    val = f"{init:.3f} -> {rec['final_val_loss']:.3f}" if init is not None else f"{rec['final_val_loss']:.3f}"
+    return f"{rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s']:.1f}s, val loss {val}; run dir {run_dir}"
+
+
+def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = None,
+                  expected: list[str] | None = None) -> str:
+    """What happened, in a few lines: the run, then (for a federation) each cluster and the traffic.
+
+    `cluster`: said by that cluster's own job (torchrun / Slurm), whose `summary` is the merge of the clusters
+    finished so far: the first line is its own record, then what the federation's summary holds, and who is
+    still training (of `expected`, the configured clusters). Bytes in binary units, as the report says them."""
+    from edit_train.report.model import human_bytes
+
     clusters = summary.get("per_cluster", {})
-    if len(clusters) > 1:
-        lines.append(f"  {summary['algo']} across {len(clusters)} clusters, {summary['syncs']} syncs, "
+    own = clusters.get(cluster) if cluster else None
+    completed = summary.get("completed", True)
+    if own is not None and (len(clusters) > 1 or not completed):
+        lines = [f"done: cluster {cluster}, {_run_line(own, run_dir)}"]
+    else:
+        lines = [f"done: {_run_line(summary, run_dir)}"]
+    if len(clusters) > 1 or (own is not None and not completed):
+        n = (f"{len(clusters)} of {len(expected)} clusters so far" if expected and not completed
+             else f"{len(clusters)} cluster{'s' if len(clusters) > 1 else ''}" + ("" if completed else " so far"))
+        lines.append(f"  {summary['algo']} across {n}, {summary['syncs']} syncs, "
                      f"{summary['anomalies']} anomalous module decisions, "
-                     f"{summary['cross_group_bytes'] / 1e6:,.1f} MB over the cross-cluster link, "
+                     f"{human_bytes(summary['cross_group_bytes'])} over the cross-cluster link, "
                      f"goodput {summary.get('goodput', 0):.2f}")
         for name, c in clusters.items():
-            steps = sorted(c.get("local_steps") or [0])
             t = c.get("time")  # the time account: waiting for the federation at start-up is start-up there
             blocked = t["blocked"] / max(t["wall_s"], 1e-9) if t else c["blocked_frac"]
+            steps = local_steps_text(list(c.get("local_steps") or []))
             lines.append(f"  cluster {name}: {c['ranks']} rank(s), {c['steps']} steps at {c['tokens_per_s']:,.0f} "
-                         f"tokens/s, {c['syncs_joined']} syncs joined ({c['syncs_missed']} missed, median "
-                         f"{steps[len(steps) // 2]} local steps each), blocked {blocked:.1%} of the time, "
+                         f"tokens/s, {c['syncs_joined']} syncs joined ({c['syncs_missed']} missed"
+                         f"{', ' + steps if steps else ''}), blocked {blocked:.1%} of the time, "
                          f"{c['anomalies']} anomalous syncs, {c['restarts']} restarts")
             if c.get("time"):
                 lines.append(f"    time: {time_split(c['time'])}")
+        if not completed:
+            waiting = [name for name in expected or [] if name not in clusters]
+            lines.append("  summary.json is not complete yet" + (f": {', '.join(waiting)} still training" if waiting
+                         else "") + " (the last cluster to finish completes it)")
     elif len(clusters) == 1 and next(iter(clusters.values())).get("time"):
         lines.append(f"  time: {time_split(next(iter(clusters.values()))['time'])}")
     lines.append(f"  report: edit-train-report {run_dir}")
@@ -138,6 +179,10 @@ def main() -> None:
     from edit_train.cli.help import help_text, wants_help
     from edit_train.config import register_configs
 
+    if sys.argv[1:2] == ["plan"]:  # `edit-train plan ...`: the planner (its own config tree, conf/plan/)
+        from edit_train.cli.plan import main as plan_main
+
+        return plan_main(sys.argv[2:])
     if wants_help(sys.argv[1:]):
         print(help_text())
         return

@@ -23,11 +23,13 @@ def main(argv: list[str] | None = None) -> None:
     from edit_train.config import from_container
     from edit_train.local_sgd.errors import ClusterError
     from edit_train.train.signals import Interrupted
+    from edit_train.train.runlock import job_lock
     from edit_train.train.trainer import train
 
     try:
         cfg = from_container(json.loads(open(args[0]).read()))
-        train(cfg)
+        with job_lock(cfg):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
+            train(cfg)
     except ClusterError as exc:  # this cluster's ranks lost each other: restartable (exit 1), alone
         fail(f"cluster {os.environ.get('EDIT_TRAIN_CLUSTER', '-')} rank {rank}: {one_line(exc)}", code=1)
     except _user_errors() as exc:

@@ -16,8 +16,8 @@ from edit_train.report.plots import _figure, _no_data
 from edit_train.timing import BUCKETS
 
 BUCKET_COLORS = {"compute": "tab:green", "slowdown": "tab:olive", "eval": "tab:purple", "sync": "tab:orange",
-                 "blocked": "tab:red", "checkpoint": "tab:brown", "data": "tab:cyan", "startup": "tab:blue",
-                 "other": "0.75"}
+                 "probe": "tab:pink", "blocked": "tab:red", "checkpoint": "tab:brown", "data": "tab:cyan",
+                 "startup": "tab:blue", "other": "0.75"}
 
 
 def cluster_times(run: Run) -> dict[str, dict[str, float]]:

@@ -4,22 +4,51 @@ Resume and the summary read this object, not the trainer.
 
 The counters across incarnations live in `run.dir/clusters/<name>.progress.json`, written by the cluster's
 leader at every committed sync and every logged step (atomically): tokens and steps this cluster trained,
-the compute seconds a sync committed (goodput), the downtime between incarnations.
+the compute seconds a sync committed (goodput), the downtime between incarnations, the restarts after a
+failure and the first incarnation's initial val loss.
+
+`Progress` is what a person watching sees while clusters train: a bar per cluster on a terminal, periodic
+log lines anywhere else (a Slurm .out file, a pipe).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from edit_train.fsutil import atomic_write_json
 
 
+log = logging.getLogger(__name__)
+
+
 def record_path(run_dir: Path, name: str) -> Path:
     return run_dir / "clusters" / f"{name}.progress.json"
+
+
+# set for a process started again after its cluster failed: by torchrun (--max-restarts), by the local
+# launcher (run.max_restarts), by Slurm for a requeued job. A new launch with resume=auto sets none of them.
+RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "EDIT_TRAIN_RESTART", "SLURM_RESTART_COUNT")
+
+
+def restart_count(env: dict[str, str] | None = None) -> int:
+    """How many times this job's launcher restarted it after a failure (0: a first start or a deliberate
+    new launch, `resume=auto` included)."""
+    env = os.environ if env is None else env
+    counts = [0]
+    for var in RESTART_ENV:
+        try:
+            counts.append(int(env.get(var, "0") or 0))
+        except ValueError:
+            continue
+    return max(counts)
 
 
 @dataclass
@@ -31,7 +60,9 @@ class Carried:
     useful_s: float = 0.0  # compute seconds whose progress a sync committed
     downtime_s: float = 0.0  # between an incarnation's last record and the next one's start
     first_start: float = field(default_factory=time.time)
-    incarnations: int = 0
+    incarnations: int = 0  # every start: restarts after a failure, and new launches that resume
+    restarts: int = 0  # starts after a failure only (see `restart_count`), not a deliberate resume=auto
+    initial_val_loss: float | None = None  # the first incarnation's step-0 eval (a resumed run has none of its own)
     saved_at: float | None = None
 
     @staticmethod
@@ -65,16 +96,26 @@ class TrainingState:
     mfu: list[float] = field(default_factory=list)
 
     @staticmethod
-    def begin(run_dir: Path, name: str, tokens_per_step: int) -> TrainingState:
-        """A new incarnation of cluster `name` (the first, or after a restart / resume)."""
+    def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None) -> TrainingState:
+        """A new incarnation of cluster `name` (the first, or after a restart / resume). `restarted`: this
+        start follows a failure (default: what the launcher's environment says, `restart_count`)."""
         state = TrainingState(name, run_dir, tokens_per_step)
         earlier = Carried.load(record_path(run_dir, name))
         if earlier is not None:
             if earlier.incarnations > 0 and earlier.saved_at:
                 earlier.downtime_s += max(state.t_start - earlier.saved_at, 0.0)
             state.carried = earlier
+            state.initial_val_loss = earlier.initial_val_loss  # a step-0 eval of this incarnation replaces it
         state.carried.incarnations += 1
+        if restarted is None:
+            restarted = restart_count() > 0
+        if restarted:
+            state.carried.restarts += 1
         return state
+
+    def set_initial_val_loss(self, val_loss: float) -> None:
+        """The val loss before the first step (this run's starting point, kept for every later incarnation)."""
+        self.initial_val_loss = self.carried.initial_val_loss = val_loss
 
     @property
     def tokens(self) -> int:
@@ -101,13 +142,122 @@ class TrainingState:
     # ------------------------------------------------------------ checkpoint
     def checkpoint_json(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "wall_s": self.wall()}
+                "wall_s": self.wall(), "initial_val_loss": self.initial_val_loss}
 
     def restore(self, saved: dict[str, Any], record_found: bool) -> None:
         """The loop's position from a checkpoint; its token count only when no record survived (the record
         also counts what was trained after that checkpoint)."""
         self.step, self.skipped_steps = int(saved["step"]), int(saved["skipped_steps"])
         self.wall_offset = float(saved["wall_s"])
+        if self.initial_val_loss is None and isinstance(saved.get("initial_val_loss"), (int, float)):
+            self.set_initial_val_loss(float(saved["initial_val_loss"]))
         if not record_found:
             self.carried.tokens = int(saved["tokens"])
             self.carried.steps_trained = self.carried.tokens // max(self.tokens_per_step, 1)
+
+
+# ------------------------------------------------------------------ what a person watching sees
+PROGRESS_EVERY_S = 30.0  # off a terminal: at most one progress line per cluster this often (and its last)
+
+
+def progress_every_s() -> float:
+    """Seconds between progress lines off a terminal (`EDIT_TRAIN_PROGRESS_EVERY_S`, default 30; 0: every
+    logged step)."""
+    try:
+        return max(float(os.environ.get("EDIT_TRAIN_PROGRESS_EVERY_S", PROGRESS_EVERY_S)), 0.0)
+    except ValueError:
+        return PROGRESS_EVERY_S
+
+
+def is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+class Progress:
+    """Where each cluster is, for whoever watches the output. On a terminal: one tqdm bar per cluster, and
+    the console log handlers write through `tqdm.write` while the bars are up (no log line lands inside a
+    bar). Anywhere else — a Slurm .out file, a pipe, torchrun's log — no bar (a bar there is one endless
+    line of carriage returns) but a log line per cluster at logged steps, at most every `every_s` seconds,
+    plus each cluster's last one: `cluster c0 step 120/420 loss 2.310 tok/s 5,000`."""
+
+    def __init__(self, names: list[str], total: int, desc: str, enabled: bool = True,
+                 initial: dict[str, int] | None = None, stream: TextIO | None = None,
+                 every_s: float | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.total = total
+        self.tty = enabled and is_terminal(self.stream)
+        self.lines = enabled and not self.tty
+        self.every_s = progress_every_s() if every_s is None else every_s
+        self.bars: dict[str, Any] = {}
+        self._printed: dict[str, float] = {}  # name -> when its last line was printed
+        self._pending: dict[str, str] = {}  # name -> its latest line not printed yet
+        self._note: dict[str, str] = {}
+        self._redirect: contextlib.ExitStack | None = None
+        if self.tty:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            for i, name in enumerate(names):
+                self.bars[name] = tqdm(total=total, initial=(initial or {}).get(name, 0), position=i,
+                                       desc=f"{desc} {name}", unit="step", dynamic_ncols=True, leave=True,
+                                       file=self.stream)
+            self._redirect = contextlib.ExitStack()
+            self._redirect.enter_context(logging_redirect_tqdm())
+
+    def advance(self, name: str, step: int) -> None:
+        """Cluster `name` is at `step` (the bar moves; tqdm redraws at most ~10 times a second)."""
+        bar = self.bars.get(name)
+        if bar is not None:
+            bar.update(min(step, self.total) - bar.n)
+
+    def report(self, name: str, step: int, loss: float, tokens_per_s: float) -> None:
+        """A logged step of cluster `name`."""
+        bar = self.bars.get(name)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.advance(name, step)
+        elif self.lines:
+            note = self._note.pop(name, "")
+            self._pending[name] = (f"cluster {name} step {step:,}/{self.total:,} loss {loss:.3f} "
+                                   f"tok/s {tokens_per_s:,.0f}" + (f" ({note})" if note else ""))
+            now = time.monotonic()
+            if name not in self._printed or step >= self.total or now - self._printed[name] >= self.every_s:
+                self._print(name, now)
+
+    def note(self, name: str, text: str) -> None:
+        """Something that just happened to cluster `name` (a sync): the bar's postfix, or the next line's."""
+        bar = self.bars.get(name)
+        if bar is not None:
+            bar.set_postfix_str(text)
+        elif self.lines:
+            self._note[name] = text
+
+    def write(self, text: str, file: TextIO | None = None) -> None:
+        """A line of output that is not a log record (it goes above the bars on a terminal)."""
+        if self.bars:
+            from tqdm import tqdm
+
+            tqdm.write(text, file=file or self.stream)
+        else:
+            print(text, file=file or self.stream, flush=True)
+
+    def _print(self, name: str, now: float) -> None:
+        line = self._pending.pop(name, None)
+        if line is not None:
+            self._printed[name] = now
+            log.info("%s", line)
+
+    def close(self) -> None:
+        """Close the bars (console logging writes directly again); off a terminal, each cluster's latest
+        line if it was not printed yet."""
+        for name in list(self._pending):
+            self._print(name, time.monotonic())
+        for bar in self.bars.values():
+            bar.close()
+        self.bars = {}
+        if self._redirect is not None:
+            self._redirect.close()
+            self._redirect = None

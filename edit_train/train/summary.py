@@ -40,7 +40,9 @@ def merge(records: list[dict[str, Any]], configured: list[str]) -> dict[str, Any
         "completed": all(n in per_cluster for n in configured),
         "steps": max(r["steps"] for r in records), "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / max(wall, 1e-9),
-        "final_val_loss": first["final_val_loss"], "initial_val_loss": first["initial_val_loss"],
+        "final_val_loss": first["final_val_loss"],
+        "initial_val_loss": next((r["initial_val_loss"] for r in records if r.get("initial_val_loss") is not None),
+                                 None),  # a cluster that joined mid-run (healed) has none of its own
         "cross_group_bytes": sum(r["cross_group_bytes"] for r in records),
         "syncs": max(r["syncs"] for r in records), "anomalies": sum(r["anomalies"] for r in records),
         "blocked_s": max(r["blocked_s"] for r in records),
@@ -92,7 +94,7 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "anomalies": stats["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
         "blocked_s": blocked, "blocked_frac": blocked / max(wall, 1e-9),
         "slowdown_slept_s": slowdown_slept_s, "local_steps": stats["local_steps_per_sync"],
-        "restarts": max(restarts, c.incarnations - 1), "healed_from": stats["healed_from"],
+        "restarts": max(restarts, c.restarts), "healed_from": stats["healed_from"],  # not a deliberate resume
         "wall_s": wall, "useful_s": c.useful_s, "first_start": c.first_start, "downtime_s": c.downtime_s,
         "alive_s": time.time() - state.t_start, "startup_s": state.startup_s,
         "final_val_loss": val_loss, "initial_val_loss": state.initial_val_loss, "algo": algo,

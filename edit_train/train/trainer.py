@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from edit_train.config import Config, to_container, validate
 from edit_train.data.loader import TokenLoader
@@ -32,7 +31,7 @@ from edit_train.sim.hetero import Slowdown
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
-from edit_train.train.progress import TrainingState, record_path
+from edit_train.train.progress import Progress, TrainingState, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
 from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import lr_at
@@ -107,7 +106,8 @@ class Trainer:
         # ---- model, replicated per cluster, sharded inside it
         counts = count_params(cfg.model)
         self.param_counts = counts
-        if self.is_main:
+        # once per run: the local launcher's clusters share one console (their own jobs: each says it)
+        if self.is_main and (topo.index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"):
             log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
@@ -273,11 +273,11 @@ class Trainer:
         if adopted is not None:
             p.step = max(p.step, adopted)  # a healed cluster continues from the federation's step
         p.startup_s = time.time() - p.t_start
+        # a bar on a terminal, periodic log lines elsewhere (a Slurm .out file); the local launcher draws its own
         own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
-        bar = tqdm(total=t.steps, initial=p.step, disable=not own_bar,
-                   desc=f"{cfg.algo.name} {topo.name}", unit="step", dynamic_ncols=True)
+        bar = Progress([topo.name], t.steps, cfg.algo.name, enabled=own_bar, initial={topo.name: p.step})
         if p.step == 0:
-            p.initial_val_loss = self.eval_logged()
+            p.set_initial_val_loss(self.eval_logged())
         window_tokens, window_time = 0, self.timing.snapshot()
         while not self.algo.should_stop(p.step):
             if self.stop.signum is not None:
@@ -325,8 +325,8 @@ class Trainer:
                     self._log_moe(p.step)
                     p.save(every_s=2.0)  # counters across incarnations (a killed cluster loses at most ~2 s of them)
                 self.threads.maybe_replan()
-                bar.set_postfix(loss=f"{float(loss_t):.3f}", tok_s=f"{tps:,.0f}")
-            bar.update(1)
+                bar.report(topo.name, p.step, float(loss_t), tps)
+            bar.advance(topo.name, p.step)
             if self.algo.lockstep and t.eval_every and p.step % t.eval_every == 0 and not self.algo.should_stop(p.step):
                 self.eval_logged()
             elif not self.algo.lockstep and outcome.eval_due:  # every cluster sees the same exchange: all eval
@@ -363,11 +363,9 @@ class Trainer:
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
         """This cluster's record merged by its leader with every other cluster's into `summary.json`."""
-        restarts = max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                       int(os.environ.get("EDIT_TRAIN_RESTART", "0")))
         record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.index,
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
-                                val_loss=val_loss, restarts=restarts, slowdown_slept_s=self.slowdown.slept_s,
+                                val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.slowdown.slept_s,
                                 time_split=self.timing.snapshot())
         if not self.is_main:
             return {}
