@@ -15,6 +15,7 @@ GROUPS: dict[str, str] = {
     "cluster": "the clusters (each its own job: ranks, speed, device) and the simulated link between them",
     "logger": "Weights & Biases (offline unless you have a key) or none",
     "experiment": "benchmark presets that set several groups and keys at once (optional)",
+    "plan": "not a training group: `edit-train plan [scenario=...]` reads conf/plan/ (README \"Planning a launch\")",
 }
 
 # The five keys people set most, with what they do.

@@ -1,0 +1,268 @@
+"""`edit-train plan calibrate RUN_DIR...`: a `Profile` fitted from finished runs (their `config.json`,
+`summary.json` and `metrics.jsonl`, docs/architecture.md §5) — nothing else is read, nothing is guessed.
+
+* **compute**: per cluster, the seconds per step of the `compute` + `slowdown` buckets between consecutive
+  `train` events (`time_s` deltas ÷ steps); their mean is the cluster step (slowest rank), their spread,
+  scaled by √(steps per log interval), its per-step standard deviation; `dist.fit_max` turns both into one
+  rank's distribution for the cluster's rank count (so a plan can change the rank count);
+* **sync**: every sync event's cost — the *smaller* of the participants' `blocked_s` (the other one also
+  waited for the slower cluster) — minus what the run's link costs by the planner's own model
+  (latency + bytes / (lanes · bandwidth) on edit-train's simulated link), fitted by least squares as
+  `n_units · per_op_s + bytes / sw_bytes_per_s`; the fit needs at least two distinct message sizes
+  (different compression or model across the runs) and says so otherwise;
+* `sync_work_s`: the `sync` bucket ÷ syncs joined; `eval_s`: the `eval` bucket ÷ evaluations;
+  `checkpoint_s`: the `checkpoint` bucket ÷ checkpoints written (when any); `startup_s`: the `startup`
+  bucket; `other_step_s`: (`data` + `other`) ÷ steps; `quorum_s`: the blocked time of ddp steps beyond the
+  all-reduce, when a ddp run is among them (else the default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edit_train.plan import hardware, traffic
+from edit_train.plan.dist import fit_max
+from edit_train.plan.profile import ClusterProfile, Profile
+
+
+RESTART_START_S = 5.0  # seconds from a restarted cluster job's spawn to its first step on this 2-core host
+
+
+class CalibrationError(ValueError):
+    """A run directory that cannot be calibrated from; the message names it and what is missing."""
+
+
+@dataclass
+class RunData:
+    path: Path
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    events: list[dict[str, Any]]
+
+
+def read_run(path: str | Path) -> RunData:
+    p = Path(path)
+    if not p.is_dir():
+        raise CalibrationError(f"calibrate: {p} is not a directory (give finished edit-train run directories)")
+    out = {}
+    for name in ("config.json", "summary.json"):
+        f = p / name
+        try:
+            out[name] = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CalibrationError(f"calibrate: {f} cannot be read ({exc.__class__.__name__}); is {p} a "
+                                   "finished edit-train run?") from None
+    events = []
+    mf = p / "metrics.jsonl"
+    if not mf.is_file():
+        raise CalibrationError(f"calibrate: {mf} is missing; is {p} a finished edit-train run?")
+    for line in mf.read_text(errors="replace").splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line
+        if isinstance(ev, dict):
+            events.append(ev)
+    if not out["summary.json"].get("per_cluster"):
+        raise CalibrationError(f"calibrate: {p}/summary.json has no per_cluster section")
+    return RunData(p, out["config.json"], out["summary.json"], events)
+
+
+def _model(cfg: dict[str, Any]) -> hardware.ModelFacts:
+    m = cfg.get("model")
+    return hardware.model_facts(m if isinstance(m, dict) else str(m), name=str((m or {}).get("name", "run"))
+                                if isinstance(m, dict) else "")
+
+
+def _cluster_steps(run: RunData, name: str) -> tuple[list[float], int]:
+    """Seconds per step (compute + slowdown) of each logging interval of cluster `name` (`train` events)."""
+    ev = sorted((e for e in run.events if e.get("event") == "train" and e.get("cluster") == name
+                 and isinstance(e.get("time_s"), dict)), key=lambda e: e["step"])
+    per, gap, prev = [], 0, 0
+    for e in ev:  # time_s holds the buckets' seconds since the previous train event of this cluster
+        d = int(e["step"]) - prev
+        prev = int(e["step"])
+        if d <= 0:
+            continue
+        secs = sum(float(e["time_s"].get(k, 0)) for k in ("compute", "slowdown"))
+        if secs > 0:
+            per.append(secs / d)
+            gap = d
+    return per, gap
+
+
+def _link_s(cfg: dict[str, Any], nbytes: float, lanes: int) -> float:
+    link = (cfg.get("cluster") or {}).get("link") or {}
+    bw, lat = float(link.get("bandwidth_mbps") or 0), float(link.get("latency_ms") or 0) / 1000.0
+    return lat + (nbytes / max(lanes, 1) / (bw * 1e6 / 8) if bw > 0 else 0.0)
+
+
+def calibrate(run_dirs: list[str | Path]) -> Profile:
+    if not run_dirs:
+        raise CalibrationError("calibrate: give at least one run directory")
+    runs = [read_run(p) for p in run_dirs]
+    prof = Profile()
+    prof.sources = [str(r.path) for r in runs]
+    first = runs[0].config
+    facts = _model(first)
+    prof.model = ""  # a dict preset: matched by workload below, not by name
+    prof.batch_size = int(first["train"]["batch_size"])
+    prof.seq_len = int(first["train"]["seq_len"])
+    pooled, sync_x, sync_y = [], [], []
+    evals, eval_s, ckpt_s, ckpts, work, joined, startup, other, steps = ([] for _ in range(9))
+    ddp_extra: list[float] = []
+    for run in runs:
+        cfg, summ = run.config, run.summary
+        rf = _model(cfg)
+        units = len(rf.units)
+        for name, pc in summ["per_cluster"].items():
+            t = pc.get("time") or {}
+            per, gap = _cluster_steps(run, name)
+            ranks, slow = int(pc.get("ranks", 1)), 1.0
+            specs = (cfg.get("cluster") or {}).get("clusters") or []
+            for s in specs:
+                if isinstance(s, dict) and s.get("name") == name:
+                    slow = float(s.get("slowdown", 1.0))
+            sl = (cfg.get("cluster") or {}).get("slowdown") or []
+            if not specs and int(pc.get("index", -1)) in range(len(sl)):
+                slow = float(sl[int(pc["index"])])
+            if len(per) >= 2:
+                mean = float(np.mean(per))
+                std = float(np.std(per, ddof=1)) * math.sqrt(max(gap, 1))
+                d = fit_max(mean, std, ranks)
+                key = name if name not in prof.clusters else f"{run.path.name}/{name}"
+                prof.clusters[key] = ClusterProfile(ranks, d, slow, int(pc.get("tokens_per_step", 0)), mean, std,
+                                                    len(per))
+                pooled.append(d.scaled(1.0 / max(slow, 1e-9)))
+            n_eval = sum(1 for e in run.events if e.get("event") == "eval" and e.get("cluster") == name)
+            if n_eval and t.get("eval"):
+                eval_s.append(float(t["eval"])), evals.append(n_eval)
+            ck = int(pc.get("checkpoints", 0) or 0)
+            if ck and t.get("checkpoint"):
+                ckpt_s.append(float(t["checkpoint"])), ckpts.append(ck)
+            n_sync = int(pc.get("syncs_joined", pc.get("syncs", 0)) or 0)
+            if n_sync and t.get("sync") is not None:
+                work.append(float(t["sync"])), joined.append(n_sync)
+            if t.get("startup") is not None:
+                startup.append(float(t["startup"]))
+            if pc.get("steps"):
+                other.append(float(t.get("data", 0)) + float(t.get("other", 0))), steps.append(int(pc["steps"]))
+        syncs: dict[int, list[dict[str, Any]]] = {}
+        for e in run.events:
+            if e.get("event") == "sync" and e.get("bytes") is not None and e.get("blocked_s") is not None:
+                syncs.setdefault(int(e["sync"]), []).append(e)
+        ranks = {n: int(pc.get("ranks", 1)) for n, pc in summ["per_cluster"].items()}
+        paired = len(set(ranks.values())) <= 1
+        chunks = int((cfg.get("federation") or {}).get("chunks", 4) or 4)
+        for k, evs in syncs.items():
+            if k <= 1 or len(evs) < 2 or len(set(e.get("cluster") for e in evs)) < 2:
+                continue  # the first sync carries start-up skew
+            e = min(evs, key=lambda x: float(x["blocked_s"]))
+            nbytes = float(e["bytes"])
+            lanes = traffic.lanes(ranks.get(e.get("cluster"), 1), paired, chunks)
+            sync_x.append((units, nbytes))
+            sync_y.append(float(e["blocked_s"]) - _link_s(cfg, nbytes, lanes))
+        if summ.get("algo") == "ddp" and summ.get("steps"):
+            for name, pc in summ["per_cluster"].items():
+                per, _ = _cluster_steps(run, name)
+                nbytes = float(pc.get("cross_group_bytes", 0)) / max(int(pc["steps"]), 1)
+                if per:
+                    blocked = float((pc.get("time") or {}).get("blocked", 0)) / max(int(pc["steps"]), 1)
+                    ddp_extra.append(blocked - _link_s(cfg, nbytes, 1))
+    if not prof.clusters:
+        raise CalibrationError("calibrate: no cluster logged two or more `train` events with time_s; use "
+                               "train.log_every smaller than train.steps / 3")
+    prof.rank_step = _pool(pooled)
+    fit: dict[str, Any] = {"clusters": {k: {"samples": c.samples, "mean_step_s": c.mean_step_s,
+                                            "std_step_s": c.std_step_s, "sigma": c.dist.sigma}
+                                        for k, c in prof.clusters.items()}}
+    sizes = sorted(set(round(b) for _, b in sync_x))
+    if len(sizes) >= 2:
+        x = np.array(sync_x, dtype=float)
+        a = np.stack([x[:, 0], x[:, 1]], axis=1)
+        coef, *_ = np.linalg.lstsq(a, np.array(sync_y), rcond=None)
+        per_op, per_byte = float(coef[0]), float(coef[1])
+        if per_byte <= 0:  # bytes explained by the link alone: a per-op cost only
+            per_byte = 0.0
+            per_op = float(np.mean(np.array(sync_y) / x[:, 0]))
+        prof.per_op_s = max(per_op, 0.0)
+        prof.sw_bytes_per_s = 1.0 / per_byte if per_byte > 0 else 0.0
+        pred = a @ np.array([prof.per_op_s, per_byte])
+        fit["sync"] = {"samples": len(sync_y), "message_sizes": sizes, "per_op_s": prof.per_op_s,
+                       "sw_bytes_per_s": prof.sw_bytes_per_s,
+                       "rms_residual_s": float(np.sqrt(np.mean((pred - np.array(sync_y)) ** 2)))}
+    else:
+        fit["sync"] = {"samples": len(sync_y), "message_sizes": sizes,
+                       "note": "fewer than two message sizes: per-op/per-byte sync costs left at the defaults "
+                               "(calibrate on runs with different sync.compression)"}
+    if work:
+        prof.sync_work_s = sum(work) / sum(joined)
+    if eval_s:
+        prof.eval_s = sum(eval_s) / sum(evals)
+    if ckpt_s:
+        prof.checkpoint_s = sum(ckpt_s) / sum(ckpts)
+    if startup:
+        prof.startup_s = float(np.median(startup))
+    if steps:
+        prof.other_step_s = sum(other) / sum(steps)
+    if ddp_extra:
+        prof.quorum_s = max(float(np.median(ddp_extra)), 0.0)
+        fit["quorum"] = {"samples": len(ddp_extra), "quorum_s": prof.quorum_s}
+    fit.update({"eval_s": prof.eval_s, "checkpoint_s": prof.checkpoint_s, "startup_s": prof.startup_s,
+                "other_step_s": prof.other_step_s, "sync_work_s": prof.sync_work_s,
+                "model_params": facts.total_params})
+    prof.fit = fit
+    prof.calibrated = True
+    return prof
+
+
+def _pool(dists: list) -> Any:
+    if not dists:
+        return None
+    from edit_train.plan.dist import StepDist
+
+    med = float(np.median([d.median_s for d in dists]))
+    return StepDist(med, float(np.median([d.sigma for d in dists])))
+
+
+def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny") -> dict[str, Any]:
+    """A plan scenario (as a dict for `spec.scenario_from_dict`) describing the run in `run`: its clusters
+    (ranks, slowdown; step time from `profile`'s pooled rank), link, workload, fed. knobs and fixed steps.
+    `model` names the preset the run used (config.json holds the resolved fields, not the name)."""
+    cfg, summ = run.config, run.summary
+    cl, fed, tr = cfg.get("cluster") or {}, cfg.get("federation") or {}, cfg["train"]
+    specs = {s["name"]: s for s in cl.get("clusters") or [] if isinstance(s, dict)}
+    base = profile.rank_step
+    if base is None:
+        raise CalibrationError("scenario: the profile has no calibrated step time")
+    clusters = []
+    for name, pc in sorted(summ["per_cluster"].items(), key=lambda kv: int(kv[1].get("index", 0))):
+        slow = float(specs.get(name, {}).get("slowdown", 0) or 0)
+        sl = cl.get("slowdown") or []
+        if not slow:
+            idx = int(pc.get("index", 0))
+            slow = float(sl[idx]) if idx < len(sl) else 1.0
+        clusters.append({"name": name, "ranks": int(pc.get("ranks", 1)), "step_s": base.median_s,
+                         "step_cv": base.sigma, "slowdown": max(slow, 1.0)})
+    link = cl.get("link") or {}
+    kills = [{"cluster": str(f.get("cluster")), "step": int(f.get("step", f.get("start", 0)))}
+             for f in cfg.get("faults") or [] if isinstance(f, dict) and f.get("kind") == "kill_cluster"]
+    # a killed cluster is back after the launcher's delay plus a process start (spawn, imports, rendezvous):
+    # RESTART_START_S, an assumption of this host (not calibrated; docs/planner.md)
+    restart = float((cfg.get("run") or {}).get("restart_delay_s", 2.0)) + RESTART_START_S
+    return {"name": run.path.name, "clusters": clusters, "model": model, "batch_size": int(tr["batch_size"]),
+            "seq_len": int(tr["seq_len"]), "steps": int(summ.get("steps") or tr["steps"]),
+            "link": {"bandwidth_mbps": float(link.get("bandwidth_mbps") or 0),
+                     "latency_ms": float(link.get("latency_ms") or 0)},
+            "simulated_link": True, "join_timeout_s": float(fed.get("join_timeout_s", 5.0)),
+            "heartbeat_timeout_s": float(fed.get("heartbeat_timeout_s", 5.0)),
+            "min_clusters": int(fed.get("min_clusters", 1)), "chunks": int(fed.get("chunks", 4)),
+            "gather_max": int((cfg.get("sync") or {}).get("gather_max", 4)),
+            "eval_every": int(tr.get("eval_every") or 0), "hours": 1.0,
+            "failures": {"kills": kills, "restart_s": restart}}

@@ -1,0 +1,238 @@
+"""`edit-train plan`: the simulator's semantics on crafted cases with exact answers, calibration (a synthetic
+run with known costs, and a real short run, round-tripped), the CLI's one-line errors, and the
+recommendation's overrides composing as an `edit-train` config. No timing assertions: numerics only."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edit_train.plan import hardware, traffic
+from edit_train.plan.calibrate import CalibrationError, calibrate
+from edit_train.plan.costs import resolve
+from edit_train.plan.engine import simulate
+from edit_train.plan.profile import Profile
+from edit_train.plan.simbase import SimOptions
+from edit_train.plan.spec import Candidate, PlanError, scenario_from_dict
+
+STEP = 0.1
+BATCH, SEQ = 4, 64
+
+
+def zero_profile() -> Profile:
+    """No software cost anywhere: only steps and the modelled link remain."""
+    return Profile(per_op_s=0.0, sw_bytes_per_s=0.0, quorum_s=0.0, sync_work_s=0.0, sync_work_per_param_s=0.0,
+                   startup_s=0.0, eval_s=0.0, other_step_s=0.0)
+
+
+def scenario(slowdowns=(1.0, 1.0), bw=0.0, lat=0.0, **kw):
+    clusters = [{"name": f"c{i}", "ranks": 1, "step_s": STEP, "step_cv": 0.0, "slowdown": s}
+                for i, s in enumerate(slowdowns)]
+    return scenario_from_dict({"name": "t", "clusters": clusters, "model": "tiny", "batch_size": BATCH,
+                               "seq_len": SEQ, "link": {"bandwidth_mbps": bw, "latency_ms": lat}, **kw})
+
+
+def run(scn, cand, steps=64, kills=(), restart_s=5.0):
+    fed = resolve(scn, zero_profile())
+    return fed, simulate(fed, cand, SimOptions(steps=steps, startup=False, kills=list(kills), restart_s=restart_s))
+
+
+@pytest.mark.parametrize("algo", ["diloco", "edit", "post_local_sgd"])
+def test_equal_clusters_free_link_never_block_and_add_up(algo):
+    _, res = run(scenario(), Candidate(algo, "at_end", "none", 16))
+    assert res.buckets["blocked"] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert res.tokens_per_s == pytest.approx(2 * BATCH * SEQ / STEP, rel=1e-9)  # the sum of the clusters
+    assert res.syncs == 4 and res.goodput == pytest.approx(1.0)
+
+
+def test_slow_link_costs_latency_plus_bytes_over_bandwidth():
+    bw, lat = 100.0, 50.0
+    fed, res = run(scenario(bw=bw, lat=lat), Candidate("edit", "at_end", "none", 16))
+    units = hardware.model_facts("tiny").unit_sizes
+    nbytes = sum(4 * n + traffic.TAG for n in units)  # 2 clusters gather: one copy of every unit to the peer
+    assert res.bytes == pytest.approx([4 * nbytes] * 2)
+    # per sync: the norm exchange and the commit vote (one latency each) + the transfer (latency + bytes / bw)
+    per_sync = 3 * lat / 1e3 + nbytes / (bw * 1e6 / 8)
+    assert res.buckets["blocked"] == pytest.approx([4 * per_sync] * 2, rel=1e-9)
+    assert res.wall_s == pytest.approx(64 * STEP + 4 * per_sync, rel=1e-9)
+    assert res.tokens_per_s == pytest.approx(2 * 64 * BATCH * SEQ / (64 * STEP + 4 * per_sync), rel=1e-9)
+
+
+def test_compression_shrinks_the_transfer_only():
+    _, none = run(scenario(bw=100.0, lat=50.0), Candidate("edit", "at_end", "none", 16))
+    _, int8 = run(scenario(bw=100.0, lat=50.0), Candidate("edit", "at_end", "int8", 16))
+    units = hardware.model_facts("tiny").unit_sizes
+    assert int8.bytes[0] == pytest.approx(4 * sum(traffic.wire_bytes(n, "int8") + traffic.TAG for n in units))
+    saved = (none.bytes[0] - int8.bytes[0]) / (100e6 / 8)
+    assert none.buckets["blocked"][0] - int8.buckets["blocked"][0] == pytest.approx(saved, rel=1e-9)
+
+
+def test_step_schedule_waits_for_the_straggler_a_edit_does_not():
+    scn = scenario(slowdowns=(1.0, 3.0))
+    _, edit = run(scn, Candidate("edit", "at_end", "none", 10), steps=60)
+    # edit: every 10 steps the fast cluster (1 s) waits for the slow one (3 s): 2 s of every 3
+    assert edit.blocked_frac[0] == pytest.approx(2 / 3, rel=1e-6)
+    assert edit.blocked_frac[1] == pytest.approx(0.0, abs=1e-12)
+    _, aedit = run(scn, Candidate("a_edit", "at_end", "none", 10, sync_time_s=1.0), steps=60)
+    # A-EDiT: tau = 1 s -> the slow cluster plans floor(1 / 0.3) = 3 steps (0.9 s), the fast one 10 (1 s)
+    assert aedit.blocked_frac[0] < 0.1 and aedit.blocked_frac[1] < 0.2
+    assert aedit.tokens_per_s > 1.5 * edit.tokens_per_s
+
+
+def test_a_failure_costs_the_uncommitted_compute():
+    scn = scenario()
+    _, clean = run(scn, Candidate("edit", "at_end", "none", 8), steps=32)
+    _, hit = run(scn, Candidate("edit", "at_end", "none", 8), steps=32, kills=[(1, 12, -1.0)])
+    assert clean.buckets["compute"] - clean.useful == pytest.approx([0.0, 0.0], abs=1e-9)
+    # killed at its step 12 of the interval 8..16: the 4 steps since the commit at 8 are lost
+    lost = hit.buckets["compute"] - hit.useful
+    assert lost[0] == pytest.approx(0.0, abs=1e-9) and lost[1] == pytest.approx(4 * STEP, rel=1e-9)
+    assert hit.restarts == 1 and hit.goodput < clean.goodput
+
+
+def test_order_statistic_makes_a_big_synchronous_cluster_slower():
+    from edit_train.plan.dist import StepDist, fit_max
+
+    d = StepDist(1.0, 0.1)
+    assert d.mean_max(1) == pytest.approx(math.exp(0.005), rel=2e-3)  # lognormal mean
+    assert d.mean_max(1024) > d.mean_max(64) > d.mean_max(8) > d.mean_max(1)
+    f = fit_max(d.mean_max(16), d.std_max(16), 16)  # the fit inverts the order statistic
+    assert f.sigma == pytest.approx(0.1, rel=0.02) and f.median_s == pytest.approx(1.0, rel=0.01)
+
+
+def test_scenario_errors_name_the_field():
+    with pytest.raises(PlanError, match=r"clusters\[0\] \(a\)\.ranks"):
+        scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 0, "step_s": 1}]})
+    with pytest.raises(PlanError, match="candidates.algos"):
+        scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}],
+                            "candidates": {"algos": ["sgd"]}})
+    with pytest.raises(PlanError, match="unknown field"):
+        scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1, "gpus": 3}]})
+
+
+# ------------------------------------------------------------------------------------------ calibration
+def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, compute: float) -> None:
+    """A run dir whose sync costs follow n_units * per_op + bytes / sw_bps exactly (no link)."""
+    path.mkdir(parents=True)
+    model = hardware.load_preset("tiny")
+    units = len(hardware.model_facts("tiny").units)
+    cfg = {"model": model, "train": {"batch_size": BATCH, "seq_len": SEQ, "steps": 40, "eval_every": 0},
+           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": 0}, "clusters": [], "slowdown": []},
+           "federation": {}, "sync": {}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    per = {n: {"name": n, "index": i, "ranks": 1, "steps": 40, "tokens_per_step": BATCH * SEQ, "syncs_joined": 5,
+               "time": {"compute": 40 * compute, "sync": 5 * 0.01, "eval": 2 * 0.2, "startup": 1.5,
+                        "data": 0.4, "other": 0.0, "blocked": 1.0, "wall_s": 10.0}} for i, n in enumerate(["c0", "c1"])}
+    (path / "summary.json").write_text(json.dumps({"algo": "edit", "steps": 40, "per_cluster": per}))
+    lines = []
+    for n in ("c0", "c1"):
+        lines += [{"event": "eval", "cluster": n, "step": 0}, {"event": "eval", "cluster": n, "step": 40}]
+        for k, step in enumerate(range(8, 41, 8)):
+            jitter = (-1) ** k * 0.001
+            lines.append({"event": "train", "cluster": n, "step": step,
+                          "time_s": {"compute": 8 * (compute + jitter), "slowdown": 0.0}})
+            cost = units * per_op + nbytes / sw_bps
+            lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": nbytes,
+                          "blocked_s": cost + (0.5 if n == "c1" else 0.0)})  # c1 also waited: min is taken
+    (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_calibrate_recovers_known_costs_and_round_trips(tmp_path):
+    _synthetic_run(tmp_path / "a", 0.004, 50e6, 2_000_000, 0.05)
+    _synthetic_run(tmp_path / "b", 0.004, 50e6, 500_000, 0.05)
+    prof = calibrate([tmp_path / "a", tmp_path / "b"])
+    assert prof.per_op_s == pytest.approx(0.004, rel=1e-6)
+    assert prof.sw_bytes_per_s == pytest.approx(50e6, rel=1e-6)
+    assert prof.fit["sync"]["message_sizes"] == [500_000, 2_000_000]
+    assert prof.clusters["c0"].mean_step_s == pytest.approx(0.05 + 0.001 / 5, rel=1e-6)  # 5 intervals, ±1 ms
+    assert prof.eval_s == pytest.approx(0.2) and prof.startup_s == pytest.approx(1.5)
+    assert prof.other_step_s == pytest.approx(0.01) and prof.sync_work_s == pytest.approx(0.01)
+    back = Profile.load(prof.save(tmp_path / "p.json"))
+    assert back.to_json() == prof.to_json()
+    one = calibrate([tmp_path / "a"])  # one message size: the per-byte cost is not identifiable
+    assert "note" in one.fit["sync"]
+
+
+def test_calibrate_rejects_what_is_not_a_run(tmp_path):
+    with pytest.raises(CalibrationError, match="not a directory"):
+        calibrate([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CalibrationError, match="config.json"):
+        calibrate([tmp_path / "empty"])
+    with pytest.raises(ValueError, match="not a planner profile"):
+        Profile.from_json({"version": 99})
+
+
+def test_calibrate_a_real_run(tmp_path):
+    """A few seconds of a real two-cluster EDiT run, calibrated; the fitted step is the run's own."""
+    run_dir = tmp_path / "run"
+    args = ["logger=none", "train.progress=false", "checkpoint.at_end=false", "model=tiny", "cluster=local_2x1",
+            "algo=edit", "algo.interval=4", "algo.warmup_steps=0", "train.steps=16", "train.batch_size=2",
+            "train.seq_len=32", "train.log_every=4", "train.eval_every=0", "train.eval_batches=1",
+            f"run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "edit_train.cli.train", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    prof = calibrate([run_dir])
+    summ = json.loads((run_dir / "summary.json").read_text())
+    for name, pc in summ["per_cluster"].items():
+        t = pc["time"]
+        assert prof.clusters[name].mean_step_s == pytest.approx((t["compute"] + t["slowdown"]) / pc["steps"],
+                                                                rel=1e-2)  # time_s is logged to 0.1 ms
+    assert prof.fit["sync"]["samples"] >= 2 and prof.calibrated
+    back = Profile.load(prof.save(tmp_path / "profile.json"))
+    assert back.to_json() == prof.to_json()
+    out = subprocess.run([sys.executable, "-m", "edit_train.cli.plan", "calibrate", str(run_dir), "--out",
+                          str(tmp_path / "p2.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and (tmp_path / "p2.json").exists(), out.stderr
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edit_train.cli.train", "plan", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["scenario=nope"], "scenario=nope: no such scenario option"),
+    (["scenario.link.bandwidth_mbps=-1"], "link: bandwidth_mbps"),
+    (["scenario.candidates.algos=[sgd]"], "candidates.algos"),
+    (["bogus"], "is not an override"),
+    (["scenario.nope=1"], "scenario.nope"),
+    (["profile=/does/not/exist.json"], "cannot be read"),
+    (["calibrate", "/does/not/exist"], "is not a directory"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, args, needle):
+    out = plan_cli(*args, f"out={tmp_path}" if args[0] != "calibrate" else "--out=x.json", cwd=tmp_path)
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], out.stderr
+
+
+def test_readme_example_recommendation_composes_as_edit_train_config(tmp_path):
+    """The worked three-cluster example (16/8/4 ranks): output files, and overrides `edit-train` accepts."""
+    from edit_train.cli.common import compose
+    from edit_train.cli.plan import run_plan
+    from edit_train.config import cluster_specs, validate
+
+    data = run_plan([f"out={tmp_path}", "quick=true"])
+    assert (tmp_path / "plan.json").exists() and (tmp_path / "plan.png").exists()
+    rec = data["recommendation"]
+    assert rec["fits_memory"] and len(data["candidates"]) > 20
+    cfg = compose(rec["overrides"])
+    validate(cfg)
+    assert [(s.name, s.ranks) for s in cluster_specs(cfg)] == [("hq", 16), ("lab", 8), ("old", 4)]
+    assert cfg.algo.name == rec["algo"]
+    if rec["algo"] != "ddp":
+        assert cfg.sync.mode == rec["mode"] and cfg.sync.compression == rec["compression"]
+
+
+def test_plan_is_not_imported_by_the_core():
+    for pkg in ("local_sgd", "train", "federation", "cluster", "model"):
+        for f in (Path(__file__).parents[1] / "edit_train" / pkg).rglob("*.py"):
+            assert "edit_train.plan" not in f.read_text(), f
