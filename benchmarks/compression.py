@@ -1,81 +1,296 @@
-"""Compressed pseudo-gradients over the slow link: fp32 vs bf16 vs int8 (with and without error feedback).
+"""Compressed pseudo-gradients: fp32 vs bf16 vs int8 vs sparse low-bit top-k, in loss and bytes per token.
 
-Every run: `algo=edit` on two one-rank clusters (`cluster=local_2x1`) over a simulated 100 Mbit/s, 50 ms link,
-the same steps, seeds and data; plus one `algo=ddp` run for the bytes-per-token reference. Reported per
-scheme (mean over seeds): final val loss and its ratio to the uncompressed run, cross-cluster bytes per
-trained token, the ratio to ddp's bytes per token, and wall time (the link model charges what is sent).
+Settings (every run `algo=edit` on two one-rank clusters, `cluster=local_2x1`, the same steps, seeds and data):
 
-Targets: int8 + error feedback sends ≤ 1/(4H) of ddp's bytes per token with val loss ≤ 1.005 × uncompressed;
-without error feedback, how much worse it is.
+* `convergence` — the convergence benchmark's default preset (benchmarks/convergence.py): model=tiny,
+  320 steps, H=8, batch 8, seq_len 128, eval every 40 steps on 8 batches, edit with its ALGO_OVERRIDES
+  (outer SGD lr 0.7, no momentum); no simulated link.
+* `slow_link` — the same over the heterogeneity benchmark's link (100 Mbit/s, 50 ms): fewer bytes should turn
+  into less blocked time (`blocked_s`) for the blocking layer-wise sync.
 
-    python benchmarks/compression.py --quick --out benchmarks/results/compression.json
+Plus one `algo=ddp` run per setting for the bytes-per-token reference. Per scheme and setting (3 seeds): final
+val loss, its ratio to the uncompressed run of the same seed (mean, worst), cross-cluster bytes per trained
+token, their ratio to uncompressed local SGD and to ddp, blocked seconds per sync and wall time. Then the codec
+cost: per FSDP unit of the tiny and small models, the µs to encode one cluster's payload and to decode one,
+and per sync (one encode + P = 2 decodes per unit) against a sync's measured time (the `sync` + `blocked`
+time buckets of the runs ÷ syncs; the small model's from a short `timing` run).
+
+Targets (issue 24): a top-k pair with bytes/token ≤ 1/100 of uncompressed fp32 local SGD at the same H at
+≤ 1.01 × its val loss (mean of the seeds, worst seed ≤ 1.02 ×) — or the best pair that holds the loss bound;
+codec ≤ 5 % of a sync's time. The plot: bytes/token against val loss, one panel per setting.
+
+    python benchmarks/compression.py --quick     # 1 seed, 120 steps, 3 top-k pairs; ≤ 10 min on 2 cores
+    python benchmarks/compression.py --out docs/compression.json --plot docs/compression.png   # every scheme
+
+What docs/compression.json holds (26 runs, ~40 min of the 2 shared cores; `--reuse` resumes):
+
+    python benchmarks/compression.py --reuse --schemes none int8 topk_1pct_2b topk_2pct_4b topk_5pct_4b \
+        topk_10pct_4b topk_25pct_4b --slow-schemes none int8 topk_1pct_2b --slow-seeds 0 \
+        --out docs/compression.json --plot docs/compression.png
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
+SPARSE = ["sync.scale_dtype=bf16", "sync.error_feedback=true"]
 SCHEMES = {  # name -> overrides
     "none": ["sync.compression=none"],
     "bf16": ["sync.compression=bf16"],
     "int8": ["sync.compression=int8", "sync.error_feedback=true"],
     "int8_no_ef": ["sync.compression=int8", "sync.error_feedback=false"],
+    # 3 of every 256 values (1.2 %), 2-bit: 10 bits + a bf16 scale per 3 kept values: 0.56 % of fp32
+    "topk_1pct_2b": ["sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2", *SPARSE],
+    # 5 of 256 (2 %), 4-bit: 0.93 % of fp32
+    "topk_2pct_4b": ["sync.compression=topk", "sync.topk_density=0.02", "sync.bits=4", *SPARSE],
+    # 10 of 1024 (1 %), 2-bit, 10-bit indices: 0.42 % of fp32
+    "topk_1pct_2b_c1024": ["sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2",
+                           "sync.block_size=1024", *SPARSE],
+    # 13 of 256 (5 %), 4-bit: 2.1 % of fp32 (the denser end of the curve)
+    "topk_5pct_4b": ["sync.compression=topk", "sync.topk_density=0.05", "sync.bits=4", *SPARSE],
+    # 26 of 256 (10 %), 4-bit: 4.0 % of fp32
+    "topk_10pct_4b": ["sync.compression=topk", "sync.topk_density=0.1", "sync.bits=4", *SPARSE],
+    # 64 of 256 (25 %), 4-bit: 9.6 % of fp32
+    "topk_25pct_4b": ["sync.compression=topk", "sync.topk_density=0.25", "sync.bits=4", *SPARSE],
 }
+QUICK_SCHEMES = ["none", "int8", "topk_1pct_2b", "topk_2pct_4b", "topk_5pct_4b"]
+SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
+SETTINGS = {"convergence": [], "slow_link": SLOW}
+EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
+        "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="120 steps, seed 0, none/int8/3 top-k pairs; the slow "
+                    "link for none and topk_1pct_2b only; no small-model timing run")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
+    ap.add_argument("--schemes", nargs="+", default=None, choices=list(SCHEMES))
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--slow-schemes", nargs="+", default=None, choices=list(SCHEMES),
+                    help="schemes on the slow link (default: --schemes; --quick: none and topk_1pct_2b)")
+    ap.add_argument("--slow-seeds", type=int, nargs="+", default=None, help="seeds on the slow link (default: --seeds)")
+    ap.add_argument("--reuse", action="store_true", help="reuse a finished run with identical overrides "
+                    "(an interrupted benchmark resumes; every run directory is under --workdir)")
+    ap.add_argument("--no-small", action="store_true", help="skip the small model's sync-time run")
+    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
+    ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "compression.png")
+    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
+    a = ap.parse_args()
+    a.steps = a.steps or (120 if a.quick else 320)
+    a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
+    a.schemes = a.schemes or (QUICK_SCHEMES if a.quick else list(SCHEMES))
+    if "none" not in a.schemes:
+        a.schemes = ["none", *a.schemes]
+    a.slow_schemes = a.slow_schemes or (["none", "topk_1pct_2b"] if a.quick else a.schemes)
+    if "none" not in a.slow_schemes:
+        a.slow_schemes = ["none", *a.slow_schemes]
+    a.slow_seeds = a.slow_seeds or a.seeds
+    return a
+
+
+def common(a: argparse.Namespace, model: str = "tiny") -> list[str]:
+    return [f"model={model}", "cluster=local_2x1", f"train.steps={a.steps}", f"algo.interval={a.interval}",
+            "train.batch_size=8", "train.seq_len=128", f"train.eval_every={40 if a.steps >= 160 else a.steps}",
+            "train.eval_batches=8", "train.log_every=20"]
+
+
+def sync_time(job: C.Job) -> float:
+    """Seconds of one sync for a cluster: its `sync` + `blocked` time buckets ÷ the syncs it joined (mean)."""
+    per = []
+    for c in job.summary.get("per_cluster", {}).values():
+        t, n = c.get("time", {}), max(int(c.get("syncs_joined") or 0), 1)
+        per.append((t.get("sync", 0.0) + t.get("blocked", 0.0)) / n)
+    return sum(per) / len(per) if per else float("nan")
+
+
+def one_setting(a: argparse.Namespace, setting: str) -> dict[str, Any]:
+    extra, work = SETTINGS[setting], a.workdir / setting
+    base = [*common(a), *extra]
+    ddp = C.run_job(f"{setting}/ddp", work / "ddp", [*base, "algo=ddp", "seed=0",
+                                                      f"train.steps={max(a.steps // 4, 8)}"], reuse=a.reuse)
+    ddp_bpt = ddp.summary["cross_group_bytes"] / ddp.summary["tokens"]
+    slow = setting == "slow_link"
+    names, seeds = (a.slow_schemes, a.slow_seeds) if slow else (a.schemes, a.seeds)
+    per: dict[str, dict[str, Any]] = {}
+    for name in names:
+        runs = [C.run_job(f"{setting}/{name}-s{seed}", work / f"{name}_s{seed}",
+                          [*base, *EDIT, f"seed={seed}", *SCHEMES[name]], reuse=a.reuse) for seed in seeds]
+        per[name] = {"val_loss": [r.summary["final_val_loss"] for r in runs],
+                     "bytes_per_token": [r.summary["cross_group_bytes"] / r.summary["tokens"] for r in runs],
+                     "blocked_per_sync": [r.summary["blocked_s"] / max(r.summary["syncs"], 1) for r in runs],
+                     "sync_s": [sync_time(r) for r in runs], "anomalies": [r.summary["anomalies"] for r in runs],
+                     "wall_s": [r.summary["wall_s"] for r in runs]}
+    rows, none = [], per["none"]
+    for name, p in per.items():
+        ratio = [v / b for v, b in zip(p["val_loss"], none["val_loss"])]
+        bpt = statistics.fmean(p["bytes_per_token"])
+        p["loss_ratio"] = ratio
+        rows.append({"scheme": name, "val_loss": statistics.fmean(p["val_loss"]),
+                     "loss_ratio": statistics.fmean(ratio), "worst_ratio": max(ratio), "bytes_per_token": bpt,
+                     "vs_none": bpt / statistics.fmean(none["bytes_per_token"]), "vs_ddp": bpt / ddp_bpt,
+                     "blocked_per_sync": statistics.fmean(p["blocked_per_sync"]),
+                     "sync_s": statistics.fmean(p["sync_s"]), "wall_s": statistics.fmean(p["wall_s"])})
+    print(f"\n== {setting} ({a.steps} steps, H={a.interval}, seeds {seeds}) ==")
+    print(C.table(rows, [("scheme", "scheme", ""), ("val_loss", "val loss", ".4f"), ("loss_ratio", "÷ none", ".4f"),
+                         ("worst_ratio", "worst seed", ".4f"), ("bytes_per_token", "bytes/token", ".2f"),
+                         ("vs_none", "÷ none bytes", ".4f"), ("vs_ddp", "÷ ddp bytes", ".5f"),
+                         ("blocked_per_sync", "blocked s/sync", ".3f"), ("sync_s", "sync s", ".3f"),
+                         ("wall_s", "wall s", ".1f")]))
+    return {"ddp_bytes_per_token": ddp_bpt, "seeds": seeds, "rows": rows, "per_seed": per}
+
+
+# ------------------------------------------------------------------------------------------ codec cost
+def unit_sizes(model: str) -> list[tuple[str, int]]:
+    """(unit, parameters) of the FSDP units of a model preset, built on the meta device."""
+    import torch
+
+    from edit_train.cluster.mesh import fsdp_units
+    from edit_train.local_sgd.round import build_units
+    from edit_train.model.presets import load_preset
+    from edit_train.model.transformer import CausalLM
+
+    with torch.device("meta"):
+        m = CausalLM(load_preset(model))
+    return [(u.name, sum(p.numel() for p in u.params)) for u in build_units(m, fsdp_units(m))]
+
+
+def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
+    """µs to encode one payload and decode one, per unit, for each compressed scheme: the best of `reps`
+    (what the codec costs on its own; the medians, which include whatever else the cores ran, are kept too)."""
+    import torch
+
+    from edit_train.federation.compress import CompressionConfig, dequantize, quantize
+
+    out: dict[str, Any] = {}
+    units = unit_sizes(model)
+    for name in schemes:
+        kv = dict(o.split("=", 1) for o in SCHEMES[name])
+        if kv["sync.compression"] == "none":
+            continue
+        cfg = CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)),
+                                kv.get("sync.scale_dtype", "fp32"), True, float(kv.get("sync.topk_density", 0.01)),
+                                int(kv.get("sync.bits", 2)))
+        per = []
+        for unit, n in units:
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+            enc, dec = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                payload = quantize(x, cfg)
+                t1 = time.perf_counter()
+                dequantize(payload, n, cfg)
+                enc.append(t1 - t0)
+                dec.append(time.perf_counter() - t1)
+            per.append({"unit": unit, "params": n, "encode_us": 1e6 * min(enc), "decode_us": 1e6 * min(dec),
+                        "encode_us_median": 1e6 * statistics.median(enc),
+                        "decode_us_median": 1e6 * statistics.median(dec), "bytes": int(payload.numel())})
+        out[name] = {"units": per, "per_sync_s": sum(u["encode_us"] + 2 * u["decode_us"] for u in per) / 1e6}
+    return out
+
+
+def print_codec(model: str, codec: dict[str, Any], sync_s: dict[str, float]) -> None:
+    for name, c in codec.items():
+        print(f"\n{model}, {name}: µs per unit (encode one payload / decode one; best of 15)")
+        print(C.table(c["units"], [("unit", "unit", ""), ("params", "params", "d"), ("encode_us", "encode µs", ".0f"),
+                                   ("decode_us", "decode µs", ".0f"), ("bytes", "bytes", "d")]))
+        s = sync_s.get(name)
+        share = c["per_sync_s"] / s if s else None
+        c["sync_s"], c["share_of_sync"] = s, share
+        print(f"  per sync (1 encode + 2 decodes per unit): {c['per_sync_s'] * 1e3:.1f} ms; a sync takes "
+              f"{C.fmt(s, '.3f')} s -> {C.fmt(share, '.2%')}")
+
+
+def small_sync_times(a: argparse.Namespace, schemes: list[str]) -> dict[str, float]:
+    """A sync's time on the small model (one short run per scheme, seed 0)."""
+    times = {}
+    for name in schemes:
+        job = C.run_job(f"timing/small-{name}", a.workdir / "timing" / f"small_{name}",
+                        [*common(a, "small"), "train.steps=32", "train.eval_every=32", "train.eval_batches=1",
+                         *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse)
+        times[name] = sync_time(job)
+    return times
+
+
+# ------------------------------------------------------------------------------------------ report
+def plot(results: dict[str, Any], path: Path) -> Path:
+    plt = C.pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, (setting, r) in zip(axes[0], results.items()):
+        for name, p in r["per_seed"].items():
+            x, y = statistics.fmean(p["bytes_per_token"]), statistics.fmean(p["val_loss"])
+            ax.errorbar([x], [y], yerr=[[y - min(p["val_loss"])], [max(p["val_loss"]) - y]], fmt="o", capsize=3,
+                        label=name)
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        none = statistics.fmean(r["per_seed"]["none"]["val_loss"])
+        ax.axhline(1.01 * none, ls="--", lw=0.8, color="gray", label="1.01 × none")
+        ax.axvline(statistics.fmean(r["per_seed"]["none"]["bytes_per_token"]) / 100, ls=":", lw=0.8, color="gray",
+                   label="1/100 of none")
+        ax.set_xscale("log")
+        ax.set_xlabel("cross-cluster bytes per token (log)")
+        ax.set_ylabel("final val loss (mean, min..max over seeds)")
+        ax.set_title(setting)
+        ax.legend(fontsize=7)
+    return C.save_fig(fig, path)
+
+
+def targets(results: dict[str, Any], codec: dict[str, Any]) -> dict[str, Any]:
+    tg: dict[str, Any] = {}
+    conv = results.get("convergence") or next(iter(results.values()))
+    sparse = [r for r in conv["rows"] if r["scheme"].startswith("topk")]
+    ok = [r for r in sparse if r["loss_ratio"] <= 1.01 and r["worst_ratio"] <= 1.02]
+    best = min(ok, key=lambda r: r["vs_none"]) if ok else min(sparse, key=lambda r: r["loss_ratio"], default=None)
+    if best is not None:
+        tg["best top-k pair (holds the loss bound)" if ok else "best top-k pair (none holds the loss bound)"] = \
+            best["scheme"]
+        tg["its bytes/token ÷ uncompressed"] = best["vs_none"]
+        tg["its val loss ÷ uncompressed (mean, worst seed)"] = f"{best['loss_ratio']:.4f}, {best['worst_ratio']:.4f}"
+        tg["<= 1/100 bytes at <= 1.01x loss (worst <= 1.02x)"] = bool(ok) and best["vs_none"] <= 0.01
+    slow = results.get("slow_link")
+    if slow is not None:
+        by = {r["scheme"]: r for r in slow["rows"]}
+        for name, r in by.items():
+            tg[f"slow link blocked s/sync: {name}"] = r["blocked_per_sync"]
+    for model, c in codec.items():
+        shares = [v["share_of_sync"] for v in c.values() if v.get("share_of_sync") is not None]
+        if shares:
+            tg[f"{model}: codec <= 5% of a sync (worst scheme)"] = max(shares) <= 0.05
+            tg[f"{model}: codec share of a sync (worst scheme)"] = max(shares)
+    return tg
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="160 steps, H=8, 2 seeds")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--interval", type=int, default=8)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
-    a = ap.parse_args()
-    steps = a.steps or (160 if a.quick else 480)
-    common = ["model=tiny", "cluster=local_2x1", "cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50",
-              f"train.steps={steps}", f"algo.interval={a.interval}", "train.batch_size=8", "train.seq_len=128",
-              f"train.eval_every={steps}", "train.eval_batches=8", "train.log_every=20"]
+    a = parse_args()
     t0 = time.perf_counter()
-    ddp = C.run_job("ddp", a.workdir / "ddp", [*common, "algo=ddp", "seed=0", f"train.steps={max(steps // 4, 8)}"],
-                    reuse=True)
-    ddp_bpt = ddp.summary["cross_group_bytes"] / ddp.summary["tokens"]
-    rows, per = [], {}
-    for name, extra in SCHEMES.items():
-        runs = [C.run_job(f"{name}-s{seed}", a.workdir / f"{name}_s{seed}",
-                          [*common, "algo=edit", f"seed={seed}", *extra], reuse=True) for seed in a.seeds]
-        loss = [r.summary["final_val_loss"] for r in runs]
-        bpt = [r.summary["cross_group_bytes"] / r.summary["tokens"] for r in runs]
-        per[name] = {"val_loss": loss, "bytes_per_token": bpt, "wall_s": [r.summary["wall_s"] for r in runs]}
-    base = per["none"]
-    for name, p in per.items():
-        ratio = [lv / b for lv, b in zip(p["val_loss"], base["val_loss"])]
-        p["loss_ratio"] = ratio
-        rows.append({"scheme": name, "val_loss": sum(p["val_loss"]) / len(p["val_loss"]),
-                     "loss_ratio": sum(ratio) / len(ratio), "worst_ratio": max(ratio),
-                     "bytes_per_token": sum(p["bytes_per_token"]) / len(p["bytes_per_token"]),
-                     "vs_ddp": sum(p["bytes_per_token"]) / len(p["bytes_per_token"]) / ddp_bpt,
-                     "wall_s": sum(p["wall_s"]) / len(p["wall_s"])})
-    print(C.table(rows, [("scheme", "scheme", ""), ("val_loss", "val loss", ".4f"), ("loss_ratio", "÷ none", ".4f"),
-                         ("worst_ratio", "worst seed", ".4f"), ("bytes_per_token", "bytes/token", ".1f"),
-                         ("vs_ddp", "÷ ddp bytes/token", ".4f"), ("wall_s", "wall s", ".1f")]))
-    by = {r["scheme"]: r for r in rows}
-    targets = {"ddp_bytes_per_token": ddp_bpt, "1/(4H)": 1 / (4 * a.interval),
-               "int8+ef bytes/token ÷ ddp": by["int8"]["vs_ddp"],
-               "int8+ef <= 1/(4H) of ddp": by["int8"]["vs_ddp"] <= 1 / (4 * a.interval),
-               "int8+ef val loss ÷ none (worst seed)": by["int8"]["worst_ratio"],
-               "int8+ef val loss <= 1.005 x none (every seed)": by["int8"]["worst_ratio"] <= 1.005,
-               "int8 without ef val loss ÷ none (mean)": by["int8_no_ef"]["loss_ratio"]}
-    out = C.write_json(a.out, {"benchmark": "compression", "quick": a.quick, "steps": steps, "interval": a.interval,
-                               "seeds": a.seeds, "rows": rows, "per_seed": per, "targets": targets,
+    results = {s: one_setting(a, s) for s in a.settings}
+    compressed = [s for s in a.schemes if s != "none"]
+    conv = results.get("convergence") or next(iter(results.values()))
+    tiny_sync = {r["scheme"]: r["sync_s"] for r in conv["rows"]}
+    codec = {"tiny": codec_us("tiny", compressed), "small": codec_us("small", compressed)}
+    print_codec("tiny", codec["tiny"], tiny_sync)
+    small_sync = {} if (a.quick or a.no_small) else small_sync_times(a, [s for s in compressed if "topk" in s])
+    print_codec("small", codec["small"], small_sync)
+    tg = targets(results, codec)
+    plot_path = plot(results, a.plot)
+    out = C.write_json(a.out, {"benchmark": "compression", "quick": a.quick, "steps": a.steps,
+                               "interval": a.interval, "seeds": a.seeds, "schemes": {s: SCHEMES[s] for s in a.schemes},
+                               "slow_link_schemes": a.slow_schemes, "slow_link_seeds": a.slow_seeds,
+                               "command": " ".join(["python", "benchmarks/compression.py", *sys.argv[1:]]),
+                               "edit_overrides": EDIT, "settings": {s: SETTINGS[s] for s in a.settings},
+                               "results": results, "codec": codec, "targets": tg,
                                "wall_s": time.perf_counter() - t0, "env": C.environment()})
-    C.print_targets(targets, out, out)
+    print()
+    C.print_targets(tg, out, plot_path)
 
 
 if __name__ == "__main__":

@@ -81,10 +81,12 @@ class AlgoConfig:
 class SyncConfig:
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
-    compression: str = "none"  # none | bf16 | int8 | fp8: pseudo-gradients on the cross-cluster link
-    block_size: int = 256  # int8/fp8: values per absmax scale
+    compression: str = "none"  # none | bf16 | int8 | fp8 | topk: pseudo-gradients on the cross-cluster link
+    block_size: int = 256  # int8/fp8: values per absmax scale; topk: values per chunk (one scale each)
     scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
+    topk_density: float = 0.01  # topk: share of each chunk sent (round(density * block_size) values)
+    bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
     gather_max: int = 4  # up to this many clusters each receives every contribution and judges it (0 = never)
 
 
@@ -255,8 +257,7 @@ def validate(cfg: Config) -> None:
     from edit_train.federation.compress import CompressionConfig
 
     try:
-        CompressionConfig(cfg.sync.compression, cfg.sync.block_size, cfg.sync.scale_dtype,
-                          cfg.sync.error_feedback).validate()
+        CompressionConfig.of(cfg.sync).validate()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     f = cfg.federation

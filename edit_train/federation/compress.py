@@ -8,6 +8,9 @@ Formats (a *payload* is one flat ``uint8`` tensor, the only thing that crosses t
   ``s = absmax / 127`` and values ``round(x / s)`` in [-127, 127]; ``|x − x̂| ≤ absmax / 254`` per block.
 * ``fp8`` — blockwise scaled ``float8_e4m3fn``: ``s = absmax / 448``, values ``x / s`` cast (round to
   nearest even; 3 mantissa bits, so ``|x − x̂| ≤ |x|·2⁻⁴`` plus a subnormal floor of ``s·2⁻¹⁰``).
+* ``topk`` — sparse: per chunk of ``block_size`` values the ``round(topk_density·block_size)`` largest, each a
+  ``bits``-bit code and its index inside the chunk, one scale per chunk (:mod:`edit_train.federation.sparse`
+  has the wire format). A sparse payload is gathered and summed by every receiver, never SUM-all-reduced.
 
 Payload layout for the blockwise formats: ``[scales | values]``, scales first so both views are aligned.
 ``wire_bytes(n, cfg) = n·value_bytes + ceil(n / block_size)·scale_bytes`` (value bytes: 1 for int8/fp8,
@@ -33,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edit_train.federation.sparse import BITS, MAX_CHUNK, PayloadError, SparseFormat, decode, encode, sparse_bytes
+
 __all__ = [
     "SCHEMES",
     "CompressionConfig",
@@ -44,11 +49,12 @@ __all__ = [
     "roundtrip",
     "quantize_blockwise",
     "dequantize_blockwise",
+    "PayloadError",
 ]
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("none", "bf16", "int8", "fp8")
+SCHEMES = ("none", "bf16", "int8", "fp8", "topk")
 SCALE_DTYPES = ("fp32", "bf16")
 _PREFIX = "sync"  # where the keys live in the Hydra tree (for error messages)
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -71,10 +77,19 @@ def fp8_supported() -> bool:
 class CompressionConfig:
     """How pseudo-gradients are encoded on the cross-cluster link (``sync.compression`` & co.)."""
 
-    scheme: str = "none"  # sync.compression: none | bf16 | int8 | fp8
-    block_size: int = 256  # sync.block_size: values per scale (int8 / fp8)
+    scheme: str = "none"  # sync.compression: none | bf16 | int8 | fp8 | topk
+    block_size: int = 256  # sync.block_size: values per scale (int8 / fp8), per chunk (topk)
     scale_dtype: str = "fp32"  # sync.scale_dtype: fp32 | bf16
     error_feedback: bool = True  # sync.error_feedback
+    topk_density: float = 0.01  # sync.topk_density: share of each chunk kept (topk)
+    bits: int = 2  # sync.bits: bits per kept value (topk): 1, 2, 4 or 8
+
+    @staticmethod
+    def of(sync: object) -> CompressionConfig:
+        """From a ``sync`` config section (``SyncConfig`` or its OmegaConf node)."""
+        return CompressionConfig(str(getattr(sync, "compression")), getattr(sync, "block_size"),
+                                 str(getattr(sync, "scale_dtype")), getattr(sync, "error_feedback"),
+                                 getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -89,6 +104,30 @@ class CompressionConfig:
             raise ValueError(f"{_PREFIX}.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"{_PREFIX}.error_feedback must be true or false, got {self.error_feedback!r}")
+        if self.sparse:
+            self._validate_sparse()
+
+    def _validate_sparse(self) -> None:
+        d = self.topk_density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            raise ValueError(f"{_PREFIX}.topk_density must be in (0, 1], got {d!r}")
+        if self.bits not in BITS or isinstance(self.bits, bool):
+            raise ValueError(f"{_PREFIX}.bits must be one of {BITS}, got {self.bits!r}")
+        if self.block_size > MAX_CHUNK:
+            raise ValueError(f"{_PREFIX}.block_size must be <= {MAX_CHUNK} with compression=topk (16-bit "
+                             f"indices), got {self.block_size}")
+        if d * self.block_size < 0.5:
+            raise ValueError(f"{_PREFIX}.topk_density={d} keeps no value of a chunk of {_PREFIX}.block_size="
+                             f"{self.block_size}: raise block_size to at least {math.ceil(0.5 / d)}")
+
+    @property
+    def sparse(self) -> bool:
+        return self.scheme == "topk"
+
+    @property
+    def format(self) -> SparseFormat:
+        """The sparse wire format (``topk``)."""
+        return SparseFormat.of(self.block_size, float(self.topk_density), int(self.bits), self.scale_dtype)
 
     @property
     def blockwise(self) -> bool:
@@ -100,7 +139,7 @@ class CompressionConfig:
 
     @property
     def value_bytes(self) -> int:
-        return {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}[self.scheme]
+        return {"none": 4, "bf16": 2, "int8": 1, "fp8": 1, "topk": 0}[self.scheme]
 
     @property
     def scale_bytes(self) -> int:
@@ -108,9 +147,11 @@ class CompressionConfig:
 
 
 def wire_bytes(numel: int, cfg: CompressionConfig) -> int:
-    """Exact bytes of one payload of ``numel`` values: values + scales."""
+    """Exact bytes of one payload of ``numel`` values: values + scales (topk: + indices + header)."""
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
+    if cfg.sparse:
+        return sparse_bytes(numel, cfg.format)
     blocks = math.ceil(numel / cfg.block_size) if cfg.blockwise else 0
     return numel * cfg.value_bytes + blocks * cfg.scale_bytes
 
@@ -164,12 +205,17 @@ def quantize(x: Tensor, cfg: CompressionConfig) -> Tensor:
         return x.float().contiguous().view(torch.uint8)
     if cfg.scheme == "bf16":
         return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    if cfg.sparse:
+        return encode(x, cfg.format)
     values, scales = quantize_blockwise(x, cfg.scheme, cfg.block_size, cfg.scale_dtype)
     return torch.cat([scales.contiguous().view(torch.uint8), values.contiguous().view(torch.uint8)])
 
 
 def dequantize(payload: Tensor, numel: int, cfg: CompressionConfig) -> Tensor:
-    """A payload of ``numel`` values (from :func:`quantize`, possibly from another rank) -> flat fp32."""
+    """A payload of ``numel`` values (from :func:`quantize`, possibly from another rank) -> flat fp32
+    (a sparse payload that does not decode: :class:`PayloadError`, a ``ValueError``)."""
+    if cfg.sparse:
+        return decode(payload, numel, cfg.format)
     expected = wire_bytes(numel, cfg)
     if payload.dtype != torch.uint8 or payload.numel() != expected:
         raise ValueError(f"payload of {payload.numel()} {payload.dtype} does not hold {numel} values "
@@ -208,7 +254,19 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._res: dict[str, Tensor] = {}
-        self._lock = threading.Lock()
+        self._mark: dict[str, Tensor] | None = None
+        self._lock = threading.RLock()
+        self._gen = 0  # bumped whenever the residuals are replaced wholesale (restore, clear(), load)
+
+    def pinned(self) -> ErrorFeedback:
+        """A view for one sync's sends: its writes are dropped once these residuals were replaced wholesale
+        (:meth:`restore` after a rollback, :meth:`clear`, :meth:`load_state_dict`), so a send still in flight
+        on a background thread cannot bring back what a rollback undid."""
+        return _Pinned(self, self._gen)
+
+    def _put(self, key: str, res: Tensor) -> None:
+        with self._lock:
+            self._res[key] = res
 
     def residual(self, key: str) -> Tensor | None:
         with self._lock:
@@ -230,25 +288,38 @@ class ErrorFeedback:
         if not bool(torch.isfinite(res).all()):
             log.warning("error feedback: non-finite residual for %s dropped", key)
             res = torch.zeros_like(res)
-        with self._lock:
-            self._res[key] = res
+        self._put(key, res)
 
     def set_residual(self, key: str, res: Tensor) -> None:
-        with self._lock:
-            self._res[key] = res
+        self._put(key, res)
 
     def clear(self, key: str | None = None) -> None:
         """Forget every residual (``key=None``) or those of ``key`` (its chunk-owner residual too)."""
         with self._lock:
             if key is None:
                 self._res.clear()
+                self._mark, self._gen = None, self._gen + 1
             else:
-                self._res.pop(key, None)
-                self._res.pop(key + self.AGG_SUFFIX, None)
+                for held in (self._res, self._mark or {}):
+                    held.pop(key, None)
+                    held.pop(key + self.AGG_SUFFIX, None)
 
     def keys(self) -> list[str]:
         with self._lock:
             return sorted(self._res)
+
+    def mark(self) -> None:
+        """Remember the residuals as they are (a sync starts); :meth:`restore` goes back to them."""
+        with self._lock:
+            self._mark = dict(self._res)  # residuals are replaced, never changed in place: a shallow copy
+
+    def restore(self) -> None:
+        """Back to the last :meth:`mark` (a sync rolled back: what it sent was never applied, so the debt is
+        what it was; keeping the new residual would send the dropped part of that Δ twice)."""
+        with self._lock:
+            if self._mark is not None:
+                self._res = dict(self._mark)
+            self._gen += 1
 
     def state_dict(self) -> dict[str, Tensor]:
         """``{key: fp32 CPU tensor}`` — plain tensors, safe to write with safetensors."""
@@ -263,4 +334,41 @@ class ErrorFeedback:
                 raise ValueError(f"error-feedback state {k!r} must be a floating-point tensor, got {type(v).__name__}")
             loaded[k] = v.detach().to(torch.float32).clone()
         with self._lock:
-            self._res = loaded
+            self._res, self._mark, self._gen = loaded, None, self._gen + 1
+
+
+class _Pinned(ErrorFeedback):
+    """:meth:`ErrorFeedback.pinned`: reads go to the owner; writes only while its generation is unchanged."""
+
+    def __init__(self, owner: ErrorFeedback, gen: int) -> None:  # no residuals of its own
+        self._owner, self._at = owner, gen
+
+    def residual(self, key: str) -> Tensor | None:
+        return self._owner.residual(key)
+
+    def _put(self, key: str, res: Tensor) -> None:
+        with self._owner._lock:
+            if self._owner._gen == self._at:
+                self._owner._res[key] = res
+
+    def clear(self, key: str | None = None) -> None:
+        with self._owner._lock:
+            if self._owner._gen == self._at:
+                self._owner.clear(key)
+
+    def keys(self) -> list[str]:
+        return self._owner.keys()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return self._owner.state_dict()
+
+    def pinned(self) -> ErrorFeedback:
+        return self
+
+    def mark(self) -> None:
+        raise TypeError("mark/restore/load the ErrorFeedback itself, not a pinned view of it")
+
+    restore = mark
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        self.mark()

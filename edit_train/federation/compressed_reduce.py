@@ -17,6 +17,10 @@ Methods (``P`` participants, ``n`` values, ``B(m) = wire_bytes(m, cfg)``, chunks
   re-quantizes its sum, then an all-gather of the re-quantized sums (padded to the largest, ``Bmax``).
   Handed by rank r: ``Σ_{j≠r} B(n_j) + Bmax``. Wire: ``(P−1)·Σ_j B(n_j) + P(P−1)·Bmax`` in all.
 
+Sparse payloads (``topk``) cannot be summed on the way nor re-sparsified as a sum: they always take the
+all-gather, each receiver decoding every payload and adding them in rank order (:func:`gathered_sum` does the
+same over authenticated pieces).
+
 ``method="auto"`` picks ``rs_ag`` iff its wire total is strictly smaller than ``all_gather``'s (the same
 decision on every rank: it depends only on n, P and cfg). For P = 2 that never happens (both move
 ``2·B(n)``; all-gather needs one round and one quantization), for P ≥ 3 it does once the tensor spans at
@@ -42,7 +46,7 @@ thread per group: :class:`BackgroundReducer` (one worker thread; ``submit`` retu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +56,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback, dequantize, quantize, wire_bytes
+from edit_train.federation.compress import (CompressionConfig, ErrorFeedback, PayloadError, dequantize, quantize,
+                                            wire_bytes)
 
 __all__ = ["Plan", "plan", "handed_bytes", "sent_bytes", "group_rank_size", "compressed_sum", "compressed_gather",
-           "BackgroundReducer"]
+           "gathered_sum", "BackgroundReducer"]
 
 METHODS = ("auto", "all_reduce", "all_gather", "rs_ag")
 
@@ -99,6 +104,10 @@ def plan(numel: int, world: int, cfg: CompressionConfig, method: str = "auto") -
         return Plan("all_reduce", numel, world, whole, 2 * (world - 1) * 4 * numel)
     bounds = chunk_bounds(numel, world, cfg.block_size)
     ag, rs = _wire_all_gather(numel, world, cfg), _wire_rs_ag(bounds, cfg)
+    if cfg.sparse:
+        if method == "rs_ag":
+            raise ValueError("method rs_ag cannot carry sparse payloads (a sum of them is not sparse)")
+        return Plan("all_gather", numel, world, whole, ag)
     if method == "rs_ag" or (method == "auto" and rs < ag):
         return Plan("rs_ag", numel, world, bounds, rs)
     return Plan("all_gather", numel, world, whole, ag)
@@ -222,11 +231,14 @@ def _rs_ag(send: Tensor, pg: Any, cfg: CompressionConfig, fb: ErrorFeedback | No
 
 def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
                       key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
-                      unseal: Callable[[int, Tensor], Tensor | None] | None = None) -> tuple[list[Tensor] | None, int]:
+                      unseal: Callable[[int, Tensor], Tensor | None] | None = None,
+                      names: Sequence[str] | None = None) -> tuple[list[Tensor] | None, int]:
     """Every rank's flat fp32 ``x`` as the others receive it (dequantized payloads, in rank order; this rank's
-    own too, so every rank holds the bit-identical set) -> (the P tensors, bytes this rank handed over).
-    Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves fp32. ``seal`` appends
-    a tag to this rank's payload and ``unseal(rank, payload)`` checks one (None: the whole result is None)."""
+    own too, decoded from its own payload, so every rank holds the bit-identical set) -> (the P tensors, bytes
+    this rank handed over). Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves
+    fp32. ``seal`` appends a tag to this rank's payload and ``unseal(rank, payload)`` checks one (None: the
+    whole result is None). A payload that does not decode raises :class:`PayloadError` naming its sender
+    (``names[rank]``)."""
     if x.dim() != 1:
         raise ValueError(f"compressed_gather takes a flat tensor, got shape {tuple(x.shape)}")
     x = x.float().contiguous()
@@ -245,17 +257,37 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
     fb = feedback if (feedback is not None and cfg.error_feedback) else None
     send = _sender(x, cfg, fb, key)
     payload = quantize(send, cfg)
+    own = dequantize(payload, x.numel(), cfg)
     if fb is not None:
-        fb.update(key, dequantize(payload, x.numel(), cfg), send)
+        fb.update(key, own, send)
     sent = seal(payload) if seal is not None else payload
     out = []
     for i, got in enumerate(_all_gather(pg, sent, world)):
-        # this rank's own piece came back as it was sent: its payload needs no check
-        body = (payload if i == me else unseal(i, got)) if unseal is not None else got
+        if i == me:  # this rank's own piece came back as it was sent: its payload needs no check
+            out.append(own)
+            continue
+        body = unseal(i, got) if unseal is not None else got
         if body is None:
             return None, sent.numel()
-        out.append(dequantize(body, x.numel(), cfg))
+        try:
+            out.append(dequantize(body, x.numel(), cfg))
+        except PayloadError as exc:
+            module, _, lane = key.rpartition("#")
+            where = f", module {module}, lane {lane}" if module else (f", {key}" if key else "")
+            raise PayloadError(f"{exc} (from {names[i] if names else f'participant {i}'}{where})") from None
     return out, sent.numel()
+
+
+def gathered_sum(x: Tensor, pg: Any, cfg: CompressionConfig, **kw: Any) -> tuple[Tensor | None, int]:
+    """The SUM of sparse contributions: :func:`compressed_gather` (same arguments), then every piece added in
+    rank order, so every rank holds the bit-identical sum (None when a piece's tag does not verify)."""
+    pieces, nbytes = compressed_gather(x, pg, cfg, **kw)
+    if pieces is None:
+        return None, nbytes
+    total = torch.zeros_like(pieces[0])
+    for piece in pieces:
+        total += piece
+    return total, nbytes
 
 
 def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionConfig) -> int:
@@ -264,7 +296,7 @@ def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionC
     gather, (P−1) copies of its payload; the compressed sum, what its plan moves (module docstring)."""
     if world <= 1:
         return 0
-    if method == "gather":
+    if method == "gather" or cfg.sparse:  # a sparse SUM is a gather too
         return (world - 1) * wire_bytes(numel, cfg)
     p = plan(numel, world, cfg)
     if p.method == "all_reduce":
@@ -291,10 +323,11 @@ class BackgroundReducer:
     def submit_gather(self, x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
                       key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
                       unseal: Callable[[int, Tensor], Tensor | None] | None = None,
-                      ) -> Future[tuple[list[Tensor] | None, int]]:
-        """Start the gather of a snapshot of ``x``."""
-        return self._pool.submit(compressed_gather, x.detach().clone(), pg, cfg, feedback=feedback, key=key,
-                                 seal=seal, unseal=unseal)
+                      names: Sequence[str] | None = None, summed: bool = False) -> Future[Any]:
+        """Start the gather of a snapshot of ``x`` (``summed``: :func:`gathered_sum`, the pieces added)."""
+        fn = gathered_sum if summed else compressed_gather
+        return self._pool.submit(fn, x.detach().clone(), pg, cfg, feedback=feedback, key=key, seal=seal,
+                                 unseal=unseal, names=names)
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

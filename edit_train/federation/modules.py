@@ -40,7 +40,7 @@ class _FutureWork:
 
     def wait(self) -> None:
         got, _ = self._future.result()
-        if self._out is not None:
+        if self._out is not None and got is not None:  # None: a piece did not verify (settle says so)
             self._out.copy_(got)
 
 
@@ -69,26 +69,31 @@ class ModuleMover:
               gather: bool) -> tuple[Any, Callable[[], list[Tensor] | None], int]:
         """Start a SUM (in place) or a gather of `flat` over one lane: (work, its result — the sum, or every
         participant's piece in quorum order, None when a piece's tag does not verify —, bytes this rank puts
-        on the wire). Pseudo-gradients (`key` given) go compressed under a lossy scheme."""
+        on the wire). Pseudo-gradients (`key` given) go compressed under a lossy scheme; a sparse one is
+        gathered even for a SUM (every receiver adds the authenticated pieces in quorum order)."""
         pg, world, me = self.lanes.groups[lane], len(q.members), q.me
         lossy = bool(key) and self.compression.lossy
         cfg = self.compression if lossy else CompressionConfig()
-        nbytes = sent_bytes("gather" if gather else "sum", flat.numel(), world, me, cfg)
+        summed = not gather and cfg.sparse
+        nbytes = sent_bytes("gather" if gather or summed else "sum", flat.numel(), world, me, cfg)
         ctx = f"{context}/lane{lane}"
-        if not gather:
+        if not gather and not summed:
             if not lossy:
                 return pg.allreduce([flat], _sum_opts()), lambda: [flat], nbytes
             reducer = self.reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
-            future = reducer.submit(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}")
+            future = reducer.submit(flat, pg, cfg, feedback=self.feedback.pinned(), key=f"{key}#{lane}")
             return _FutureWork(future, flat), lambda: [flat], nbytes
         nbytes += (world - 1) * TAG  # every piece is followed by its tag
 
         # on the lane's own thread (in order per lane): tagging, the gather and checking the others' tags
         # overlap the training thread's compute (hashlib releases the GIL), lossless or compressed alike
         reducer = self.reducers.setdefault(lane, BackgroundReducer(f"edit-train-lane{lane}"))
-        future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback, key=f"{key}#{lane}",
+        future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback.pinned(), key=f"{key}#{lane}",
                                        seal=lambda payload: seal.wrap(payload, ctx, me),
-                                       unseal=lambda i, got: seal.unwrap(got, ctx, i))
+                                       unseal=lambda i, got: seal.unwrap(got, ctx, i),
+                                       names=[m.name for m in q.members], summed=summed)
+        if summed:  # the sum lands in `flat` (wait); None: a piece did not verify
+            return _FutureWork(future, flat), lambda: None if future.result()[0] is None else [flat], nbytes
         return _FutureWork(future, None), lambda: future.result()[0], nbytes
 
     def move(self, q: Quorum, seal: Seal, tensors: list[Tensor], params: list[Tensor] | None, key: str,

@@ -159,6 +159,10 @@ class Residuals(Protocol):
 
     def clear(self, key: str | None = None) -> None: ...
 
+    def mark(self) -> None: ...  # a sync starts: remember the residuals
+
+    def restore(self) -> None: ...  # that sync rolled back: its residuals are forgotten
+
 
 class Transport(Protocol):
     """What crosses clusters, for one rank of one cluster."""

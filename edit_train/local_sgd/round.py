@@ -167,6 +167,8 @@ class SyncRound:
         self.undo: dict[str, Any] = {}
         self.sqnorm: dict[str, float] = {}  # gathered: ‖Σ wᵢΔᵢ‖² per unit, from the Gram matrix
         self.ok = True  # False once something makes this cluster vote no
+        # error feedback: what a rolled-back round sent was never applied, so its residuals are forgotten
+        _feedback(core, "mark")
 
     def _wait(self, handle: Handle[T]) -> T:
         try:
@@ -332,6 +334,14 @@ class SyncRound:
         self.snap.clear()
         self.todo.clear()
         self.core.transport.abort()
+        _feedback(self.core, "restore")
+
+
+def _feedback(core: SyncCore, what: str) -> None:
+    """`mark` / `restore` the transport's error-feedback residuals (a transport without them: nothing)."""
+    fn = getattr(getattr(core.transport, "feedback", None), what, None)
+    if fn is not None:
+        fn()
 
 
 def summarize(report: SyncReport) -> dict[str, Any]:

@@ -80,8 +80,7 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
     return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None, host, f.chunks,
                                 LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
                                 f.quorum_timeout_s, f.collective_timeout_s,
-                                CompressionConfig(cfg.sync.compression, cfg.sync.block_size, cfg.sync.scale_dtype,
-                                                  cfg.sync.error_feedback), key)
+                                CompressionConfig.of(cfg.sync), key)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
