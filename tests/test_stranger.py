@@ -26,7 +26,7 @@ import pytest
 from edit_train.federation import auth, gate
 from fed_utils import anchors, events, finish, same, start, wait_for
 
-RUN = ["algo=edit", "cluster.groups=2", "cluster.shard_size=1", "train.steps=96", "algo.interval=8",
+RUN = ["algo=edit", "cluster.groups=2", "cluster.shard_size=1", "train.steps=128", "algo.interval=8",
        "train.batch_size=2", "cluster.slowdown=[4,4]", "checkpoint.at_end=true", "federation.join_timeout_s=3"]
 
 
