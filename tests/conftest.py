@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,22 @@ def script_cmd(script: str, module: str) -> list[str]:
     """The installed console script if it is on PATH, else `python -m module`."""
     exe = shutil.which(script)
     return [exe] if exe else [sys.executable, "-m", module]
+
+
+def start_lighthouse(tmp_path: Path, *overrides: str, join_timeout_s: float = 5.0) -> tuple[subprocess.Popen, str]:
+    """An edit-train-lighthouse on 127.0.0.1 (a free port), its address once it wrote it (60 s at most)."""
+    addr_file = tmp_path / "lighthouse.addr"
+    proc = subprocess.Popen([*script_cmd("edit-train-lighthouse", "edit_train.cli.lighthouse"),
+                             "--bind", "127.0.0.1:0", "--address-file", str(addr_file),
+                             "federation.heartbeat_timeout_s=2", f"federation.join_timeout_s={join_timeout_s:g}",
+                             *overrides],
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 60
+    while not addr_file.exists() or not addr_file.read_text().strip():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    return proc, addr_file.read_text().strip()
 
 
 def run_cli(script: str, module: str, args: list[str], timeout: float = 180, cwd: Path | None = None,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, script_cmd
+from conftest import cli_env, script_cmd, start_lighthouse
 from edit_train.federation import auth
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,20 +140,6 @@ FED_RUN = ["algo=edit", "algo.interval=4", "model=tiny", "logger=none", "train.p
            "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
            "cluster.clusters=[{name:a,ranks:1,slowdown:3},{name:b,ranks:1,slowdown:3}]", "federation.min_clusters=1",
            "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", "federation.collective_timeout_s=15"]
-
-
-def start_lighthouse(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
-    addr_file = tmp_path / "lighthouse.addr"
-    proc = subprocess.Popen([*script_cmd("edit-train-lighthouse", "edit_train.cli.lighthouse"),
-                             "--bind", "127.0.0.1:0", "--address-file", str(addr_file),
-                             "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", *overrides],
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    deadline = time.time() + 60
-    while not addr_file.exists() or not addr_file.read_text().strip():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    return proc, addr_file.read_text().strip()
 
 
 def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path: Path, small_corpus: str) -> None:

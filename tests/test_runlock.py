@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, script_cmd
+from conftest import cli_env, script_cmd, start_lighthouse
 from edit_train.train import runlock
 
 TINY = ["model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
@@ -180,20 +180,6 @@ def test_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_pa
 # ------------------------------------------------------------------------------------------ end to end: item 4
 
 
-def _lighthouse(tmp_path: Path, key: str) -> tuple[subprocess.Popen, str]:
-    addr_file = tmp_path / "lighthouse.addr"
-    proc = subprocess.Popen([*script_cmd("edit-train-lighthouse", "edit_train.cli.lighthouse"), "--bind",
-                             "127.0.0.1:0", "--address-file", str(addr_file), f"federation.key_file={key}",
-                             "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=2"],
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    deadline = time.time() + 60
-    while not addr_file.exists() or not addr_file.read_text().strip():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0]
-        time.sleep(0.1)
-    return proc, addr_file.read_text().strip()
-
-
 def test_cluster_started_by_hand_on_a_shared_run_dir_checks_its_own_traces(tmp_path: Path,
                                                                            small_corpus: str) -> None:
     """c0 is up (cluster.only=c0, an edit-train-lighthouse; it wrote config.json and metrics.jsonl and waits for
@@ -202,7 +188,7 @@ def test_cluster_started_by_hand_on_a_shared_run_dir_checks_its_own_traces(tmp_p
     from edit_train.federation import auth
 
     key = str(auth.new_key(tmp_path / "fed.key"))
-    house, address = _lighthouse(tmp_path, key)
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={key}", join_timeout_s=2)
     run_dir = tmp_path / "fed"
     fed = [*TINY, "algo=diloco", "algo.interval=4", "cluster=local_2x1",
            "federation.min_clusters=1", "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=2",

@@ -17,22 +17,12 @@ from typing import Any
 import yaml
 
 from edit_train.config_tree import CONF_DIR
+from edit_train.peaks import lookup_peak
 
-# Dense bf16 tensor FLOP/s and memory per device (vendor data sheets; the same peaks as train/mfu.py).
-ACCELERATORS: dict[str, dict[str, float]] = {
-    "b200": {"peak_flops": 2.25e15, "memory_gb": 192},
-    "h200": {"peak_flops": 989.4e12, "memory_gb": 141},
-    "h100": {"peak_flops": 989.4e12, "memory_gb": 80},
-    "h800": {"peak_flops": 989.4e12, "memory_gb": 80},
-    "h20": {"peak_flops": 148.0e12, "memory_gb": 96},
-    "a100": {"peak_flops": 312.0e12, "memory_gb": 80},
-    "a800": {"peak_flops": 312.0e12, "memory_gb": 80},
-    "l40s": {"peak_flops": 362.05e12, "memory_gb": 48},
-    "l40": {"peak_flops": 181.0e12, "memory_gb": 48},
-    "l4": {"peak_flops": 121.0e12, "memory_gb": 24},
-    "rtx4090": {"peak_flops": 165.2e12, "memory_gb": 24},
-    "mi300x": {"peak_flops": 1307.4e12, "memory_gb": 192},
-    "mi250x": {"peak_flops": 383.0e12, "memory_gb": 128},
+# Memory per device (vendor data sheets); the peak FLOP/s come from the one table in `edit_train/peaks.py`.
+MEMORY_GB: dict[str, float] = {
+    "b200": 192, "h200": 141, "h100": 80, "h800": 80, "h20": 96, "a100": 80, "a800": 80, "l40s": 48, "l40": 48,
+    "l4": 24, "rtx4090": 24, "mi300x": 192, "mi250x": 128,
 }
 DEFAULT_MFU = 0.35  # what an accelerator type turns into a step time when no step time was measured
 
@@ -112,11 +102,12 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
 
 def accelerator(kind: str) -> dict[str, float]:
     key = kind.lower().replace(" ", "").replace("-", "").replace("_", "")
-    for name, facts in ACCELERATORS.items():
-        if key == name or key.startswith(name):
-            return facts
+    for name, memory_gb in MEMORY_GB.items():  # specific names before their prefixes (h200 before h20)
+        peak = lookup_peak(name)
+        if (key == name or key.startswith(name)) and peak is not None:
+            return {"peak_flops": peak, "memory_gb": memory_gb}
     raise ValueError(f"accelerator {kind!r} is not in the table; give the cluster a measured step_s instead "
-                     f"(or one of {', '.join(sorted(ACCELERATORS))})")
+                     f"(or one of {', '.join(sorted(MEMORY_GB))})")
 
 
 def step_seconds(facts: ModelFacts, kind: str, tokens_per_rank: int, seq_len: int, mfu: float = DEFAULT_MFU) -> float:

@@ -20,29 +20,7 @@ from __future__ import annotations
 import torch
 
 from edit_train.model.config import ModelConfig
-
-# (substring of torch.cuda.get_device_name(), dense bf16 FLOP/s); first match wins, so specific names first.
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2.5e15),
-    ("B200", 2.25e15),
-    ("H200", 989.4e12),
-    ("H100 PCIe", 756.0e12),
-    ("H100 NVL", 835.0e12),
-    ("H100", 989.4e12),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H800", 989.4e12),
-    ("H20", 148.0e12),
-    ("A100", 312.0e12),
-    ("A800", 312.0e12),
-    ("L40S", 362.05e12),
-    ("L40", 181.0e12),
-    ("L4", 121.0e12),
-    ("RTX 4090", 165.2e12),
-    ("MI325X", 1307.4e12),
-    ("MI300X", 1307.4e12),
-    ("MI300A", 980.6e12),
-    ("MI250X", 383.0e12),
-    ("MI250", 362.1e12),
-)
+from edit_train.peaks import PEAK_BF16_FLOPS, lookup_peak  # noqa: F401 - the table lives in peaks.py
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> float:
@@ -52,14 +30,6 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, active_params: int) -> float
         embedding = 0  # the shared table is also the head, a real matmul
     d_attn = cfg.num_attention_heads * cfg.head_dim
     return 6.0 * (active_params - embedding) + 12.0 * cfg.num_hidden_layers * d_attn * seq_len
-
-
-def lookup_peak(device_name: str) -> float | None:
-    """Dense bf16 FLOP/s of a known device name, else None."""
-    for key, peak in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return peak
-    return None
 
 
 def device_peak_flops(device: torch.device, override: float = 0.0) -> float | None:
