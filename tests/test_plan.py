@@ -236,3 +236,9 @@ def test_plan_is_not_imported_by_the_core():
     for pkg in ("local_sgd", "train", "federation", "cluster", "model"):
         for f in (Path(__file__).parents[1] / "edit_train" / pkg).rglob("*.py"):
             assert "edit_train.plan" not in f.read_text(), f
+
+
+def test_planner_counts_the_same_tag_size_as_the_lanes():
+    from edit_train.federation.seal import TAG
+
+    assert traffic.TAG == TAG

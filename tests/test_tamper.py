@@ -14,12 +14,13 @@ import torch
 from edit_train.cluster.group import RankGroup
 from edit_train.federation import gate
 from edit_train.federation.quorum import Lighthouse
+from edit_train.federation.seal import TAG
 from edit_train.federation.transport import lighthouse_transport
 from edit_train.local_sgd.errors import FederationError, HealError
 from mp_utils import run_processes
 
 NAMES = ["c0", "c1"]
-FLIPS = [0, 5, -33, -32, -1]  # first / a middle payload byte, the last payload byte, first / last tag byte
+FLIPS = [0, 5, -TAG - 1, -TAG, -1]  # first / a middle payload byte, the last payload byte, first / last tag byte
 
 
 def _flip(t: torch.Tensor, pos: int) -> torch.Tensor:
@@ -55,12 +56,12 @@ def _member(rank: int, world: int, lighthouse: str, key_hex: str) -> dict:
     for pos in [*FLIPS, None]:
         if rank == 0:
             sent = bytearray(payload)
-            if pos is not None and pos > -33:  # a byte of the payload: the tag is the original's
+            if pos is not None and pos > -TAG - 1:  # a byte of the payload: the tag is the original's
                 sent[pos % len(sent)] ^= 0x10
                 seal.tag = lambda ctx, who, data: real_tag(ctx, who, payload)  # type: ignore[method-assign]
             elif pos is not None:  # a byte of the tag
                 seal.tag = lambda ctx, who, data, p=pos: bytes(  # type: ignore[method-assign]
-                    b ^ (0x10 if i == p % 32 else 0) for i, b in enumerate(real_tag(ctx, who, data)))
+                    b ^ (0x10 if i == p % TAG else 0) for i, b in enumerate(real_tag(ctx, who, data)))
             t.send_bytes(bytes(sent), 1)
             seal.tag = real_tag  # type: ignore[method-assign]
         else:

@@ -1,4 +1,4 @@
-"""The federation key and message authentication (HMAC-SHA256, standard library).
+"""The federation key and message authentication (HMAC-SHA256; Poly1305 for bulk tensors).
 
 A federation key is 32 random bytes written hex-encoded to a file only its owner can read (0600). Every
 message that crosses hosts — membership records and quorums (`gate.py`), the small exchanges and the
@@ -6,6 +6,12 @@ gathered contributions (`transport.py`), heal payloads (`heal.py`) — carries a
 *context* (what kind of message, and the quorum / sync it belongs to, so a message cannot be replayed into
 another one) and its bytes. A message whose tag does not verify is treated as absent: never a reason to
 refuse, stop, heal or send state.
+
+Bulk tensors (gathered contributions, heal payloads: megabytes per sync) are tagged with `seal_tag`: Poly1305
+(from `cryptography`, OpenSSL's vectorised code, ~4x faster than HMAC-SHA256 here) under a one-time key
+derived per message as HMAC-SHA256(federation key, context, sender) — the construction ChaCha20-Poly1305 uses
+(a fresh Poly1305 key per message, from a PRF of the key and a unique nonce). Contexts are unique: the quorum's
+fresh nonce, the operation's sequence number and the sender (`seal.py`), so no one-time key tags two messages.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
 TAG_BYTES = 32
+SEAL_TAG_BYTES = 16  # Poly1305
 KEY_ENV = "EDIT_TRAIN_FEDERATION_KEY_FILE"
 # The key of a federation that runs without one (`federation.insecure=true`): public, so it authenticates
 # nothing; messages still carry tags so that one code path serves both.
@@ -89,6 +98,20 @@ def tag(key: bytes, context: str, *parts: bytes | memoryview) -> bytes:
 
 def valid(key: bytes, context: str, mac: bytes, *parts: bytes | memoryview) -> bool:
     return len(mac) == TAG_BYTES and hmac.compare_digest(mac, tag(key, context, *parts))
+
+
+def seal_tag(key: bytes, context: str, sender: bytes, data: bytes | memoryview) -> bytes:
+    """The 16-byte tag of one bulk message: Poly1305 over `data` under the one-time key
+    HMAC-SHA256(key, "seal", context, sender)."""
+    t0 = time.perf_counter()
+    one_time = tag(key, "seal/" + context, sender)
+    out = Poly1305.generate_tag(one_time, data)
+    SPENT[0] += time.perf_counter() - t0
+    return out
+
+
+def seal_valid(key: bytes, context: str, sender: bytes, data: bytes | memoryview, mac: bytes) -> bool:
+    return len(mac) == SEAL_TAG_BYTES and hmac.compare_digest(mac, seal_tag(key, context, sender, data))
 
 
 def fingerprint(key: bytes) -> str:

@@ -1,5 +1,6 @@
 """Tags on what one quorum's lanes carry: every row of a small exchange, every piece of a gathered
-contribution and every heal payload is followed by its HMAC-SHA256 tag (auth.tag), bound to the quorum's
+contribution and every heal payload is followed by its tag (auth.seal_tag: Poly1305 under a one-time key
+derived with HMAC-SHA256), bound to the quorum's
 nonce (fresh per quorum, issued by the gate), to the sender's position and to a sequence number of the
 operation (every member issues the same operations in the same order), so a message cannot be altered,
 replayed into another quorum or passed off as another member's. A plain SUM all-reduce mixes the
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from edit_train.federation import auth
 
-TAG = auth.TAG_BYTES
+TAG = auth.SEAL_TAG_BYTES
 
 
 class Seal:
@@ -26,10 +27,10 @@ class Seal:
         return f"{self.nonce}/{self.seq}/{what}"
 
     def tag(self, context: str, sender: int, data: bytes | memoryview) -> bytes:
-        return auth.tag(self.key, context, str(sender).encode(), data)
+        return auth.seal_tag(self.key, context, str(sender).encode(), data)
 
     def ok(self, context: str, sender: int, data: bytes | memoryview, mac: bytes) -> bool:
-        return auth.valid(self.key, context, mac, str(sender).encode(), data)
+        return auth.seal_valid(self.key, context, str(sender).encode(), data, mac)
 
     # ------------------------------------------------------------ tensors
     def wrap(self, t: Tensor, context: str, sender: int) -> Tensor:

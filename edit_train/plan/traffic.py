@@ -1,7 +1,7 @@
 """Bytes on the cross-cluster link, per cluster, exactly as `federation` counts them (no torch needed).
 
 * a local-SGD sync moves every sync unit's pseudo-gradient: with at most `sync.gather_max` participants every
-  cluster sends its contribution to each of the others (`gather`: (P−1) · wire bytes, + one 32-byte tag per
+  cluster sends its contribution to each of the others (`gather`: (P−1) · wire bytes, + one 16-byte tag per
   piece and peer); above it, a SUM (`compressed_reduce.plan`: a ring all-reduce of fp32, 2(P−1)/P · 4n; a
   compressed all-gather or reduce-scatter + all-gather, whichever moves less);
 * ddp all-reduces the fp32 gradients every step: 2(P−1)/P · 4n per cluster;
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-TAG = 32  # HMAC-SHA256 tag after every gathered piece (federation/seal.py)
+TAG = 16  # the Poly1305 tag after every gathered piece (federation/seal.py, auth.SEAL_TAG_BYTES)
 VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}
 SCALE_BYTES = {"none": 0, "bf16": 0, "int8": 4, "fp8": 4}
 COMPRESSIONS = tuple(VALUE_BYTES)
