@@ -28,6 +28,16 @@ def topk(chunk: int = 16, density: float = 0.25, bits: int = 4, scale: str = "fp
 
 
 # ------------------------------------------------------------------------------------------ the encoding
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 10])
+def test_bit_packing_is_the_documented_lsb_first_stream(bits: int) -> None:
+    """Bit j of code t is bit (t·bits + j) mod 8 of byte ⌊(t·bits + j)/8⌋, whichever path packs it."""
+    codes = torch.randint(0, 1 << bits, (37,), generator=torch.Generator().manual_seed(bits))
+    stream = [(int(c) >> j) & 1 for c in codes for j in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    want = [sum(b << i for i, b in enumerate(stream[o:o + 8])) for o in range(0, len(stream), 8)]
+    assert pack_bits(codes, bits).tolist() == want
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 7, 8, 10, 12, 16])
 def test_bit_packing_round_trips(bits: int) -> None:
     g = torch.Generator().manual_seed(bits)
