@@ -2,7 +2,8 @@
 with the simulator, run them, and print predicted vs measured tokens/s, blocked fraction and goodput with the
 errors (and the pairwise ranking of the configurations by tokens/s).
 
-    python benchmarks/plan_validation.py --quick --out docs/plan_validation.json   # ~8 runs, ~10 min on 2 cores
+    python benchmarks/plan_validation.py --out docs/plan_validation.json   # 14 runs, ~15 min on 2 cores
+    python benchmarks/plan_validation.py --quick --out /tmp/pv.json         # 48-step runs, ~6 min, noisier
 
 Calibration runs: EDiT at_end on two 1-rank clusters over a simulated 100 Mbit/s, 50 ms link with
 `sync.compression=none` and `int8` (two message sizes for the per-op / per-byte sync fit). Validation runs
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,7 +81,7 @@ def measured(job: C.Job) -> dict:
 
 
 def predict(job: C.Job, prof, cand: Candidate) -> dict:
-    raw = scenario_of_run(read_run(job.run_dir), prof)
+    raw = scenario_of_run(read_run(job.run_dir), prof, host_cores=len(os.sched_getaffinity(0)))
     scn = scenario_from_dict({**raw, "candidates": {"algos": [cand.algo]}})
     fed = resolve(scn, prof)
     rows = [evaluate(scn, fed, cand, default_model(fed.facts.total_params), seed=s) for s in range(3)]

@@ -242,3 +242,28 @@ def test_planner_counts_the_same_tag_size_as_the_lanes():
     from edit_train.federation.seal import TAG
 
     assert traffic.TAG == TAG
+
+
+def test_clusters_sharing_a_host_stretch_by_their_core_demand():
+    """Local runs: every rank is a process on one host; more demand than cores stretches every step."""
+    from edit_train.plan.calibrate import RunData, scenario_of_run
+    from edit_train.plan.dist import StepDist
+    from edit_train.plan.profile import Profile
+
+    prof = Profile()
+    prof.rank_step = StepDist(0.1, 0.05)
+
+    def run(slowdown: list[float]) -> RunData:
+        per = {f"c{i}": {"index": i, "ranks": 1} for i in range(len(slowdown))}
+        cfg = {"cluster": {"slowdown": slowdown}, "federation": {}, "train": {"batch_size": 8, "seq_len": 64,
+                                                                             "steps": 100, "eval_every": 0}}
+        return RunData(Path("r"), cfg, {"per_cluster": per, "steps": 100}, [])
+
+    def slow(s: list[float], cores: int) -> list[float]:
+        return [c["slowdown"] for c in scenario_of_run(run(s), prof, host_cores=cores)["clusters"]]
+
+    assert slow([1, 1, 1], 0) == [1, 1, 1]  # dedicated hardware: no stretch
+    assert slow([1, 1, 1], 2) == pytest.approx([1.5, 1.5, 1.5])  # 3 computing ranks on 2 cores
+    assert slow([1, 1, 1, 1], 2) == pytest.approx([2, 2, 2, 2])
+    assert slow([1, 3], 2) == pytest.approx([1, 3])  # 1 + 1/3 of a core's demand fits in 2
+    assert slow([1, 1, 3], 2) == pytest.approx([7 / 6, 7 / 6, 3 * 7 / 6])  # demand 2 1/3 on 2 cores

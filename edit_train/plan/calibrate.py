@@ -231,10 +231,14 @@ def _pool(dists: list) -> Any:
     return StepDist(med, float(np.median([d.sigma for d in dists])))
 
 
-def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny") -> dict[str, Any]:
+def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny", host_cores: int = 0) -> dict[str, Any]:
     """A plan scenario (as a dict for `spec.scenario_from_dict`) describing the run in `run`: its clusters
     (ranks, slowdown; step time from `profile`'s pooled rank), link, workload, fed. knobs and fixed steps.
-    `model` names the preset the run used (config.json holds the resolved fields, not the name)."""
+    `model` names the preset the run used (config.json holds the resolved fields, not the name).
+
+    `host_cores` > 0: every rank of the run shared one host of that many cores (the local launcher), each
+    with one thread. Ranks that compute more than the cores can carry stretch every step by
+    demand / cores, where a rank slowed down `s`× (it sleeps the rest) demands 1/s of a core."""
     cfg, summ = run.config, run.summary
     cl, fed, tr = cfg.get("cluster") or {}, cfg.get("federation") or {}, cfg["train"]
     specs = {s["name"]: s for s in cl.get("clusters") or [] if isinstance(s, dict)}
@@ -250,6 +254,10 @@ def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny") -> dict
             slow = float(sl[idx]) if idx < len(sl) else 1.0
         clusters.append({"name": name, "ranks": int(pc.get("ranks", 1)), "step_s": base.median_s,
                          "step_cv": base.sigma, "slowdown": max(slow, 1.0)})
+    if host_cores > 0:  # oversubscribed host: every computing rank gets cores / demand of a core
+        demand = sum(c["ranks"] / c["slowdown"] for c in clusters)
+        for c in clusters:
+            c["slowdown"] *= max(1.0, demand / host_cores)
     link = cl.get("link") or {}
     kills = [{"cluster": str(f.get("cluster")), "step": int(f.get("step", f.get("start", 0)))}
              for f in cfg.get("faults") or [] if isinstance(f, dict) and f.get("kind") == "kill_cluster"]
