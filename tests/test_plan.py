@@ -117,12 +117,13 @@ def test_scenario_errors_name_the_field():
 
 # ------------------------------------------------------------------------------------------ calibration
 def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, compute: float) -> None:
-    """A run dir whose sync costs follow n_units * per_op + bytes / sw_bps exactly (no link)."""
+    """A run dir whose syncs cost what the simulator charges for a round exactly: three 20 ms latencies (the
+    exchange, the transfer, the vote; infinite bandwidth), (n_units + 2) * per_op and bytes / sw_bps."""
     path.mkdir(parents=True)
     model = hardware.load_preset("tiny")
     units = len(hardware.model_facts("tiny").units)
     cfg = {"model": model, "train": {"batch_size": BATCH, "seq_len": SEQ, "steps": 40, "eval_every": 0},
-           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": 0}, "clusters": [], "slowdown": []},
+           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": 20}, "clusters": [], "slowdown": []},
            "federation": {}, "sync": {}}
     (path / "config.json").write_text(json.dumps(cfg))
     per = {n: {"name": n, "index": i, "ranks": 1, "steps": 40, "tokens_per_step": BATCH * SEQ, "syncs_joined": 5,
@@ -136,7 +137,7 @@ def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, comput
             jitter = (-1) ** k * 0.001
             lines.append({"event": "train", "cluster": n, "step": step,
                           "time_s": {"compute": 8 * (compute + jitter), "slowdown": 0.0}})
-            cost = units * per_op + nbytes / sw_bps
+            cost = 3 * 0.020 + (units + 2) * per_op + nbytes / sw_bps
             lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": nbytes,
                           "blocked_s": cost + (0.5 if n == "c1" else 0.0)})  # c1 also waited: min is taken
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")

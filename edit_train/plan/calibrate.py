@@ -6,9 +6,10 @@
   scaled by √(steps per log interval), its per-step standard deviation; `dist.fit_max` turns both into one
   rank's distribution for the cluster's rank count (so a plan can change the rank count);
 * **sync**: every sync event's cost — the *smaller* of the participants' `blocked_s` (the other one also
-  waited for the slower cluster) — minus what the run's link costs by the planner's own model
-  (latency + bytes / (lanes · bandwidth) on edit-train's simulated link), fitted by least squares as
-  `n_units · per_op_s + bytes / sw_bytes_per_s`; the fit needs at least two distinct message sizes
+  waited for the slower cluster) — minus what the run's link costs by the planner's own model (three
+  latencies: the exchange, the transfer, the vote; and bytes / (lanes · bandwidth) on edit-train's simulated
+  link), fitted by least squares as `(n_units + 2) · per_op_s + bytes / sw_bytes_per_s` (an op per unit,
+  one for the exchange and one for the vote, as `costs.sync_cost` charges them); the fit needs at least two distinct message sizes
   (different compression or model across the runs) and says so otherwise;
 * `sync_work_s`: the `sync` bucket ÷ syncs joined; `eval_s`: the `eval` bucket ÷ evaluations;
   `checkpoint_s`: the `checkpoint` bucket ÷ checkpoints written (when any); `startup_s`: the `startup`
@@ -166,8 +167,11 @@ def calibrate(run_dirs: list[str | Path]) -> Profile:
             e = min(evs, key=lambda x: float(x["blocked_s"]))
             nbytes = float(e["bytes"])
             lanes = traffic.lanes(ranks.get(e.get("cluster"), 1), paired, chunks)
-            sync_x.append((units, nbytes))
-            sync_y.append(float(e["blocked_s"]) - _link_s(cfg, nbytes, lanes))
+            # the round as the simulator charges it (`costs.sync_cost`): the exchange and the vote (a latency
+            # and an op each) around the transfer (a latency, the wire, an op per unit): what is left of the
+            # round's blocked time beyond the link is (units + 2) ops and the per-byte software cost
+            sync_x.append((units + 2, nbytes))
+            sync_y.append(float(e["blocked_s"]) - _link_s(cfg, nbytes, lanes) - 2 * _link_s(cfg, 0.0, 1))
         if summ.get("algo") == "ddp" and summ.get("steps"):
             for name, pc in summ["per_cluster"].items():
                 per, _ = _cluster_steps(run, name)

@@ -109,6 +109,9 @@ class Fed:
         work = p.work_s(self.facts.total_params) + (p.probe_s if cand.algo in ("edit", "a_edit") else 0.0)
         out: dict[str, np.ndarray | float] = {"bytes": nbytes, "exchange": small, "vote": small, "xfer": xfer,
                                                "work": work}
+        # overlap: the per-unit software work (reductions, decoding, tags) runs on the lanes' own threads
+        # while the cluster trains, so only the wire and the latency delay the round's landing
+        out["xfer_background"] = float(wire.max()) + lat if world > 1 else 0.0
         if cand.mode == "layerwise" and world > 1:
             out["layerwise"] = self.layerwise(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
         return out

@@ -249,7 +249,7 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
             s.spend("blocked", members, issue - ask)
         s.spend("blocked", members, prof.quorum_s)
         polls = 1.5 * fed.mean_step[members]  # exchange, reductions, vote: each advanced at a step boundary
-        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["xfer"]) \
+        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["xfer_background"]) \
             + float(cost["vote"]) + polls
     else:
         body = np.asarray(cost["layerwise"]) if mode == "layerwise" and "layerwise" in cost else float(cost["xfer"])
