@@ -6,7 +6,8 @@ errors (and the pairwise ranking of the configurations by tokens/s).
     python benchmarks/plan_validation.py --quick --out /tmp/pv.json         # 48-step runs, ~6 min, noisier
 
 Calibration runs: EDiT at_end on two 1-rank clusters over a simulated 100 Mbit/s, 50 ms link with
-`sync.compression=none` and `int8` (two message sizes for the per-op / per-byte sync fit). Validation runs
+`sync.compression=none` and `int8` (two message sizes for the per-op / per-byte sync fit), and ddp over a
+500 Mbit/s, 20 ms link (its per-step quorum round). Validation runs
 differ in algorithm, sync mode, compression, cluster count, slowdowns, link and (one) a kill.
 """
 
@@ -35,6 +36,8 @@ CALIB = {
                       "algo.interval=8", *LINK],
     "cal_edit_int8": ["algo=edit", "cluster=local_2x1", "sync.mode=at_end", "sync.compression=int8",
                       "algo.interval=8", *LINK],
+    # ddp's per-step quorum round (a link none of the validation runs uses)
+    "cal_ddp": ["algo=ddp", "cluster=local_2x1", "cluster.link.bandwidth_mbps=500", "cluster.link.latency_ms=20"],
 }
 VALID = {  # name -> (overrides, candidate)
     "ddp_2": (["algo=ddp", "cluster=local_2x1", *LINK], Candidate("ddp", "layerwise")),
