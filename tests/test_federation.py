@@ -83,7 +83,7 @@ def test_killed_cluster_never_stops_the_others_and_heals(tmp_path: Path, corpus:
 
 def test_partitioned_cluster_rejoins_without_any_exit(tmp_path: Path, corpus: str, baseline: Path) -> None:
     run_dir = tmp_path / "partition"
-    finish(start(run_dir, corpus, *THREE, "faults=[{kind:partition,cluster:1,step:30,seconds:20}]",
+    finish(start(run_dir, corpus, *THREE, "faults=[{kind:partition,cluster:1,step:30,seconds:8}]",
                  "train.steps=160", "run.max_restarts=0"))
     evs = events(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
