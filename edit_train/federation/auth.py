@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.poly1305 import Poly1305
-
 TAG_BYTES = 32
 SEAL_TAG_BYTES = 16  # Poly1305
 KEY_ENV = "EDIT_TRAIN_FEDERATION_KEY_FILE"
@@ -103,6 +101,8 @@ def valid(key: bytes, context: str, mac: bytes, *parts: bytes | memoryview) -> b
 def seal_tag(key: bytes, context: str, sender: bytes, data: bytes | memoryview) -> bytes:
     """The 16-byte tag of one bulk message: Poly1305 over `data` under the one-time key
     HMAC-SHA256(key, "seal", context, sender)."""
+    from cryptography.hazmat.primitives.poly1305 import Poly1305  # only a federated process loads OpenSSL's
+
     t0 = time.perf_counter()
     one_time = tag(key, "seal/" + context, sender)
     out = Poly1305.generate_tag(one_time, data)
