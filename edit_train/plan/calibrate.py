@@ -9,8 +9,8 @@
   waited for the slower cluster) — minus what the run's link costs by the planner's own model (three
   latencies: the exchange, the transfer, the vote; and bytes / (lanes · bandwidth) on edit-train's simulated
   link), fitted by least squares as `(n_units + 2) · per_op_s + bytes / sw_bytes_per_s` (an op per unit,
-  one for the exchange and one for the vote, as `costs.sync_cost` charges them); the fit needs at least two distinct message sizes
-  (different compression or model across the runs) and says so otherwise;
+  one for the exchange and one for the vote, as `Fed.sync_cost` charges them); the fit needs at least two
+  distinct message sizes (different compression or model across the runs) and says so otherwise;
 * `sync_work_s`: the `sync` bucket ÷ syncs joined; `eval_s`: the `eval` bucket ÷ evaluations;
   `checkpoint_s`: the `checkpoint` bucket ÷ checkpoints written (when any); `startup_s`: the `startup`
   bucket; `other_step_s`: (`data` + `other`) ÷ steps; `quorum_s`: the blocked time of ddp steps beyond the
@@ -167,7 +167,7 @@ def calibrate(run_dirs: list[str | Path]) -> Profile:
             e = min(evs, key=lambda x: float(x["blocked_s"]))
             nbytes = float(e["bytes"])
             lanes = traffic.lanes(ranks.get(e.get("cluster"), 1), paired, chunks)
-            # the round as the simulator charges it (`costs.sync_cost`): the exchange and the vote (a latency
+            # the round as the simulator charges it (`Fed.sync_cost`): the exchange and the vote (a latency
             # and an op each) around the transfer (a latency, the wire, an op per unit): what is left of the
             # round's blocked time beyond the link is (units + 2) ops and the per-byte software cost
             sync_x.append((units + 2, nbytes))
