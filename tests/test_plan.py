@@ -239,12 +239,6 @@ def test_plan_is_not_imported_by_the_core():
             assert "edit_train.plan" not in f.read_text(), f
 
 
-def test_planner_counts_the_same_tag_size_as_the_lanes():
-    from edit_train.federation.seal import TAG
-
-    assert traffic.TAG == TAG
-
-
 def test_clusters_sharing_a_host_stretch_by_their_core_demand():
     """Local runs: every rank is a process on one host; more demand than cores stretches every step."""
     from edit_train.plan.calibrate import RunData, scenario_of_run

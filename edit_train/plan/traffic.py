@@ -17,7 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-TAG = 16  # the Poly1305 tag after every gathered piece (federation/seal.py, auth.SEAL_TAG_BYTES)
+from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
+
+TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
 VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}
 SCALE_BYTES = {"none": 0, "bf16": 0, "int8": 4, "fp8": 4}
 COMPRESSIONS = tuple(VALUE_BYTES)
