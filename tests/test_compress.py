@@ -40,6 +40,8 @@ def _per_block(t: torch.Tensor, block: int) -> torch.Tensor:
     ("block_size", 2.5, "sync.block_size"),
     ("scale_dtype", "fp16", "sync.scale_dtype"),
     ("error_feedback", "yes", "sync.error_feedback"),
+    ("unsent", "drop", "sync.unsent must be one of"),
+    ("unsent", "keep", "sync.unsent=keep needs sync.compression=topk"),  # int8 has nothing left out to keep
 ])
 def test_validate_names_the_key(field: str, value: object, message: str) -> None:
     cfg = CompressionConfig(scheme="int8")
@@ -47,6 +49,9 @@ def test_validate_names_the_key(field: str, value: object, message: str) -> None
     with pytest.raises(ValueError, match=message):
         cfg.validate()
     CompressionConfig(scheme="int8", block_size=7, scale_dtype="bf16").validate()
+    CompressionConfig(scheme="topk", topk_density=0.1, unsent="keep").validate()
+    with pytest.raises(ValueError, match="error_feedback=true"):
+        CompressionConfig(scheme="topk", topk_density=0.1, unsent="keep", error_feedback=False).validate()
 
 
 @pytest.mark.parametrize("scheme", ["none", "bf16", "int8", "fp8"])

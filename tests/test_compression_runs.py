@@ -50,14 +50,17 @@ def test_bf16_sends_half_of_fp32(tmp_path: Path, corpus: str) -> None:
     assert per_sync and all(0.45 * fp32 < b < 0.55 * fp32 for b in per_sync), (per_sync, fp32)
 
 
-def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tmp_path: Path, corpus: str) -> None:
+@pytest.mark.parametrize("unsent", ["resend", "keep"])
+def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tmp_path: Path, corpus: str,
+                                                                                unsent: str) -> None:
     """Sparse 2-bit payloads (issue 24) between a 2-rank and a 1-rank cluster (the chunked layout, pieces
     gathered over four lanes): a checkpoint at every sync holds the bit-identical anchor on both clusters, and
-    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted)."""
+    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted). `keep`: the 2-rank
+    cluster puts the residual of its chunks back into its own shards (a sum inside the cluster)."""
     run = tmp_path / "topk"
     finish(start(run, corpus, *COMMON, "sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2",
                  "sync.scale_dtype=bf16", "cluster.clusters=[{name:a,ranks:2},{name:b,ranks:1}]",
-                 "checkpoint.every=2", "checkpoint.keep=8"))
+                 "checkpoint.every=2", "checkpoint.keep=8", f"sync.unsent={unsent}"))
     steps = sorted(p.name for p in (run / "checkpoints" / "b").glob("step_*[0-9]"))
     assert len(steps) >= 4, steps
     for step in steps:
@@ -68,6 +71,9 @@ def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tm
         for k in keys:
             full = torch.cat([s[k] for s in shards]) if b[k].dim() else shards[0][k]
             assert torch.equal(full, b[k]), (step, k)
+        # resend: residuals wait for the next sync; keep: they are in the clusters' parameters, none waits
+        waiting = [load_file(str(f)) for f in (run / "checkpoints").glob(f"*/{step}/rank*-residual.safetensors")]
+        assert len(waiting) == 3 and all(bool(w) == (unsent == "resend") for w in waiting), step
     summary = json.loads((run / "summary.json").read_text())
     fp32 = summary["total_params"] * 4
     per_sync = [e["bytes"] for e in events(run) if e["event"] == "sync" and e["cluster"] == "b"]

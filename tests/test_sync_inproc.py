@@ -108,3 +108,32 @@ def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
     assert first_three > 0
     for n in NAMES[1:]:
         assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
+@pytest.mark.parametrize("unsent", ["resend", "keep"])
+def test_topk_unsent_part_is_resent_or_kept_and_nothing_is_lost(mode: str, unsent: str) -> None:
+    """Top-k (10 %, 4-bit) between 2 clusters, outer SGD lr 1, uniform weights, no clipping. `resend` (error
+    feedback): after the sync both clusters hold θ̄_new and the residual waits to be sent. `keep`: each holds
+    θ̄_new − eᵢ (what top-k left out of its own Δ), no residual waits, and the clusters' mean equals the mean of
+    their models before the sync (plain averaging, nothing lost). Either way the run ends on one θ̄."""
+    comp = CompressionConfig("topk", block_size=64, topk_density=0.1, bits=4, unsent=unsent)
+    cfg = config(mode, "uniform", syncs=2, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
+    results = run_inproc(NAMES[:2], cfg, compression=comp, flush_each_step=True,  # the sync lands at once
+                         snapshot_at=(H - 1,), after_at=(H - 1,))
+    before = [results[n].snapshots[H - 1]["params"] for n in NAMES[:2]]
+    after = [results[n].snapshots[("after", H - 1)]["params"] for n in NAMES[:2]]
+    anchor = [a for unit in results["c0"].snapshots[("after", H - 1)]["anchor"] for a in unit]
+    mean = lambda ps: [sum(t) / len(t) for t in zip(*ps)]  # noqa: E731
+    gap = max(float((x - y).abs().max()) for x, y in zip(mean(after), mean(before)))
+    if unsent == "keep":
+        assert gap <= 1e-6
+        assert not any(torch.equal(x, y) for x, y in zip(after[0], after[1]))  # each kept its own part
+        assert all(results[n].snapshots[("after", H - 1)]["residuals"] == [] for n in NAMES[:2])
+    else:
+        assert gap > 1e-4  # what top-k left out is not in anybody's model yet
+        assert all(torch.equal(x, a) for p in after for x, a in zip(p, anchor))
+        assert all(results[n].snapshots[("after", H - 1)]["residuals"] for n in NAMES[:2])
+    for n in NAMES[:2]:  # the end: every cluster on θ̄, the same one
+        assert all(torch.equal(x, a) for x, a in zip(results[n].params, [a for u in results[n].anchors for a in u]))
+        assert max_diff(results[n].anchors, results["c0"].anchors) == 0.0

@@ -74,17 +74,21 @@ def state_of(algo: LocalSGD) -> dict[str, Any]:
     """Anchor, outer optimizer state and live parameters (clones)."""
     assert algo.driver is not None
     outer = algo.driver.core.outer
+    feedback = getattr(algo.t, "feedback", None)
     return {"outer": {k: v.clone() for k, v in outer.state_dict().items()},
-            "params": [p.detach().clone() for p in algo.replica.model.parameters()]}
+            "params": [p.detach().clone() for p in algo.replica.model.parameters()],
+            "anchor": [[a.clone() for a in outer.anchors[u.name]] for u in algo.replica.units],
+            "residuals": feedback.keys() if feedback is not None else []}
 
 
 def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flush_each_step: bool = False,
-                  snapshot_at: tuple[int, ...] = (), out: Outcome | None = None,
+                  snapshot_at: tuple[int, ...] = (), after_at: tuple[int, ...] = (), out: Outcome | None = None,
                   wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
                   shared_task: bool = False, lr: float = LR) -> Outcome:
     """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
     forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
-    its transport (a Byzantine fault)."""
+    its transport (a Byzantine fault). `snapshot_at` steps are captured before their `after_step`, `after_at`
+    steps after it (and its flush)."""
     torch.set_num_threads(1)
     out = out if out is not None else Outcome()
     current = [0]
@@ -120,6 +124,8 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
             outcome = algo.after_step(step, 0.01)
             if flush_each_step:
                 algo.flush()
+            if step in after_at:
+                out.snapshots[("after", step)] = state_of(algo)
             step = outcome.adopt_step if outcome.adopt_step is not None else step + 1
         algo.finish()
     except ClusterKilled:

@@ -38,5 +38,19 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(130) from None
 
 
+def _exit_without_teardown() -> None:
+    """Leave a rank that finished cleanly without running C++ static destructors: gloo's and the TCPStore's
+    background threads can still be joinable then, and destroying a joinable std::thread aborts the process
+    ("terminate called without an active exception", seen on 2-rank FSDP2 runs after the final checkpoint).
+    Everything that matters is already on disk: train() closed metrics, W&B and the process group."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_without_teardown()

@@ -22,7 +22,9 @@ rank. A non-finite value turns its whole block into NaN after the round trip (ne
 
 :class:`ErrorFeedback` keeps, per key, the residual that quantization dropped from this rank's own
 (weighted) contribution; the next contribution is compensated with it, so over many syncs the sum of
-what was sent tracks the sum of what was meant (bounded drift instead of a random walk).
+what was sent tracks the sum of what was meant (bounded drift instead of a random walk). With
+``sync.unsent=keep`` (top-k only) the sync takes the residual out instead (``take_unsent`` of the transport)
+and leaves it in the cluster's own parameters, θ ← θ̄_new − e: the next Δ carries it (docs/compression.md).
 No ``torch.distributed`` here; the collective lives in :mod:`edit_train.federation.compressed_reduce`.
 """
 
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 SCHEMES = ("none", "bf16", "int8", "fp8", "topk")
 SCALE_DTYPES = ("fp32", "bf16")
+UNSENT = ("resend", "keep")
 _PREFIX = "sync"  # where the keys live in the Hydra tree (for error messages)
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _SCALE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -83,13 +86,15 @@ class CompressionConfig:
     error_feedback: bool = True  # sync.error_feedback
     topk_density: float = 0.01  # sync.topk_density: share of each chunk kept (topk)
     bits: int = 2  # sync.bits: bits per kept value (topk): 1, 2, 4 or 8
+    unsent: str = "resend"  # sync.unsent (topk): resend (error feedback) | keep (in the cluster's own parameters)
 
     @staticmethod
     def of(sync: object) -> CompressionConfig:
         """From a ``sync`` config section (``SyncConfig`` or its OmegaConf node)."""
         return CompressionConfig(str(getattr(sync, "compression")), getattr(sync, "block_size"),
                                  str(getattr(sync, "scale_dtype")), getattr(sync, "error_feedback"),
-                                 getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2))
+                                 getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2),
+                                 str(getattr(sync, "unsent", "resend")))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -104,6 +109,11 @@ class CompressionConfig:
             raise ValueError(f"{_PREFIX}.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"{_PREFIX}.error_feedback must be true or false, got {self.error_feedback!r}")
+        if self.unsent not in UNSENT:
+            raise ValueError(f"{_PREFIX}.unsent must be one of {UNSENT}, got {self.unsent!r}")
+        if self.unsent == "keep" and not (self.sparse and self.error_feedback):
+            raise ValueError(f"{_PREFIX}.unsent=keep needs {_PREFIX}.compression=topk and "
+                             f"{_PREFIX}.error_feedback=true (it keeps what top-k left out)")
         if self.sparse:
             self._validate_sparse()
 
@@ -119,6 +129,10 @@ class CompressionConfig:
         if d * self.block_size < 0.5:
             raise ValueError(f"{_PREFIX}.topk_density={d} keeps no value of a chunk of {_PREFIX}.block_size="
                              f"{self.block_size}: raise block_size to at least {math.ceil(0.5 / d)}")
+
+    @property
+    def keeps_unsent(self) -> bool:
+        return self.unsent == "keep" and self.sparse and self.error_feedback
 
     @property
     def sparse(self) -> bool:

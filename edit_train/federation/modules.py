@@ -10,6 +10,8 @@ fails the whole move on every rank of the cluster (the sync is rolled back; noth
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -95,6 +97,48 @@ class ModuleMover:
         if summed:  # the sum lands in `flat` (wait); None: a piece did not verify
             return _FutureWork(future, flat), lambda: None if future.result()[0] is None else [flat], nbytes
         return _FutureWork(future, None), lambda: future.result()[0], nbytes
+
+    @torch.no_grad()
+    def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor] | None, key: str) -> list[Tensor] | None:
+        """This rank's error-feedback residual of module `key` (what its last gather did not send), laid out like
+        `tensors` (its local shards), and forgotten; None when there is none. A collective inside the cluster
+        when the module travels in chunks (every rank calls it for the same module)."""
+        c = self.cluster
+        likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
+        if q.paired:
+            res = self.feedback.residual(f"{key}#{c.rank}")
+            self.feedback.clear(f"{key}#{c.rank}")
+            if res is None:
+                return None
+            flat = res
+            shapes = [t.shape for t in tensors]
+        else:
+            shapes = [tuple(p.shape) if p is not None else tuple(t.shape) for t, p in zip(tensors, likes)]
+            total = sum(math.prod(s) for s in shapes)
+            flat = torch.zeros(total)
+            bounds = [0]
+            for piece in torch.tensor_split(torch.empty(total, device="meta"), self.chunks):
+                bounds.append(bounds[-1] + piece.numel())
+            found = False
+            for j in range(self.chunks):
+                if j % c.size != c.rank:
+                    continue
+                r = self.feedback.residual(f"{key}#{j}")
+                self.feedback.clear(f"{key}#{j}")
+                if r is not None:
+                    flat[bounds[j]:bounds[j + 1]] = r
+                    found = True
+            if not c.agree(not found):  # somebody has a residual: every rank takes part in the sum
+                flat = c.sum_(flat.to(c.device)).cpu()
+            elif not found:
+                return None
+        out, offset = [], 0
+        for t, shape, like in zip(tensors, shapes, likes):
+            n = math.prod(shape)
+            piece = flat[offset:offset + n].view(shape)
+            offset += n
+            out.append(piece.to(t.dtype) if q.paired or like is None else c.shard(piece, t).to(t.dtype))
+        return out
 
     def move(self, q: Quorum, seal: Seal, tensors: list[Tensor], params: list[Tensor] | None, key: str,
              gather: bool) -> Pending[Any]:

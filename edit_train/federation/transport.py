@@ -236,6 +236,15 @@ class LaneTransport:
         assert self._quorum is not None
         return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True)
 
+    def take_unsent(self, tensors: list[Tensor], params: list[Tensor] | None = None,
+                    key: str = "") -> list[Tensor] | None:
+        """`sync.unsent=keep`: what this cluster's last sparse send of module `key` left out (its error-feedback
+        residual, in the units it was sent in), shaped like `tensors`, and forgotten here: the caller keeps it
+        in its own parameters instead. None otherwise."""
+        if not self._shared or self._quorum is None or not self.compression.keeps_unsent:
+            return None
+        return self.mover.take_unsent(self._quorum, tensors, params, key)
+
     # --------------------------------------------------------------- healing
     def send_bytes(self, payload: bytes, dst: int) -> None:
         """Leader to leader over lane 0: length, then the bytes followed by their tag (bound to this quorum,

@@ -32,7 +32,7 @@ from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.probe import Probe
 from edit_train.local_sgd.protocols import Quorum, Transport
 from edit_train.local_sgd.records import Records
-from edit_train.local_sgd.round import SyncCore, SyncReport, build_units
+from edit_train.local_sgd.round import SyncCore, SyncReport, build_units, land_on_anchors
 from edit_train.local_sgd.rules import make_rule
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule
 from edit_train.local_sgd.state import SyncState
@@ -80,6 +80,7 @@ class LocalSGD:
         self.records = Records(transport, emit, cluster_index)
         self.probe = Probe(self.replica.units, probe_loss, span)  # usefulness of each update (verified rule)
         self.driver: Driver | None = None
+        self._kept = False  # the last committed sync left unsent parts in the live parameters (sync.unsent=keep)
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
         self.membership = Membership(cfg.membership, transport, healer, self.pacer)
@@ -163,6 +164,9 @@ class LocalSGD:
         self.flush()
         if self.driver is not None and self.pacer.local_steps > 0:
             self._start_sync(final=True)
+        if self.driver is not None and self._kept and self.pacer.local_steps == 0:
+            land_on_anchors(self.driver.core)  # every cluster ends on θ̄ (what it kept back is let go)
+            self._kept = False
 
     def should_stop(self, step: int) -> bool:
         return self.pacer.should_stop(step)
@@ -226,10 +230,12 @@ class LocalSGD:
             self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
 
     def _completed(self, report: SyncReport) -> None:
+        self._kept = bool(report.kept)
         self.records.completed(report)
         self.probe.committed(report.participants)
 
     def _aborted(self, report: SyncReport, why: str) -> None:
+        self._kept = False
         self.probe.dropped()
         self.records.aborted(report, why)
         self.membership.sync_index = max(self.membership.sync_index - 1, 0)

@@ -142,6 +142,7 @@ class SyncReport:
     cluster_norm: float = 0.0  # this cluster's whole-model ‖Δ‖
     sizes: dict[str, int] = field(default_factory=dict)  # parameters per unit (for the effective weight)
     nonfinite: list[str] = field(default_factory=list)  # units whose reduced Δ was non-finite
+    kept: list[str] = field(default_factory=list)  # units whose unsent part stayed in the live parameters
 
 
 class SyncRound:
@@ -310,8 +311,22 @@ class SyncRound:
             c.outer.step(name, [d * coef for d in delta] if coef != 1.0 else delta)
             report.clip[name] = coef
         rebase(live, c.outer.anchors[name], self.snap.pop(name, None))
+        self._keep_unsent(name, live, decision)
         c.outer.release(name)
         self.todo.remove(name)
+
+    def _keep_unsent(self, name: str, live: list[Tensor], decision: Decision) -> None:
+        """`sync.unsent=keep`: θ ← θ̄_new − e, the part e of this cluster's Δ that top-k left out (a SUM
+        carried w·Δ: e/w). A cluster whose contribution was left out lands on θ̄ and lets e go with it."""
+        take = getattr(self.core.transport, "take_unsent", None)
+        unsent = take(live, self.core.unit(name).params, name) if take is not None else None
+        w = float(decision.weights[self.report.position])
+        if unsent is None or w <= 0.0 or name in self.report.nonfinite or decision.all_anomalous:
+            return
+        scale = 1.0 if self.gather else 1.0 / w
+        for p, u in zip(live, unsent):
+            p.sub_(u.to(p.device, p.dtype), alpha=scale)  # θ = θ̄ − Δ: the part of Δ not sent stays here
+        self.report.kept.append(name)
 
     # ------------------------------------------------------------------ commit
     def vote(self) -> Handle[bool] | None:
@@ -335,6 +350,13 @@ class SyncRound:
         self.todo.clear()
         self.core.transport.abort()
         _feedback(self.core, "restore")
+
+
+@torch.no_grad()
+def land_on_anchors(core: SyncCore) -> None:
+    """θ ← θ̄ for every unit (the unsent parts kept in the live parameters are let go)."""
+    for unit in core.units:
+        rebase(unit.live(), core.outer.anchors[unit.name])
 
 
 def _feedback(core: SyncCore, what: str) -> None:
