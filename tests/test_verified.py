@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.penalty import Decision, PenaltyConfig
 from edit_train.local_sgd.round import probe_medians
 from edit_train.local_sgd.rules import Evidence, make_rule
 from edit_train.sim.byzantine import ByzantineTransport, corrupt
@@ -146,3 +146,34 @@ def test_probation_and_pooled_direction_state_round_trip() -> None:
     assert d1.weights == d2.weights and d1.weights[1] == 0.0
     with pytest.raises(ValueError, match="probation"):
         other.load({**meta, "tally": {"c0": [1, "x"]}}, tensors)
+
+
+def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
+    """Two clusters. c1 turns its direction around (cosine −0.9 with c0 instead of 0.9) in modules a and b from
+    sync 7 on: flagged (the reference breaks the pair's tie), then on probation — and while on probation it is
+    still judged against c0, so at sync 9 it is held again and its small module c, which looks fine, is not
+    let in. Once everything it sends looks right again (sync 10), it is back at sync 11."""
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=4, warmup_syncs=2))
+    u = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+
+    def ev(module: str, sync: int, cos: float) -> Evidence:
+        gram = torch.tensor([[1.0, cos], [cos, 1.0]], dtype=torch.float64)
+        return Evidence(module, ("c0", "c1"), torch.ones(2, dtype=torch.float64),
+                        torch.full((2,), 4.0, dtype=torch.float64), (True, True),
+                        {"finite": torch.tensor([True, True]), "sync": torch.tensor(sync), "gram": gram,
+                         "sketches": [u, u if cos > 0 else -u]})
+
+    def sync(k: int, wrong: tuple[str, ...]) -> dict[str, Decision]:
+        return {m: rule.decide(ev(m, k, -0.9 if m in wrong else 0.9)) for m in ("a", "b", "c")}
+
+    for k in range(1, 7):
+        assert all(d.weights == [0.5, 0.5] for d in sync(k, ()).values())
+    d7 = sync(7, ("a", "b"))
+    assert d7["a"].weights == [1.0, 0.0] and "direction" in d7["a"].evidence[1]["reasons"]
+    assert d7["c"].weights == [0.5, 0.5]
+    for k in (8, 9):  # held out of every module, small module c included
+        d = sync(k, ("a", "b"))
+        assert all(x.weights == [1.0, 0.0] for x in d.values()), k
+        assert "probation" in d["c"].evidence[1]["reasons"]
+    assert all(x.weights == [1.0, 0.0] for x in sync(10, ()).values())  # still on probation from sync 9
+    assert all(x.weights == [0.5, 0.5] for x in sync(11, ()).values())

@@ -99,7 +99,8 @@ class ModuleMover:
         return _FutureWork(future, None), lambda: future.result()[0], nbytes
 
     @torch.no_grad()
-    def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor] | None, key: str) -> list[Tensor] | None:
+    def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor] | None,
+                    key: str) -> list[Tensor] | None:
         """This rank's error-feedback residual of module `key` (what its last gather did not send), laid out like
         `tensors` (its local shards), and forgotten; None when there is none. A collective inside the cluster
         when the module travels in chunks (every rank calls it for the same module)."""

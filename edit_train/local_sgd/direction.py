@@ -13,7 +13,9 @@ their norm, not harmful on the probe, not on probation):
   pooled history of pair distances (z above `direction_z`, σ at least a tenth of the mean distance), the one further from the *reference* (an EWMA of the accepted
   aggregates' directions, kept as a count sketch) is flagged; without a reference yet, both are. The
   reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for a while
-  (whose direction the reference did not follow) is not held against it.
+  (whose direction the reference did not follow) is not held against it;
+* exactly two contributors, one trusted and one on probation: the same pair test, and only the one on
+  probation can be flagged (so a cluster that keeps sending a wrong direction stays on probation).
 
 Statistics pool every accepted value of the module (one row, `direction_alpha` per value, winsorized at
 μ + `direction_z`·σ so that a bad value accepted while the bound is still wide cannot drag it), so a cluster
@@ -93,11 +95,17 @@ class DirectionTest:
         bound = bound.expand(n).clone()
         return torch.isfinite(x) & (z > bound), z, bound
 
-    def judge(self, module: str, gram: Tensor, trusted: Tensor, sketches: list[Tensor] | None) -> Verdict:
-        """The verdict on the contributors whose Gram matrix is `gram` (rows: contributors)."""
+    def judge(self, module: str, gram: Tensor, trusted: Tensor, sketches: list[Tensor] | None,
+              suspect: Tensor | None = None) -> Verdict:
+        """The verdict on the contributors whose Gram matrix is `gram` (rows: contributors). `suspect`: those
+        on probation — judged, never a comparator (with one trusted other: the pair test, see `_suspect`)."""
         n = gram.shape[0]
         c = cosines(gram)
         t_idx = [j for j in range(n) if bool(trusted[j]) and math.isfinite(float(c[j, j]))]
+        if len(t_idx) == 1 and suspect is not None:
+            held = [j for j in range(n) if bool(suspect[j]) and j != t_idx[0] and math.isfinite(float(c[j, j]))]
+            if len(held) == 1:
+                return self._suspect(module, c, t_idx[0], held[0])
         x = torch.full((n,), math.nan, dtype=torch.float64)
         for i in range(n):
             others = [j for j in t_idx if j != i]
@@ -125,6 +133,17 @@ class DirectionTest:
                     flagged[a if far == b else b] = False
             return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx))
         return Verdict(none, torch.zeros(n, dtype=torch.float64), inf, 1.0 - x)
+
+    def _suspect(self, module: str, c: Tensor, honest: int, held: int) -> Verdict:
+        """Two contributors, one of them on probation: their distance against the pooled pair history flags
+        the one on probation only, and nothing is learned. Without this, a cluster on probation in a pair
+        went unjudged, was let off the next sync, and was held again the sync after (every other sync in)."""
+        n = c.shape[0]
+        x = torch.full((n,), math.nan, dtype=torch.float64)
+        x[honest] = x[held] = 1.0 - float(c[honest, held])
+        flagged, z, bound = self._test(self._stat("pair", module), x, widen=False)
+        flagged[honest] = False
+        return Verdict(flagged, z, bound, 1.0 - x)
 
     def learn(self, module: str, verdict: Verdict, accepted: Tensor) -> None:
         """Fold the accepted values into the pooled statistics, one at a time in contributor order (the pair's
