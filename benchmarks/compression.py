@@ -24,10 +24,12 @@ codec ≤ 5 % of a sync's time. The plot: bytes/token against val loss, one pane
 
     python benchmarks/compression.py --codec-only --out docs/compression.json   # the codec alone, quietly
 
-What docs/compression.json holds (26 runs, ~40 min of the 2 shared cores; `--reuse` resumes):
+What docs/compression.json holds (~55 runs, ~50 min of the 2 shared cores; `--reuse` resumes):
 
-    python benchmarks/compression.py --reuse --schemes none int8 topk_1pct_2b topk_2pct_4b topk_5pct_4b \
-        topk_10pct_4b topk_25pct_4b --slow-schemes none int8 topk_1pct_2b --slow-seeds 0 \
+    python benchmarks/compression.py --reuse --schemes none none_lr1 int8 topk_1pct_2b topk_2pct_4b \
+        topk_5pct_4b topk_10pct_4b topk_25pct_4b topk_2pct_4b_keep topk_5pct_4b_keep topk_10pct_2b_keep \
+        topk_10pct_4b_keep topk_15pct_4b_keep topk_25pct_4b_keep \
+        --slow-schemes none int8 topk_1pct_2b topk_10pct_2b_keep --slow-seeds 0 \
         --out docs/compression.json --plot docs/compression.png
 """
 
@@ -45,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 SPARSE = ["sync.scale_dtype=bf16", "sync.error_feedback=true"]
+KEEP = [*SPARSE, "sync.unsent=keep", "algo.outer.lr=1.0"]
 SCHEMES = {  # name -> overrides
     "none": ["sync.compression=none"],
     "bf16": ["sync.compression=bf16"],
@@ -63,8 +66,18 @@ SCHEMES = {  # name -> overrides
     "topk_10pct_4b": ["sync.compression=topk", "sync.topk_density=0.1", "sync.bits=4", *SPARSE],
     # 64 of 256 (25 %), 4-bit: 9.6 % of fp32
     "topk_25pct_4b": ["sync.compression=topk", "sync.topk_density=0.25", "sync.bits=4", *SPARSE],
+    # sync.unsent=keep: the same payloads; what top-k left out stays in the cluster's parameters. Its outer lr
+    # is 1: under keep an outer lr < 1 would shrink what was sent but not what was kept
+    "topk_2pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.02", "sync.bits=4", *KEEP],
+    "topk_5pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.05", "sync.bits=4", *KEEP],
+    "topk_10pct_2b_keep": ["sync.compression=topk", "sync.topk_density=0.1", "sync.bits=2", *KEEP],  # 3.4 %
+    "topk_10pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.1", "sync.bits=4", *KEEP],
+    "topk_15pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.15", "sync.bits=4", *KEEP],
+    "topk_25pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.25", "sync.bits=4", *KEEP],
+    # the uncompressed run at the keep schemes' outer lr (is lr 1 itself what helps them? it is not)
+    "none_lr1": ["sync.compression=none", "algo.outer.lr=1.0"],
 }
-QUICK_SCHEMES = ["none", "int8", "topk_1pct_2b", "topk_2pct_4b", "topk_5pct_4b"]
+QUICK_SCHEMES = ["none", "int8", "topk_1pct_2b", "topk_2pct_4b", "topk_5pct_4b", "topk_10pct_4b_keep"]
 SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
 SETTINGS = {"convergence": [], "slow_link": SLOW}
 EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
@@ -180,10 +193,17 @@ def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     units = unit_sizes(model)
+    timed: dict[tuple[str, ...], str] = {}  # codec settings -> the scheme timed with them
     for name in schemes:
         kv = dict(o.split("=", 1) for o in SCHEMES[name])
         if kv["sync.compression"] == "none":
             continue
+        codec = tuple(kv.get(k, "") for k in ("sync.compression", "sync.block_size", "sync.scale_dtype",
+                                                 "sync.topk_density", "sync.bits"))
+        if codec in timed:  # a keep scheme's codec is its resend twin's
+            out[name] = {**out[timed[codec]], "same_codec_as": timed[codec]}
+            continue
+        timed[codec] = name
         cfg = CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)),
                                 kv.get("sync.scale_dtype", "fp32"), True, float(kv.get("sync.topk_density", 0.01)),
                                 int(kv.get("sync.bits", 2)))
@@ -229,24 +249,43 @@ def small_sync_times(a: argparse.Namespace, schemes: list[str]) -> dict[str, flo
 
 
 # ------------------------------------------------------------------------------------------ report
+def _short(name: str) -> str:
+    """topk_15pct_4b_keep -> 15%/4b"""
+    parts = name.split("_")
+    return f"{parts[1].replace('pct', '%')}/{parts[2]}" if name.startswith("topk") else name
+
+
 def plot(results: dict[str, Any], path: Path) -> Path:
+    """Bytes per token against val loss: the resend and keep top-k curves, fp32 and int8 as points."""
     plt = C.pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.8), squeeze=False)
     for ax, (setting, r) in zip(axes[0], results.items()):
-        for name, p in r["per_seed"].items():
-            x, y = statistics.fmean(p["bytes_per_token"]), statistics.fmean(p["val_loss"])
-            ax.errorbar([x], [y], yerr=[[y - min(p["val_loss"])], [max(p["val_loss"]) - y]], fmt="o", capsize=3,
-                        label=name)
-            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        none = statistics.fmean(r["per_seed"]["none"]["val_loss"])
-        ax.axhline(1.01 * none, ls="--", lw=0.8, color="gray", label="1.01 × none")
-        ax.axvline(statistics.fmean(r["per_seed"]["none"]["bytes_per_token"]) / 100, ls=":", lw=0.8, color="gray",
-                   label="1/100 of none")
+        pts = {name: (statistics.fmean(p["bytes_per_token"]), statistics.fmean(p["val_loss"]),
+                      min(p["val_loss"]), max(p["val_loss"])) for name, p in r["per_seed"].items()}
+        groups = {"top-k, unsent=resend": [n for n in pts if n.startswith("topk") and not n.endswith("_keep")],
+                  "top-k, unsent=keep (outer lr 1)": [n for n in pts if n.startswith("topk") and n.endswith("_keep")],
+                  "dense": [n for n in pts if not n.startswith("topk")]}
+        for (label, names), marker in zip(groups.items(), ("o", "s", "D")):
+            names = sorted(names, key=lambda n: pts[n][0])
+            if not names:
+                continue
+            x, y = [pts[n][0] for n in names], [pts[n][1] for n in names]
+            err = [[pts[n][1] - pts[n][2] for n in names], [pts[n][3] - pts[n][1] for n in names]]
+            ax.errorbar(x, y, yerr=err, fmt=marker + ("-" if label != "dense" else ""), capsize=3, label=label,
+                        lw=1, ms=5)
+            for n in names:
+                ax.annotate(_short(n), (pts[n][0], pts[n][1]), textcoords="offset points", xytext=(5, -9 if
+                            n.endswith("_keep") else 4), fontsize=7)
+        none = pts["none"][1]
+        ax.axhline(1.01 * none, ls="--", lw=0.8, color="gray", label="1.01 × fp32 (none)")
+        ax.axvline(pts["none"][0] / 100, ls=":", lw=0.8, color="gray", label="1/100 of fp32's bytes")
         ax.set_xscale("log")
         ax.set_xlabel("cross-cluster bytes per token (log)")
-        ax.set_ylabel("final val loss (mean, min..max over seeds)")
-        ax.set_title(setting)
+        ax.set_ylabel("final val loss (mean; bars: min..max over seeds)")
+        ax.set_title(f"{setting} ({len(r['seeds']) if 'seeds' in r else ''} seeds)" if setting == "convergence"
+                     else setting)
         ax.legend(fontsize=7)
+    fig.tight_layout()
     return C.save_fig(fig, path)
 
 
@@ -262,6 +301,10 @@ def targets(results: dict[str, Any], codec: dict[str, Any]) -> dict[str, Any]:
         tg["its bytes/token ÷ uncompressed"] = best["vs_none"]
         tg["its val loss ÷ uncompressed (mean, worst seed)"] = f"{best['loss_ratio']:.4f}, {best['worst_ratio']:.4f}"
         tg["<= 1/100 bytes at <= 1.01x loss (worst <= 1.02x)"] = bool(ok) and best["vs_none"] <= 0.01
+    lr1 = next((r for r in conv["rows"] if r["scheme"] == "none_lr1"), None)
+    if lr1 is not None:
+        tg["uncompressed at outer lr 1 ÷ at the tuned lr (mean, worst seed)"] = \
+            f"{lr1['loss_ratio']:.4f}, {lr1['worst_ratio']:.4f}"
     slow = results.get("slow_link")
     if slow is not None:
         by = {r["scheme"]: r for r in slow["rows"]}
@@ -312,7 +355,11 @@ def main() -> None:
     tiny_sync = {r["scheme"]: r["sync_s"] for r in conv["rows"]}
     codec = {"tiny": codec_us("tiny", compressed), "small": codec_us("small", compressed)}
     print_codec("tiny", codec["tiny"], tiny_sync)
-    small_sync = {} if (a.quick or a.no_small) else small_sync_times(a, [s for s in compressed if "topk" in s])
+    # a keep scheme with a resend twin sends its twin's payloads: timed once
+    twin = {s: c["same_codec_as"] for s, c in codec["small"].items() if "same_codec_as" in c}
+    small_sync = {} if (a.quick or a.no_small) else \
+        small_sync_times(a, [s for s in compressed if "topk" in s and s not in twin])
+    small_sync.update({s: small_sync[t] for s, t in twin.items() if t in small_sync})
     print_codec("small", codec["small"], small_sync)
     tg = targets(results, codec)
     plot_path = plot(results, a.plot)
