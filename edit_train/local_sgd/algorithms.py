@@ -80,7 +80,6 @@ class LocalSGD:
         self.records = Records(transport, emit, cluster_index)
         self.probe = Probe(self.replica.units, probe_loss, span)  # usefulness of each update (verified rule)
         self.driver: Driver | None = None
-        self._kept = False  # the last committed sync left unsent parts in the live parameters (sync.unsent=keep)
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
         self.membership = Membership(cfg.membership, transport, healer, self.pacer)
@@ -114,7 +113,7 @@ class LocalSGD:
             self.grads.join(q, self.replica.model, int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0))
         elif q is not None:  # the others are mid-sync: take part with weight 0
             self._run_sync(q)
-        return self._take_adopted()
+        return self.membership.take_adopted()
 
     def after_backward(self, step: int, loss: float | None = None) -> float | None:
         """ddp / warm-up: average the gradients over the quorum. Returns the loss every cluster agrees on."""
@@ -134,7 +133,7 @@ class LocalSGD:
             p.global_step = step + 1
             if self.cfg.local_sgd and step + 1 == self.cfg.schedule.warmup_steps:
                 self.start_local_phase()
-            return StepOutcome(self._take_adopted())
+            return StepOutcome(self.membership.take_adopted())
         p.local_step(step, seconds - (self.t.blocked_s - self._blocked_mark))
         self.probe.score()  # the last committed round's updates, on this cluster's probe slice
         if self.driver is not None and self.driver.pending:
@@ -147,7 +146,7 @@ class LocalSGD:
             self._start_sync()
         self._blocked_mark = self.t.blocked_s
         eval_due, p.eval_due = p.eval_due, False
-        return StepOutcome(self._take_adopted(), eval_due and not p.stopped)
+        return StepOutcome(self.membership.take_adopted(), eval_due and not p.stopped)
 
     def flush(self) -> None:
         """Finish any sync in flight (before eval, checkpoints and the next sync)."""
@@ -164,9 +163,8 @@ class LocalSGD:
         self.flush()
         if self.driver is not None and self.pacer.local_steps > 0:
             self._start_sync(final=True)
-        if self.driver is not None and self._kept and self.pacer.local_steps == 0:
-            land_on_anchors(self.driver.core)  # every cluster ends on θ̄ (what it kept back is let go)
-            self._kept = False
+        if self.driver is not None and self.pacer.local_steps == 0:
+            land_on_anchors(self.driver.core)  # every cluster ends on θ̄ (sync.unsent=keep: what it kept is let go)
 
     def should_stop(self, step: int) -> bool:
         return self.pacer.should_stop(step)
@@ -230,18 +228,13 @@ class LocalSGD:
             self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
 
     def _completed(self, report: SyncReport) -> None:
-        self._kept = bool(report.kept)
         self.records.completed(report)
         self.probe.committed(report.participants)
 
     def _aborted(self, report: SyncReport, why: str) -> None:
-        self._kept = False
         self.probe.dropped()
         self.records.aborted(report, why)
         self.membership.sync_index = max(self.membership.sync_index - 1, 0)
-
-    def _take_adopted(self) -> int | None:
-        return self.membership.take_adopted()
 
     # ------------------------------------------------------------------ the loop reads
     @property

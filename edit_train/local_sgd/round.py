@@ -103,6 +103,7 @@ class SyncCore:
     gather_max: int = 4  # up to this many participants every one receives every contribution and judges it
     sketch_dim: int = 0  # count-sketch buckets per module for the rule's direction test (0: none)
     keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
+    kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -170,6 +171,7 @@ class SyncRound:
         self.ok = True  # False once something makes this cluster vote no
         # error feedback: what a rolled-back round sent was never applied, so its residuals are forgotten
         _feedback(core, "mark")
+        core.kept = False
 
     def _wait(self, handle: Handle[T]) -> T:
         try:
@@ -327,6 +329,7 @@ class SyncRound:
         for p, u in zip(live, unsent):
             p.sub_(u.to(p.device, p.dtype), alpha=scale)  # θ = θ̄ − Δ: the part of Δ not sent stays here
         self.report.kept.append(name)
+        self.core.kept = True
 
     # ------------------------------------------------------------------ commit
     def vote(self) -> Handle[bool] | None:
@@ -350,13 +353,17 @@ class SyncRound:
         self.todo.clear()
         self.core.transport.abort()
         _feedback(self.core, "restore")
+        self.core.kept = False  # the live parameters are what they were before the round
 
 
 @torch.no_grad()
 def land_on_anchors(core: SyncCore) -> None:
-    """θ ← θ̄ for every unit (the unsent parts kept in the live parameters are let go)."""
-    for unit in core.units:
-        rebase(unit.live(), core.outer.anchors[unit.name])
+    """At the end, after a sync that kept unsent parts in the live parameters (`sync.unsent=keep`) and no step
+    since: θ ← θ̄ for every unit, so every cluster ends on the anchor (what was kept is let go)."""
+    if core.kept:
+        for unit in core.units:
+            rebase(unit.live(), core.outer.anchors[unit.name])
+        core.kept = False
 
 
 def _feedback(core: SyncCore, what: str) -> None:
