@@ -11,7 +11,6 @@ fails the whole move on every rank of the cluster (the sync is rolled back; noth
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -50,6 +49,26 @@ def _sum_opts() -> AllreduceOptions:
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM
     return opts
+
+
+def _bounds(total: int, chunks: int) -> list[int]:
+    """Where each of `chunks` lane pieces of a flat tensor of `total` values starts (and the end)."""
+    out = [0]
+    for piece in torch.tensor_split(torch.empty(total, device="meta"), chunks):
+        out.append(out[-1] + piece.numel())
+    return out
+
+
+def _unflatten(c: ClusterGroup, row: Tensor, tensors: list[Tensor], shapes: list[Any], paired: bool) -> list[Tensor]:
+    """A module's flat row cut back into tensors shaped like `tensors`: as it is (paired: the row is this rank's
+    shards) or as this rank's shard of each whole tensor (chunked: the row is the whole module)."""
+    parts, offset = [], 0
+    for t, shape in zip(tensors, shapes):
+        n = math.prod(shape)
+        piece = row[offset:offset + n].view(shape)
+        offset += n
+        parts.append(piece.to(t.dtype) if paired else c.shard(piece, t).to(t.dtype))
+    return parts
 
 
 @dataclass
@@ -99,47 +118,26 @@ class ModuleMover:
         return _FutureWork(future, None), lambda: future.result()[0], nbytes
 
     @torch.no_grad()
-    def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor] | None,
-                    key: str) -> list[Tensor] | None:
+    def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None:
         """This rank's error-feedback residual of module `key` (what its last gather did not send), laid out like
         `tensors` (its local shards), and forgotten; None when there is none. A collective inside the cluster
         when the module travels in chunks (every rank calls it for the same module)."""
         c = self.cluster
-        likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
         if q.paired:
-            res = self.feedback.residual(f"{key}#{c.rank}")
+            flat = self.feedback.residual(f"{key}#{c.rank}")
             self.feedback.clear(f"{key}#{c.rank}")
-            if res is None:
-                return None
-            flat = res
-            shapes = [t.shape for t in tensors]
-        else:
-            shapes = [tuple(p.shape) if p is not None else tuple(t.shape) for t, p in zip(tensors, likes)]
-            total = sum(math.prod(s) for s in shapes)
-            flat = torch.zeros(total)
-            bounds = [0]
-            for piece in torch.tensor_split(torch.empty(total, device="meta"), self.chunks):
-                bounds.append(bounds[-1] + piece.numel())
-            found = False
-            for j in range(self.chunks):
-                if j % c.size != c.rank:
-                    continue
-                r = self.feedback.residual(f"{key}#{j}")
-                self.feedback.clear(f"{key}#{j}")
-                if r is not None:
-                    flat[bounds[j]:bounds[j + 1]] = r
-                    found = True
-            if not c.agree(not found):  # somebody has a residual: every rank takes part in the sum
-                flat = c.sum_(flat.to(c.device)).cpu()
-            elif not found:
-                return None
-        out, offset = [], 0
-        for t, shape, like in zip(tensors, shapes, likes):
-            n = math.prod(shape)
-            piece = flat[offset:offset + n].view(shape)
-            offset += n
-            out.append(piece.to(t.dtype) if q.paired or like is None else c.shard(piece, t).to(t.dtype))
-        return out
+            return None if flat is None else _unflatten(c, flat, tensors, [t.shape for t in tensors], True)
+        shapes = [tuple(p.shape) for p in params]  # a DTensor reports the whole shape
+        bounds = _bounds(sum(math.prod(sh) for sh in shapes), self.chunks)
+        flat, found = torch.zeros(bounds[-1]), False
+        for j in range(c.rank, self.chunks, c.size):  # this rank's lanes, as in `move`
+            r = self.feedback.residual(f"{key}#{j}")
+            self.feedback.clear(f"{key}#{j}")
+            if r is not None:
+                flat[bounds[j]:bounds[j + 1]], found = r, True
+        if c.agree(not found):  # nobody has a residual
+            return None
+        return _unflatten(c, c.sum_(flat.to(c.device)).cpu(), tensors, shapes, False)
 
     def move(self, q: Quorum, seal: Seal, tensors: list[Tensor], params: list[Tensor] | None, key: str,
              gather: bool) -> Pending[Any]:
@@ -169,21 +167,13 @@ class ModuleMover:
                 full = torch.stack(rows[0])  # type: ignore[arg-type]
                 local.append(full)
             else:
-                bounds = [0]
-                for piece in pieces:
-                    bounds.append(bounds[-1] + piece.numel())
+                bounds = _bounds(flat.numel(), self.chunks)
                 for j, got in zip(mine, rows):
                     for i, t in enumerate(got or []):
                         full[i, bounds[j]:bounds[j + 1]] = t
                 full = c.sum_(full.to(c.device))
                 whole.append(full.cpu())
-            for row in full:
-                parts, offset = [], 0
-                for t, f in zip(tensors, fulls):
-                    piece = row[offset:offset + f.numel()].view(f.shape)
-                    offset += f.numel()
-                    parts.append(piece.to(t.dtype) if q.paired else c.shard(piece, t).to(t.dtype))
-                out.append(parts)
+            out.extend(_unflatten(c, row, tensors, [f.shape for f in fulls], q.paired) for row in full)
             if not gather:
                 for t, part in zip(tensors, out[0]):
                     t.copy_(part)

@@ -236,8 +236,7 @@ class LaneTransport:
         assert self._quorum is not None
         return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True)
 
-    def take_unsent(self, tensors: list[Tensor], params: list[Tensor] | None = None,
-                    key: str = "") -> list[Tensor] | None:
+    def take_unsent(self, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None:
         """`sync.unsent=keep`: what this cluster's last sparse send of module `key` left out (its error-feedback
         residual, in the units it was sent in), shaped like `tensors`, and forgotten here: the caller keeps it
         in its own parameters instead. None otherwise."""

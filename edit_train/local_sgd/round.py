@@ -143,7 +143,6 @@ class SyncReport:
     cluster_norm: float = 0.0  # this cluster's whole-model ‖Δ‖
     sizes: dict[str, int] = field(default_factory=dict)  # parameters per unit (for the effective weight)
     nonfinite: list[str] = field(default_factory=list)  # units whose reduced Δ was non-finite
-    kept: list[str] = field(default_factory=list)  # units whose unsent part stayed in the live parameters
 
 
 class SyncRound:
@@ -328,7 +327,6 @@ class SyncRound:
         scale = 1.0 if self.gather else 1.0 / w
         for p, u in zip(live, unsent):
             p.sub_(u.to(p.device, p.dtype), alpha=scale)  # θ = θ̄ − Δ: the part of Δ not sent stays here
-        self.report.kept.append(name)
         self.core.kept = True
 
     # ------------------------------------------------------------------ commit
