@@ -11,9 +11,11 @@ Settings (every run `algo=edit` on two one-rank clusters, `cluster=local_2x1`, t
 Plus one `algo=ddp` run per setting for the bytes-per-token reference. Per scheme and setting (3 seeds): final
 val loss, its ratio to the uncompressed run of the same seed (mean, worst), cross-cluster bytes per trained
 token, their ratio to uncompressed local SGD and to ddp, blocked seconds per sync and wall time. Then the codec
-cost: per FSDP unit of the tiny and small models, the µs to encode one cluster's payload and to decode one,
-and per sync (one encode + P = 2 decodes per unit) against a sync's measured time (the `sync` + `blocked`
-time buckets of the runs ÷ syncs; the small model's from a short `timing` run).
+cost: per FSDP unit of the tiny and small models, the µs to encode one cluster's payload (with the sender's own
+decoded tensor, which the error feedback needs: `quantize_own`) and to decode one peer's, at one thread (each
+cluster job's share of this box in the runs), and per sync (one encode + P − 1 = 1 decode per unit) against a
+sync's measured time (the `sync` + `blocked` time buckets of the runs ÷ syncs; the small model's from a short
+`timing` run).
 
 Targets (issue 24): a top-k pair with bytes/token ≤ 1/100 of uncompressed fp32 local SGD at the same H at
 ≤ 1.01 × its val loss (mean of the seeds, worst seed ≤ 1.02 ×) — or the best pair that holds the loss bound;
@@ -24,12 +26,14 @@ codec ≤ 5 % of a sync's time. The plot: bytes/token against val loss, one pane
 
     python benchmarks/compression.py --codec-only --out docs/compression.json   # the codec alone, quietly
 
-What docs/compression.json holds (~55 runs, ~50 min of the 2 shared cores; `--reuse` resumes):
+What docs/compression.json holds (~90 runs, ~80 min of the 2 shared cores; `--reuse` resumes):
 
     python benchmarks/compression.py --reuse --schemes none none_lr1 int8 topk_1pct_2b topk_2pct_4b \
         topk_5pct_4b topk_10pct_4b topk_25pct_4b topk_2pct_4b_keep topk_5pct_4b_keep topk_10pct_2b_keep \
-        topk_10pct_4b_keep topk_15pct_4b_keep topk_25pct_4b_keep \
-        --slow-schemes none int8 topk_1pct_2b topk_10pct_2b_keep --slow-seeds 0 \
+        topk_10pct_4b_keep topk_15pct_4b_keep topk_25pct_4b_keep topk_30pct_4b_g4_keep topk_37pct_4b_g8_keep \
+        topk_44pct_4b_g16_keep topk_25pct_4b_g8_keep topk_50pct_2b_g8_keep topk_19pct_4b_g8_keep \
+        topk_12pct_4b_g8_keep topk_25pct_2b_g8_keep topk_19pct_2b_g8_keep topk_12pct_2b_g8_keep \
+        --slow-schemes none int8 topk_1pct_2b topk_10pct_2b_keep topk_25pct_2b_g8_keep --slow-seeds 0 \
         --out docs/compression.json --plot docs/compression.png
 """
 
@@ -48,6 +52,13 @@ import _common as C  # noqa: E402
 
 SPARSE = ["sync.scale_dtype=bf16", "sync.error_feedback=true"]
 KEEP = [*SPARSE, "sync.unsent=keep", "algo.outer.lr=1.0"]
+
+
+def _grouped(density: float, bits: int, group: int) -> list[str]:
+    return ["sync.compression=topk", f"sync.topk_density={density}", f"sync.bits={bits}", f"sync.topk_group={group}",
+            *KEEP]
+
+
 SCHEMES = {  # name -> overrides
     "none": ["sync.compression=none"],
     "bf16": ["sync.compression=bf16"],
@@ -74,6 +85,14 @@ SCHEMES = {  # name -> overrides
     "topk_10pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.1", "sync.bits=4", *KEEP],
     "topk_15pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.15", "sync.bits=4", *KEEP],
     "topk_25pct_4b_keep": ["sync.compression=topk", "sync.topk_density=0.25", "sync.bits=4", *KEEP],
+    # grouped top-k (sync.topk_group=g): whole groups of g values by L2 norm, one index per group; about the
+    # bytes of topk_15pct_4b (5.3-6.0 % of fp32) with 2-3x the values sent, and selection over C/g items
+    **{f"topk_{name}_keep": _grouped(*args) for name, args in {
+        "30pct_4b_g4": (0.3, 4, 4), "37pct_4b_g8": (0.375, 4, 8), "44pct_4b_g16": (0.4375, 4, 16),
+        # down the curve: 8, 6, 4 of 32 groups at 4 bits (3.8, 2.9, 2.0 %); 16, 8, 6, 4 of 32 at 2 bits
+        "25pct_4b_g8": (0.25, 4, 8), "19pct_4b_g8": (0.1875, 4, 8), "12pct_4b_g8": (0.125, 4, 8),
+        "50pct_2b_g8": (0.5, 2, 8), "25pct_2b_g8": (0.25, 2, 8), "19pct_2b_g8": (0.1875, 2, 8),
+        "12pct_2b_g8": (0.125, 2, 8)}.items()},
     # the uncompressed run at the keep schemes' outer lr (is lr 1 itself what helps them? it is not)
     "none_lr1": ["sync.compression=none", "algo.outer.lr=1.0"],
 }
@@ -184,56 +203,69 @@ def unit_sizes(model: str) -> list[tuple[str, int]]:
     return [(u.name, sum(p.numel() for p in u.params)) for u in build_units(m, fsdp_units(m))]
 
 
+CODEC_THREADS = 1  # each cluster job of the 2-cluster runs has one core of this box (train.threads=0 -> 1)
+PEERS = 1  # P - 1: payloads a cluster decodes per unit in a 2-cluster sync (its own comes from encode_own)
+
+
 def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
-    """µs to encode one payload and decode one, per unit, for each compressed scheme: the best of `reps`
-    (what the codec costs on its own; the medians, which include whatever else the cores ran, are kept too)."""
+    """µs per unit to encode one payload together with the sender's own decoded tensor (`quantize_own`, what
+    the sync calls) and to decode one peer's payload, for each compressed scheme, at the runs' thread budget:
+    the best of `reps` (what the codec costs on its own; the medians, which include whatever else the cores
+    ran, are kept too). Per sync: one encode + P − 1 decodes per unit."""
     import torch
 
-    from edit_train.federation.compress import CompressionConfig, dequantize, quantize
+    from edit_train.federation.compress import CompressionConfig, dequantize, quantize_own
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CODEC_THREADS)
     out: dict[str, Any] = {}
     units = unit_sizes(model)
     timed: dict[tuple[str, ...], str] = {}  # codec settings -> the scheme timed with them
-    for name in schemes:
-        kv = dict(o.split("=", 1) for o in SCHEMES[name])
-        if kv["sync.compression"] == "none":
-            continue
-        codec = tuple(kv.get(k, "") for k in ("sync.compression", "sync.block_size", "sync.scale_dtype",
-                                                 "sync.topk_density", "sync.bits"))
-        if codec in timed:  # a keep scheme's codec is its resend twin's
-            out[name] = {**out[timed[codec]], "same_codec_as": timed[codec]}
-            continue
-        timed[codec] = name
-        cfg = CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)),
-                                kv.get("sync.scale_dtype", "fp32"), True, float(kv.get("sync.topk_density", 0.01)),
-                                int(kv.get("sync.bits", 2)))
-        per = []
-        for unit, n in units:
-            x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
-            enc, dec = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                payload = quantize(x, cfg)
-                t1 = time.perf_counter()
-                dequantize(payload, n, cfg)
-                enc.append(t1 - t0)
-                dec.append(time.perf_counter() - t1)
-            per.append({"unit": unit, "params": n, "encode_us": 1e6 * min(enc), "decode_us": 1e6 * min(dec),
-                        "encode_us_median": 1e6 * statistics.median(enc),
-                        "decode_us_median": 1e6 * statistics.median(dec), "bytes": int(payload.numel())})
-        out[name] = {"units": per, "per_sync_s": sum(u["encode_us"] + 2 * u["decode_us"] for u in per) / 1e6}
+    try:
+        for name in schemes:
+            kv = dict(o.split("=", 1) for o in SCHEMES[name])
+            if kv["sync.compression"] == "none":
+                continue
+            codec = tuple(kv.get(k, "") for k in ("sync.compression", "sync.block_size", "sync.scale_dtype",
+                                                     "sync.topk_density", "sync.bits", "sync.topk_group"))
+            if codec in timed:  # a keep scheme's codec is its resend twin's
+                out[name] = {**out[timed[codec]], "same_codec_as": timed[codec]}
+                continue
+            timed[codec] = name
+            cfg = CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)),
+                                    kv.get("sync.scale_dtype", "fp32"), True, float(kv.get("sync.topk_density", 0.01)),
+                                    int(kv.get("sync.bits", 2)), topk_group=int(kv.get("sync.topk_group", 1)))
+            per = []
+            for unit, n in units:
+                x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
+                enc, dec = [], []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    payload, _own = quantize_own(x, cfg)
+                    t1 = time.perf_counter()
+                    dequantize(payload, n, cfg)
+                    enc.append(t1 - t0)
+                    dec.append(time.perf_counter() - t1)
+                per.append({"unit": unit, "params": n, "encode_us": 1e6 * min(enc), "decode_us": 1e6 * min(dec),
+                            "encode_us_median": 1e6 * statistics.median(enc),
+                            "decode_us_median": 1e6 * statistics.median(dec), "bytes": int(payload.numel())})
+            out[name] = {"units": per, "threads": CODEC_THREADS,
+                         "per_sync_s": sum(u["encode_us"] + PEERS * u["decode_us"] for u in per) / 1e6}
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
 def print_codec(model: str, codec: dict[str, Any], sync_s: dict[str, float]) -> None:
     for name, c in codec.items():
-        print(f"\n{model}, {name}: µs per unit (encode one payload / decode one; best of 15)")
+        print(f"\n{model}, {name}: µs per unit (encode one payload with the sender's own tensor / decode one "
+              f"peer's; best of 15, {CODEC_THREADS} thread)")
         print(C.table(c["units"], [("unit", "unit", ""), ("params", "params", "d"), ("encode_us", "encode µs", ".0f"),
                                    ("decode_us", "decode µs", ".0f"), ("bytes", "bytes", "d")]))
         s = sync_s.get(name)
         share = c["per_sync_s"] / s if s else None
         c["sync_s"], c["share_of_sync"] = s, share
-        print(f"  per sync (1 encode + 2 decodes per unit): {c['per_sync_s'] * 1e3:.1f} ms; a sync takes "
+        print(f"  per sync (1 encode + {PEERS} decode per unit): {c['per_sync_s'] * 1e3:.1f} ms; a sync takes "
               f"{C.fmt(s, '.3f')} s -> {C.fmt(share, '.2%')}")
 
 
@@ -250,9 +282,16 @@ def small_sync_times(a: argparse.Namespace, schemes: list[str]) -> dict[str, flo
 
 # ------------------------------------------------------------------------------------------ report
 def _short(name: str) -> str:
-    """topk_15pct_4b_keep -> 15%/4b"""
+    """topk_15pct_4b_keep -> 15%/4b; topk_37pct_4b_g8_keep -> 37%/4b/g8"""
     parts = name.split("_")
-    return f"{parts[1].replace('pct', '%')}/{parts[2]}" if name.startswith("topk") else name
+    if not name.startswith("topk"):
+        return name
+    group = next((f"/{p}" for p in parts[3:] if p.startswith("g") and p[1:].isdigit()), "")
+    return f"{parts[1].replace('pct', '%')}/{parts[2]}{group}"
+
+
+def _grouped(name: str) -> bool:
+    return "/g" in _short(name)
 
 
 def plot(results: dict[str, Any], path: Path) -> Path:
@@ -262,17 +301,21 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     for ax, (setting, r) in zip(axes[0], results.items()):
         pts = {name: (statistics.fmean(p["bytes_per_token"]), statistics.fmean(p["val_loss"]),
                       min(p["val_loss"]), max(p["val_loss"])) for name, p in r["per_seed"].items()}
-        groups = {"top-k, unsent=resend": [n for n in pts if n.startswith("topk") and not n.endswith("_keep")],
-                  "top-k, unsent=keep (outer lr 1)": [n for n in pts if n.startswith("topk") and n.endswith("_keep")],
-                  "dense": [n for n in pts if not n.startswith("topk")]}
-        for (label, names), marker in zip(groups.items(), ("o", "s", "D")):
+        element = [n for n in pts if n.startswith("topk") and not _grouped(n)]
+        groups = {"top-k, unsent=resend": [n for n in element if not n.endswith("_keep")],
+                  "top-k, unsent=keep (outer lr 1)": [n for n in element if n.endswith("_keep")]}
+        for n in sorted(n for n in pts if _grouped(n)):  # one curve per (bits, g): density varies along it
+            bits, g = _short(n).split("/")[1:]
+            groups.setdefault(f"grouped top-k, {bits}, {g}, keep", []).append(n)
+        groups["dense"] = [n for n in pts if not n.startswith("topk")]
+        for (label, names), marker in zip(groups.items(), "os^v<>pD"[:len(groups) - 1] + "D"):
             names = sorted(names, key=lambda n: pts[n][0])
             if not names:
                 continue
             x, y = [pts[n][0] for n in names], [pts[n][1] for n in names]
             err = [[pts[n][1] - pts[n][2] for n in names], [pts[n][3] - pts[n][1] for n in names]]
-            ax.errorbar(x, y, yerr=err, fmt=marker + ("-" if label != "dense" else ""), capsize=3, label=label,
-                        lw=1, ms=5)
+            ax.errorbar(x, y, yerr=err, fmt=marker + ("-" if label != "dense" and len(names) > 1 else ""), capsize=3,
+                        label=label, lw=1, ms=5)
             for n in names:
                 ax.annotate(_short(n), (pts[n][0], pts[n][1]), textcoords="offset points", xytext=(5, -9 if
                             n.endswith("_keep") else 4), fontsize=7)
@@ -310,18 +353,27 @@ def targets(results: dict[str, Any], codec: dict[str, Any]) -> dict[str, Any]:
         by = {r["scheme"]: r for r in slow["rows"]}
         for name, r in by.items():
             tg[f"slow link blocked s/sync: {name}"] = r["blocked_per_sync"]
-    tg.update(codec_targets(codec))
+    tg.update(codec_targets(codec, _best(tg)))
     return tg
 
 
-def codec_targets(codec: dict[str, Any]) -> dict[str, Any]:
+def codec_targets(codec: dict[str, Any], best: str | None = None) -> dict[str, Any]:
+    """The codec's share of a sync: the worst scheme's, and that of `best` (the pair that holds the loss bound
+    with the fewest bytes) when given."""
     tg: dict[str, Any] = {}
     for model, c in codec.items():
         shares = [v["share_of_sync"] for v in c.values() if v.get("share_of_sync") is not None]
         if shares:
             tg[f"{model}: codec <= 5% of a sync (worst scheme)"] = max(shares) <= 0.05
             tg[f"{model}: codec share of a sync (worst scheme)"] = max(shares)
+        if best is not None and c.get(best, {}).get("share_of_sync") is not None:
+            tg[f"{model}: codec share of a sync ({best})"] = c[best]["share_of_sync"]
+            tg[f"{model}: codec <= 5% of a sync ({best})"] = c[best]["share_of_sync"] <= 0.05
     return tg
+
+
+def _best(tg: dict[str, Any]) -> str | None:
+    return tg.get("best top-k pair (holds the loss bound)")
 
 
 def codec_only(a: argparse.Namespace) -> None:
@@ -337,7 +389,7 @@ def codec_only(a: argparse.Namespace) -> None:
         print_codec(model, codec[model], {k: v["sync_s"] for k, v in old.get(model, {}).items() if v.get("sync_s")})
     doc["codec"], doc["codec_env"] = codec, C.environment()
     tg = {k: v for k, v in doc["targets"].items() if "codec" not in k}
-    tg.update(codec_targets(codec))
+    tg.update(codec_targets(codec, _best(tg)))
     doc["targets"] = tg
     out = C.write_json(a.out, doc)
     print()

@@ -87,6 +87,7 @@ class SyncConfig:
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
     topk_density: float = 0.01  # topk: share of each chunk sent (round(density * block_size) values)
     bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
+    topk_group: int = 1  # topk: values selected together (a power of two <= 128 dividing block_size)
     unsent: str = "resend"  # topk: what top-k left out is resent later (resend) or kept in the cluster's params (keep)
     gather_max: int = 4  # up to this many clusters each receives every contribution and judges it (0 = never)
 

@@ -50,15 +50,18 @@ def test_bf16_sends_half_of_fp32(tmp_path: Path, corpus: str) -> None:
     assert per_sync and all(0.45 * fp32 < b < 0.55 * fp32 for b in per_sync), (per_sync, fp32)
 
 
-@pytest.mark.parametrize("unsent", ["resend", "keep"])
+@pytest.mark.parametrize("unsent,select", [("resend", "sync.topk_density=0.01"),
+                                            ("keep", "sync.topk_density=0.0625 sync.topk_group=8")],
+                         ids=["resend", "keep-grouped"])
 def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tmp_path: Path, corpus: str,
-                                                                                unsent: str) -> None:
+                                                                                unsent: str, select: str) -> None:
     """Sparse 2-bit payloads (issue 24) between a 2-rank and a 1-rank cluster (the chunked layout, pieces
     gathered over four lanes): a checkpoint at every sync holds the bit-identical anchor on both clusters, and
-    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted). `keep`: the 2-rank
-    cluster puts the residual of its chunks back into its own shards (a sum inside the cluster)."""
+    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted): 3 of every 256
+    values, or (grouped) 2 of every 32 groups of 8. `keep`: the 2-rank cluster puts the residual of its chunks
+    back into its own shards (a sum inside the cluster)."""
     run = tmp_path / "topk"
-    finish(start(run, corpus, *COMMON, "sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2",
+    finish(start(run, corpus, *COMMON, "sync.compression=topk", *select.split(), "sync.bits=2",
                  "sync.scale_dtype=bf16", "cluster.clusters=[{name:a,ranks:2},{name:b,ranks:1}]",
                  "checkpoint.every=2", "checkpoint.keep=8", f"sync.unsent={unsent}"))
     steps = sorted(p.name for p in (run / "checkpoints" / "b").glob("step_*[0-9]"))

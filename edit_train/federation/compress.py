@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from edit_train.federation.sparse import BITS, MAX_CHUNK, PayloadError, SparseFormat, decode, encode, sparse_bytes
+from edit_train.federation.sparse import (PayloadError, SparseFormat, decode, encode, encode_own, format_error,
+                                          sparse_bytes)
 
 __all__ = [
     "SCHEMES",
@@ -87,6 +88,7 @@ class CompressionConfig:
     topk_density: float = 0.01  # sync.topk_density: share of each chunk kept (topk)
     bits: int = 2  # sync.bits: bits per kept value (topk): 1, 2, 4 or 8
     unsent: str = "resend"  # sync.unsent (topk): resend (error feedback) | keep (in the cluster's own parameters)
+    topk_group: int = 1  # sync.topk_group: values selected together (topk)
 
     @staticmethod
     def of(sync: object) -> CompressionConfig:
@@ -94,7 +96,7 @@ class CompressionConfig:
         return CompressionConfig(str(getattr(sync, "compression")), getattr(sync, "block_size"),
                                  str(getattr(sync, "scale_dtype")), getattr(sync, "error_feedback"),
                                  getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2),
-                                 str(getattr(sync, "unsent", "resend")))
+                                 str(getattr(sync, "unsent", "resend")), getattr(sync, "topk_group", 1))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -118,17 +120,9 @@ class CompressionConfig:
             self._validate_sparse()
 
     def _validate_sparse(self) -> None:
-        d = self.topk_density
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
-            raise ValueError(f"{_PREFIX}.topk_density must be in (0, 1], got {d!r}")
-        if self.bits not in BITS or isinstance(self.bits, bool):
-            raise ValueError(f"{_PREFIX}.bits must be one of {BITS}, got {self.bits!r}")
-        if self.block_size > MAX_CHUNK:
-            raise ValueError(f"{_PREFIX}.block_size must be <= {MAX_CHUNK} with compression=topk (16-bit "
-                             f"indices), got {self.block_size}")
-        if d * self.block_size < 0.5:
-            raise ValueError(f"{_PREFIX}.topk_density={d} keeps no value of a chunk of {_PREFIX}.block_size="
-                             f"{self.block_size}: raise block_size to at least {math.ceil(0.5 / d)}")
+        why = format_error(self.topk_density, self.bits, self.block_size, self.topk_group)
+        if why is not None:
+            raise ValueError(why)
 
     @property
     def keeps_unsent(self) -> bool:
@@ -141,7 +135,8 @@ class CompressionConfig:
     @property
     def format(self) -> SparseFormat:
         """The sparse wire format (``topk``)."""
-        return SparseFormat.of(self.block_size, float(self.topk_density), int(self.bits), self.scale_dtype)
+        return SparseFormat.of(self.block_size, float(self.topk_density), int(self.bits), self.scale_dtype,
+                               int(self.topk_group))
 
     @property
     def blockwise(self) -> bool:
@@ -248,9 +243,18 @@ def dequantize(payload: Tensor, numel: int, cfg: CompressionConfig) -> Tensor:
     return dequantize_blockwise(values, scales, cfg.block_size)
 
 
+def quantize_own(x: Tensor, cfg: CompressionConfig) -> tuple[Tensor, Tensor]:
+    """(``quantize(x)``, what every receiver decodes it to): a sparse sender has its own tensor from the codes
+    it just made (:func:`~edit_train.federation.sparse.encode_own`, bit-identical to decoding its bytes)."""
+    if cfg.sparse:
+        return encode_own(x.reshape(-1), cfg.format)
+    payload = quantize(x, cfg)
+    return payload, dequantize(payload, x.numel(), cfg)
+
+
 def roundtrip(x: Tensor, cfg: CompressionConfig) -> Tensor:
     """What the receivers see of ``x``: ``dequantize(quantize(x))`` (fp32, flat)."""
-    return dequantize(quantize(x, cfg), x.numel(), cfg)
+    return quantize_own(x, cfg)[1]
 
 
 class ErrorFeedback:

@@ -57,7 +57,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
 from edit_train.federation.compress import (CompressionConfig, ErrorFeedback, PayloadError, dequantize, quantize,
-                                            wire_bytes)
+                                            quantize_own, wire_bytes)
 
 __all__ = ["Plan", "plan", "handed_bytes", "sent_bytes", "group_rank_size", "compressed_sum", "compressed_gather",
            "gathered_sum", "BackgroundReducer"]
@@ -256,8 +256,7 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
         return plain, sent.numel() * sent.element_size()
     fb = feedback if (feedback is not None and cfg.error_feedback) else None
     send = _sender(x, cfg, fb, key)
-    payload = quantize(send, cfg)
-    own = dequantize(payload, x.numel(), cfg)
+    payload, own = quantize_own(send, cfg)
     if fb is not None:
         fb.update(key, own, send)
     sent = seal(payload) if seal is not None else payload

@@ -2,29 +2,35 @@
 one scale per chunk. Pure tensor math on any device; the payload is one flat ``uint8`` tensor.
 
 Selection. The flat tensor (``n`` values) is cut into chunks of ``C = sync.block_size`` values (the last one
-may be shorter, ``L``); each chunk keeps its ``k = round(sync.topk_density · C)`` values of largest magnitude
-(``min(k, L)`` in the last), so selection is one batched ``topk`` over a ``[n/C, C]`` view and an index is a
-position inside its chunk: ``ib = ⌈log₂ C⌉`` bits (8 for the default 256).
+may be shorter, ``L``) and each chunk into ``G = C/g`` groups of ``g = sync.topk_group`` consecutive values
+(the last group may be short: it is padded with zeros). Each chunk keeps its ``k = round(sync.topk_density ·
+G)`` groups of largest magnitude (``|x|`` for ``g = 1``, the squared L2 norm of the group otherwise;
+``min(k, ⌈L/g⌉)`` in the last chunk), so selection is one batched ``topk`` over a ``[n/C, G]`` view and an
+index is a group's position inside its chunk: ``ib = ⌈log₂ G⌉`` bits (8 for the default 256 and ``g = 1``).
+Groups trade selection precision for speed and index bytes: ``topk`` runs over ``G`` items, not ``C``, and
+one index serves ``g`` values.
 
-Values. ``s`` = the largest kept magnitude of the chunk (stored as ``sync.scale_dtype``); a kept value is a
-sign bit and a ``b − 1``-bit magnitude level, ``(c + 1)/M · s`` with ``M = 2^(b−1)`` (no zero level: a kept
-value is never zero unless its whole chunk is), rounded to the nearest level. ``b = sync.bits`` ∈ {1, 2, 4, 8};
-``b = 1`` is the sign times the chunk's scale.
+Values. ``s`` = the largest kept magnitude of the chunk (stored as ``sync.scale_dtype``). With ``g = 1`` a
+kept value is a sign bit and a ``b − 1``-bit magnitude level, ``(c + 1)/M · s`` with ``M = 2^(b−1)`` (no zero
+level: a kept value is never zero unless its whole chunk is), rounded to the nearest level; ``b = 1`` is the
+sign times the chunk's scale. With ``g > 1`` a group holds small values too, so the code is offset binary with
+a zero: ``(c − Q)/Q · s``, ``Q = 2^(b−1) − 1``, ``c ∈ [0, 2Q]`` (``b ≥ 2``). ``b = sync.bits`` ∈ {1, 2, 4, 8}.
 
-Wire format (little-endian, byte-aligned sections; ``m = ⌈n/C⌉`` chunks, ``K`` kept values in all)::
+Wire format (little-endian, byte-aligned sections; ``m = ⌈n/C⌉`` chunks, ``K`` kept groups in all)::
 
-    header   8 bytes   0x53, version 1, b, ib, flags (bit 0: non-finite), 0, 0, 0
+    header   8 bytes   0x53, version 1, b, ib, flags (bit 0: non-finite), log₂ g, 0, 0
     scales   m · S     S = 4 (fp32) or 2 (bf16) bytes, chunk order
-    values   ⌈K·b/8⌉   codes packed LSB first, chunk order, ascending index inside a chunk
+    values   ⌈K·g·b/8⌉ codes packed LSB first, chunk order, ascending index inside a chunk
     indices  ⌈K·ib/8⌉  positions inside their chunk, packed the same way
 
-``sparse_bytes(n)`` is exactly that sum, and that is what the ``bytes`` of a ``sync`` event count (plus the
-tag of every piece). A tensor with a non-finite value anywhere is sent as the header with the non-finite
-flag and an all-zero body of the same length: every receiver decodes it to NaN (the rule gives it weight 0;
-it is never silently made finite). Everything else a receiver cannot decode is refused by :func:`decode`
-with one line (:class:`PayloadError`): a wrong length or header, a non-finite or negative scale, an index
-outside its chunk or not strictly ascending inside it. Decoding is deterministic: the same bytes give the
-bit-identical fp32 tensor on every rank and device.
+(``g = 1`` is byte for byte the format before groups existed.) ``sparse_bytes(n)`` is exactly that sum, and
+that is what the ``bytes`` of a ``sync`` event count (plus the tag of every piece). A tensor with a non-finite
+value anywhere is sent as the header with the non-finite flag and an all-zero body of the same length: every
+receiver decodes it to NaN (the rule gives it weight 0; it is never silently made finite). Everything else a
+receiver cannot decode is refused by :func:`decode` with one line (:class:`PayloadError`): a wrong length or
+header, a non-finite or negative scale, an index outside its chunk or not strictly ascending inside it, a code
+outside ``[0, 2Q]``. Decoding is deterministic: the same bytes give the bit-identical fp32 tensor on every rank
+and device, and :func:`encode_own` hands the sender that same tensor without decoding its own bytes.
 """
 
 from __future__ import annotations
@@ -37,12 +43,14 @@ from torch import Tensor
 
 from edit_train.local_sgd.errors import FederationError
 
-__all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "encode", "decode", "pack_bits", "unpack_bits"]
+__all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "format_error", "encode", "encode_own", "decode",
+           "pack_bits", "unpack_bits"]
 
 MAGIC, VERSION, HEADER = 0x53, 1, 8
 NONFINITE = 1
 BITS = (1, 2, 4, 8)
 MAX_CHUNK = 1 << 16  # indices of at most 16 bits
+MAX_GROUP = 128  # log₂ g fits the header byte with room to spare; larger groups select too coarsely
 _SCALE = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
 
 
@@ -53,38 +61,70 @@ class PayloadError(FederationError, ValueError):
 @dataclass(frozen=True)
 class SparseFormat:
     chunk: int  # C: values per chunk (sync.block_size)
-    k: int  # kept values per full chunk
+    k: int  # kept groups per full chunk
     bits: int  # b: bits per kept value
     scale_dtype: str = "fp32"
+    group: int = 1  # g: values selected together (sync.topk_group)
 
     @staticmethod
-    def of(chunk: int, density: float, bits: int, scale_dtype: str = "fp32") -> SparseFormat:
-        return SparseFormat(chunk, max(1, min(chunk, round(density * chunk))), bits, scale_dtype)
+    def of(chunk: int, density: float, bits: int, scale_dtype: str = "fp32", group: int = 1) -> SparseFormat:
+        groups = max(1, chunk // group)
+        return SparseFormat(chunk, max(1, min(groups, round(density * groups))), bits, scale_dtype, group)
+
+    @property
+    def groups(self) -> int:
+        """G: groups per full chunk."""
+        return self.chunk // self.group
 
     @property
     def index_bits(self) -> int:
-        return max(1, (self.chunk - 1).bit_length())
+        return max(1, (self.groups - 1).bit_length())
 
     @property
     def scale_bytes(self) -> int:
         return _SCALE[self.scale_dtype][1]
 
+    @property
+    def group_log2(self) -> int:
+        return self.group.bit_length() - 1
+
     def kept(self, numel: int) -> tuple[int, int, int]:
-        """(chunks m, kept values K, kept in the last chunk) for ``numel`` values."""
+        """(chunks m, kept groups K, kept groups in the last chunk) for ``numel`` values."""
         m = math.ceil(numel / self.chunk)
         if m == 0:
             return 0, 0, 0
-        last = min(self.k, numel - (m - 1) * self.chunk)
+        last = min(self.k, math.ceil((numel - (m - 1) * self.chunk) / self.group))
         return m, (m - 1) * self.k + last, last
 
     def sections(self, numel: int) -> tuple[int, int, int, int]:
         """Bytes of (header, scales, values, indices)."""
         m, kept, _ = self.kept(numel)
-        return HEADER, m * self.scale_bytes, math.ceil(kept * self.bits / 8), math.ceil(kept * self.index_bits / 8)
+        return (HEADER, m * self.scale_bytes, math.ceil(kept * self.group * self.bits / 8),
+                math.ceil(kept * self.index_bits / 8))
 
 
 def sparse_bytes(numel: int, f: SparseFormat) -> int:
     return sum(f.sections(numel))
+
+
+def format_error(density: object, bits: object, chunk: int, group: object, prefix: str = "sync") -> str | None:
+    """What is wrong with these ``sync.*`` settings for ``compression=topk`` (one line naming the key), or None."""
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        return f"{prefix}.topk_density must be in (0, 1], got {density!r}"
+    if bits not in BITS or isinstance(bits, bool) or not isinstance(bits, int):
+        return f"{prefix}.bits must be one of {BITS}, got {bits!r}"
+    if chunk > MAX_CHUNK:
+        return f"{prefix}.block_size must be <= {MAX_CHUNK} with compression=topk (16-bit indices), got {chunk}"
+    g = group
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1) or g > MAX_GROUP or chunk % g:
+        return (f"{prefix}.topk_group must be a power of two <= {MAX_GROUP} that divides {prefix}.block_size="
+                f"{chunk}, got {g!r}")
+    if g > 1 and bits < 2:
+        return f"{prefix}.topk_group={g} needs {prefix}.bits >= 2 (a group's code has a zero level)"
+    if density * chunk / g < 0.5:
+        return (f"{prefix}.topk_density={density} keeps no group of a chunk of {prefix}.block_size={chunk}: raise "
+                f"block_size to at least {math.ceil(0.5 * g / density)}")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ bit packing
@@ -101,6 +141,12 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
             out |= c[:, j] << (j * bits)
         return out
     codes = codes.reshape(-1).to(torch.int64)
+    if bits < 8:  # 3, 5, 6, 7 bits: 8 codes are one integer of 8·bits <= 56 bits, i.e. `bits` whole bytes
+        count = codes.numel()
+        eight = torch.nn.functional.pad(codes, (0, -count % 8)).view(-1, 8)
+        word = (eight << torch.arange(0, 8 * bits, bits, device=codes.device)).sum(dim=1, keepdim=True)
+        out = ((word >> torch.arange(0, 8 * bits, 8, device=codes.device)) & 0xFF).to(torch.uint8).reshape(-1)
+        return out[:math.ceil(count * bits / 8)]
     shifts = torch.arange(bits, device=codes.device)
     flat = ((codes.unsqueeze(1) >> shifts) & 1).reshape(-1)
     flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8)).view(-1, 8)
@@ -114,69 +160,124 @@ def unpack_bits(buf: Tensor, count: int, bits: int) -> Tensor:
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
         return ((buf.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].to(torch.int64)
+    if bits < 8:  # the inverse of pack_bits's 8-codes-in-`bits`-bytes words
+        whole = torch.nn.functional.pad(buf[:math.ceil(count * bits / 8)].to(torch.int64),
+                                        (0, -math.ceil(count * bits / 8) % bits)).view(-1, bits)
+        word = (whole << torch.arange(0, 8 * bits, 8, device=buf.device)).sum(dim=1, keepdim=True)
+        return ((word >> torch.arange(0, 8 * bits, bits, device=buf.device)) & ((1 << bits) - 1)).reshape(-1)[:count]
     flat = ((buf.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=buf.device)) & 1).reshape(-1)
     flat = flat[:count * bits].view(count, bits)
     return (flat << torch.arange(bits, device=buf.device)).sum(dim=1)
 
 
+# ------------------------------------------------------------------------------------------ the code of a value
+def _levels(f: SparseFormat) -> int:
+    """M = 2^(b−1) (g = 1: magnitude levels) or Q = 2^(b−1) − 1 (g > 1: levels each side of zero)."""
+    return (1 << (f.bits - 1)) - (f.group > 1)
+
+
+def _to_codes(vals: Tensor, s: Tensor, f: SparseFormat) -> Tensor:
+    """Kept values and their chunk's scale (same shape) -> codes (int64)."""
+    levels = _levels(f)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    if f.group == 1:
+        mag = ((vals.abs() / safe * levels).round() - 1).clamp(0, levels - 1).to(torch.int64)
+        return mag | ((vals < 0).to(torch.int64) << (f.bits - 1))
+    return (vals * (levels / safe)).round_().clamp_(-levels, levels).add_(levels).to(torch.int64)
+
+
+def _from_codes(code: Tensor, s: Tensor, f: SparseFormat) -> Tensor:
+    """Codes and their chunk's scale -> fp32 values: the one formula sender and receivers share."""
+    levels = _levels(f)
+    if f.group == 1:
+        mag = ((code & (levels - 1)) + 1).float() / levels * s
+        return torch.where((code >> (f.bits - 1)) & 1 == 1, -mag, mag)
+    return (code - levels).float().mul_(s / levels)
+
+
+def _place(vals: Tensor, rows: Tensor, numel: int, f: SparseFormat) -> Tensor:
+    """Kept groups ``[K·g]`` at their rows (chunk·G + index) of a zero tensor -> flat fp32 of ``numel``."""
+    m = math.ceil(numel / f.chunk)
+    if f.group == 1:
+        out = torch.zeros(m * f.chunk, dtype=torch.float32, device=vals.device)
+        out[rows] = vals
+        return out[:numel]
+    out = torch.zeros(m * f.groups, f.group, dtype=torch.float32, device=vals.device)
+    out.index_copy_(0, rows, vals.view(-1, f.group))
+    return out.view(-1)[:numel]
+
+
 # ------------------------------------------------------------------------------------------ encode / decode
 def _header(f: SparseFormat, flags: int, device: torch.device) -> Tensor:
-    return torch.tensor([MAGIC, VERSION, f.bits, f.index_bits, flags, 0, 0, 0], dtype=torch.uint8, device=device)
+    return torch.tensor([MAGIC, VERSION, f.bits, f.index_bits, flags, f.group_log2, 0, 0], dtype=torch.uint8,
+                        device=device)
 
 
-def _select(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor, Tensor]:
-    """(kept values [K], their chunk [K], their index inside it [K]) in chunk order, ascending index. A NaN
-    ranks above every number in ``topk``, an inf above every finite value: a non-finite chunk keeps one."""
-    n, dev = x.numel(), x.device
-    full, tail = divmod(n, f.chunk)
+def _select(mag: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
+    """Per-group magnitudes ``[⌈n/g⌉]`` -> (chunk [K], index inside it [K]) of the kept groups, in chunk
+    order, ascending index. A NaN ranks above every number in ``topk``, an inf above every finite value: a
+    non-finite chunk keeps one."""
+    items, G, dev = mag.numel(), f.groups, mag.device
+    full, tail = divmod(items, G)
     idx, chunk = [], []
     if full:
-        # |x| compared as int32 bit patterns: the same order for non-negative floats (NaN > inf > finite
-        # included), and a faster topk on CPU
-        top = x[:full * f.chunk].view(full, f.chunk).abs().view(torch.int32).topk(f.k, dim=1, sorted=False).indices
+        # magnitudes compared as int32 bit patterns (abs first: a NaN may carry a sign): the same order for
+        # non-negative floats (NaN > inf > finite included), and a faster topk on CPU
+        top = mag[:full * G].view(full, G).abs().view(torch.int32).topk(f.k, dim=1, sorted=False).indices
         if f.k <= 16:  # a few per chunk: sort them
             idx.append(top.sort(dim=1).values.reshape(-1))
             chunk.append(torch.arange(full, device=dev).repeat_interleave(f.k))
         else:  # many: mark them and read the marks back in order (ascending per chunk, no sort)
-            kept = torch.zeros(full, f.chunk, dtype=torch.bool, device=dev).scatter_(1, top, True)
+            kept = torch.zeros(full, G, dtype=torch.bool, device=dev).scatter_(1, top, True)
             c, i = kept.nonzero(as_tuple=True)
             idx.append(i)
             chunk.append(c)
     if tail:  # the last chunk is shorter
-        top = x[full * f.chunk:].abs().topk(min(f.k, tail), sorted=False).indices
+        top = mag[full * G:].abs().view(torch.int32).topk(min(f.k, tail), sorted=False).indices
         idx.append(top.sort().values)
         chunk.append(torch.full_like(top, full))
-    i, c = torch.cat(idx), torch.cat(chunk)
-    return x[c * f.chunk + i], c, i
+    return torch.cat(chunk), torch.cat(idx)
+
+
+def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
+    """Flat fp32 ``x`` -> (the ``uint8`` payload of exactly ``sparse_bytes(x.numel(), f)`` bytes, the fp32
+    tensor every receiver decodes it to: bit-identical to ``decode(payload)``, made from the codes already
+    at hand instead of unpacking and checking the sender's own bytes)."""
+    x = x.reshape(-1).float()
+    n, dev, g = x.numel(), x.device, f.group
+    sizes = f.sections(n)
+    if n == 0:
+        return _header(f, 0, dev), x.clone()
+    m = f.kept(n)[0]
+    padded = x if n % g == 0 else torch.nn.functional.pad(x, (0, -n % g))
+    grouped = padded.view(-1, g)
+    # a group's squared L2 norm as a matrix-vector product (NaN and inf carry through it)
+    mag = x if g == 1 else (grouped * grouped) @ torch.ones(g, dtype=torch.float32, device=dev)
+    chunk, idx = _select(mag, f)
+    rows = chunk * f.groups + idx
+    vals = grouped.index_select(0, rows).reshape(-1)
+    even = f.kept(n)[2] == f.k  # every chunk holds exactly k kept groups, in chunk order: [m, k·g] views
+    if even:
+        vals = vals.view(m, -1)
+        absmax = vals.abs().amax(dim=1)  # amax carries NaN: a non-finite kept value shows in its scale
+    else:
+        per_value = chunk if g == 1 else chunk.repeat_interleave(g)
+        absmax = torch.zeros(m, dtype=torch.float32, device=dev).scatter_reduce(0, per_value, vals.abs(), "amax")
+    if not bool(torch.isfinite(absmax.amax() if even else vals.abs().amax())):  # every non-finite chunk kept one
+        out = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
+        out[:HEADER] = _header(f, NONFINITE, dev)
+        return out, torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+    stored = absmax.to(_SCALE[f.scale_dtype][0])
+    s = stored.float().unsqueeze(1) if even else stored.float()[per_value]
+    code = _to_codes(vals, s, f)
+    payload = torch.cat([_header(f, 0, dev), stored.contiguous().view(torch.uint8), pack_bits(code, f.bits),
+                         pack_bits(idx, f.index_bits)])
+    return payload, _place(_from_codes(code, s, f).reshape(-1), rows, n, f)
 
 
 def encode(x: Tensor, f: SparseFormat) -> Tensor:
     """Flat fp32 ``x`` -> one ``uint8`` payload of exactly ``sparse_bytes(x.numel(), f)`` bytes."""
-    x = x.reshape(-1).float()
-    n, dev = x.numel(), x.device
-    sizes = f.sections(n)
-    if n == 0:
-        return _header(f, 0, dev)
-    m = f.kept(n)[0]
-    vals, chunk, idx = _select(x, f)
-    if not bool(torch.isfinite(vals).all()):  # every non-finite chunk kept one (see _select)
-        out = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
-        out[:HEADER] = _header(f, NONFINITE, dev)
-        return out
-    sdtype = _SCALE[f.scale_dtype][0]
-    full = n // f.chunk
-    if full == m:  # every chunk holds exactly k kept values, in chunk order
-        absmax = vals.abs().view(m, f.k).amax(dim=1)
-    else:
-        absmax = torch.zeros(m, dtype=torch.float32, device=dev).scatter_reduce(0, chunk, vals.abs(), "amax")
-    stored = absmax.to(sdtype)
-    s = stored.float()[chunk]
-    levels = 1 << (f.bits - 1)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    mag = ((vals.abs() / safe * levels).round() - 1).clamp(0, levels - 1).to(torch.int64)
-    code = mag | ((vals < 0).to(torch.int64) << (f.bits - 1))
-    return torch.cat([_header(f, 0, dev), stored.contiguous().view(torch.uint8),
-                      pack_bits(code, f.bits), pack_bits(idx, f.index_bits)])
+    return encode_own(x, f)[0]
 
 
 def _refuse(why: str) -> PayloadError:
@@ -186,10 +287,40 @@ def _refuse(why: str) -> PayloadError:
 def _check_header(head: list[int], f: SparseFormat) -> bool:
     """Is the payload flagged non-finite? (raises on a header that is not this format's)"""
     want = [MAGIC, VERSION, f.bits, f.index_bits]
-    if head[:4] != want or head[5:] != [0, 0, 0] or head[4] not in (0, NONFINITE):
-        raise _refuse(f"header {head} is not this federation's format {want + ['flags', 0, 0, 0]} "
-                      f"(sync.bits={f.bits}, sync.block_size={f.chunk})")
+    if head[:4] != want or head[5:] != [f.group_log2, 0, 0] or head[4] not in (0, NONFINITE):
+        raise _refuse(f"header {head} is not this federation's format {want + ['flags', f.group_log2, 0, 0]} "
+                      f"(sync.bits={f.bits}, sync.block_size={f.chunk}, sync.topk_group={f.group})")
     return head[4] == NONFINITE
+
+
+def _check_indices(idx: Tensor, chunk: Tensor, numel: int, f: SparseFormat) -> None:
+    m = math.ceil(numel / f.chunk)
+    limit = torch.where(chunk == m - 1, math.ceil((numel - (m - 1) * f.chunk) / f.group), f.groups)
+    if bool((idx >= limit).any()):
+        j = int((idx >= limit).nonzero()[0])
+        raise _refuse(f"index {int(idx[j])} of chunk {int(chunk[j])} is out of range [0, {int(limit[j])})")
+    same = chunk[1:] == chunk[:-1]
+    if bool((same & (idx[1:] <= idx[:-1])).any()):
+        j = int((same & (idx[1:] <= idx[:-1])).nonzero()[0])
+        raise _refuse(f"indices of chunk {int(chunk[j])} are not strictly ascending ({int(idx[j])}, {int(idx[j + 1])})")
+
+
+def _check_even_indices(idx: Tensor, numel: int, f: SparseFormat) -> None:
+    """:func:`_check_indices` for k indices in every chunk ``[m, k]``, without a pass over chunk ids: below G
+    (checked only where ``⌈log₂ G⌉`` bits can say more), below its own group count in a short last chunk,
+    strictly ascending along each row."""
+    m = idx.shape[0]
+    tail = math.ceil((numel - (m - 1) * f.chunk) / f.group)
+    ranges = [(idx, f.groups, 0)] if f.groups & (f.groups - 1) else []
+    if tail < f.groups:
+        ranges.append((idx[-1:], tail, m - 1))
+    for rows, limit, first in ranges:
+        if bool((rows >= limit).any()):
+            c, j = (int(v) for v in (rows >= limit).nonzero()[0])
+            raise _refuse(f"index {int(rows[c, j])} of chunk {first + c} is out of range [0, {limit})")
+    if f.k > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()):
+        c, j = (int(v) for v in (idx[:, 1:] <= idx[:, :-1]).nonzero()[0])
+        raise _refuse(f"indices of chunk {c} are not strictly ascending ({int(idx[c, j])}, {int(idx[c, j + 1])})")
 
 
 def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
@@ -197,7 +328,8 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
     sizes = f.sections(numel)
     if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != sum(sizes):
         raise _refuse(f"{payload.numel()} {payload.dtype} where {numel} values take {sum(sizes)} bytes "
-                      f"(k={f.k} of every {f.chunk}, {f.bits}-bit values, {f.scale_dtype} scales)")
+                      f"(k={f.k} of every {f.groups} groups of {f.group}, {f.bits}-bit values, "
+                      f"{f.scale_dtype} scales)")
     dev = payload.device
     if _check_header(payload[:HEADER].tolist(), f):
         return torch.full((numel,), float("nan"), dtype=torch.float32, device=dev)
@@ -207,23 +339,21 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         bad = int((~torch.isfinite(scales) | (scales < 0)).nonzero()[0])
         raise _refuse(f"scale of chunk {bad} is {float(scales[bad])} (finite and >= 0 expected)")
-    code = unpack_bits(payload[at[1]:at[2]], kept, f.bits)
+    code = unpack_bits(payload[at[1]:at[2]], kept * f.group, f.bits)
+    if f.group > 1 and bool((code > 2 * _levels(f)).any()):
+        raise _refuse(f"a value code above {2 * _levels(f)} (the largest level of {f.bits}-bit values)")
     idx = unpack_bits(payload[at[2]:], kept, f.index_bits)
-    per = torch.full((m,), f.k, dtype=torch.int64, device=dev)
-    if m:
-        per[-1] = last
-    chunk = torch.repeat_interleave(torch.arange(m, device=dev), per)
-    limit = torch.where(chunk == m - 1, numel - (m - 1) * f.chunk, f.chunk)
-    if bool((idx >= limit).any()):
-        j = int((idx >= limit).nonzero()[0])
-        raise _refuse(f"index {int(idx[j])} of chunk {int(chunk[j])} is out of range [0, {int(limit[j])})")
-    same = chunk[1:] == chunk[:-1]
-    if bool((same & (idx[1:] <= idx[:-1])).any()):
-        j = int((same & (idx[1:] <= idx[:-1])).nonzero()[0])
-        raise _refuse(f"indices of chunk {int(chunk[j])} are not strictly ascending ({int(idx[j])}, {int(idx[j + 1])})")
-    levels = 1 << (f.bits - 1)
-    mag = ((code & (levels - 1)) + 1).float() / levels * scales[chunk]
-    vals = torch.where((code >> (f.bits - 1)) & 1 == 1, -mag, mag)
-    out = torch.zeros(m * f.chunk, dtype=torch.float32, device=dev)
-    out[chunk * f.chunk + idx] = vals
-    return out[:numel]
+    if m and last == f.k:  # every chunk holds k: chunk ids and the order check on [m, k] views
+        chunk = torch.arange(m, device=dev).unsqueeze(1).expand(m, f.k).reshape(-1)
+        _check_even_indices(idx.view(m, f.k), numel, f)
+    else:
+        per = torch.full((m,), f.k, dtype=torch.int64, device=dev)
+        if m:
+            per[-1] = last
+        chunk = torch.repeat_interleave(torch.arange(m, device=dev), per)
+        _check_indices(idx, chunk, numel, f)
+    if last == f.k:  # every chunk holds k groups: the scales broadcast over [m, k·g] (as in encode_own)
+        vals = _from_codes(code.view(m, -1), scales.unsqueeze(1), f).reshape(-1)
+    else:
+        vals = _from_codes(code, scales[chunk if f.group == 1 else chunk.repeat_interleave(f.group)], f)
+    return _place(vals, chunk * f.groups + idx, numel, f)
