@@ -155,11 +155,8 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 def unpack_bits(buf: Tensor, count: int, bits: int) -> Tensor:
     """Inverse of :func:`pack_bits`: the first ``count`` codes (int64)."""
-    if bits == 8:
-        return buf[:count].to(torch.int64)
-    if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
-        return ((buf.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].to(torch.int64)
+    if bits == 8 or 8 % bits == 0:
+        return _unpack_bytes(buf, count, bits).to(torch.int64)
     if bits < 8:  # the inverse of pack_bits's 8-codes-in-`bits`-bytes words
         whole = torch.nn.functional.pad(buf[:math.ceil(count * bits / 8)].to(torch.int64),
                                         (0, -math.ceil(count * bits / 8) % bits)).view(-1, bits)
@@ -168,6 +165,14 @@ def unpack_bits(buf: Tensor, count: int, bits: int) -> Tensor:
     flat = ((buf.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=buf.device)) & 1).reshape(-1)
     flat = flat[:count * bits].view(count, bits)
     return (flat << torch.arange(bits, device=buf.device)).sum(dim=1)
+
+
+def _unpack_bytes(buf: Tensor, count: int, bits: int) -> Tensor:
+    """:func:`unpack_bits` for 1, 2, 4 and 8 bits, left as ``uint8`` (a value code needs no wider type)."""
+    if bits == 8:
+        return buf[:count]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=buf.device)
+    return ((buf.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
 
 
 # ------------------------------------------------------------------------------------------ the code of a value
@@ -183,7 +188,7 @@ def _to_codes(vals: Tensor, s: Tensor, f: SparseFormat) -> Tensor:
     if f.group == 1:
         mag = ((vals.abs() / safe * levels).round() - 1).clamp(0, levels - 1).to(torch.int64)
         return mag | ((vals < 0).to(torch.int64) << (f.bits - 1))
-    return (vals * (levels / safe)).round_().clamp_(-levels, levels).add_(levels).to(torch.int64)
+    return (vals * (levels / safe)).round_().clamp_(-levels, levels).add_(levels).to(torch.uint8)
 
 
 def _from_codes(code: Tensor, s: Tensor, f: SparseFormat) -> Tensor:
@@ -192,7 +197,7 @@ def _from_codes(code: Tensor, s: Tensor, f: SparseFormat) -> Tensor:
     if f.group == 1:
         mag = ((code & (levels - 1)) + 1).float() / levels * s
         return torch.where((code >> (f.bits - 1)) & 1 == 1, -mag, mag)
-    return (code - levels).float().mul_(s / levels)
+    return code.float().sub_(levels).mul_(s / levels)
 
 
 def _place(vals: Tensor, rows: Tensor, numel: int, f: SparseFormat) -> Tensor:
@@ -339,7 +344,9 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         bad = int((~torch.isfinite(scales) | (scales < 0)).nonzero()[0])
         raise _refuse(f"scale of chunk {bad} is {float(scales[bad])} (finite and >= 0 expected)")
-    code = unpack_bits(payload[at[1]:at[2]], kept * f.group, f.bits)
+    code = _unpack_bytes(payload[at[1]:at[2]], kept * f.group, f.bits)
+    if f.group == 1:
+        code = code.to(torch.int64)
     if f.group > 1 and bool((code > 2 * _levels(f)).any()):
         raise _refuse(f"a value code above {2 * _levels(f)} (the largest level of {f.bits}-bit values)")
     idx = unpack_bits(payload[at[2]:], kept, f.index_bits)
