@@ -103,17 +103,25 @@ def test_a_non_finite_tensor_arrives_as_nan_never_as_numbers() -> None:
         assert torch.isnan(dequantize(payload, 100, cfg)).all()
 
 
-def test_sparse_config_is_validated() -> None:
-    for kw, key in [({"bits": 3}, "sync.bits"), ({"topk_density": 0.0}, "sync.topk_density"),
-                    ({"topk_density": 1.5}, "sync.topk_density"), ({"topk_density": 0.001}, "sync.block_size"),
-                    ({"block_size": 1 << 17}, "sync.block_size")]:
-        cfg = Config()
-        cfg.sync.compression = "topk"
-        for k, v in kw.items():
-            setattr(cfg.sync, k, v)
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(cfg)
+@pytest.mark.parametrize("kw,key", [
+    ({"bits": 3}, "sync.bits"), ({"topk_density": 0.0}, "sync.topk_density"),
+    ({"topk_density": 1.5}, "sync.topk_density"), ({"topk_density": 0.001}, "sync.block_size"),
+    ({"block_size": 1 << 17}, "sync.block_size"),
+    # grouped top-k (sync.topk_group, tests/test_sparse_groups.py)
+    ({"topk_group": 3}, "sync.topk_group"), ({"topk_group": 512}, "sync.topk_group"), ({"topk_group": 0}, "sync.topk_group"),
+    ({"topk_group": 8, "bits": 1}, "sync.bits"), ({"topk_group": 128, "topk_density": 0.1}, "sync.block_size")])
+def test_sparse_config_is_validated(kw: dict[str, Any], key: str) -> None:
+    cfg = Config()
+    cfg.sync.compression = "topk"
+    for k, v in kw.items():
+        setattr(cfg.sync, k, v)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(cfg)
+
+
+def test_sparse_format_sizes() -> None:
     assert SparseFormat.of(256, 0.01, 2).k == 3 and SparseFormat.of(256, 0.01, 2).index_bits == 8
+    assert SparseFormat.of(256, 0.375, 4, group=8).k == 12 and SparseFormat.of(256, 0.375, 4, group=8).index_bits == 5
 
 
 def test_sparse_bytes_are_what_a_gather_sends() -> None:

@@ -1,7 +1,7 @@
 """Grouped top-k (`sync.topk_group = g > 1`, issue 24): whole groups of g consecutive values are selected by
 their L2 norm, one index per group, values on a symmetric grid with a zero. The byte model, the selection,
-the round trip, the sender's own tensor (bit-identical to what receivers decode), refusals, config errors,
-and a whole in-process sync where every cluster ends on the bit-identical anchor."""
+the round trip, the sender's own tensor (bit-identical to what receivers decode), refusals (config errors:
+tests/test_sparse.py), and a whole in-process sync where every cluster ends on the bit-identical anchor."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import math
 import pytest
 import torch
 
-from edit_train.config import Config, ConfigError, validate
 from edit_train.federation.compress import CompressionConfig, dequantize, quantize, quantize_own, wire_bytes
-from edit_train.federation.sparse import HEADER, PayloadError, SparseFormat, decode, encode_own, pack_bits
+from edit_train.federation.sparse import HEADER, PayloadError, decode, encode_own, pack_bits
 from toy_federation import H, config, run_inproc
 
 
@@ -91,19 +90,6 @@ def test_a_group_code_above_the_top_level_or_a_wrong_group_is_refused() -> None:
     other[5] = 2  # a sender with groups of 4
     with pytest.raises(PayloadError, match=r"sync\.topk_group=8\)$"):
         decode(other, n, f)
-
-
-def test_grouped_config_is_validated() -> None:
-    for kw, key in [({"topk_group": 3}, "sync.topk_group"), ({"topk_group": 512}, "sync.topk_group"),
-                    ({"topk_group": 0}, "sync.topk_group"), ({"topk_group": 8, "bits": 1}, "sync.bits"),
-                    ({"topk_group": 128, "topk_density": 0.1}, "sync.block_size")]:
-        cfg = Config()
-        cfg.sync.compression = "topk"
-        for k, v in kw.items():
-            setattr(cfg.sync, k, v)
-        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            validate(cfg)
-    assert SparseFormat.of(256, 0.375, 4, group=8).k == 12 and SparseFormat.of(256, 0.375, 4, group=8).index_bits == 5
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "overlap"])
