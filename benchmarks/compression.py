@@ -290,7 +290,7 @@ def _short(name: str) -> str:
     return f"{parts[1].replace('pct', '%')}/{parts[2]}{group}"
 
 
-def _grouped(name: str) -> bool:
+def _is_grouped(name: str) -> bool:
     return "/g" in _short(name)
 
 
@@ -301,10 +301,10 @@ def plot(results: dict[str, Any], path: Path) -> Path:
     for ax, (setting, r) in zip(axes[0], results.items()):
         pts = {name: (statistics.fmean(p["bytes_per_token"]), statistics.fmean(p["val_loss"]),
                       min(p["val_loss"]), max(p["val_loss"])) for name, p in r["per_seed"].items()}
-        element = [n for n in pts if n.startswith("topk") and not _grouped(n)]
+        element = [n for n in pts if n.startswith("topk") and not _is_grouped(n)]
         groups = {"top-k, unsent=resend": [n for n in element if not n.endswith("_keep")],
                   "top-k, unsent=keep (outer lr 1)": [n for n in element if n.endswith("_keep")]}
-        for n in sorted(n for n in pts if _grouped(n)):  # one curve per (bits, g): density varies along it
+        for n in sorted(n for n in pts if _is_grouped(n)):  # one curve per (bits, g): density varies along it
             bits, g = _short(n).split("/")[1:]
             groups.setdefault(f"grouped top-k, {bits}, {g}, keep", []).append(n)
         groups["dense"] = [n for n in pts if not n.startswith("topk")]

@@ -176,12 +176,12 @@ def compressed_sum(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: Erro
         return out, 4 * x.numel()
     send = _sender(x, cfg, fb, key)
     if p.method == "all_gather":
-        payload = quantize(send, cfg)
+        payload, own = quantize_own(send, cfg)
         if fb is not None:
-            fb.update(key, dequantize(payload, x.numel(), cfg), send)
+            fb.update(key, own, send)
         total = torch.zeros_like(x)
-        for got in _all_gather(pg, payload, world):
-            total += dequantize(got, x.numel(), cfg)
+        for i, got in enumerate(_all_gather(pg, payload, world)):  # rank order; this rank's own is already decoded
+            total += own if i == rank else dequantize(got, x.numel(), cfg)
         return total, payload.numel()
     return _rs_ag(send, pg, cfg, fb, key, rank, p)
 

@@ -253,7 +253,7 @@ def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
     sizes = f.sections(n)
     if n == 0:
         return _header(f, 0, dev), x.clone()
-    m = f.kept(n)[0]
+    m, _, last = f.kept(n)
     padded = x if n % g == 0 else torch.nn.functional.pad(x, (0, -n % g))
     grouped = padded.view(-1, g)
     # a group's squared L2 norm as a matrix-vector product (NaN and inf carry through it)
@@ -261,7 +261,7 @@ def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
     chunk, idx = _select(mag, f)
     rows = chunk * f.groups + idx
     vals = grouped.index_select(0, rows).reshape(-1)
-    even = f.kept(n)[2] == f.k  # every chunk holds exactly k kept groups, in chunk order: [m, k·g] views
+    even = last == f.k  # every chunk holds exactly k kept groups, in chunk order: [m, k·g] views
     if even:
         vals = vals.view(m, -1)
         absmax = vals.abs().amax(dim=1)  # amax carries NaN: a non-finite kept value shows in its scale
@@ -298,34 +298,28 @@ def _check_header(head: list[int], f: SparseFormat) -> bool:
     return head[4] == NONFINITE
 
 
-def _check_indices(idx: Tensor, chunk: Tensor, numel: int, f: SparseFormat) -> None:
-    m = math.ceil(numel / f.chunk)
-    limit = torch.where(chunk == m - 1, math.ceil((numel - (m - 1) * f.chunk) / f.group), f.groups)
-    if bool((idx >= limit).any()):
-        j = int((idx >= limit).nonzero()[0])
-        raise _refuse(f"index {int(idx[j])} of chunk {int(chunk[j])} is out of range [0, {int(limit[j])})")
-    same = chunk[1:] == chunk[:-1]
-    if bool((same & (idx[1:] <= idx[:-1])).any()):
-        j = int((same & (idx[1:] <= idx[:-1])).nonzero()[0])
-        raise _refuse(f"indices of chunk {int(chunk[j])} are not strictly ascending ({int(idx[j])}, {int(idx[j + 1])})")
-
-
-def _check_even_indices(idx: Tensor, numel: int, f: SparseFormat) -> None:
-    """:func:`_check_indices` for k indices in every chunk ``[m, k]``, without a pass over chunk ids: below G
-    (checked only where ``⌈log₂ G⌉`` bits can say more), below its own group count in a short last chunk,
-    strictly ascending along each row."""
-    m = idx.shape[0]
-    tail = math.ceil((numel - (m - 1) * f.chunk) / f.group)
-    ranges = [(idx, f.groups, 0)] if f.groups & (f.groups - 1) else []
-    if tail < f.groups:
-        ranges.append((idx[-1:], tail, m - 1))
-    for rows, limit, first in ranges:
-        if bool((rows >= limit).any()):
-            c, j = (int(v) for v in (rows >= limit).nonzero()[0])
-            raise _refuse(f"index {int(rows[c, j])} of chunk {first + c} is out of range [0, {limit})")
-    if f.k > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()):
+def _check_rows(idx: Tensor, first: int, limit: int | None) -> None:
+    """Indices ``[chunks, kept]`` of consecutive chunks from ``first``: each below ``limit`` (None: the index
+    width cannot say more) and strictly ascending along its row; else :class:`PayloadError`."""
+    if limit is not None and bool((idx >= limit).any()):
+        c, j = (int(v) for v in (idx >= limit).nonzero()[0])
+        raise _refuse(f"index {int(idx[c, j])} of chunk {first + c} is out of range [0, {limit})")
+    if idx.shape[1] > 1 and bool((idx[:, 1:] <= idx[:, :-1]).any()):
         c, j = (int(v) for v in (idx[:, 1:] <= idx[:, :-1]).nonzero()[0])
-        raise _refuse(f"indices of chunk {c} are not strictly ascending ({int(idx[c, j])}, {int(idx[c, j + 1])})")
+        raise _refuse(f"indices of chunk {first + c} are not strictly ascending ({int(idx[c, j])}, "
+                      f"{int(idx[c, j + 1])})")
+
+
+def _check_indices(idx: Tensor, numel: int, f: SparseFormat) -> None:
+    """Every chunk's indices in range and ascending: the full chunks as one ``[m−1, k]`` view, then the last
+    (``last`` indices below its own group count); ranges before order, chunk by chunk."""
+    m, kept, last = f.kept(numel)
+    if m == 0:
+        return
+    tail = math.ceil((numel - (m - 1) * f.chunk) / f.group)
+    full = None if f.groups & (f.groups - 1) == 0 else f.groups  # a power of two: the width bounds it
+    _check_rows(idx[:kept - last].view(m - 1, f.k), 0, full)
+    _check_rows(idx[kept - last:].view(1, last), m - 1, None if tail == f.groups and full is None else tail)
 
 
 def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
@@ -350,15 +344,14 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
     if f.group > 1 and bool((code > 2 * _levels(f)).any()):
         raise _refuse(f"a value code above {2 * _levels(f)} (the largest level of {f.bits}-bit values)")
     idx = unpack_bits(payload[at[2]:], kept, f.index_bits)
-    if m and last == f.k:  # every chunk holds k: chunk ids and the order check on [m, k] views
+    _check_indices(idx, numel, f)
+    if m and last == f.k:  # every chunk holds k
         chunk = torch.arange(m, device=dev).unsqueeze(1).expand(m, f.k).reshape(-1)
-        _check_even_indices(idx.view(m, f.k), numel, f)
     else:
         per = torch.full((m,), f.k, dtype=torch.int64, device=dev)
         if m:
             per[-1] = last
         chunk = torch.repeat_interleave(torch.arange(m, device=dev), per)
-        _check_indices(idx, chunk, numel, f)
     if last == f.k:  # every chunk holds k groups: the scales broadcast over [m, k·g] (as in encode_own)
         vals = _from_codes(code.view(m, -1), scales.unsqueeze(1), f).reshape(-1)
     else:
