@@ -128,15 +128,16 @@ def test_grouped_bf16_on_cuda_equals_sorted_without_host_sync() -> None:
     dev = torch.device("cuda")
     assert resolve_impl("auto", dev, torch.bfloat16, dims[1:]) == "grouped"
     ref, y_ref, c_ref, g_ref = _run("sorted", None, x, idx, w, dy, dims, "cuda", torch.bfloat16)
+    experts = RoutedExperts(*dims, impl="auto").to(dev)  # set-up copies from the host are outside the window
+    experts.load_state_dict(ref.state_dict())
+    experts.to(torch.bfloat16)
+    xx = x.to(dev, torch.bfloat16).requires_grad_()
+    ww = w.to(dev, torch.bfloat16).requires_grad_()
+    ii = idx.to(dev)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host sync in the forward raises
     try:
-        experts = RoutedExperts(*dims, impl="auto").to(dev)
-        experts.load_state_dict(ref.state_dict())
-        experts.to(torch.bfloat16)
-        xx = x.to(dev, torch.bfloat16).requires_grad_()
-        ww = w.to(dev, torch.bfloat16).requires_grad_()
-        y, counts = experts(xx, idx.to(dev), ww)
+        y, counts = experts(xx, ii, ww)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert experts.last_impl == "grouped"

@@ -66,7 +66,8 @@ class Probe:
                 self._set(lambda name, old, parts: old)
                 base = self.loss()
                 for i, who in enumerate(self.names):
-                    self._set(lambda name, old, parts, i=i: [a - p.to(a.dtype) for a, p in zip(old, parts.parts[i])])
+                    self._set(lambda name, old, parts, i=i:  # received parts may sit on another device
+                              [a - p.to(a.device, a.dtype) for a, p in zip(old, parts.parts[i])])
                     self.scores[who] = (self.loss() - base) / max(abs(base), 1e-12)
                 log.debug("probe: base %.4f, loss change %s", base, {n: round(self.scores[n], 4) for n in self.names})
             finally:
