@@ -10,6 +10,10 @@ sync in each mode as edit-train runs it.
   in the background after exchange + transfers + vote, each phase advanced at a step boundary; a sync point
   reached while the previous round is in flight waits for it (flush).
 * **ddp** — a quorum and one fp32 gradient all-reduce every step.
+* **backward overlap** (`Scenario.backward_overlap`, off: edit-train reduces after the step) — a unit's
+  reduction is launched the moment its backward is done (reverse unit order, PyTorch DDP's buckets; what the
+  published simulations of DiLoCo-style training assume), the link queueing them; only what is still in
+  flight when the step ends blocks (`after_backward`). Applies to ddp's every step and to an at_end sync.
 
 A transfer takes `latency + bytes / lanes / bandwidth` on the cluster's link (each lane its own queue, as
 edit-train's simulated link; a real site link is one lane) plus the calibrated software cost
@@ -114,15 +118,37 @@ class Fed:
         out["xfer_background"] = float(wire.max()) + lat if world > 1 else 0.0
         if cand.mode == "layerwise" and world > 1:
             out["layerwise"] = self.layerwise(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
+        if self.scenario.backward_overlap and world > 1:
+            out["after_backward"] = self.after_backward(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
         return out
+
+    def _layer_share(self, idx: list[int] | np.ndarray) -> float:
+        return float(sum(self.facts.unit_sizes[i] for i in idx if self.facts.units[i][0].startswith("layers")))
+
+    def after_backward(self, members: np.ndarray, per_unit: np.ndarray, s_per_byte: np.ndarray, sw: np.ndarray,
+                       lat: float) -> np.ndarray:
+        """Seconds each member waits after its step for reductions launched during the backward: unit u's
+        transfer starts when the backward (last unit first, compute ∝ the unit's layer parameters) has passed
+        it and the link is free; the step waits for the last to land."""
+        units = per_unit.shape[1]
+        share = np.array([self._layer_share([u]) for u in range(units)])
+        share = share / max(share.sum(), 1.0)
+        step = self.mean_step[members]
+        bwd = (1.0 - FWD_FRACTION) * step
+        x = per_unit * s_per_byte[:, None] + (sw / max(units, 1))[:, None]
+        free = np.zeros(len(members))
+        done = FWD_FRACTION * step  # the backward starts at the last unit
+        for u in reversed(range(units)):
+            done = done + bwd * share[u]
+            free = np.maximum(done, free) + x[:, u]
+        return np.maximum(free + lat - step, 0.0)
 
     def layerwise(self, members: np.ndarray, per_unit: np.ndarray, s_per_byte: np.ndarray, sw: np.ndarray,
                   lat: float) -> np.ndarray:
         """Extra seconds the next forward of each member takes because units wait for their reduction."""
         groups = np.array_split(np.arange(per_unit.shape[1]), min(MAX_GROUPS, per_unit.shape[1]))
         gbytes = np.stack([per_unit[:, g].sum(axis=1) for g in groups], axis=1)
-        share = np.array([sum(self.facts.unit_sizes[i] for i in g if self.facts.units[i][0].startswith("layers"))
-                          for g in groups], dtype=float)
+        share = np.array([self._layer_share(g) for g in groups], dtype=float)
         share = share / max(share.sum(), 1.0)
         fwd = np.outer(FWD_FRACTION * self.mean_step[members], share)
         x = gbytes * s_per_byte[:, None] + (sw / len(groups))[:, None]
@@ -143,15 +169,22 @@ class Fed:
             now = np.maximum(now, ready[:, g].max()) + fwd[:, g]
         return now - fwd.sum(axis=1)
 
-    def ddp_step_comm(self, members: np.ndarray) -> tuple[float, np.ndarray]:
-        """(seconds every member waits for the gradient all-reduce after the quorum, bytes each sends)."""
+    def ddp_step_comm(self, members: np.ndarray, scheme: str = "none") -> tuple[float, np.ndarray]:
+        """(seconds every member waits for the gradient all-reduce after the quorum, bytes each sends);
+        gradients in fp32 (edit-train's ddp) or `scheme`'s value width (bf16: the published settings)."""
         world = len(members)
         if world <= 1:
             return self.profile.quorum_s, np.zeros(world)
-        nbytes = np.full(world, float(traffic.ddp_bytes(self.facts.total_params, world)))
+        width = traffic.VALUE_BYTES.get(scheme, 4)
+        nbytes = np.full(world, float(traffic.ddp_bytes(self.facts.total_params, world, width)))
         wire = self.wire_s(members, nbytes, self.paired(members))
         sw = np.array([self.profile.sync_software_s(2, b) for b in nbytes])
-        return self.profile.quorum_s + float(self.lat[members].max() + (wire + sw).max()), nbytes
+        lat = float(self.lat[members].max())
+        if self.scenario.backward_overlap:
+            per_unit = np.outer(nbytes, np.array(self.facts.unit_sizes, dtype=float) / self.facts.total_params)
+            wait = self.after_backward(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
+            return self.profile.quorum_s + float(wait.max()), nbytes
+        return self.profile.quorum_s + float(lat + (wire + sw).max()), nbytes
 
     def heal_s(self, healer: int) -> float:
         nbytes = traffic.heal_bytes(self.facts.total_params)

@@ -252,7 +252,12 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
         s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["xfer_background"]) \
             + float(cost["vote"]) + polls
     else:
-        body = np.asarray(cost["layerwise"]) if mode == "layerwise" and "layerwise" in cost else float(cost["xfer"])
+        if mode == "layerwise" and "layerwise" in cost:
+            body = np.asarray(cost["layerwise"])
+        elif mode == "at_end" and "after_backward" in cost:  # launched during the last step's backward
+            body = np.asarray(cost["after_backward"])
+        else:
+            body = float(cost["xfer"])
         s.spend("blocked", members, issue - ask + prof.quorum_s + float(cost["exchange"]) + heal + body
                 + float(cost["vote"]))
     s.spend("sync", members, work)

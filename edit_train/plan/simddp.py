@@ -54,7 +54,7 @@ def run_ddp(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
             draws = np.stack([fed.dists[c].sample_max(rng, int(fed.ranks[c]), k) for c in members], axis=1)
             draws += prof.other_step_s
             row = draws.max(axis=1)
-            comm, sent = fed.ddp_step_comm(members)
+            comm, sent = fed.ddp_step_comm(members, cand.compression)
             b["compute"][members] += draws.sum(axis=0)
             b["blocked"][members] += (row[:, None] - draws).sum(axis=0) + k * comm
             trained[members] += k

@@ -76,6 +76,7 @@ class Scenario:
     links: dict[str, LinkPlan] = field(default_factory=dict)
     uplinks: list[UplinkPlan] = field(default_factory=list)
     simulated_link: bool = False  # the link is edit-train's simulated one: every rank queues its own transfers
+    backward_overlap: bool = False  # reductions launched during the backward (published settings; not edit-train)
     failures: FailurePlan = field(default_factory=FailurePlan)
     candidates: CandidateSet = field(default_factory=CandidateSet)
     join_timeout_s: float = 5.0

@@ -76,9 +76,10 @@ def sync_bytes(units: Sequence[int], world: int, scheme: str, *, ranks: int = 1,
     return total
 
 
-def ddp_bytes(total_params: int, world: int) -> int:
-    """Bytes one cluster sends per ddp step (fp32 gradients, ring all-reduce)."""
-    return 0 if world <= 1 else 2 * (world - 1) * 4 * total_params // world
+def ddp_bytes(total_params: int, world: int, width: int = 4) -> int:
+    """Bytes one cluster sends per ddp step (gradients of `width` bytes — fp32 in edit-train —, ring
+    all-reduce)."""
+    return 0 if world <= 1 else 2 * (world - 1) * width * total_params // world
 
 
 def heal_bytes(total_params: int, outer_momentum: bool = True) -> int:
