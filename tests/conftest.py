@@ -62,6 +62,17 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"{out}/*.py"
 
 
+@pytest.fixture(params=["fused", "eager"])
+def both_codecs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a sparse-codec test with numba's one-pass CPU codec and with the eager torch path (the GPU's)."""
+    from edit_train.federation import sparse, sparse_fused
+
+    if request.param == "fused" and not sparse_fused.AVAILABLE:
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(sparse, "FUSED", request.param == "fused")
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
 def torch_one_thread():
     """Two shared cores: torch's default of one intra-op thread per core oversubscribes them badly

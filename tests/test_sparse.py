@@ -18,6 +18,8 @@ from edit_train.federation.compressed_reduce import compressed_gather, gathered_
 from edit_train.federation.sparse import HEADER, PayloadError, SparseFormat, decode, encode, pack_bits, unpack_bits
 from toy_federation import H, config, run_inproc
 
+pytestmark = pytest.mark.usefixtures("both_codecs")  # numba's CPU codec and the eager one
+
 NAMES = ["c0", "c1", "c2", "c3"]
 
 

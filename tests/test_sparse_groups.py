@@ -14,6 +14,8 @@ from edit_train.federation.compress import CompressionConfig, dequantize, quanti
 from edit_train.federation.sparse import HEADER, PayloadError, decode, encode_own, pack_bits
 from toy_federation import H, config, run_inproc
 
+pytestmark = pytest.mark.usefixtures("both_codecs")  # numba's CPU codec and the eager one
+
 
 def grouped(chunk: int = 64, density: float = 0.25, bits: int = 4, group: int = 8,
             scale: str = "fp32") -> CompressionConfig:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edit_train.federation import sparse_fused
 from edit_train.local_sgd.errors import FederationError
 
 __all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "format_error", "encode", "encode_own", "decode",
@@ -52,6 +53,11 @@ BITS = (1, 2, 4, 8)
 MAX_CHUNK = 1 << 16  # indices of at most 16 bits
 MAX_GROUP = 128  # log₂ g fits the header byte with room to spare; larger groups select too coarsely
 _SCALE = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+FUSED = True  # CPU tensors take sparse_fused's one-pass codec where numba is installed (tests switch it off)
+
+
+def _fused(t: Tensor) -> bool:
+    return FUSED and sparse_fused.AVAILABLE and t.device.type == "cpu"
 
 
 class PayloadError(FederationError, ValueError):
@@ -253,6 +259,19 @@ def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
     sizes = f.sections(n)
     if n == 0:
         return _header(f, 0, dev), x.clone()
+    if _fused(x):
+        out = torch.empty(sum(sizes), dtype=torch.uint8)
+        own = torch.empty(n, dtype=torch.float32)
+        args = (f.chunk, g, f.k, f.bits, f.index_bits, f.scale_dtype == "bf16")
+        xs, o, w = x.detach().contiguous().numpy(), out.numpy(), own.numpy()
+        if n >= sparse_fused.SPECIALIZE_MIN:
+            status = sparse_fused.specialized(*args)[0](xs, o, w)
+        else:
+            status = sparse_fused.encode(xs, *args, o, w)
+        if status == sparse_fused.NONFINITE:
+            return _nonfinite(f, sizes, n, dev)
+        out[:HEADER] = _header(f, 0, dev)
+        return out, own
     m, _, last = f.kept(n)
     padded = x if n % g == 0 else torch.nn.functional.pad(x, (0, -n % g))
     grouped = padded.view(-1, g)
@@ -269,15 +288,20 @@ def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
         per_value = chunk if g == 1 else chunk.repeat_interleave(g)
         absmax = torch.zeros(m, dtype=torch.float32, device=dev).scatter_reduce(0, per_value, vals.abs(), "amax")
     if not bool(torch.isfinite(absmax.amax() if even else vals.abs().amax())):  # every non-finite chunk kept one
-        out = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
-        out[:HEADER] = _header(f, NONFINITE, dev)
-        return out, torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+        return _nonfinite(f, sizes, n, dev)
     stored = absmax.to(_SCALE[f.scale_dtype][0])
     s = stored.float().unsqueeze(1) if even else stored.float()[per_value]
     code = _to_codes(vals, s, f)
     payload = torch.cat([_header(f, 0, dev), stored.contiguous().view(torch.uint8), pack_bits(code, f.bits),
                          pack_bits(idx, f.index_bits)])
     return payload, _place(_from_codes(code, s, f).reshape(-1), rows, n, f)
+
+
+def _nonfinite(f: SparseFormat, sizes: tuple[int, ...], n: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+    """The payload of a tensor with a non-finite value: the flagged header, a zero body; it decodes to NaN."""
+    out = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
+    out[:HEADER] = _header(f, NONFINITE, dev)
+    return out, torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
 
 
 def encode(x: Tensor, f: SparseFormat) -> Tensor:
@@ -332,6 +356,17 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
     dev = payload.device
     if _check_header(payload[:HEADER].tolist(), f):
         return torch.full((numel,), float("nan"), dtype=torch.float32, device=dev)
+    if _fused(payload) and numel:
+        out = torch.empty(numel, dtype=torch.float32)
+        args = (f.chunk, f.group, f.k, f.bits, f.index_bits, f.scale_dtype == "bf16")
+        buf, o = payload.contiguous().numpy(), out.numpy()
+        if numel >= sparse_fused.SPECIALIZE_MIN:
+            status = sparse_fused.specialized(*args)[1](buf, numel, o)
+        else:
+            status = sparse_fused.decode(buf, numel, *args, o)
+        if status == sparse_fused.OK:
+            return out
+        # a scale, code or index is wrong: the eager checks below refuse it with the line that names it
     m, kept, last = f.kept(numel)
     at = [HEADER, HEADER + sizes[1], HEADER + sizes[1] + sizes[2]]
     scales = payload[at[0]:at[1]].clone().view(_SCALE[f.scale_dtype][0]).float()

@@ -1,0 +1,487 @@
+"""The CPU fast path of :mod:`sparse`'s codec (numba): one pass over a module's Δ per payload.
+
+The eager path makes a dozen passes over the tensor (group norms, a batched ``topk`` at ~270 ns per chunk,
+gathers, codes, packing, a zero-filled output) and ~30 small-op dispatches per call; on one CPU thread that
+was 9–10 % of a sync's time (issue 24). Here, 256 chunks at a time: one loop computes every group's norm and
+largest |value|; a bitonic network sorts all those chunks' keys at once (row by row, so its compare-exchanges
+vectorise across chunks — a per-chunk sort or quickselect loses ~10 ns a key to mispredicted branches); then
+one loop per chunk writes the scale, the codes, the indices and the sender's own decoded values. Decoding is
+the mirror (a lookup table of the chunk's 2^b values, one check per byte for an out-of-range code).
+
+The same bytes format, and bit-identical decoded values to :func:`sparse.decode`: the value formulas are the
+same fp32 operations in the same order (numba keeps IEEE semantics without ``fastmath``; bf16 scales round to
+nearest even as torch does). Which k groups a chunk keeps may differ from the eager path where norms tie to
+2^(ib−23) relative (a key's low ib bits hold the group's position: the earlier group wins) — a sender's choice
+receivers never check. A non-finite value anywhere makes the non-finite payload (the eager path relies on
+such a group ranking first, which a finite group whose squares overflow can tie). A payload this decoder
+finds wrong (a scale, a code, an index) goes back to the eager decoder, whose one-line refusal names it.
+
+Tensors of at least SPECIALIZE_MIN values use a kernel compiled with the format's numbers as constants
+(`specialized`); numba caches every kernel on disk (first use: seconds). Without numba, with
+``sparse.FUSED = False`` or on a GPU the eager path runs.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+try:
+    from numba import njit
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    AVAILABLE = False
+
+    def njit(*_a, **_k):  # type: ignore[no-redef]
+        return lambda fn: fn
+
+
+OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
+
+
+@njit(cache=True, nogil=True)
+def _bf16_bits(v, f32, u32):  # pragma: no cover - compiled
+    """fp32 -> bf16 bit pattern, round to nearest even (finite and inf inputs); f32/u32: a 1-value scratch
+    and its uint32 view (a bit cast without an allocation)."""
+    f32[0] = v
+    u = np.int64(u32[0])
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@njit(cache=True, nogil=True)
+def _keys(x, start, end, g, groups, keys):  # pragma: no cover - compiled
+    """Group keys of one chunk: |x| (g = 1) or the squared L2 norm (every value finite, so a key is a
+    number or +inf where the squares overflow: plain float order). Returns False if a value is not finite."""
+    for j in range(groups):
+        acc = np.float32(0.0)
+        lo, hi = start + j * g, min(start + (j + 1) * g, end)
+        for t in range(lo, hi):
+            v = x[t]
+            acc += v * v if g > 1 else abs(v)
+        if not np.isfinite(acc):  # NaN or inf in the group, or finite squares that overflow
+            for t in range(lo, hi):
+                if not np.isfinite(x[t]):
+                    return False
+        keys[j] = acc
+    return True
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rint(y):  # pragma: no cover - compiled
+    """Round half to even of a float32 |y| <= 2**22 (here |y| <= 128): adding and taking away 1.5 · 2**23
+    leaves the integer the fp32 addition rounded to, as torch.round does."""
+    big = np.float32(12582912.0)
+    return (y + big) - big
+
+
+@njit(cache=True, nogil=True)
+def _top(bits, groups, k, best_idx):  # pragma: no cover - compiled
+    """The indices of the k largest keys, ascending, into best_idx[:k] (best_idx holds groups + 1). `bits`:
+    the keys' int32 bit patterns (non-negative floats and +inf order as their patterns). The k-th largest
+    pattern is found bit by bit from the top (31 branch-free counting passes over the chunk's keys — no
+    data-dependent branch to mispredict, which made a sort or a quickselect 10 ns a key); then one pass takes
+    every key above it and, of the keys equal to it, the earliest."""
+    thr = np.int32(0)
+    for b in range(30, -1, -1):
+        cand = thr | np.int32(1 << b)
+        count = 0
+        for j in range(groups):
+            count += bits[j] >= cand
+        if count >= k:
+            thr = cand
+    above = 0
+    for j in range(groups):
+        above += bits[j] > thr
+    ties = k - above
+    a = 0
+    for j in range(groups):
+        key = bits[j]
+        take = (key > thr) | ((key == thr) & (ties > 0))
+        ties -= (key == thr) & take
+        best_idx[a] = j
+        a += take
+
+
+@njit(cache=True, nogil=True)
+def _bitonic(rows, n_rows, lanes, descending):  # pragma: no cover - compiled
+    """Sort each column of rows[:n_rows, :lanes] (n_rows a power of two) with a bitonic network: every
+    compare-exchange is a min and a max of two rows over all lanes (chunks) at once, data-independent and
+    vectorised — where a per-chunk sort or quickselect loses ~10 ns a key to mispredicted branches."""
+    size = 2
+    while size <= n_rows:
+        stride = size // 2
+        while stride > 0:
+            for i in range(n_rows):
+                o = i ^ stride
+                if o > i:
+                    up = ((i & size) == 0) == descending  # this pair's larger value goes to row i
+                    a, b = (rows[i], rows[o]) if up else (rows[o], rows[i])
+                    for c in range(lanes):  # one loop body: it vectorises (two made it 4x slower)
+                        x, y = a[c], b[c]
+                        a[c] = max(x, y)
+                        b[c] = min(x, y)
+            stride //= 2
+        size *= 2
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put_scale(out, c, amax, bf16, f32, u32, b8):  # pragma: no cover - compiled
+    """Chunk c's scale into the payload (bf16: rounded to nearest even) -> the fp32 scale receivers read."""
+    if bf16:
+        sb = _bf16_bits(amax, f32, u32)
+        out[8 + 2 * c] = sb & 0xFF
+        out[8 + 2 * c + 1] = sb >> 8
+        u32[0] = sb << 16
+        return f32[0]
+    f32[0] = amax
+    for b in range(4):
+        out[8 + 4 * c + b] = b8[b]
+    return amax
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _take(buf, pos, acc, have, nbits, mask):  # pragma: no cover - compiled
+    """The next `nbits` bits of an LSB-first bit stream at byte `pos` with `have` bits pending in `acc`:
+    (code, pos, acc, have) after it."""
+    while have < nbits:
+        acc |= np.uint64(buf[pos]) << np.uint64(have)
+        pos += 1
+        have += 8
+    return np.int64(acc & mask), pos, acc >> np.uint64(nbits), have - nbits
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, st, acc, w, code, nbits):  # pragma: no cover - compiled
+    """Append `nbits` bits of `code` to bit stream w (0: values, 1: indices), LSB first."""
+    a = acc[w] | (np.uint64(code) << np.uint64(st[2 * w + 1]))
+    nb = st[2 * w + 1] + nbits
+    pos = st[2 * w]
+    while nb >= 8:
+        out[pos] = np.uint8(a & np.uint64(0xFF))
+        pos += 1
+        a >>= np.uint64(8)
+        nb -= 8
+    acc[w], st[2 * w], st[2 * w + 1] = a, pos, nb
+
+
+@njit(cache=True, nogil=True)
+def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, scratch, vals, codes):  # noqa
+    """One chunk's scale, value codes and indices (sel[:kc, col]: its kept groups, ascending) into the
+    payload's bit streams (st = [values byte, values bits, indices byte, index bits], pending bits acc =
+    [values, indices]) and its decoded values into own. vals / codes: scratch of k·g."""
+    f32, u32, b8 = scratch
+    q = (1 << (bits - 1)) - (1 if g > 1 else 0)  # Q (g > 1) or M (g = 1)
+    qf = np.float32(q)
+    nv = kc * g
+    for a in range(kc):  # the kept groups' values, zero past the end
+        base = start + sel[a, col] * g
+        if base + g <= end:
+            for i in range(g):
+                vals[a * g + i] = x[base + i]
+        else:
+            for i in range(g):
+                vals[a * g + i] = x[base + i] if base + i < end else np.float32(0.0)
+    amax = np.float32(0.0)
+    for i in range(nv):
+        amax = max(amax, abs(vals[i]))
+    s = _put_scale(out, c, amax, bf16, f32, u32, b8)
+    safe = s if s > 0 else np.float32(1.0)
+    inv = qf / safe
+    step = s / qf
+    if g > 1:  # codes and what they decode to (the decoded values overwrite vals)
+        for i in range(nv):
+            r = min(max(_rint(vals[i] * inv), -qf), qf)
+            codes[i] = np.int32(r) + q
+            vals[i] = r * step  # = (code − Q) · (s / Q): code − Q is r exactly
+    else:
+        for i in range(nv):
+            v = vals[i]
+            r = min(max(_rint(abs(v) / safe * qf) - np.float32(1.0), np.float32(0.0)), qf - np.float32(1.0))
+            code = np.int32(r)
+            dec = np.float32(code + 1) / qf * s
+            neg = v < 0
+            codes[i] = code | ((1 << (bits - 1)) if neg else 0)
+            vals[i] = -dec if neg else dec
+    own[start:end] = np.float32(0.0)
+    for a in range(kc):
+        base = start + sel[a, col] * g
+        for i in range(min(g, end - base)):
+            own[base + i] = vals[a * g + i]
+    for a in range(kc):
+        _put(out, st, acc, 1, sel[a, col], ib)
+    if st[1] == 0 and 8 % bits == 0:  # byte-aligned whole codes: a byte at a time
+        per = 8 // bits
+        whole = nv // per
+        pos = st[0]
+        if bits == 2:
+            for o in range(whole):
+                i = 4 * o
+                out[pos + o] = np.uint8(codes[i] | (codes[i + 1] << 2) | (codes[i + 2] << 4) | (codes[i + 3] << 6))
+        elif bits == 4:
+            for o in range(whole):
+                out[pos + o] = np.uint8(codes[2 * o] | (codes[2 * o + 1] << 4))
+        elif bits == 8:
+            for o in range(whole):
+                out[pos + o] = np.uint8(codes[o])
+        else:
+            for o in range(whole):
+                byte = 0
+                for i in range(8):
+                    byte |= codes[8 * o + i] << i
+                out[pos + o] = np.uint8(byte)
+        st[0] = pos + whole
+        for i in range(whole * per, nv):
+            _put(out, st, acc, 0, codes[i], bits)
+    else:
+        for i in range(nv):
+            _put(out, st, acc, 0, codes[i], bits)
+
+
+LANES = 256  # chunks sorted together (a [rows, LANES] int32 block stays in L1/L2)
+MAX_NETWORK = 256  # groups per chunk up to which the network selects (beyond: chunk by chunk, `_top`)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - compiled
+    """x float32[n] -> out (uint8, the whole payload after its 8-byte header) and own (float32[n], what
+    receivers decode). Returns OK or NONFINITE (out and own then undefined).
+
+    Selection, for the full chunks, LANES at a time: each group's key is its norm's fp32 bit pattern with
+    the low ``ib`` bits replaced by (G − 1 − group), so keys are distinct and a tie (norms equal to 2^(ib−23)
+    relative) goes to the earlier group; a bitonic network sorts every chunk's keys at once (descending), the
+    first k are kept, and a second network puts their indices in ascending order. The short last chunk, if
+    any, is selected on its own (`_top`)."""
+    n = x.shape[0]
+    m = (n + chunk - 1) // chunk
+    G = chunk // g
+    P = 1
+    while P < G:
+        P *= 2
+    K2 = 1
+    while K2 < k:
+        K2 *= 2
+    sbytes = 2 if bf16 else 4
+    last_groups = (n - (m - 1) * chunk + g - 1) // g
+    kept_total = (m - 1) * k + min(k, last_groups)
+    st = np.zeros(4, dtype=np.int64)
+    st[0] = 8 + m * sbytes  # value stream
+    st[2] = st[0] + (kept_total * g * bits + 7) // 8  # index stream
+    acc = np.zeros(2, dtype=np.uint64)
+    vals = np.empty(k * g, dtype=np.float32)
+    codes = np.empty(k * g, dtype=np.int32)
+    f32 = np.empty(1, dtype=np.float32)
+    scratch = (f32, f32.view(np.uint32), f32.view(np.uint8))
+    rows = P if P <= MAX_NETWORK else 1
+    kbits = np.empty((rows, LANES), dtype=np.int32)  # C layout: the network's loops vectorise over it
+    keys = kbits.view(np.float32)  # (a view has layout "A": fine for the scalar stores below)
+    sel = np.empty((K2, LANES), dtype=np.int32)
+    low = (1 << ib) - 1
+    blocked = n // chunk if P <= MAX_NETWORK else 0  # full chunks selected LANES at a time
+    aligned = g > 1 and (g * bits) % 8 == 0
+    per = 8 // bits
+    q = (1 << (bits - 1)) - 1
+    qf = np.float32(q)
+    f32, u32, b8 = scratch
+    gmax = np.empty((min(G, rows), LANES), dtype=np.float32)  # each group's largest |value| (the chunk's scale)
+    for b0 in range(0, blocked, LANES):
+        lanes = min(LANES, blocked - b0)
+        for c in range(lanes):
+            start = (b0 + c) * chunk
+            for j in range(G):
+                s2 = np.float32(0.0)
+                mx = np.float32(0.0)
+                for t in range(start + j * g, start + (j + 1) * g):
+                    v = x[t]
+                    s2 += v * v if g > 1 else abs(v)
+                    mx = max(mx, abs(v))
+                if not np.isfinite(s2):  # NaN or inf in the group, or finite squares that overflow
+                    for t in range(start + j * g, start + (j + 1) * g):
+                        if not np.isfinite(x[t]):
+                            return NONFINITE
+                keys[j, c] = s2
+                gmax[j, c] = mx
+        for j in range(G):
+            row = kbits[j]
+            tag = G - 1 - j
+            for c in range(lanes):
+                row[c] = (row[c] & ~low) | tag
+        for j in range(G, P):
+            for c in range(lanes):
+                kbits[j, c] = -1
+        _bitonic(kbits, P, lanes, True)
+        for a in range(K2):
+            for c in range(lanes):
+                sel[a, c] = G - 1 - (kbits[a, c] & low) if a < k else 1 << 30
+        _bitonic(sel, K2, lanes, False)
+        if not aligned:
+            for c in range(lanes):
+                cc = b0 + c
+                _emit(x, cc * chunk, cc * chunk + chunk, g, k, sel, c, bits, ib, bf16, out, own, st, acc, cc,
+                      scratch, vals, codes)
+            continue
+        vpos, ipos, inn, iacc = st[0], st[2], st[3], acc[1]
+        own[b0 * chunk:(b0 + lanes) * chunk] = np.float32(0.0)  # one fill for the block (8x a chunk's loop)
+        for c in range(lanes):  # whole bytes per group (g > 1, g·b a multiple of 8): one fused loop
+            cc = b0 + c
+            start = cc * chunk
+            amax = np.float32(0.0)
+            for a in range(k):
+                amax = max(amax, gmax[sel[a, c], c])
+            s = _put_scale(out, cc, amax, bf16, f32, u32, b8)
+            inv = qf / (s if s > 0 else np.float32(1.0))
+            step = s / qf
+            for a in range(k):
+                j = sel[a, c]
+                iacc |= np.uint64(j) << np.uint64(inn)
+                inn += ib
+                while inn >= 8:
+                    out[ipos] = np.uint8(iacc & np.uint64(0xFF))
+                    ipos += 1
+                    iacc >>= np.uint64(8)
+                    inn -= 8
+                base = start + j * g
+                for o in range(g * bits // 8):  # one byte: 8/b codes
+                    byte = 0
+                    t0 = base + o * per
+                    for i in range(per):
+                        r = min(max(_rint(x[t0 + i] * inv), -qf), qf)
+                        own[t0 + i] = r * step  # = (code − Q) · (s / Q)
+                        byte |= (np.int32(r) + q) << (i * bits)
+                    out[vpos] = np.uint8(byte)
+                    vpos += 1
+        st[0], st[2], st[3], acc[1] = vpos, ipos, inn, iacc
+    if blocked < m:  # chunk by chunk: the short last one, or every chunk where G is too large for a network
+        gkeys = np.empty(G, dtype=np.float32)
+        best = np.empty((G + 1, 1), dtype=np.int32)
+        for cc in range(blocked, m):
+            start = cc * chunk
+            end = min(start + chunk, n)
+            groups = (end - start + g - 1) // g
+            kc = min(k, groups)
+            if not _keys(x, start, end, g, groups, gkeys):
+                return NONFINITE
+            _top(gkeys.view(np.int32), groups, kc, best[:, 0])
+            _emit(x, start, end, g, kc, best, 0, bits, ib, bf16, out, own, st, acc, cc, scratch, vals, codes)
+    if st[1] > 0:
+        out[st[0]] = np.uint8(acc[0] & np.uint64(0xFF))
+    if st[3] > 0:
+        out[st[2]] = np.uint8(acc[1] & np.uint64(0xFF))
+    return OK
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - compiled
+    """A checked-length, checked-header payload -> out float32[n]. Returns OK or the first problem found
+    (BAD_SCALE, BAD_CODE, BAD_INDEX): the caller then lets the eager decoder word the refusal."""
+    m = (n + chunk - 1) // chunk
+    sbytes = 2 if bf16 else 4
+    q = (1 << (bits - 1)) - (1 if g > 1 else 0)
+    qf = np.float32(q)
+    groups_full = chunk // g
+    last_groups = (n - (m - 1) * chunk + g - 1) // g
+    kept_total = (m - 1) * k + min(k, last_groups)
+    vpos = 8 + m * sbytes
+    ipos = vpos + (kept_total * g * bits + 7) // 8
+    vacc = np.uint64(0)
+    vn = 0
+    iacc = np.uint64(0)
+    inn = 0
+    vmask = np.uint64((1 << bits) - 1)
+    imask = np.uint64((1 << ib) - 1)
+    aligned = g > 1 and (g * bits) % 8 == 0
+    per = 8 // bits
+    lowbits = (1 << bits) - 1
+    top = 2 * q
+    lut = np.zeros(1 << bits, dtype=np.float32)
+    bad = np.zeros(256, dtype=np.bool_)  # bytes holding an all-ones code (above 2Q) somewhere
+    if aligned:
+        for byte in range(256):
+            for i in range(per):
+                if (byte >> (i * bits)) & lowbits == lowbits:
+                    bad[byte] = True
+    f32 = np.empty(1, dtype=np.float32)
+    u32 = f32.view(np.uint32)
+    b8 = f32.view(np.uint8)
+    out[:] = np.float32(0.0)  # one fill (a fill per chunk was 8x slower)
+    for c in range(m):
+        if bf16:
+            u32[0] = (np.uint32(buf[8 + 2 * c]) | (np.uint32(buf[8 + 2 * c + 1]) << np.uint32(8))) << np.uint32(16)
+        else:
+            for b in range(4):
+                b8[b] = buf[8 + 4 * c + b]
+        s = f32[0]
+        if not np.isfinite(s) or s < 0:
+            return BAD_SCALE
+        step = s / qf
+        if aligned:
+            for code in range(top + 1):
+                lut[code] = (np.float32(code) - qf) * step  # the values the codes stand for in this chunk
+        start = c * chunk
+        end = min(start + chunk, n)
+        groups = groups_full if c < m - 1 else last_groups
+        kc = min(k, groups)
+        prev = -1
+        for a in range(kc):
+            j, ipos, iacc, inn = _take(buf, ipos, iacc, inn, ib, imask)
+            if j >= groups or j <= prev:
+                return BAD_INDEX
+            prev = j
+            base = start + j * g
+            if aligned:  # whole bytes per group: 8/b codes out of each; the only code above 2Q is all ones
+                width = min(g, end - base)  # the last chunk's last group may be short
+                for o in range(g * bits // 8):
+                    byte = np.int64(buf[vpos])
+                    vpos += 1
+                    if bad[byte]:
+                        return BAD_CODE
+                    for i in range(per):
+                        if o * per + i < width:
+                            out[base + o * per + i] = lut[(byte >> (i * bits)) & lowbits]
+                continue
+            for t in range(base, base + g):
+                code, vpos, vacc, vn = _take(buf, vpos, vacc, vn, bits, vmask)
+                if g > 1:
+                    if code > 2 * q:
+                        return BAD_CODE
+                    dec = (np.float32(code) - qf) * step
+                else:
+                    dec = np.float32((code & (q - 1)) + 1) / qf * s
+                    if (code >> (bits - 1)) & 1:
+                        dec = -dec
+                if t < end:
+                    out[t] = dec
+    return OK
+
+
+@njit(cache=True, nogil=True)
+def encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - compiled
+    """`_encode` for any format (one compiled kernel)."""
+    return _encode(x, chunk, g, k, bits, ib, bf16, out, own)
+
+
+@njit(cache=True, nogil=True)
+def decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - compiled
+    """`_decode` for any format (one compiled kernel)."""
+    return _decode(buf, n, chunk, g, k, bits, ib, bf16, out)
+
+
+SPECIALIZE_MIN = 1 << 16  # values: tensors this large take a kernel compiled for their format
+
+
+@lru_cache(maxsize=16)
+def specialized(chunk: int, g: int, k: int, bits: int, ib: int, bf16: bool):  # type: ignore[no-untyped-def]
+    """(encode, decode) compiled with this format's numbers as constants: LLVM then unrolls the per-group and
+    per-byte loops and vectorises the rest (35-45 % faster on a module's Δ). A run uses one format, so it
+    compiles once (seconds, on first use; numba caches it on disk); small tensors keep the generic kernel."""
+
+    @njit(cache=True, nogil=True)
+    def enc(x, out, own):  # pragma: no cover - compiled
+        return _encode(x, chunk, g, k, bits, ib, bf16, out, own)
+
+    @njit(cache=True, nogil=True)
+    def dec(buf, n, out):  # pragma: no cover - compiled
+        return _decode(buf, n, chunk, g, k, bits, ib, bf16, out)
+
+    return enc, dec
