@@ -121,6 +121,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--codec-only", action="store_true",
                     help="re-measure only the codec (on a quiet machine) against the sync times --out already "
                          "holds, and rewrite its codec section and targets")
+    ap.add_argument("--retime", nargs="+", default=[], choices=list(SCHEMES), metavar="SCHEME",
+                    help="with --codec-only: run these schemes' timing runs again (tiny and small), so their codec "
+                         "share is over a sync that ran with the codec as it is now")
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
     ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "compression.png")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
@@ -376,6 +379,17 @@ def _best(tg: dict[str, Any]) -> str | None:
     return tg.get("best top-k pair (holds the loss bound)")
 
 
+def retime(a: argparse.Namespace, schemes: list[str]) -> dict[str, dict[str, float]]:
+    """A sync's time for `schemes` measured again with the codec as it is now: tiny, the convergence setting's
+    seed-0 run; small, the timing run (`small_sync_times`)."""
+    work = a.workdir / "retime"
+    tiny = {name: sync_time(C.run_job(f"retime/tiny-{name}", work / f"tiny_{name}",
+                                      [*common(a), *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse))
+            for name in schemes}
+    a.workdir = work  # small_sync_times writes under <workdir>/timing
+    return {"tiny": tiny, "small": small_sync_times(a, schemes)}
+
+
 def codec_only(a: argparse.Namespace) -> None:
     """The codec's share of a sync, measured again: the runs' sync times are what `a.out` recorded (a codec
     timing taken while other runs shared the cores measures the contention, not the codec)."""
@@ -384,9 +398,15 @@ def codec_only(a: argparse.Namespace) -> None:
     doc = json.loads(a.out.read_text())
     old = doc.get("codec", {})
     compressed = [s for s in doc["schemes"] if s != "none"]
+    sync_s = {m: {k: v["sync_s"] for k, v in old.get(m, {}).items() if v.get("sync_s")} for m in ("tiny", "small")}
+    fresh = retime(a, a.retime) if a.retime else {}
+    for model, times in fresh.items():
+        sync_s[model].update(times)
     codec = {"tiny": codec_us("tiny", compressed), "small": codec_us("small", compressed)}
     for model in codec:
-        print_codec(model, codec[model], {k: v["sync_s"] for k, v in old.get(model, {}).items() if v.get("sync_s")})
+        print_codec(model, codec[model], sync_s[model])
+        for name, c in codec[model].items():
+            c["sync_s_from"] = "retimed with this codec" if name in fresh.get(model, {}) else "the benchmark's runs"
     doc["codec"], doc["codec_env"] = codec, C.environment()
     tg = {k: v for k, v in doc["targets"].items() if "codec" not in k}
     tg.update(codec_targets(codec, _best(tg)))

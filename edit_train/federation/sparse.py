@@ -45,7 +45,7 @@ from edit_train.federation import sparse_fused
 from edit_train.local_sgd.errors import FederationError
 
 __all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "format_error", "encode", "encode_own", "decode",
-           "pack_bits", "unpack_bits"]
+           "pack_bits", "unpack_bits", "warm"]
 
 MAGIC, VERSION, HEADER = 0x53, 1, 8
 NONFINITE = 1
@@ -302,6 +302,15 @@ def _nonfinite(f: SparseFormat, sizes: tuple[int, ...], n: int, dev: torch.devic
     out = torch.zeros(sum(sizes), dtype=torch.uint8, device=dev)
     out[:HEADER] = _header(f, NONFINITE, dev)
     return out, torch.full((n,), float("nan"), dtype=torch.float32, device=dev)
+
+
+def warm(f: SparseFormat, device: torch.device | str = "cpu") -> None:
+    """Load the fused kernels format ``f`` will use on ``device`` — compile them, the first time on a machine
+    (seconds; numba caches them on disk) — so that a cluster's start-up pays for it, not its first sync."""
+    if not (FUSED and sparse_fused.AVAILABLE) or torch.device(device).type != "cpu":
+        return
+    for n in (1, sparse_fused.SPECIALIZE_MIN):  # the generic kernel and the one compiled for the format
+        decode(encode_own(torch.zeros(n), f)[0], n, f)
 
 
 def encode(x: Tensor, f: SparseFormat) -> Tensor:

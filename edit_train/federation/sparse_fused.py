@@ -54,12 +54,19 @@ def _bf16_bits(v, f32, u32):  # pragma: no cover - compiled
 def _keys(x, start, end, g, groups, keys):  # pragma: no cover - compiled
     """Group keys of one chunk: |x| (g = 1) or the squared L2 norm (every value finite, so a key is a
     number or +inf where the squares overflow: plain float order). Returns False if a value is not finite."""
+    if g == 1:
+        for j in range(groups):
+            keys[j] = abs(x[start + j])
+        for j in range(groups):
+            if not np.isfinite(keys[j]):
+                return False
+        return True
     for j in range(groups):
         acc = np.float32(0.0)
         lo, hi = start + j * g, min(start + (j + 1) * g, end)
         for t in range(lo, hi):
             v = x[t]
-            acc += v * v if g > 1 else abs(v)
+            acc += v * v
         if not np.isfinite(acc):  # NaN or inf in the group, or finite squares that overflow
             for t in range(lo, hi):
                 if not np.isfinite(x[t]):
@@ -80,10 +87,12 @@ def _rint(y):  # pragma: no cover - compiled
 def _top(bits, groups, k, best_idx):  # pragma: no cover - compiled
     """The indices of the k largest keys, ascending, into best_idx[:k] (best_idx holds groups + 1). `bits`:
     the keys' int32 bit patterns (non-negative floats and +inf order as their patterns). The k-th largest
-    pattern is found bit by bit from the top (31 branch-free counting passes over the chunk's keys — no
-    data-dependent branch to mispredict, which made a sort or a quickselect 10 ns a key); then one pass takes
-    every key above it and, of the keys equal to it, the earliest."""
+    pattern is found bit by bit from the top (up to 31 branch-free counting passes over the chunk's keys, fewer
+    once exactly k are at or above the prefix — no data-dependent branch to mispredict, which made a sort or
+    a quickselect 10 ns a key); then one pass takes every key above it and, of the keys equal to it, the
+    earliest."""
     thr = np.int32(0)
+    ties = -1
     for b in range(30, -1, -1):
         cand = thr | np.int32(1 << b)
         count = 0
@@ -91,10 +100,15 @@ def _top(bits, groups, k, best_idx):  # pragma: no cover - compiled
             count += bits[j] >= cand
         if count >= k:
             thr = cand
-    above = 0
-    for j in range(groups):
-        above += bits[j] > thr
-    ties = k - above
+            if count == k:  # exactly the k largest are >= thr: done (random keys get here in ~15 passes)
+                ties = 0
+                thr -= 1  # "above thr" below is then "at least cand"
+                break
+    if ties < 0:  # thr is the k-th largest key itself
+        above = 0
+        for j in range(groups):
+            above += bits[j] > thr
+        ties = k - above
     a = 0
     for j in range(groups):
         key = bits[j]
@@ -153,24 +167,25 @@ def _take(buf, pos, acc, have, nbits, mask):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(out, st, acc, w, code, nbits):  # pragma: no cover - compiled
-    """Append `nbits` bits of `code` to bit stream w (0: values, 1: indices), LSB first."""
-    a = acc[w] | (np.uint64(code) << np.uint64(st[2 * w + 1]))
-    nb = st[2 * w + 1] + nbits
-    pos = st[2 * w]
-    while nb >= 8:
-        out[pos] = np.uint8(a & np.uint64(0xFF))
+def _put(out, pos, acc, have, code, nbits):  # pragma: no cover - compiled
+    """Append `nbits` bits of `code` to an LSB-first bit stream (next byte `pos`, `have` bits pending in
+    `acc`): (pos, acc, have) after it."""
+    acc |= np.uint64(code) << np.uint64(have)
+    have += nbits
+    while have >= 8:
+        out[pos] = np.uint8(acc & np.uint64(0xFF))
         pos += 1
-        a >>= np.uint64(8)
-        nb -= 8
-    acc[w], st[2 * w], st[2 * w + 1] = a, pos, nb
+        acc >>= np.uint64(8)
+        have -= 8
+    return pos, acc, have
 
 
 @njit(cache=True, nogil=True)
 def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, scratch, vals, codes):  # noqa
     """One chunk's scale, value codes and indices (sel[:kc, col]: its kept groups, ascending) into the
     payload's bit streams (st = [values byte, values bits, indices byte, index bits], pending bits acc =
-    [values, indices]) and its decoded values into own. vals / codes: scratch of k·g."""
+    [values, indices]; kept in locals while the chunk is written) and its decoded values into own.
+    vals / codes: scratch of k·g."""
     f32, u32, b8 = scratch
     q = (1 << (bits - 1)) - (1 if g > 1 else 0)  # Q (g > 1) or M (g = 1)
     qf = np.float32(q)
@@ -209,12 +224,15 @@ def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, 
         base = start + sel[a, col] * g
         for i in range(min(g, end - base)):
             own[base + i] = vals[a * g + i]
+    ipos, iacc, inn = st[2], acc[1], st[3]
     for a in range(kc):
-        _put(out, st, acc, 1, sel[a, col], ib)
-    if st[1] == 0 and 8 % bits == 0:  # byte-aligned whole codes: a byte at a time
+        ipos, iacc, inn = _put(out, ipos, iacc, inn, sel[a, col], ib)
+    st[2], acc[1], st[3] = ipos, iacc, inn
+    vpos, vacc, vn = st[0], acc[0], st[1]
+    if vn == 0 and 8 % bits == 0:  # byte-aligned whole codes: a byte at a time
         per = 8 // bits
         whole = nv // per
-        pos = st[0]
+        pos = vpos
         if bits == 2:
             for o in range(whole):
                 i = 4 * o
@@ -231,16 +249,17 @@ def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, 
                 for i in range(8):
                     byte |= codes[8 * o + i] << i
                 out[pos + o] = np.uint8(byte)
-        st[0] = pos + whole
+        vpos = pos + whole
         for i in range(whole * per, nv):
-            _put(out, st, acc, 0, codes[i], bits)
+            vpos, vacc, vn = _put(out, vpos, vacc, vn, codes[i], bits)
     else:
         for i in range(nv):
-            _put(out, st, acc, 0, codes[i], bits)
+            vpos, vacc, vn = _put(out, vpos, vacc, vn, codes[i], bits)
+    st[0], acc[0], st[1] = vpos, vacc, vn
 
 
 LANES = 256  # chunks sorted together (a [rows, LANES] int32 block stays in L1/L2)
-MAX_NETWORK = 256  # groups per chunk up to which the network selects (beyond: chunk by chunk, `_top`)
+MAX_NETWORK = 128  # groups per chunk up to which the network selects (beyond: chunk by chunk, `_top`)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -334,13 +353,7 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
             step = s / qf
             for a in range(k):
                 j = sel[a, c]
-                iacc |= np.uint64(j) << np.uint64(inn)
-                inn += ib
-                while inn >= 8:
-                    out[ipos] = np.uint8(iacc & np.uint64(0xFF))
-                    ipos += 1
-                    iacc >>= np.uint64(8)
-                    inn -= 8
+                ipos, iacc, inn = _put(out, ipos, iacc, inn, j, ib)
                 base = start + j * g
                 for o in range(g * bits // 8):  # one byte: 8/b codes
                     byte = 0

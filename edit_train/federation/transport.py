@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from edit_train.federation import auth
+from edit_train.federation import auth, sparse
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback
 from edit_train.federation.modules import ModuleMover
 from edit_train.federation.seal import TAG, Seal
@@ -67,6 +67,8 @@ class LaneTransport:
         # error-feedback residuals; one background thread per lane keeps each lane's collectives in order
         self.compression = compression or CompressionConfig()
         self.compression.validate()
+        if self.compression.sparse and federated:  # the codec's kernels load now, not in the first sync
+            sparse.warm(self.compression.format, cluster.device)
         self.feedback = ErrorFeedback()
         self.mover = ModuleMover(cluster, lanes, self.clock, self.compression, self.feedback, chunks)
         self._seal = Seal(key, "")  # the current quorum's tags (its nonce once issued)
