@@ -29,9 +29,8 @@ value anywhere is sent as the header with the non-finite flag and an all-zero bo
 receiver decodes it to NaN (the rule gives it weight 0; it is never silently made finite). Everything else a
 receiver cannot decode is refused by :func:`decode` with one line (:class:`PayloadError`): a wrong length or
 header, a non-finite or negative scale, an index outside its chunk or not strictly ascending inside it, a code
-outside ``[0, 2Q]``. Decoding is deterministic: the same bytes give the bit-identical fp32 tensor on every rank
-and device, and :func:`encode_own` hands the sender that same tensor without decoding its own bytes.
-"""
+outside ``[0, 2Q]``. The same bytes decode to the bit-identical fp32 tensor on every rank, device and codec (on
+CPU, :mod:`sparse_fused`'s); :func:`encode_own` hands the sender that tensor without decoding its bytes."""
 
 from __future__ import annotations
 
@@ -264,10 +263,8 @@ def encode_own(x: Tensor, f: SparseFormat) -> tuple[Tensor, Tensor]:
         own = torch.empty(n, dtype=torch.float32)
         args = (f.chunk, g, f.k, f.bits, f.index_bits, f.scale_dtype == "bf16")
         xs, o, w = x.detach().contiguous().numpy(), out.numpy(), own.numpy()
-        if n >= sparse_fused.SPECIALIZE_MIN:
-            status = sparse_fused.specialized(*args)[0](xs, o, w)
-        else:
-            status = sparse_fused.encode(xs, *args, o, w)
+        status = (sparse_fused.specialized(*args)[0](xs, o, w) if n >= sparse_fused.SPECIALIZE_MIN
+                  else sparse_fused.encode(xs, *args, o, w))
         if status == sparse_fused.NONFINITE:
             return _nonfinite(f, sizes, n, dev)
         out[:HEADER] = _header(f, 0, dev)
@@ -305,8 +302,7 @@ def _nonfinite(f: SparseFormat, sizes: tuple[int, ...], n: int, dev: torch.devic
 
 
 def warm(f: SparseFormat, device: torch.device | str = "cpu") -> None:
-    """Load the fused kernels format ``f`` will use on ``device`` — compile them, the first time on a machine
-    (seconds; numba caches them on disk) — so that a cluster's start-up pays for it, not its first sync."""
+    """Load (first time on a machine: compile) format ``f``'s fused kernels: start-up pays, not a sync."""
     if not (FUSED and sparse_fused.AVAILABLE) or torch.device(device).type != "cpu":
         return
     for n in (1, sparse_fused.SPECIALIZE_MIN):  # the generic kernel and the one compiled for the format
@@ -369,10 +365,8 @@ def decode(payload: Tensor, numel: int, f: SparseFormat) -> Tensor:
         out = torch.empty(numel, dtype=torch.float32)
         args = (f.chunk, f.group, f.k, f.bits, f.index_bits, f.scale_dtype == "bf16")
         buf, o = payload.contiguous().numpy(), out.numpy()
-        if numel >= sparse_fused.SPECIALIZE_MIN:
-            status = sparse_fused.specialized(*args)[1](buf, numel, o)
-        else:
-            status = sparse_fused.decode(buf, numel, *args, o)
+        status = (sparse_fused.specialized(*args)[1](buf, numel, o) if numel >= sparse_fused.SPECIALIZE_MIN
+                  else sparse_fused.decode(buf, numel, *args, o))
         if status == sparse_fused.OK:
             return out
         # a scale, code or index is wrong: the eager checks below refuse it with the line that names it

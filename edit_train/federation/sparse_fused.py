@@ -27,16 +27,9 @@ from functools import lru_cache
 
 import numpy as np
 
-try:
-    from numba import njit
+from edit_train.federation.sparse_select import AVAILABLE, _keys, _select_block, _top, njit
 
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    AVAILABLE = False
-
-    def njit(*_a, **_k):  # type: ignore[no-redef]
-        return lambda fn: fn
-
+__all__ = ["AVAILABLE", "OK", "NONFINITE", "encode", "decode", "specialized", "SPECIALIZE_MIN"]
 
 OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 
@@ -50,94 +43,12 @@ def _bf16_bits(v, f32, u32):  # pragma: no cover - compiled
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
-@njit(cache=True, nogil=True)
-def _keys(x, start, end, g, groups, keys):  # pragma: no cover - compiled
-    """Group keys of one chunk: |x| (g = 1) or the squared L2 norm (every value finite, so a key is a
-    number or +inf where the squares overflow: plain float order). Returns False if a value is not finite."""
-    if g == 1:
-        for j in range(groups):
-            keys[j] = abs(x[start + j])
-        for j in range(groups):
-            if not np.isfinite(keys[j]):
-                return False
-        return True
-    for j in range(groups):
-        acc = np.float32(0.0)
-        lo, hi = start + j * g, min(start + (j + 1) * g, end)
-        for t in range(lo, hi):
-            v = x[t]
-            acc += v * v
-        if not np.isfinite(acc):  # NaN or inf in the group, or finite squares that overflow
-            for t in range(lo, hi):
-                if not np.isfinite(x[t]):
-                    return False
-        keys[j] = acc
-    return True
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _rint(y):  # pragma: no cover - compiled
     """Round half to even of a float32 |y| <= 2**22 (here |y| <= 128): adding and taking away 1.5 · 2**23
     leaves the integer the fp32 addition rounded to, as torch.round does."""
     big = np.float32(12582912.0)
     return (y + big) - big
-
-
-@njit(cache=True, nogil=True)
-def _top(bits, groups, k, best_idx):  # pragma: no cover - compiled
-    """The indices of the k largest keys, ascending, into best_idx[:k] (best_idx holds groups + 1). `bits`:
-    the keys' int32 bit patterns (non-negative floats and +inf order as their patterns). The k-th largest
-    pattern is found bit by bit from the top (up to 31 branch-free counting passes over the chunk's keys, fewer
-    once exactly k are at or above the prefix — no data-dependent branch to mispredict, which made a sort or
-    a quickselect 10 ns a key); then one pass takes every key above it and, of the keys equal to it, the
-    earliest."""
-    thr = np.int32(0)
-    ties = -1
-    for b in range(30, -1, -1):
-        cand = thr | np.int32(1 << b)
-        count = 0
-        for j in range(groups):
-            count += bits[j] >= cand
-        if count >= k:
-            thr = cand
-            if count == k:  # exactly the k largest are >= thr: done (random keys get here in ~15 passes)
-                ties = 0
-                thr -= 1  # "above thr" below is then "at least cand"
-                break
-    if ties < 0:  # thr is the k-th largest key itself
-        above = 0
-        for j in range(groups):
-            above += bits[j] > thr
-        ties = k - above
-    a = 0
-    for j in range(groups):
-        key = bits[j]
-        take = (key > thr) | ((key == thr) & (ties > 0))
-        ties -= (key == thr) & take
-        best_idx[a] = j
-        a += take
-
-
-@njit(cache=True, nogil=True)
-def _bitonic(rows, n_rows, lanes, descending):  # pragma: no cover - compiled
-    """Sort each column of rows[:n_rows, :lanes] (n_rows a power of two) with a bitonic network: every
-    compare-exchange is a min and a max of two rows over all lanes (chunks) at once, data-independent and
-    vectorised — where a per-chunk sort or quickselect loses ~10 ns a key to mispredicted branches."""
-    size = 2
-    while size <= n_rows:
-        stride = size // 2
-        while stride > 0:
-            for i in range(n_rows):
-                o = i ^ stride
-                if o > i:
-                    up = ((i & size) == 0) == descending  # this pair's larger value goes to row i
-                    a, b = (rows[i], rows[o]) if up else (rows[o], rows[i])
-                    for c in range(lanes):  # one loop body: it vectorises (two made it 4x slower)
-                        x, y = a[c], b[c]
-                        a[c] = max(x, y)
-                        b[c] = min(x, y)
-            stride //= 2
-        size *= 2
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -258,6 +169,41 @@ def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, 
     st[0], acc[0], st[1] = vpos, vacc, vn
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _emit_block(x, b0, lanes, chunk, g, k, bits, ib, bf16, sel, gmax, out, own, st, acc, scratch):  # noqa
+    """`_emit` for a block of full chunks when every kept group is whole bytes of codes (g > 1, g·b a
+    multiple of 8): one fused loop per group, stream positions in registers."""
+    f32, u32, b8 = scratch
+    per = 8 // bits
+    q = (1 << (bits - 1)) - 1
+    qf = np.float32(q)
+    vpos, ipos, inn, iacc = st[0], st[2], st[3], acc[1]
+    own[b0 * chunk:(b0 + lanes) * chunk] = np.float32(0.0)  # one fill for the block (8x a chunk's loop)
+    for c in range(lanes):  # whole bytes per group (g > 1, g·b a multiple of 8): one fused loop
+        cc = b0 + c
+        start = cc * chunk
+        amax = np.float32(0.0)
+        for a in range(k):
+            amax = max(amax, gmax[sel[a, c], c])
+        s = _put_scale(out, cc, amax, bf16, f32, u32, b8)
+        inv = qf / (s if s > 0 else np.float32(1.0))
+        step = s / qf
+        for a in range(k):
+            j = sel[a, c]
+            ipos, iacc, inn = _put(out, ipos, iacc, inn, j, ib)
+            base = start + j * g
+            for o in range(g * bits // 8):  # one byte: 8/b codes
+                byte = 0
+                t0 = base + o * per
+                for i in range(per):
+                    r = min(max(_rint(x[t0 + i] * inv), -qf), qf)
+                    own[t0 + i] = r * step  # = (code − Q) · (s / Q)
+                    byte |= (np.int32(r) + q) << (i * bits)
+                out[vpos] = np.uint8(byte)
+                vpos += 1
+    st[0], st[2], st[3], acc[1] = vpos, ipos, inn, iacc
+
+
 LANES = 256  # chunks sorted together (a [rows, LANES] int32 block stays in L1/L2)
 MAX_NETWORK = 128  # groups per chunk up to which the network selects (beyond: chunk by chunk, `_top`)
 
@@ -267,11 +213,8 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
     """x float32[n] -> out (uint8, the whole payload after its 8-byte header) and own (float32[n], what
     receivers decode). Returns OK or NONFINITE (out and own then undefined).
 
-    Selection, for the full chunks, LANES at a time: each group's key is its norm's fp32 bit pattern with
-    the low ``ib`` bits replaced by (G − 1 − group), so keys are distinct and a tie (norms equal to 2^(ib−23)
-    relative) goes to the earlier group; a bitonic network sorts every chunk's keys at once (descending), the
-    first k are kept, and a second network puts their indices in ascending order. The short last chunk, if
-    any, is selected on its own (`_top`)."""
+    Full chunks are selected LANES at a time (`sparse_select._select_block`); the short last chunk, and every
+    chunk of more than MAX_NETWORK groups, one at a time (`_keys`, `_top`)."""
     n = x.shape[0]
     m = (n + chunk - 1) // chunk
     G = chunk // g
@@ -296,75 +239,20 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
     kbits = np.empty((rows, LANES), dtype=np.int32)  # C layout: the network's loops vectorise over it
     keys = kbits.view(np.float32)  # (a view has layout "A": fine for the scalar stores below)
     sel = np.empty((K2, LANES), dtype=np.int32)
-    low = (1 << ib) - 1
     blocked = n // chunk if P <= MAX_NETWORK else 0  # full chunks selected LANES at a time
     aligned = g > 1 and (g * bits) % 8 == 0
-    per = 8 // bits
-    q = (1 << (bits - 1)) - 1
-    qf = np.float32(q)
-    f32, u32, b8 = scratch
     gmax = np.empty((min(G, rows), LANES), dtype=np.float32)  # each group's largest |value| (the chunk's scale)
     for b0 in range(0, blocked, LANES):
         lanes = min(LANES, blocked - b0)
-        for c in range(lanes):
-            start = (b0 + c) * chunk
-            for j in range(G):
-                s2 = np.float32(0.0)
-                mx = np.float32(0.0)
-                for t in range(start + j * g, start + (j + 1) * g):
-                    v = x[t]
-                    s2 += v * v if g > 1 else abs(v)
-                    mx = max(mx, abs(v))
-                if not np.isfinite(s2):  # NaN or inf in the group, or finite squares that overflow
-                    for t in range(start + j * g, start + (j + 1) * g):
-                        if not np.isfinite(x[t]):
-                            return NONFINITE
-                keys[j, c] = s2
-                gmax[j, c] = mx
-        for j in range(G):
-            row = kbits[j]
-            tag = G - 1 - j
-            for c in range(lanes):
-                row[c] = (row[c] & ~low) | tag
-        for j in range(G, P):
-            for c in range(lanes):
-                kbits[j, c] = -1
-        _bitonic(kbits, P, lanes, True)
-        for a in range(K2):
-            for c in range(lanes):
-                sel[a, c] = G - 1 - (kbits[a, c] & low) if a < k else 1 << 30
-        _bitonic(sel, K2, lanes, False)
+        if not _select_block(x, b0, lanes, chunk, g, G, P, k, K2, ib, kbits, keys, gmax, sel):
+            return NONFINITE
         if not aligned:
             for c in range(lanes):
                 cc = b0 + c
                 _emit(x, cc * chunk, cc * chunk + chunk, g, k, sel, c, bits, ib, bf16, out, own, st, acc, cc,
                       scratch, vals, codes)
             continue
-        vpos, ipos, inn, iacc = st[0], st[2], st[3], acc[1]
-        own[b0 * chunk:(b0 + lanes) * chunk] = np.float32(0.0)  # one fill for the block (8x a chunk's loop)
-        for c in range(lanes):  # whole bytes per group (g > 1, g·b a multiple of 8): one fused loop
-            cc = b0 + c
-            start = cc * chunk
-            amax = np.float32(0.0)
-            for a in range(k):
-                amax = max(amax, gmax[sel[a, c], c])
-            s = _put_scale(out, cc, amax, bf16, f32, u32, b8)
-            inv = qf / (s if s > 0 else np.float32(1.0))
-            step = s / qf
-            for a in range(k):
-                j = sel[a, c]
-                ipos, iacc, inn = _put(out, ipos, iacc, inn, j, ib)
-                base = start + j * g
-                for o in range(g * bits // 8):  # one byte: 8/b codes
-                    byte = 0
-                    t0 = base + o * per
-                    for i in range(per):
-                        r = min(max(_rint(x[t0 + i] * inv), -qf), qf)
-                        own[t0 + i] = r * step  # = (code − Q) · (s / Q)
-                        byte |= (np.int32(r) + q) << (i * bits)
-                    out[vpos] = np.uint8(byte)
-                    vpos += 1
-        st[0], st[2], st[3], acc[1] = vpos, ipos, inn, iacc
+        _emit_block(x, b0, lanes, chunk, g, k, bits, ib, bf16, sel, gmax, out, own, st, acc, scratch)
     if blocked < m:  # chunk by chunk: the short last one, or every chunk where G is too large for a network
         gkeys = np.empty(G, dtype=np.float32)
         best = np.empty((G + 1, 1), dtype=np.int32)
@@ -382,6 +270,18 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
     if st[3] > 0:
         out[st[2]] = np.uint8(acc[1] & np.uint64(0xFF))
     return OK
+
+
+@njit(cache=True, nogil=True)
+def _bad_bytes(bits, per):  # pragma: no cover - compiled
+    """Which byte values hold an all-ones `bits`-bit code (the one code above 2Q) among their `per` codes."""
+    bad = np.zeros(256, dtype=np.bool_)
+    low = (1 << bits) - 1
+    for byte in range(256):
+        for i in range(per):
+            if (byte >> (i * bits)) & low == low:
+                bad[byte] = True
+    return bad
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -408,12 +308,7 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
     lowbits = (1 << bits) - 1
     top = 2 * q
     lut = np.zeros(1 << bits, dtype=np.float32)
-    bad = np.zeros(256, dtype=np.bool_)  # bytes holding an all-ones code (above 2Q) somewhere
-    if aligned:
-        for byte in range(256):
-            for i in range(per):
-                if (byte >> (i * bits)) & lowbits == lowbits:
-                    bad[byte] = True
+    bad = _bad_bytes(bits, per if aligned else 0)  # bytes holding an all-ones code (above 2Q) somewhere
     f32 = np.empty(1, dtype=np.float32)
     u32 = f32.view(np.uint32)
     b8 = f32.view(np.uint8)
