@@ -272,11 +272,11 @@ def print_codec(model: str, codec: dict[str, Any], sync_s: dict[str, float]) -> 
               f"{C.fmt(s, '.3f')} s -> {C.fmt(share, '.2%')}")
 
 
-def small_sync_times(a: argparse.Namespace, schemes: list[str]) -> dict[str, float]:
-    """A sync's time on the small model (one short run per scheme, seed 0)."""
+def small_sync_times(a: argparse.Namespace, schemes: list[str], workdir: Path | None = None) -> dict[str, float]:
+    """A sync's time on the small model (one short run per scheme, seed 0), under <workdir>/timing."""
     times = {}
     for name in schemes:
-        job = C.run_job(f"timing/small-{name}", a.workdir / "timing" / f"small_{name}",
+        job = C.run_job(f"timing/small-{name}", (workdir or a.workdir) / "timing" / f"small_{name}",
                         [*common(a, "small"), "train.steps=32", "train.eval_every=32", "train.eval_batches=1",
                          *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse)
         times[name] = sync_time(job)
@@ -386,8 +386,7 @@ def retime(a: argparse.Namespace, schemes: list[str]) -> dict[str, dict[str, flo
     tiny = {name: sync_time(C.run_job(f"retime/tiny-{name}", work / f"tiny_{name}",
                                       [*common(a), *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse))
             for name in schemes}
-    a.workdir = work  # small_sync_times writes under <workdir>/timing
-    return {"tiny": tiny, "small": small_sync_times(a, schemes)}
+    return {"tiny": tiny, "small": small_sync_times(a, schemes, work)}
 
 
 def codec_only(a: argparse.Namespace) -> None:

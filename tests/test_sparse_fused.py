@@ -120,12 +120,8 @@ def test_the_fused_decoder_refuses_with_the_eager_line(kind):
     assert str(fused.value) == str(eager.value)
 
 
-def test_the_cpu_takes_the_fused_path_and_a_gpu_tensor_would_not():
+def test_the_cpu_takes_the_fused_path_and_a_gpu_tensor_would_not(monkeypatch):
     assert sparse._fused(torch.zeros(1))
     assert not sparse._fused(torch.zeros(1, device="meta"))
-    old = sparse.FUSED
-    try:
-        sparse.FUSED = False
-        assert not sparse._fused(torch.zeros(1))
-    finally:
-        sparse.FUSED = old
+    monkeypatch.setattr(sparse, "FUSED", False)
+    assert not sparse._fused(torch.zeros(1))
