@@ -4,10 +4,13 @@ the non-finite payload, and the kernel compiled for a format's numbers (large te
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 import torch
 
-from edit_train.federation import sparse, sparse_fused
+from edit_train.federation import sparse, sparse_bits, sparse_elements, sparse_fused, sparse_select
 from edit_train.federation.sparse import HEADER, PayloadError, SparseFormat, decode, encode_own
 
 pytestmark = pytest.mark.skipif(not sparse_fused.AVAILABLE, reason="numba is not installed")
@@ -68,6 +71,48 @@ def test_the_kernel_compiled_for_a_format_matches_the_eager_path(n):
     assert torch.equal(bits_of(codec(True, decode, eager_pay, n, f)), bits_of(eager_own))
 
 
+def element_chunks(seed: int) -> torch.Tensor:
+    """256-value chunks that defeat a guess carried from chunk to chunk: scales jumping by up to 10^±30, the
+    k-th value tied (few distinct values), mostly zeros with a -0.0, subnormals, a plain short last chunk."""
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for i in range(60):
+        c = torch.randn(256, generator=g)
+        kind = i % 5
+        if kind == 0:
+            c *= 10.0 ** float(torch.randint(-30, 31, (1,), generator=g))
+        elif kind == 1:
+            c = torch.randint(-2, 3, (256,), generator=g).float()
+        elif kind == 2:
+            c[torch.rand(256, generator=g) < 0.95] = 0.0
+            c[5] = -0.0
+        elif kind == 3:
+            c *= 1e-40
+        else:
+            c *= 1e-3
+        parts.append(c)
+    return torch.cat(parts + [torch.randn(77, generator=g)])
+
+
+@pytest.mark.parametrize("density,bits", [(1 / 256, 2), (0.01, 1), (0.05, 4), (0.25, 4), (0.5, 8), (1.0, 2)])
+def test_element_top_k_keeps_exactly_the_k_largest_earlier_first(density, bits):
+    """g = 1 selects with a bracket from the last chunk's k-th value (sparse_elements): whatever the chunks,
+    the kept indices are a stable sort's — the k largest |x|, of equal ones the earlier — and what the
+    sender keeps as its own is what receivers decode."""
+    f = SparseFormat.of(256, density, bits, "bf16", 1)
+    for seed in range(3):
+        x = element_chunks(seed)
+        n = x.numel()
+        pay, own = codec(True, encode_own, x, f)
+        want = []
+        for c0 in range(0, n, 256):
+            part = x[c0:c0 + 256].abs()
+            order = sorted(range(part.numel()), key=lambda j: (-float(part[j]), j))  # noqa: B023
+            want += sorted(order[:min(f.k, part.numel())])
+        assert pay[-len(want):].tolist() == want  # the index section: a byte each, last in the payload
+        assert torch.equal(bits_of(own), bits_of(codec(False, decode, pay, n, f)))
+
+
 def test_ties_go_to_the_earlier_group():
     f = SparseFormat.of(64, 0.25, 4, "fp32", 8)  # 2 of 8 groups
     x = torch.zeros(64)
@@ -125,3 +170,10 @@ def test_the_cpu_takes_the_fused_path_and_a_gpu_tensor_would_not(monkeypatch):
     assert not sparse._fused(torch.zeros(1, device="meta"))
     monkeypatch.setattr(sparse, "FUSED", False)
     assert not sparse._fused(torch.zeros(1))
+
+
+def test_the_kernel_cache_is_stamped_with_the_modules_it_inlines():
+    """numba's disk cache only sees sparse_fused.py's timestamp: editing an inlined module must edit it too."""
+    sources = b"".join(Path(m.__file__).read_bytes() for m in (sparse_bits, sparse_select, sparse_elements))
+    digest = hashlib.sha256(sources).hexdigest()[:16]
+    assert sparse_fused.INLINED_SOURCES == digest, f"set sparse_fused.INLINED_SOURCES = {digest!r}"

@@ -5,8 +5,10 @@ gathers, codes, packing, a zero-filled output) and ~30 small-op dispatches per c
 was 9–10 % of a sync's time (issue 24). Here, 256 chunks at a time: one loop computes every group's norm and
 largest |value|; a bitonic network sorts all those chunks' keys at once (row by row, so its compare-exchanges
 vectorise across chunks — a per-chunk sort or quickselect loses ~10 ns a key to mispredicted branches); then
-one loop per chunk writes the scale, the codes, the indices and the sender's own decoded values. Decoding is
-the mirror (a lookup table of the chunk's 2^b values, one check per byte for an out-of-range code).
+one loop per chunk writes the scale, the codes, the indices and the sender's own decoded values. Element top-k
+with chunks of more than 128 values (g = 1 at the default 256) selects chunk by chunk instead, bracketing each
+chunk's k-th value around the last one's (:mod:`sparse_elements`). Decoding is the mirror (a lookup table of
+the chunk's 2^b values, one check per byte for an out-of-range code).
 
 The same bytes format, and bit-identical decoded values to :func:`sparse.decode`: the value formulas are the
 same fp32 operations in the same order (numba keeps IEEE semantics without ``fastmath``; bf16 scales round to
@@ -27,68 +29,18 @@ from functools import lru_cache
 
 import numpy as np
 
-from edit_train.federation.sparse_select import AVAILABLE, _keys, _select_block, _top, njit
+from edit_train.federation.sparse_bits import AVAILABLE, _put, _put_scale, _rint, _take, njit
+from edit_train.federation.sparse_elements import encode_elements
+from edit_train.federation.sparse_select import _keys, _select_block, _top
 
 __all__ = ["AVAILABLE", "OK", "NONFINITE", "encode", "decode", "specialized", "SPECIALIZE_MIN"]
 
 OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 
-
-@njit(cache=True, nogil=True)
-def _bf16_bits(v, f32, u32):  # pragma: no cover - compiled
-    """fp32 -> bf16 bit pattern, round to nearest even (finite and inf inputs); f32/u32: a 1-value scratch
-    and its uint32 view (a bit cast without an allocation)."""
-    f32[0] = v
-    u = np.int64(u32[0])
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _rint(y):  # pragma: no cover - compiled
-    """Round half to even of a float32 |y| <= 2**22 (here |y| <= 128): adding and taking away 1.5 · 2**23
-    leaves the integer the fp32 addition rounded to, as torch.round does."""
-    big = np.float32(12582912.0)
-    return (y + big) - big
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _put_scale(out, c, amax, bf16, f32, u32, b8):  # pragma: no cover - compiled
-    """Chunk c's scale into the payload (bf16: rounded to nearest even) -> the fp32 scale receivers read."""
-    if bf16:
-        sb = _bf16_bits(amax, f32, u32)
-        out[8 + 2 * c] = sb & 0xFF
-        out[8 + 2 * c + 1] = sb >> 8
-        u32[0] = sb << 16
-        return f32[0]
-    f32[0] = amax
-    for b in range(4):
-        out[8 + 4 * c + b] = b8[b]
-    return amax
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _take(buf, pos, acc, have, nbits, mask):  # pragma: no cover - compiled
-    """The next `nbits` bits of an LSB-first bit stream at byte `pos` with `have` bits pending in `acc`:
-    (code, pos, acc, have) after it."""
-    while have < nbits:
-        acc |= np.uint64(buf[pos]) << np.uint64(have)
-        pos += 1
-        have += 8
-    return np.int64(acc & mask), pos, acc >> np.uint64(nbits), have - nbits
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _put(out, pos, acc, have, code, nbits):  # pragma: no cover - compiled
-    """Append `nbits` bits of `code` to an LSB-first bit stream (next byte `pos`, `have` bits pending in
-    `acc`): (pos, acc, have) after it."""
-    acc |= np.uint64(code) << np.uint64(have)
-    have += nbits
-    while have >= 8:
-        out[pos] = np.uint8(acc & np.uint64(0xFF))
-        pos += 1
-        acc >>= np.uint64(8)
-        have -= 8
-    return pos, acc, have
+# numba's disk cache checks the timestamp of the file that defines a kernel (this one), not of the files whose
+# functions it inlines: this digest of sparse_bits, sparse_select and sparse_elements changes this file whenever
+# they change (tests/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
+INLINED_SOURCES = "d2737239c08a65f5"
 
 
 @njit(cache=True, nogil=True)
@@ -130,8 +82,7 @@ def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, 
             neg = v < 0
             codes[i] = code | ((1 << (bits - 1)) if neg else 0)
             vals[i] = -dec if neg else dec
-    own[start:end] = np.float32(0.0)
-    for a in range(kc):
+    for a in range(kc):  # (own is zero-filled once per payload)
         base = start + sel[a, col] * g
         for i in range(min(g, end - base)):
             own[base + i] = vals[a * g + i]
@@ -178,7 +129,6 @@ def _emit_block(x, b0, lanes, chunk, g, k, bits, ib, bf16, sel, gmax, out, own, 
     q = (1 << (bits - 1)) - 1
     qf = np.float32(q)
     vpos, ipos, inn, iacc = st[0], st[2], st[3], acc[1]
-    own[b0 * chunk:(b0 + lanes) * chunk] = np.float32(0.0)  # one fill for the block (8x a chunk's loop)
     for c in range(lanes):  # whole bytes per group (g > 1, g·b a multiple of 8): one fused loop
         cc = b0 + c
         start = cc * chunk
@@ -214,7 +164,7 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
     receivers decode). Returns OK or NONFINITE (out and own then undefined).
 
     Full chunks are selected LANES at a time (`sparse_select._select_block`); the short last chunk, and every
-    chunk of more than MAX_NETWORK groups, one at a time (`_keys`, `_top`)."""
+    chunk of more than MAX_NETWORK groups, one at a time (`sparse_elements` for g = 1, else `_keys`, `_top`)."""
     n = x.shape[0]
     m = (n + chunk - 1) // chunk
     G = chunk // g
@@ -242,6 +192,8 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
     blocked = n // chunk if P <= MAX_NETWORK else 0  # full chunks selected LANES at a time
     aligned = g > 1 and (g * bits) % 8 == 0
     gmax = np.empty((min(G, rows), LANES), dtype=np.float32)  # each group's largest |value| (the chunk's scale)
+    if blocked > 0 or g > 1:  # (element top-k zeroes its chunks as it reads them)
+        own[:] = np.float32(0.0)  # one fill (a fill per chunk was 8x slower)
     for b0 in range(0, blocked, LANES):
         lanes = min(LANES, blocked - b0)
         if not _select_block(x, b0, lanes, chunk, g, G, P, k, K2, ib, kbits, keys, gmax, sel):
@@ -253,7 +205,10 @@ def _encode(x, chunk, g, k, bits, ib, bf16, out, own):  # pragma: no cover - com
                       scratch, vals, codes)
             continue
         _emit_block(x, b0, lanes, chunk, g, k, bits, ib, bf16, sel, gmax, out, own, st, acc, scratch)
-    if blocked < m:  # chunk by chunk: the short last one, or every chunk where G is too large for a network
+    if blocked < m and g == 1:  # chunk by chunk (`sparse_elements`)
+        if not encode_elements(x, blocked, n, chunk, k, bits, ib, bf16, out, own, st, acc, scratch):
+            return NONFINITE
+    elif blocked < m:  # chunk by chunk: the short last one, or every chunk where G is too large for a network
         gkeys = np.empty(G, dtype=np.float32)
         best = np.empty((G + 1, 1), dtype=np.int32)
         for cc in range(blocked, m):
@@ -308,6 +263,7 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
     lowbits = (1 << bits) - 1
     top = 2 * q
     lut = np.zeros(1 << bits, dtype=np.float32)
+    elements = g == 1 and (1 << bits) <= 2 * k  # g = 1: a table of the 2^b values when a chunk holds enough
     bad = _bad_bytes(bits, per if aligned else 0)  # bytes holding an all-ones code (above 2Q) somewhere
     f32 = np.empty(1, dtype=np.float32)
     u32 = f32.view(np.uint32)
@@ -326,6 +282,10 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
         if aligned:
             for code in range(top + 1):
                 lut[code] = (np.float32(code) - qf) * step  # the values the codes stand for in this chunk
+        elif elements:  # sign and level -> value, the formula below once per code
+            for code in range(1 << bits):
+                mag = np.float32((code & (q - 1)) + 1) / qf * s
+                lut[code] = -mag if (code >> (bits - 1)) & 1 else mag
         start = c * chunk
         end = min(start + chunk, n)
         groups = groups_full if c < m - 1 else last_groups
@@ -354,6 +314,8 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
                     if code > 2 * q:
                         return BAD_CODE
                     dec = (np.float32(code) - qf) * step
+                elif elements:
+                    dec = lut[code]
                 else:
                     dec = np.float32((code & (q - 1)) + 1) / qf * s
                     if (code >> (bits - 1)) & 1:

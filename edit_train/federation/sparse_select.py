@@ -1,5 +1,6 @@
 """Which groups a chunk of a sparse payload keeps, for :mod:`sparse_fused` (numba): the k groups of largest
-squared L2 norm (|x| for element top-k), indices ascending, ties to the earlier group.
+squared L2 norm (|x| for element top-k), indices ascending, ties to the earlier group (element top-k over
+chunks of more than 128 values: :mod:`sparse_elements`).
 
 Many chunks at once (`_select_block`): a bitonic network sorts the keys of 256 chunks together, row by row, so
 every compare-exchange is a vectorised min/max across chunks — a per-chunk sort or quickselect loses ~10 ns a
@@ -11,28 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    from numba import njit
-
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    AVAILABLE = False
-
-    def njit(*_a, **_k):  # type: ignore[no-redef]
-        return lambda fn: fn
+from edit_train.federation.sparse_bits import njit
 
 
 @njit(cache=True, nogil=True)
 def _keys(x, start, end, g, groups, keys):  # pragma: no cover - compiled
-    """Group keys of one chunk: |x| (g = 1) or the squared L2 norm (every value finite, so a key is a
-    number or +inf where the squares overflow: plain float order). Returns False if a value is not finite."""
-    if g == 1:
-        for j in range(groups):
-            keys[j] = abs(x[start + j])
-        for j in range(groups):
-            if not np.isfinite(keys[j]):
-                return False
-        return True
+    """Group keys of one chunk, g > 1: the squared L2 norm (every value finite, so a key is a number or +inf
+    where the squares overflow: plain float order). Returns False if a value is not finite."""
     for j in range(groups):
         acc = np.float32(0.0)
         lo, hi = start + j * g, min(start + (j + 1) * g, end)
