@@ -57,7 +57,9 @@ class PenaltyConfig:
     clip_threshold: float = 10.0
     step_weight_ratio: float = 0.0
     sigma_floor: float = 0.05  # σ used in z is at least sigma_floor·|μ|
-    readmit_after: int = 12  # the k-th consecutive flag of a worker is accepted as its new level (0 = never)
+    # the k-th consecutive flag of a worker is accepted as its new level (0 = never); 16: a 12-sync fault window
+    # stays flagged (issue 20: at 12 its last sync was re-admitted), a lasting shift is re-learned within 25 (issue 10)
+    readmit_after: int = 16
     regime_change: bool = True  # a shift shared by most workers rescales everyone's statistics instead
     # the `verified` rule (docs/sync_math.md): direction and usefulness evidence, weights by tokens
     sketch_dim: int = 1024  # count-sketch buckets per module for the direction test (a power of two; 0 = off)
