@@ -240,6 +240,22 @@ def _bad_bytes(bits, per):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _chunk_table(lut, s, q, bits, aligned, elements):  # pragma: no cover - compiled
+    """The values a chunk's codes stand for, by the decoder's own formulas, into lut: offset codes (aligned
+    groups) or sign-and-level codes (element top-k; `elements`). Returns the chunk's step s / Q."""
+    qf = np.float32(q)
+    step = s / qf
+    if aligned:
+        for code in range(2 * q + 1):
+            lut[code] = (np.float32(code) - qf) * step
+    elif elements:
+        for code in range(1 << bits):
+            mag = np.float32((code & (q - 1)) + 1) / qf * s
+            lut[code] = -mag if (code >> (bits - 1)) & 1 else mag
+    return step
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - compiled
     """A checked-length, checked-header payload -> out float32[n]. Returns OK or the first problem found
     (BAD_SCALE, BAD_CODE, BAD_INDEX): the caller then lets the eager decoder word the refusal."""
@@ -261,7 +277,6 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
     aligned = g > 1 and (g * bits) % 8 == 0
     per = 8 // bits
     lowbits = (1 << bits) - 1
-    top = 2 * q
     lut = np.zeros(1 << bits, dtype=np.float32)
     elements = g == 1 and (1 << bits) <= 2 * k  # g = 1: a table of the 2^b values when a chunk holds enough
     bad = _bad_bytes(bits, per if aligned else 0)  # bytes holding an all-ones code (above 2Q) somewhere
@@ -278,14 +293,7 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
         s = f32[0]
         if not np.isfinite(s) or s < 0:
             return BAD_SCALE
-        step = s / qf
-        if aligned:
-            for code in range(top + 1):
-                lut[code] = (np.float32(code) - qf) * step  # the values the codes stand for in this chunk
-        elif elements:  # sign and level -> value, the formula below once per code
-            for code in range(1 << bits):
-                mag = np.float32((code & (q - 1)) + 1) / qf * s
-                lut[code] = -mag if (code >> (bits - 1)) & 1 else mag
+        step = _chunk_table(lut, s, q, bits, aligned, elements)
         start = c * chunk
         end = min(start + chunk, n)
         groups = groups_full if c < m - 1 else last_groups
