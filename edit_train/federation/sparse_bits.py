@@ -73,3 +73,16 @@ def _put(out, pos, acc, have, code, nbits):  # pragma: no cover - compiled
         acc >>= np.uint64(8)
         have -= 8
     return pos, acc, have
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _level(v, safe, qf):  # pragma: no cover - compiled
+    """Element top-k (g = 1): a kept value's magnitude level, round(|v| / s · M) − 1 clamped to [0, M − 1]
+    (qf = M = 2^(b−1); safe = s, or 1 where s = 0) — the eager encoder's fp32 operations."""
+    return np.int32(min(max(_rint(abs(v) / safe * qf) - np.float32(1.0), np.float32(0.0)), qf - np.float32(1.0)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _level_value(level, qf, s):  # pragma: no cover - compiled
+    """What an element top-k magnitude level decodes to: (level + 1) / M · s (the eager decoder's order)."""
+    return np.float32(level + 1) / qf * s

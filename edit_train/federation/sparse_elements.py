@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edit_train.federation.sparse_bits import _put, _put_scale, _rint, njit, trailing_zeros
+from edit_train.federation.sparse_bits import _level, _level_value, _put, _put_scale, njit, trailing_zeros
 
 KEY_MAX = 0x7FFFFFFF  # keys are non-negative int32 bit patterns; >= 0x7F800000 is inf or NaN
 NONFINITE_KEY = 0x7F800000
@@ -99,7 +99,7 @@ def _emit_kept(x, start, groups, kc, keep, hi, c, bits, ib, bf16, out, own, pos,
     table = sign <= kc
     if table:
         for code in range(sign):
-            lut[code] = np.float32(code + 1) / qf * s
+            lut[code] = _level_value(code, qf, s)
     vpos, vn, vacc, ipos, inn, iacc = pos
     for w in range((groups + 31) >> 5):
         m = keep[w]
@@ -107,9 +107,8 @@ def _emit_kept(x, start, groups, kc, keep, hi, c, bits, ib, bf16, out, own, pos,
             j = 32 * w + trailing_zeros(m)
             m &= m - np.uint32(1)
             v = x[start + j]
-            r = min(max(_rint(abs(v) / safe * qf) - np.float32(1.0), np.float32(0.0)), qf - np.float32(1.0))
-            code = np.int32(r)
-            dec = lut[code] if table else np.float32(code + 1) / qf * s
+            code = _level(v, safe, qf)
+            dec = lut[code] if table else _level_value(code, qf, s)
             neg = v < 0
             own[start + j] = -dec if neg else dec
             vpos, vacc, vn = _put(out, vpos, vacc, vn, code | (sign if neg else 0), bits)

@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from edit_train.federation.sparse_bits import AVAILABLE, _put, _put_scale, _rint, _take, njit
+from edit_train.federation.sparse_bits import AVAILABLE, _level, _level_value, _put, _put_scale, _rint, _take, njit
 from edit_train.federation.sparse_elements import encode_elements
 from edit_train.federation.sparse_select import _keys, _select_block, _top
 
@@ -40,7 +40,7 @@ OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 # numba's disk cache checks the timestamp of the file that defines a kernel (this one), not of the files whose
 # functions it inlines: this digest of sparse_bits, sparse_select and sparse_elements changes this file whenever
 # they change (tests/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
-INLINED_SOURCES = "d2737239c08a65f5"
+INLINED_SOURCES = "ff13ddf67bd2d058"
 
 
 @njit(cache=True, nogil=True)
@@ -76,9 +76,8 @@ def _emit(x, start, end, g, kc, sel, col, bits, ib, bf16, out, own, st, acc, c, 
     else:
         for i in range(nv):
             v = vals[i]
-            r = min(max(_rint(abs(v) / safe * qf) - np.float32(1.0), np.float32(0.0)), qf - np.float32(1.0))
-            code = np.int32(r)
-            dec = np.float32(code + 1) / qf * s
+            code = _level(v, safe, qf)
+            dec = _level_value(code, qf, s)
             neg = v < 0
             codes[i] = code | ((1 << (bits - 1)) if neg else 0)
             vals[i] = -dec if neg else dec
@@ -250,7 +249,7 @@ def _chunk_table(lut, s, q, bits, aligned, elements):  # pragma: no cover - comp
             lut[code] = (np.float32(code) - qf) * step
     elif elements:
         for code in range(1 << bits):
-            mag = np.float32((code & (q - 1)) + 1) / qf * s
+            mag = _level_value(code & (q - 1), qf, s)
             lut[code] = -mag if (code >> (bits - 1)) & 1 else mag
     return step
 
@@ -325,7 +324,7 @@ def _decode(buf, n, chunk, g, k, bits, ib, bf16, out):  # pragma: no cover - com
                 elif elements:
                     dec = lut[code]
                 else:
-                    dec = np.float32((code & (q - 1)) + 1) / qf * s
+                    dec = _level_value(code & (q - 1), qf, s)
                     if (code >> (bits - 1)) & 1:
                         dec = -dec
                 if t < end:
