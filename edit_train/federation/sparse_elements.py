@@ -150,7 +150,7 @@ def encode_elements(x, c0, n, chunk, k, bits, ib, bf16, out, own, st, acc, scrat
                 lo = t
             if c_hi < kc:
                 top = t2
-            elif c_hi >= kc:
+            else:  # even the bracket's top holds k or more: the k-th key is above it
                 lo = t2
         t, exact = (lo, True) if _at_least(kb, groups, np.int32(lo)) == kc else _kth(kb, groups, kc, lo, top)
         margin = min(2 * margin, 1 << 26) if missed else max(margin - margin // 8, 1 << 8)

@@ -40,7 +40,7 @@ OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 # numba's disk cache checks the timestamp of the file that defines a kernel (this one), not of the files whose
 # functions it inlines: this digest of sparse_bits, sparse_select and sparse_elements changes this file whenever
 # they change (tests/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
-INLINED_SOURCES = "ff13ddf67bd2d058"
+INLINED_SOURCES = "8acd4de06bdc0606"
 
 
 @njit(cache=True, nogil=True)
