@@ -200,6 +200,10 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
     win = [] if kind is None else window_syncs(a, kind, steps)
     c1 = {k: by[k][FAULTY] for k in steps}
     zero = [k for k in win if float(c1[k]["weight"]) <= 1e-12]
+    # updates taken back one sync late after the probe judged them harmful: {sync of the update: sync taken back}
+    taken = {int(v["sync"]): k for k in syncs for e in by[k].values() for who, v in e.get("retracted", {}).items()
+             if who == FAULTY}
+    retractions = sum(len(e.get("retracted", {})) for k in syncs for e in by[k].values() if e["cluster"] == FAULTY)
     files, nonfinite, modules = anchor_check(job.run_dir)
     events = [e for k in syncs for e in by[k].values()]
     checks = len(events) * len(modules)
@@ -215,6 +219,9 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
         "window_syncs": win, "weight0_syncs": zero, "weight0_share": len(zero) / len(win) if win else None,
         "c1_weight_in_window": [round(float(c1[k]["weight"]), 4) for k in win],
         "c1_flag_reasons": {str(k): v for k, v in reasons.items()},
+        "c1_retracted": {str(k): v for k, v in sorted(taken.items())},  # its update of sync k was taken back at v
+        "weight0_or_retracted_share": len([k for k in win if k in zero or k in taken]) / len(win) if win else None,
+        "retractions": retractions,  # clusters taken back, summed over the syncs (as c1 saw them)
         "c1_dropped_outside_window": [k for k in c1 if k not in win and float(c1[k]["weight"]) <= 1e-12],
         "checks": checks, "flags": flags, "false_flag_rate": flags / checks if run == "clean" and checks else None,
         "honest_flags": honest_flags, "honest_flag_rate": honest_flags / max(len(honest) * len(modules), 1),
@@ -251,6 +258,8 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
             shares = [r["weight0_share"] for r in rs]
             row = {"clusters": n, "kind": kind, "seeds": [r["seed"] for r in rs],
                    "weight0_min": min(shares), "weight0_mean": sum(shares) / len(shares),
+                   "weight0_or_back_min": min(r.get("weight0_or_retracted_share") or 0.0 for r in rs),
+                   "clean_retractions": max(ref[(n, r["seed"], "clean")].get("retractions", 0) for r in rs),
                    "clean_ff_max": max(clean_ff), "honest_ff_max": max(r["honest_flag_rate"] for r in rs),
                    "vs_clean_mean": sum(vs_c) / len(vs_c), "vs_clean_worst": max(vs_c),
                    "vs_oracle_mean": sum(vs_o) / len(vs_o) if vs_o else None,
@@ -328,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.write_json(a.out, result)
     plot(result, a.plot)
     cols = [("kind", "kind", ""), ("weight0_min", "c1 w=0 (min)", ".2f"), ("weight0_mean", "mean", ".2f"),
-            ("clean_ff_max", "clean FF/check", ".4f"), ("honest_ff_max", "honest FF", ".4f"),
+            ("weight0_or_back_min", "w=0|back", ".2f"), ("clean_ff_max", "clean FF/check", ".4f"),
+            ("clean_retractions", "clean back", ""), ("honest_ff_max", "honest FF", ".4f"),
             ("vs_clean_mean", "/clean", ".4f"), ("vs_clean_worst", "worst", ".4f"),
             ("vs_oracle_mean", "/oracle", ".4f"), ("vs_oracle_worst", "worst", ".4f"), ("nan", "NaN", ""),
             ("ok", "pass", "")]
@@ -340,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if r["run"] in a.kinds and r["seed"] == a.seeds[0] and r["clusters"] == a.clusters[0]:
             kept = {k: w for k, w in zip(r["window_syncs"], r["c1_weight_in_window"]) if k not in r["weight0_syncs"]}
             print(f"  n{r['clusters']} seed {r['seed']} {r['run']}: c1 kept weight at window syncs {kept or '-'}; "
+                  f"taken back (sync: at) {r.get('c1_retracted') or '-'}; "
                   f"weight 0 outside the window at syncs {r['c1_dropped_outside_window'] or '-'}")
     print(f"\ntotal wall {wall / 60:.1f} min; targets:")
     C.print_targets({k: f"{'pass' if v['pass'] else 'FAIL'} ({C.fmt(v['value'])})" for k, v in tg.items()},

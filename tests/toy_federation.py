@@ -84,11 +84,12 @@ def state_of(algo: LocalSGD) -> dict[str, Any]:
 def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flush_each_step: bool = False,
                   snapshot_at: tuple[int, ...] = (), after_at: tuple[int, ...] = (), out: Outcome | None = None,
                   wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
-                  shared_task: bool = False, lr: float = LR) -> Outcome:
+                  shared_task: bool = False, lr: float = LR, probe: bool = False) -> Outcome:
     """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
     forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
     its transport (a Byzantine fault). `snapshot_at` steps are captured before their `after_step`, `after_at`
-    steps after it (and its flush)."""
+    steps after it (and its flush). `probe`: the usefulness probe scores updates on a batch of this cluster's
+    own task that it never trains on."""
     torch.set_num_threads(1)
     out = out if out is not None else Outcome()
     current = [0]
@@ -102,8 +103,10 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
         if event == "sync_aborted" and out.algo is not None:
             out.snapshots.setdefault("aborted", state_of(out.algo))
 
+    held_out = batch(index, 10_000, shared_task)
+    probe_loss = (lambda: float(nn.functional.mse_loss(model(held_out[0]), held_out[1]))) if probe else None
     algo = LocalSGD(cfg, model, units_of(model), transport, (heal.encode, heal.decode), emit=emit,
-                    cluster_index=index, optimizer=opt)
+                    cluster_index=index, optimizer=opt, probe_loss=probe_loss)
     out.algo = algo
     try:
         adopted = algo.join()

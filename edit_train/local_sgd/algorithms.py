@@ -32,6 +32,7 @@ from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.probe import Probe
 from edit_train.local_sgd.protocols import Quorum, Transport
 from edit_train.local_sgd.records import Records
+from edit_train.local_sgd.retract import Retraction
 from edit_train.local_sgd.round import SyncCore, SyncReport, build_units, land_on_anchors
 from edit_train.local_sgd.rules import make_rule
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule
@@ -95,7 +96,9 @@ class LocalSGD:
         units = self.replica.units
         core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
                         self.cfg.penalty.clip_phi, self.span, self.cfg.gather_max,
-                        getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None)
+                        getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
+                        retract=Retraction(self.cfg.penalty.probe_tolerance)
+                        if self.probe.enabled and self.cfg.penalty.retract else None)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 

@@ -67,6 +67,7 @@ class Driver:
     def _done(self) -> None:
         rnd, self.round = self.round, None
         if rnd is not None:
+            rnd.committed()
             self.on_complete(rnd.report)
 
 

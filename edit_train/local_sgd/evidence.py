@@ -101,3 +101,14 @@ def snap(w: float, bits: int = 30) -> float:
     """A weight on a 2^-bits grid: measurements that differ in their last bits between clusters (another
     summation order on other hardware) still give every cluster the same weight."""
     return round(w * (1 << bits)) / (1 << bits)
+
+
+def probe_medians(scores: Tensor) -> Tensor:
+    """[evaluators, candidates] loss changes -> per candidate the median over the *other* evaluators (NaN when
+    none of them measured it): nobody vouches for its own update."""
+    out = []
+    for i in range(scores.shape[1]):
+        col = torch.cat([scores[:i, i], scores[i + 1:, i]])
+        col = col[torch.isfinite(col)]
+        out.append(float(torch.quantile(col, 0.5)) if col.numel() else math.nan)  # the middle two averaged
+    return torch.tensor(out, dtype=torch.float64)

@@ -68,6 +68,7 @@ class PenaltyConfig:
     direction_z: float = 4.0  # the direction test's nominal z (agreements have heavier tails than norms)
     probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
     probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
+    retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
     report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
     max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
 

@@ -43,6 +43,8 @@ class Probe:
 
     def committed(self, names: list[str]) -> None:
         """The round these contributions came from committed: score them at the next step boundary."""
+        for n in names:  # a score rides along only for the round it was measured on (retract.py trusts that)
+            self.scores.pop(n, None)
         self.names = list(names) if len(self.kept) == len(self.units) else []
         if not self.names:
             self.kept.clear()

@@ -3,13 +3,15 @@ events (emitted by the cluster's leader; bytes are summed and blocked time maxed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from edit_train.local_sgd.protocols import Transport
-from edit_train.local_sgd.round import SyncReport, summarize
+from edit_train.local_sgd.penalty import anomaly_details
+from edit_train.local_sgd.round import SyncReport
 
 
 class Records:
@@ -60,3 +62,28 @@ class Records:
         self.syncs_done = int(state["syncs_done"])
         self.syncs_missed = int(state.get("syncs_missed", 0))
         self.history = [int(h) for h in state.get("history", [])]
+
+
+def summarize(report: SyncReport) -> dict[str, Any]:
+    """The `sync` event fields for this cluster (docs/architecture.md §5)."""
+    me = report.position
+    decisions = list(report.decisions.values())
+    sizes = [report.sizes.get(d.module, 1) for d in decisions]
+    anomalous = [d.module for d in decisions if d.anomalous[me]]
+    clips = [c for c in report.clip.values() if c > 0] or [0.0]
+    return {
+        "sync": report.sync,
+        "local_steps": report.local_steps,
+        "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
+        # this cluster's effective share of the merged update: its weight per module, by the module's size
+        "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
+        "anomalous": bool(anomalous),
+        "anomalous_modules": anomalous,
+        "anomaly_details": anomaly_details(report.decisions, me),  # {module: {z, threshold}} of flagged ones
+        "clip_coef": min(clips),
+        "bytes": report.bytes,
+        "blocked_s": report.blocked_s,
+        "participants": list(report.participants),
+        # clusters whose update of the last sync was admitted, then judged harmful by the probe, and taken back
+        "retracted": {n: dict(v) for n, v in report.retracted.items()},
+    }

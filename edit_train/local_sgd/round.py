@@ -25,26 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.outer import OuterState
-from edit_train.local_sgd.penalty import Decision, anomaly_details, clip_factor, weighted
-from edit_train.local_sgd.evidence import buckets, measure, shard_positions, snap
+from edit_train.local_sgd.penalty import Decision, clip_factor, weighted
+from edit_train.local_sgd.evidence import buckets, measure, probe_medians, shard_positions, snap
 from edit_train.local_sgd.protocols import Contributions, Handle, Transport
+from edit_train.local_sgd.retract import Applied, Retraction, marker_of
 from edit_train.local_sgd.rules import Aggregator, Evidence
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  # per-cluster scalars of the exchange
-
-
-def probe_medians(scores: Tensor) -> Tensor:
-    """[evaluators, candidates] loss changes -> per candidate the median over the *other* evaluators (NaN when
-    none of them measured it): nobody vouches for its own update."""
-    out = []
-    for i in range(scores.shape[1]):
-        col = torch.cat([scores[:i, i], scores[i + 1:, i]])
-        col = col[torch.isfinite(col)]
-        out.append(float(torch.quantile(col, 0.5)) if col.numel() else math.nan)  # the middle two averaged
-    return torch.tensor(out, dtype=torch.float64)
 
 
 @dataclass
@@ -104,6 +94,7 @@ class SyncCore:
     sketch_dim: int = 0  # count-sketch buckets per module for the rule's direction test (0: none)
     keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
     kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep)
+    retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -143,6 +134,7 @@ class SyncReport:
     cluster_norm: float = 0.0  # this cluster's whole-model ‖Δ‖
     sizes: dict[str, int] = field(default_factory=dict)  # parameters per unit (for the effective weight)
     nonfinite: list[str] = field(default_factory=list)  # units whose reduced Δ was non-finite
+    retracted: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster -> {sync, probe}: taken back
 
 
 class SyncRound:
@@ -168,6 +160,9 @@ class SyncRound:
         self.undo: dict[str, Any] = {}
         self.sqnorm: dict[str, float] = {}  # gathered: ‖Σ wᵢΔᵢ‖² per unit, from the Gram matrix
         self.ok = True  # False once something makes this cluster vote no
+        # what this round applies, for a later verdict (gathered rounds only); who of the last round to take back
+        self.applied = Applied(sync, marker_of(q.nonce), q.names) if self.gather and core.retract else None
+        self.taking: dict[str, float] = {}
         # error feedback: what a rolled-back round sent was never applied, so its residuals are forgotten
         _feedback(core, "mark")
         core.kept = False
@@ -197,20 +192,28 @@ class SyncRound:
                 self.snap[unit.name] = [t.detach().clone() for t in live]
             sq[i] = sum(float(d.double().pow(2).sum()) for d in outer.pseudo_grad(unit.name))
         c.transport.cluster.sum_(sq)
-        vec = torch.cat([sq, torch.tensor(extra, dtype=torch.float64, device=sq.device)])
+        mark = c.retract.marker if c.retract is not None else -1.0  # the round this cluster last committed
+        vec = torch.cat([sq, torch.tensor([mark, *extra], dtype=torch.float64, device=sq.device)])
         return self._counted(lambda: c.transport.all_gather(vec, "norm exchange"))
 
     def gathered(self, handle: Handle[Tensor]) -> Tensor:
-        """Wait for the exchange ([‖Δ‖² per unit ‖ EXTRA ‖ probe score of every participant's last update]);
-        in SUM mode decide every module now. Returns the EXTRA columns [participants, len(EXTRA)]."""
-        rows = self._wait(handle).cpu()
+        """Wait for the exchange ([‖Δ‖² per unit ‖ last committed round ‖ EXTRA ‖ probe score of every
+        participant's last update]); in SUM mode decide every module now. Returns the EXTRA columns
+        [participants, len(EXTRA)]."""
+        full = self._wait(handle).cpu()
         n, k = len(self.core.units), len(EXTRA)
-        norms = rows[:, :n].clamp_min(0).sqrt()
+        norms, marks = full[:, :n].clamp_min(0).sqrt(), full[:, n]
+        rows = torch.cat([full[:, :n], full[:, n + 1:]], dim=1)  # without the marker column
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": rows[:, n + EXTRA.index("tokens")],
                      "probe": probe_medians(scores)}
+        if self.core.retract is not None and self.gather:
+            self.taking = self.core.retract.plan(self.report.participants, marks, self.meta["probe"])
+            last = self.core.retract.last
+            if last is not None:
+                self.report.retracted = {who: {"sync": last.sync, "probe": p} for who, p in self.taking.items()}
         if not self.gather:
             for i, unit in enumerate(self.core.units):
                 self.report.decisions[unit.name] = self.core.rule.decide(self._evidence(unit.name, norms[:, i], {}))
@@ -278,6 +281,8 @@ class SyncRound:
         w = [snap(float(x)) if ok else 0.0 for x, ok in zip(decision.weights, m.finite)]
         decision.weights = w
         self.report.decisions[name] = decision
+        if self.applied is not None:
+            self.applied.add(name, got.parts, w)
         used = [i for i, x in enumerate(w) if x != 0.0]
         wt = torch.tensor([w[i] for i in used], dtype=torch.float64)
         self.sqnorm[name] = float(wt @ m.gram[used][:, used] @ wt) if used else 0.0
@@ -299,8 +304,11 @@ class SyncRound:
         if self.eager and self.shared:
             self.undo[name] = c.outer.snapshot(name)
         decision = report.decisions[name]
+        back = c.retract.term(name, self.taking) if c.retract is not None and name not in report.nonfinite else None
         if decision.all_anomalous or name in report.nonfinite:
             report.clip[name] = 0.0  # no outer step; every cluster lands on the anchor it had
+            if back is not None:  # ... except for taking back a harmful update of the last round
+                c.outer.step(name, [-b for b in back])
         else:
             if name in self.sqnorm:  # gathered: wᵀGw from the Gram matrix, the same number on every cluster
                 sq = self.sqnorm.pop(name)
@@ -309,8 +317,11 @@ class SyncRound:
                                  device=c.transport.cluster.device)
                 sq = float(c.transport.cluster.sum_(t))
             coef = clip_factor(sq, c.clip)
-            c.outer.step(name, [d * coef for d in delta] if coef != 1.0 else delta)
+            step = [d * coef for d in delta] if coef != 1.0 else delta
+            c.outer.step(name, step if back is None else [d - b.to(d.device, d.dtype) for d, b in zip(step, back)])
             report.clip[name] = coef
+            if self.applied is not None:
+                self.applied.clipped(name, coef)
         rebase(live, c.outer.anchors[name], self.snap.pop(name, None))
         self._keep_unsent(name, live, decision)
         c.outer.release(name)
@@ -338,6 +349,11 @@ class SyncRound:
 
     def voted(self, handle: Handle[bool] | None) -> bool:
         return (self._wait(handle) if handle is not None else True) and self.ok
+
+    def committed(self) -> None:
+        """The vote passed: this round is the one the next round's probe verdicts refer to."""
+        if self.core.retract is not None:
+            self.core.retract.committed(self.applied)
 
     @torch.no_grad()
     def rollback(self) -> None:
@@ -369,26 +385,3 @@ def _feedback(core: SyncCore, what: str) -> None:
     fn = getattr(getattr(core.transport, "feedback", None), what, None)
     if fn is not None:
         fn()
-
-
-def summarize(report: SyncReport) -> dict[str, Any]:
-    """The `sync` event fields for this cluster (docs/architecture.md §5)."""
-    me = report.position
-    decisions = list(report.decisions.values())
-    sizes = [report.sizes.get(d.module, 1) for d in decisions]
-    anomalous = [d.module for d in decisions if d.anomalous[me]]
-    clips = [c for c in report.clip.values() if c > 0] or [0.0]
-    return {
-        "sync": report.sync,
-        "local_steps": report.local_steps,
-        "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
-        # this cluster's effective share of the merged update: its weight per module, by the module's size
-        "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
-        "anomalous": bool(anomalous),
-        "anomalous_modules": anomalous,
-        "anomaly_details": anomaly_details(report.decisions, me),  # {module: {z, threshold}} of flagged ones
-        "clip_coef": min(clips),
-        "bytes": report.bytes,
-        "blocked_s": report.blocked_s,
-        "participants": list(report.participants),
-    }
