@@ -1,6 +1,7 @@
 """The plot of `benchmarks/penalty_faults.py`, drawn from its JSON result (so it can be redrawn from the file):
 one panel per fault kind (and each oracle) with every cluster's `weight` per sync for the first seed at the
-smallest cluster count, the fault window's syncs shaded and flagged syncs marked; then the final val loss of
+smallest cluster count, the fault window's syncs shaded, flagged syncs marked (×) and updates taken back a sync
+later marked (▼); then the final val loss of
 each kind over the clean run and over the oracle run, per cluster count (bar: mean over seeds, whisker: worst).
 """
 
@@ -27,6 +28,11 @@ def _weights_panel(ax: Any, run: dict[str, Any], title: str, interval: int) -> N
         if flagged:
             ax.scatter([steps[k] for k in flagged], [ws[trace["syncs"].index(k)] for k in flagged], marker="x",
                        s=28, color=color, zorder=5)
+    faulty_ws = trace["weights"].get(run["faulty"], [])
+    back = [int(k) for k in run.get("c1_retracted", {}) if int(k) in steps]  # updates taken back a sync later
+    if back and faulty_ws:
+        ax.scatter([steps[k] for k in back], [faulty_ws[trace["syncs"].index(k)] for k in back], marker="v", s=40,
+                   color="black", zorder=6, label="taken back (probe)")
     win = [steps[k] for k in run["window_syncs"] if k in steps]
     if win:
         ax.axvspan(min(win) - interval / 2, max(win) + interval / 2, color="orange", alpha=0.2,

@@ -18,7 +18,7 @@ import pytest
 from edit_train.cli.report import main
 from edit_train.report import PLOTS, default_out, human_bytes, load_run, make_report
 from edit_train.report import model as report_model
-from edit_train.report.weights import fault_windows, weight_series, weights_figure
+from edit_train.report.weights import fault_windows, retractions, weight_series, weights_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -220,10 +220,12 @@ def test_weights_data_from_crafted_run(tmp_path, caplog):
                 "anomaly_details": {"layers.0": {"reasons": ["norm"]}} if bad else {}, **extra}
 
     names = ("west", "east", "north")
+    back = {"west": {"sync": 2, "probe": 0.4}}  # sync 3 took back west's update of sync 2 (every cluster says so)
     events = [*(sync(1, 8, g, n, 1 / 3) for g, n in enumerate(names)),
               sync(2, 16, 0, "west", 0.5), sync(2, 16, 1, "east", 0.0, bad=True), sync(2, 16, 2, "north", 0.5),
               sync(2, 16, 1, "east", 0.0, bad=True),  # re-logged after a resume: counted once
-              sync(3, 24, 0, "west", 0.4), sync(3, 24, 1, "east", 0.2, bad=True), sync(3, 24, 2, "north", None)]
+              sync(3, 24, 0, "west", 0.4), sync(3, 24, 1, "east", 0.2, bad=True, retracted=back),
+              sync(3, 24, 2, "north", None, retracted=back)]
     faults = [{"kind": "garbage_data", "group": 1, "start": 10, "end": 18},
               {"kind": "lr_spike", "cluster": "north", "start": 20, "factor": 5},  # no end: to the end of the run
               {"kind": "kill_cluster", "cluster": 2, "step": 12},
@@ -238,6 +240,7 @@ def test_weights_data_from_crafted_run(tmp_path, caplog):
     assert series["north"][:2] == [(8, pytest.approx(1 / 3), False), (16, 0.5, False)]
     step, weight, bad = series["north"][2]
     assert step == 24 and math.isnan(weight) and not bad
+    assert retractions(run) == [("west", 16, 0.5, 3)]
 
     with caplog.at_level(logging.WARNING):
         windows = fault_windows(run)
@@ -249,7 +252,7 @@ def test_weights_data_from_crafted_run(tmp_path, caplog):
     ax = weights_figure([run]).axes[0]
     labels = ax.get_legend_handles_labels()[1]
     assert {"west", "east", "north", "garbage_data on east", "lr_spike on north (to the end)",
-            "kill_cluster on north", "partition on west"} <= set(labels)
+            "kill_cluster on north", "partition on west", "taken back at the next sync (probe)"} <= set(labels)
     assert not [t for t in ax.texts if t.get_text() == "no syncs"]
 
 

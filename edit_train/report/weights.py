@@ -1,12 +1,13 @@
 """`weights.png`: each cluster's share of the merged update per sync, with the injected faults shaded.
 
 One panel per run: a line per cluster of the `weight` its `sync` events report (its effective share of the
-merged update; 0 when every module left it out), a red × where that sync flagged the cluster anomalous, and
-each fault window of `config.json`'s `faults` shaded ([start, end) in steps; `kill`, `kill_cluster` and
+merged update; 0 when every module left it out), a red × where that sync flagged the cluster anomalous, a
+black ▼ on a sync whose update of that cluster a later sync took back (the others' probes found it harmful,
+`retracted` in the sync events), and each fault window of `config.json`'s `faults` shaded ([start, end) in steps; `kill`, `kill_cluster` and
 `partition` happen at one step and are drawn as a vertical line). Runs without sync events (DDP, a lone
 cluster) get a "no syncs" panel.
 
-The data is extracted by two pure functions (`weight_series`, `fault_windows`) so it can be checked without
+The data is extracted by pure functions (`weight_series`, `retractions`, `fault_windows`) so it can be checked without
 drawing.
 """
 
@@ -39,6 +40,23 @@ def weight_series(run: Run) -> dict[str, list[tuple[int, float, bool]]]:
             continue
         by_group.setdefault(g, []).append((int(step), _num(e.get("weight")), bool(e.get("anomalous"))))
     return {run.cluster_name(g): sorted(by_group[g], key=lambda p: p[0]) for g in sorted(by_group)}
+
+
+def retractions(run: Run) -> list[tuple[str, int, float, int]]:
+    """[(cluster name, step of the taken-back sync, the weight it had there, sync that took it back), ...] from
+    the `retracted` field of the run's `sync` events (each cluster reports the same; counted once)."""
+    at: dict[tuple[str, int], tuple[int, float]] = {}
+    taken: dict[tuple[str, int], int] = {}
+    for e in run.syncs():
+        g, k, step = e.get("group", 0), e.get("sync"), _num(e.get("step"))
+        if not isinstance(g, int) or isinstance(g, bool) or not isinstance(k, int) or not math.isfinite(step):
+            continue
+        at[(run.cluster_name(g), k)] = (int(step), _num(e.get("weight")))
+        back = e.get("retracted")
+        for who, v in (back.items() if isinstance(back, dict) else []):
+            if isinstance(v, dict) and isinstance(v.get("sync"), int):
+                taken.setdefault((str(who), v["sync"]), k)
+    return sorted((who, *at[(who, k)], by) for (who, k), by in taken.items() if (who, k) in at)
 
 
 def fault_windows(run: Run) -> list[tuple[str, int, float | None]]:
@@ -85,8 +103,8 @@ def weights_figure(runs: list[Run]):  # type: ignore[no-untyped-def]
         ax.set_visible(False)
     for r, ax in zip(runs, axes):
         _panel(ax, r)
-    fig.suptitle("Each cluster's share of the merged update per sync (red ×: flagged anomalous; shaded: "
-                 "injected fault)", fontsize=11)
+    fig.suptitle("Each cluster's share of the merged update per sync (red ×: flagged anomalous; ▼: taken back; "
+                 "shaded: injected fault)", fontsize=11)
     return fig
 
 
@@ -111,6 +129,10 @@ def _panel(ax: Any, r: Run) -> None:
     if bad:
         xs, ys = zip(*bad)
         ax.plot(xs, ys, "x", color="red", ms=9, mew=2, zorder=4, label="anomalous (some module rejected it)")
+    back = [(s, w if math.isfinite(w) else 0.0) for _, s, w, _ in retractions(r)]
+    if back:
+        xs, ys = zip(*back)
+        ax.plot(xs, ys, "v", color="black", ms=8, zorder=5, label="taken back at the next sync (probe)")
     n = len(series)
     if n > 1:
         ax.axhline(1 / n, color="0.5", lw=0.8, ls=":", zorder=1, label=f"equal share 1/{n}")
