@@ -1,11 +1,14 @@
 """One sync round — the only place the EDiT sync sequence exists — and the one re-base.
 
     exchange   each rank sums ‖Δ‖² per unit over its cluster; the leaders all-gather one small vector
-               ([‖Δ‖² per unit ‖ local steps, s/step, total steps, stop vote]) across the quorum
+               ([‖Δ‖² per unit ‖ last committed round ‖ local steps, s/step, total steps, stop vote, tokens ‖
+               probe scores]) across the quorum
     decide     the aggregation rule (`rules.py`) weighs every participant, module by module
-    launch     w·Δ of a unit goes into the transport's SUM reduction (asynchronously)
-    land       wait for a unit's reduced Δ; a non-finite one can never be applied (the round votes no)
-    apply      clip → outer step → re-base the live parameters on the new anchor
+    launch     w·Δ of a unit goes into the transport's SUM reduction, or Δ to every participant (gathered)
+    land       wait for a unit's reduced Δ (gathered: judge every contribution, sum them here); a non-finite
+               one can never be applied (the round votes no)
+    apply      clip → (take back what the probe showed harmful, `retract.py`) → outer step → re-base the live
+               parameters on the new anchor
     commit     every participant votes; a "no" or a lost participant rolls every applied unit back
 
 How and when units are launched, landed and applied is the drivers' business (`drivers.py`): layer-wise
