@@ -19,7 +19,8 @@ window starts at step 56 when every test is warm. A payload fault corrupts what 
 syncs 7..18 (steps 56..144); a training-side fault contaminates the syncs whose local steps [step − H, step)
 overlap it: syncs 8..19 (steps 64..152). 12 syncs either way: the usefulness probe scores an update one sync
 late, so a fault only it catches is missed at the window's first sync (1 of 12 = 8 %, inside the 10 %
-allowance), and the 11 syncs after the window show the recovery.
+allowance) — and then taken back at the next sync (`local_sgd/retract.py`; `c1_retracted` and the
+"w=0|back" column count it) — and the 11 syncs after the window show the recovery.
 
 Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
   * c1's `weight` is 0 (left out of every module) in >= 90 % of the window's syncs (min over seeds);

@@ -38,7 +38,9 @@ PAIRS = {
     "gather3": ["algo=edit", "cluster=local", "cluster.groups=3", "cluster.shard_size=1", "algo.interval=8",
                 "train.steps=120"],
 }
-RULES = {"verified": [], "edit_norm": ["algo.penalty.rule=edit_norm", "algo.penalty.probe_tokens=0"]}
+# edit_norm as before issue 20: no probe, and a SUM all-reduce of w·Δ (`sync.gather_max=0`), not a gather
+RULES = {"verified": [], "edit_norm": ["algo.penalty.rule=edit_norm", "algo.penalty.probe_tokens=0",
+                                       "sync.gather_max=0"]}
 TARGETS = {"bytes_ratio_3": 1.5, "extra_share": 0.03}
 
 

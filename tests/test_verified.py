@@ -177,3 +177,31 @@ def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
         assert "probation" in d["c"].evidence[1]["reasons"]
     assert all(x.weights == [1.0, 0.0] for x in sync(10, ()).values())  # still on probation from sync 9
     assert all(x.weights == [0.5, 0.5] for x in sync(11, ()).values())
+
+
+def test_the_probe_scores_the_others_and_not_itself() -> None:
+    """One forward of the anchor plus one per *other* participant: its own score would never be read."""
+    from torch import nn
+
+    from edit_train.local_sgd.probe import Probe
+    from edit_train.local_sgd.protocols import Contributions
+    from edit_train.local_sgd.round import build_units
+
+    model = nn.Linear(3, 2)
+    units = build_units(model, [])
+    calls: list[float] = []
+
+    def loss() -> float:
+        calls.append(float(model.weight.sum()))
+        return 1.0 + float(model.weight.abs().sum())
+
+    probe = Probe(units, loss, me="b")
+    anchor = [p.detach().clone() for p in units[0].live()]
+    parts = [[torch.full_like(p, float(i + 1)) for p in anchor] for i in range(3)]
+    probe.keep(units[0].name, anchor, Contributions(parts))
+    probe.committed(["a", "b", "c"])
+    before = [p.detach().clone() for p in model.parameters()]
+    probe.score()
+    assert len(calls) == 3  # the anchor, a and c
+    assert set(probe.scores) == {"a", "c"} and math.isnan(probe.row(["a", "b", "c"])[1])
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # live parameters restored

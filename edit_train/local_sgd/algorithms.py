@@ -79,7 +79,7 @@ class LocalSGD:
         self.rule = make_rule(cfg.penalty)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.records = Records(transport, emit, cluster_index)
-        self.probe = Probe(self.replica.units, probe_loss, span)  # usefulness of each update (verified rule)
+        self.probe = Probe(self.replica.units, probe_loss, span, transport.name)  # usefulness (verified rule)
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)

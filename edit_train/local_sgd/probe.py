@@ -5,7 +5,7 @@ median score the *other* clusters gave it (`round.probe_medians`), so nobody vou
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
-one forward per participant plus one of the anchor on `algo.penalty.probe_tokens` tokens per sync (the
+one forward per *other* participant plus one of the anchor on `algo.penalty.probe_tokens` tokens per sync (the
 `probe` time bucket), and the contributions held until then.
 """
 
@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 class Probe:
     def __init__(self, units: list[Unit], loss: Callable[[], float] | None,
-                 span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext()) -> None:
-        self.units, self.loss, self.span = units, loss, span
+                 span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext(), me: str = "") -> None:
+        self.units, self.loss, self.span, self.me = units, loss, span, me
         self.kept: dict[str, tuple[list[Tensor], Contributions]] = {}
         self.names: list[str] = []  # participants of the committed round waiting to be scored
         self.scores: dict[str, float] = {}  # name -> relative loss change its last update caused here
@@ -68,10 +68,12 @@ class Probe:
                 self._set(lambda name, old, parts: old)
                 base = self.loss()
                 for i, who in enumerate(self.names):
+                    if who == self.me:  # nobody vouches for itself: its own score would never be read
+                        continue
                     self._set(lambda name, old, parts, i=i:  # received parts may sit on another device
                               [a - p.to(a.device, a.dtype) for a, p in zip(old, parts.parts[i])])
                     self.scores[who] = (self.loss() - base) / max(abs(base), 1e-12)
-                log.debug("probe: base %.4f, loss change %s", base, {n: round(self.scores[n], 4) for n in self.names})
+                log.debug("probe: base %.4f, loss change %s", base, {n: round(self.scores[n], 4) for n in self.names if n in self.scores})
             finally:
                 for u in self.units:
                     for t, b in zip(u.live(), backup[u.name]):
