@@ -1,7 +1,7 @@
 """Usefulness of every participant's update, measured by this cluster on its own probe slice of validation
 data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (participant i's model as it sent it),
 (L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each participant is then judged on the
-median score the *other* clusters gave it (`round.probe_medians`), so nobody vouches for itself.
+median score the *other* clusters gave it (`evidence.probe_medians`), so nobody vouches for itself.
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
@@ -73,7 +73,8 @@ class Probe:
                     self._set(lambda name, old, parts, i=i:  # received parts may sit on another device
                               [a - p.to(a.device, a.dtype) for a, p in zip(old, parts.parts[i])])
                     self.scores[who] = (self.loss() - base) / max(abs(base), 1e-12)
-                log.debug("probe: base %.4f, loss change %s", base, {n: round(self.scores[n], 4) for n in self.names if n in self.scores})
+                log.debug("probe: base %.4f, loss change %s", base,
+                          {n: round(self.scores[n], 4) for n in self.names if n in self.scores})
             finally:
                 for u in self.units:
                     for t, b in zip(u.live(), backup[u.name]):

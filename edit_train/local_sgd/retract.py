@@ -79,9 +79,6 @@ class Retraction:
         """A round committed: it is the one a later verdict refers to (None: it kept nothing to take back)."""
         self.last = applied
 
-    def clear(self) -> None:
-        self.last = None
-
     def plan(self, names: list[str], markers: Tensor, probe: Tensor) -> dict[str, float]:
         """Who to take back this round: participants of the recorded round that are in this quorum too, moved
         the anchor then, and whose update the others' probes now judge harmful (`probe`: median per member of

@@ -31,7 +31,7 @@ from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import Decision, clip_factor, weighted
 from edit_train.local_sgd.evidence import buckets, measure, probe_medians, shard_positions, snap
 from edit_train.local_sgd.protocols import Contributions, Handle, Transport
-from edit_train.local_sgd.retract import Applied, Retraction, marker_of
+from edit_train.local_sgd.retract import NONE, Applied, Retraction, marker_of
 from edit_train.local_sgd.rules import Aggregator, Evidence
 
 log = logging.getLogger(__name__)
@@ -195,7 +195,7 @@ class SyncRound:
                 self.snap[unit.name] = [t.detach().clone() for t in live]
             sq[i] = sum(float(d.double().pow(2).sum()) for d in outer.pseudo_grad(unit.name))
         c.transport.cluster.sum_(sq)
-        mark = c.retract.marker if c.retract is not None else -1.0  # the round this cluster last committed
+        mark = c.retract.marker if c.retract is not None else NONE  # the round this cluster last committed
         vec = torch.cat([sq, torch.tensor([mark, *extra], dtype=torch.float64, device=sq.device)])
         return self._counted(lambda: c.transport.all_gather(vec, "norm exchange"))
 
