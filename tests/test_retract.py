@@ -13,9 +13,13 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.inproc import InProcessFederation
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.retract import NONE, Applied, Retraction, marker_of
-from toy_federation import H, LR, Outcome, config, train_cluster
+from toy_federation import H, LR, Outcome, config, toy_model, train_cluster
 
 NAMES = ["c0", "c1"]
+
+
+def f64(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
 
 
 def _run(mode: str, retract: bool, lr1: float, syncs: int = 2) -> dict[str, Outcome]:
@@ -54,7 +58,7 @@ def test_a_harmful_update_is_taken_back_exactly(mode: str) -> None:
         assert syncs[1]["retracted"]["c1"]["probe"] > 0.1
     assert [s["weight"] for s in _syncs(on["c1"])] == [0.5, 0.0]
     assert all(s["retracted"] == {} for out in off.values() for s in _syncs(out))
-    init = [p.detach() for p in _toy_init()]
+    init = [p.detach() for p in toy_model().parameters()]
     theta1 = on["c1"].snapshots[H - 1]["params"]  # c1's replica when sync 1 was taken
     flat_on = [a for unit in on["c0"].anchors for a in unit]
     flat_off = [a for unit in off["c0"].anchors for a in unit]
@@ -74,11 +78,6 @@ def test_each_harmful_update_is_taken_back_once_and_an_honest_run_is_untouched()
         assert all(torch.equal(a, b) for a, b in zip(u_on, u_off))
 
 
-def _toy_init() -> list[torch.Tensor]:
-    from toy_federation import toy_model
-    return list(toy_model().parameters())
-
-
 def _applied() -> Applied:
     a = Applied(4, marker_of("q4"), ["a", "b", "c"])
     parts = [[torch.full((3,), 1.0)], [torch.full((3,), 10.0)], [torch.full((3,), 100.0)]]
@@ -91,19 +90,20 @@ def _applied() -> Applied:
 
 def test_plan_needs_every_participant_to_name_the_same_round() -> None:
     r = Retraction(0.1)
-    assert r.marker == NONE and r.plan(["a", "b"], torch.tensor([NONE, NONE]), torch.tensor([9.0, 9.0])) == {}
+    assert r.marker == NONE and r.plan(["a", "b"], f64(NONE, NONE), f64(9.0, 9.0)) == {}
     r.committed(_applied())
     m = marker_of("q4")
     assert m == r.marker and m != marker_of("q5") and m >= 0 and m == math.floor(m)
-    probe = torch.tensor([0.05, 0.5, math.nan], dtype=torch.float64)
-    assert r.plan(["a", "b", "c"], torch.tensor([m, m, m], dtype=torch.float64), probe) == {"b": 0.5}
+    probe = f64(0.05, 0.5, math.nan)
+    assert r.plan(["a", "b", "c"], f64(m, m, m), probe) == {"b": 0.5}
     # one participant recorded another round (it missed this one, restarted or healed): nobody takes back
-    assert r.plan(["a", "b", "c"], torch.tensor([m, m, marker_of("q3")], dtype=torch.float64), probe) == {}
+    assert r.plan(["a", "b", "c"], f64(m, m, marker_of("q3")), probe) == {}
     # a cluster that is no longer in the quorum cannot be judged; one that weighed 0 everywhere has nothing to take
-    assert r.plan(["a", "c"], torch.tensor([m, m], dtype=torch.float64), torch.tensor([0.0, 0.9], dtype=torch.float64)) == {"c": 0.9}
+    assert r.plan(["a", "c"], f64(m, m), f64(0.0, 0.9)) == {"c": 0.9}
+    assert r.described({"c": 0.9}) == {"c": {"sync": 4, "probe": 0.9}}
     r.committed(_applied())
     r.last.units["u"][1][2] = 0.0  # type: ignore[union-attr]
-    assert r.plan(["a", "c"], torch.tensor([m, m], dtype=torch.float64), torch.tensor([0.0, 0.9], dtype=torch.float64)) == {}
+    assert r.plan(["a", "c"], f64(m, m), f64(0.0, 0.9)) == {}
 
 
 def test_term_is_what_the_round_added_for_those_clusters() -> None:

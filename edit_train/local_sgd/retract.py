@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -93,6 +94,10 @@ class Retraction:
                 out[name] = p
         return out
 
+    def described(self, who: dict[str, float]) -> dict[str, dict[str, Any]]:
+        """What the `sync` event says of a plan: {cluster: {"sync": the recorded round, "probe": its score}}."""
+        return {name: {"sync": self.last.sync, "probe": p} for name, p in who.items()} if self.last else {}
+
     def term(self, unit: str, who: dict[str, float]) -> list[Tensor] | None:
         """Σ over `who` of c·w·Δ for `unit` (in the recorded round's participant order: the same sum on every
         cluster), or None when nothing of it is taken back."""
@@ -101,12 +106,11 @@ class Retraction:
             return None
         kept, weights, coef = last.units[unit]
         total: list[Tensor] | None = None
-        for i, name in enumerate(last.names):
-            parts = kept[i]
+        for name, parts, w in zip(last.names, kept, weights):
             if name not in who or parts is None or coef == 0.0:
                 continue
             if total is None:
                 total = [torch.zeros_like(p, dtype=torch.float32) for p in parts]
             for t, p in zip(total, parts):
-                t.add_(p.to(t.dtype), alpha=coef * weights[i])
+                t.add_(p.to(t.dtype), alpha=coef * w)
         return total

@@ -214,9 +214,7 @@ class SyncRound:
                      "probe": probe_medians(scores)}
         if self.core.retract is not None and self.gather:
             self.taking = self.core.retract.plan(self.report.participants, marks, self.meta["probe"])
-            last = self.core.retract.last
-            if last is not None:
-                self.report.retracted = {who: {"sync": last.sync, "probe": p} for who, p in self.taking.items()}
+            self.report.retracted = self.core.retract.described(self.taking)
         if not self.gather:
             for i, unit in enumerate(self.core.units):
                 self.report.decisions[unit.name] = self.core.rule.decide(self._evidence(unit.name, norms[:, i], {}))

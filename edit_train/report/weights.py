@@ -3,18 +3,19 @@
 One panel per run: a line per cluster of the `weight` its `sync` events report (its effective share of the
 merged update; 0 when every module left it out), a red × where that sync flagged the cluster anomalous, a
 black ▼ on a sync whose update of that cluster a later sync took back (the others' probes found it harmful,
-`retracted` in the sync events), and each fault window of `config.json`'s `faults` shaded ([start, end) in steps; `kill`, `kill_cluster` and
-`partition` happen at one step and are drawn as a vertical line). Runs without sync events (DDP, a lone
+`retracted` in the sync events), and each fault window of `config.json`'s `faults` shaded ([start, end) in
+steps; `kill`, `kill_cluster` and `partition` happen at one step and are drawn as a vertical line). Runs without sync events (DDP, a lone
 cluster) get a "no syncs" panel.
 
-The data is extracted by pure functions (`weight_series`, `retractions`, `fault_windows`) so it can be checked without
-drawing.
+The data is extracted by pure functions (`weight_series`, `retractions`, `fault_windows`) so it can be checked
+without drawing.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,20 @@ FAULT_HATCHES = ("//", "\\\\", "xx", "..", "++", "oo")
 MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _placed(run: Run) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    """(cluster index, step, event) of every `sync` event that says which cluster and which step it is."""
+    for e in run.syncs():
+        g, step = e.get("group", 0), _num(e.get("step"))
+        if isinstance(g, int) and not isinstance(g, bool) and math.isfinite(step):
+            yield g, int(step), e
+
+
 def weight_series(run: Run) -> dict[str, list[tuple[int, float, bool]]]:
     """{cluster name: [(step, weight, anomalous), ...] by step} from the run's `sync` events (deduplicated on
     (sync, cluster)), clusters in index order; a missing/null weight is NaN. Empty without sync events."""
     by_group: dict[int, list[tuple[int, float, bool]]] = {}
-    for e in run.syncs():
-        g, step = e.get("group", 0), _num(e.get("step"))
-        if not isinstance(g, int) or isinstance(g, bool) or not math.isfinite(step):
-            continue
-        by_group.setdefault(g, []).append((int(step), _num(e.get("weight")), bool(e.get("anomalous"))))
+    for g, step, e in _placed(run):
+        by_group.setdefault(g, []).append((step, _num(e.get("weight")), bool(e.get("anomalous"))))
     return {run.cluster_name(g): sorted(by_group[g], key=lambda p: p[0]) for g in sorted(by_group)}
 
 
@@ -47,11 +53,11 @@ def retractions(run: Run) -> list[tuple[str, int, float, int]]:
     the `retracted` field of the run's `sync` events (each cluster reports the same; counted once)."""
     at: dict[tuple[str, int], tuple[int, float]] = {}
     taken: dict[tuple[str, int], int] = {}
-    for e in run.syncs():
-        g, k, step = e.get("group", 0), e.get("sync"), _num(e.get("step"))
-        if not isinstance(g, int) or isinstance(g, bool) or not isinstance(k, int) or not math.isfinite(step):
+    for g, step, e in _placed(run):
+        k = e.get("sync")
+        if not isinstance(k, int):
             continue
-        at[(run.cluster_name(g), k)] = (int(step), _num(e.get("weight")))
+        at[(run.cluster_name(g), k)] = (step, _num(e.get("weight")))
         back = e.get("retracted")
         for who, v in (back.items() if isinstance(back, dict) else []):
             if isinstance(v, dict) and isinstance(v.get("sync"), int):
