@@ -1,7 +1,7 @@
 """The ORACLE aggregation rule of `benchmarks/penalty_faults.py`: the default `verified` rule, except that one
-named cluster is dropped (weight 0, the others renormalised) for a known window of syncs — what a perfect
-detector would do. Comparing a faulty run with the oracle run separates what the fault cost through the
-detector's mistakes from what the lost tokens cost.
+named cluster is dropped (weight 0; its token share a zero update under the default `left_out=zero`) for a
+known window of syncs — what a perfect detector would do. Comparing a faulty run with the oracle run
+separates what the fault cost through the detector's mistakes from what the lost tokens cost.
 
 Select it with `algo.penalty.rule=_oracle_rule:OracleRule` (`benchmarks/` on PYTHONPATH) and
 `EDIT_TRAIN_ORACLE="<cluster>:<first sync>:<last sync>"` (1-based `sync` indices of the `sync` events,
@@ -11,8 +11,9 @@ A rule is not told the sync index: it sees every module once per sync, so a sync
 already seen in the current sync comes again (an aborted sync would shift the count by one; the benchmark
 checks the dropped syncs against the events). Inside the window the cluster is passed to the inner rule as
 a non-contributor, so it is neither judged nor learned from (its statistics stay frozen, the reference
-direction follows the others only) and the weights renormalise over the others; its usefulness score is
-hidden at the sync after the window too (it scores the update of the window's last sync, already dropped).
+direction follows the others only) and the weights are then set as if it had been judged and left out; its
+usefulness score is hidden at the sync after the window too (it scores the update of the window's last
+sync, already dropped).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from edit_train.local_sgd.penalty import Decision, PenaltyConfig
 from edit_train.local_sgd.rules import Evidence
-from edit_train.local_sgd.verified import VerifiedRule
+from edit_train.local_sgd.verified import VerifiedRule, token_weights
 
 ENV = "EDIT_TRAIN_ORACLE"
 
@@ -75,6 +76,7 @@ class OracleRule:
         d = self.inner.decide(dataclasses.replace(ev, contributes=contributes, extra=extra))
         if drop:
             d.weights[me], d.anomalous[me] = 0.0, True
+            d.weights = self._backed(ev, d.weights)
             if d.evidence:
                 d.evidence[me] = {"measured_norm": float(ev.norms[me]), "reasons": ["oracle"]}
         return d
@@ -86,3 +88,15 @@ class OracleRule:
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         self.inner.load(meta, tensors)
         self.sync, self._seen = int(meta.get("oracle_sync", self.sync)), None
+
+    def _backed(self, ev: Evidence, weights: list[float]) -> list[float]:
+        """The weights as the inner rule would set them with the dropped cluster judged and left out: its token
+        share is a zero update under `left_out=zero` (the others' weights are renormalised without it above)."""
+        idx = ev.contributors
+        tokens = torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
+        accepted = torch.tensor([weights[i] > 0 for i in idx], dtype=torch.bool)
+        w = token_weights(tokens, accepted, self.cfg.max_token_ratio, self.cfg.left_out)
+        out = [0.0] * len(weights)
+        for j, i in enumerate(idx):
+            out[i] = float(w[j])
+        return out

@@ -13,6 +13,7 @@ import torch
 from edit_train.local_sgd.penalty import Decision, PenaltyConfig
 from edit_train.local_sgd.round import probe_medians
 from edit_train.local_sgd.rules import Evidence, make_rule
+from edit_train.local_sgd.verified import token_weights
 from edit_train.sim.byzantine import ByzantineTransport, corrupt
 from edit_train.sim.faults import FaultInjector
 from toy_federation import H, config, max_diff, run_inproc
@@ -40,10 +41,10 @@ def test_a_corrupted_contribution_gets_weight_0_for_what_it_was(kind: str) -> No
         assert e["weight"] == 0.0 and e["anomalous"], e
         reasons = {r for detail in e["anomaly_details"].values() for r in detail["reasons"]}
         assert EXPECT[kind] in reasons, (kind, e["anomaly_details"])
-    for n in ("c0", "c2"):  # the honest clusters share the update by tokens (equal here): exactly 1/2 each
-        for e in events[n]:
+    for n in ("c0", "c2"):  # the honest clusters weigh by their token share (equal here): 1/3 each, and c1's
+        for e in events[n]:  # third is a zero update (`left_out=zero`): the step is backed by 2/3 of the tokens
             if START <= e["step"] < END:
-                assert e["weight"] == 0.5 and not e["anomalous"], e
+                assert e["weight"] == pytest.approx(1 / 3, rel=1e-6) and not e["anomalous"], e
     # after the fault, one sync of probation (its last update was corrupt and, without a probe here, did not
     # demonstrably help): c1 alone, for that reason alone; then it is back
     after = [e for e in events["c1"] if e["step"] >= END]
@@ -67,8 +68,31 @@ def test_the_rule_on_crafted_contributions() -> None:
                    "tokens": torch.tensor([100.0, 100.0, 100.0, 300.0], dtype=torch.float64)})
     d = rule.decide(ev)
     assert d.anomalous == [False, True, True, False]
-    assert d.weights == [0.25, 0.0, 0.0, 0.75]
+    # the left-out claims count at most the median accepted claim (100): 100 + 300 of 600 judged tokens
+    assert d.weights == pytest.approx([1 / 6, 0.0, 0.0, 1 / 2])
     assert d.evidence[1]["reasons"] == ["misreported"] and d.evidence[2]["reasons"] == ["non_finite"]
+
+
+def test_a_left_out_share_is_a_zero_update_or_goes_to_the_others() -> None:
+    """`left_out=zero` (default): the accepted weights sum to the accepted share of the judged tokens;
+    `others`: to 1 (EDiT's renormalisation). Either way a left-out cluster's weight is 0, and an exaggerated
+    claim of a left-out cluster counts as the median accepted claim (it cannot shrink the others' step)."""
+    tokens = torch.tensor([100.0, 100.0, 1e9, 200.0], dtype=torch.float64)
+    accepted = torch.tensor([True, True, False, True])
+    zero = token_weights(tokens, accepted, 8.0)
+    assert zero.tolist() == pytest.approx([0.2, 0.2, 0.0, 0.4])  # 400 accepted of 400 + min(1e9, 100)
+    assert token_weights(tokens, accepted, 8.0, "others").tolist() == pytest.approx([0.25, 0.25, 0.0, 0.5])
+    everyone = torch.ones(4, dtype=torch.bool)
+    assert token_weights(tokens, everyone, 8.0).tolist() == token_weights(tokens, everyone, 8.0, "others").tolist()
+    assert token_weights(tokens, torch.zeros(4, dtype=torch.bool), 8.0).tolist() == [0.0] * 4
+    assert token_weights(torch.zeros(3), torch.tensor([True, False, True]), 8.0).tolist() == \
+        pytest.approx([1 / 3, 0.0, 1 / 3])  # no claims: one each
+    rule = make_rule(PenaltyConfig(rule="verified", sketch_dim=0, left_out="others"))
+    ev = Evidence("m", ("a", "b"), torch.ones(2, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64),
+                  (True,) * 2, {"probe": torch.tensor([-0.05, 0.2], dtype=torch.float64)})
+    assert rule.decide(ev).weights == [1.0, 0.0]
+    with pytest.raises(ValueError, match="left_out"):
+        PenaltyConfig(left_out="spread").validate()
 
 
 def test_tokens_claims_are_capped() -> None:
@@ -89,7 +113,7 @@ def test_an_update_that_hurt_the_others_probe_is_left_out() -> None:
     ev = Evidence("m", ("a", "b"), torch.ones(2, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64),
                   (True,) * 2, {"probe": torch.tensor([-0.05, 0.2], dtype=torch.float64)})
     d = rule.decide(ev)
-    assert d.weights == [1.0, 0.0] and d.evidence[1]["reasons"] == ["useless"]
+    assert d.weights == [0.5, 0.0] and d.evidence[1]["reasons"] == ["useless"]
 
 
 def test_corruptions_keep_or_break_what_they_should() -> None:
@@ -118,8 +142,8 @@ def test_probation_follows_a_mostly_corrupt_sync_unless_the_update_helped() -> N
         rule.decide(_ev(module, 5, fin, [nan] * 3))
     # sync 6: c1 is held out of every module although what it sends now is fine; c2 is not
     d = rule.decide(_ev("a", 6, [True] * 3, [-0.1, 0.05, 0.0]))
-    assert d.weights == [0.5, 0.0, 0.5] and d.evidence[1]["reasons"] == ["probation"]
-    assert rule.decide(_ev("c", 6, [True] * 3, [-0.1, 0.05, 0.0])).weights == [0.5, 0.0, 0.5]
+    assert d.weights == pytest.approx([1 / 3, 0.0, 1 / 3]) and d.evidence[1]["reasons"] == ["probation"]
+    assert rule.decide(_ev("c", 6, [True] * 3, [-0.1, 0.05, 0.0])).weights == pytest.approx([1 / 3, 0.0, 1 / 3])
     # its update of sync 5 demonstrably helped the others (probe <= 0): no probation
     rule2 = make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
     meta, tensors = rule.state()
@@ -169,13 +193,13 @@ def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
     for k in range(1, 7):
         assert all(d.weights == [0.5, 0.5] for d in sync(k, ()).values())
     d7 = sync(7, ("a", "b"))
-    assert d7["a"].weights == [1.0, 0.0] and "direction" in d7["a"].evidence[1]["reasons"]
+    assert d7["a"].weights == [0.5, 0.0] and "direction" in d7["a"].evidence[1]["reasons"]
     assert d7["c"].weights == [0.5, 0.5]
     for k in (8, 9):  # held out of every module, small module c included
         d = sync(k, ("a", "b"))
-        assert all(x.weights == [1.0, 0.0] for x in d.values()), k
+        assert all(x.weights == [0.5, 0.0] for x in d.values()), k
         assert "probation" in d["c"].evidence[1]["reasons"]
-    assert all(x.weights == [1.0, 0.0] for x in sync(10, ()).values())  # still on probation from sync 9
+    assert all(x.weights == [0.5, 0.0] for x in sync(10, ()).values())  # still on probation from sync 9
     assert all(x.weights == [0.5, 0.5] for x in sync(11, ()).values())
 
 

@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 _WEIGHTINGS = ("softmax", "uniform")
+LEFT_OUT = ("zero", "others")  # `left_out`: see PenaltyConfig
 _PREFIX = "algo.penalty"  # where the config lives in the Hydra tree (for error messages)
 
 
@@ -71,6 +72,9 @@ class PenaltyConfig:
     retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
     report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
     max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
+    # what a left-out cluster's token share of a module's step becomes: "zero" (the step is backed by the
+    # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
+    left_out: str = "zero"
 
     @property
     def clip_phi(self) -> float | None:
@@ -105,6 +109,8 @@ class PenaltyConfig:
             raise ValueError(f"{_PREFIX}.direction_alpha must be in (0, 1), got {self.direction_alpha}")
         if not 0.0 < self.direction_rate <= 1.0:
             raise ValueError(f"{_PREFIX}.direction_rate must be in (0, 1], got {self.direction_rate}")
+        if self.left_out not in LEFT_OUT:
+            raise ValueError(f"{_PREFIX}.left_out must be one of {LEFT_OUT}, got {self.left_out!r}")
         if self.probe_tokens < 0 or not self.max_token_ratio >= 1.0 or not self.report_tolerance > 0:
             raise ValueError(f"{_PREFIX}: probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 

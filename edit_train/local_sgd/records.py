@@ -75,7 +75,8 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "sync": report.sync,
         "local_steps": report.local_steps,
         "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
-        # this cluster's effective share of the merged update: its weight per module, by the module's size
+        # this cluster's coefficient in the merged update (its weight per module, by the module's size): 0 when it
+        # was left out of every module; a sync's weights sum to the accepted share of the tokens
         "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
         "anomalous_modules": anomalous,

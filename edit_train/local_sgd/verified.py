@@ -20,7 +20,8 @@ Per module, a contributing cluster is left out (weight 0) when any of these hold
 
 Norm statistics are per cluster name, direction statistics pooled per module; both learn accepted values
 only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
-cluster cannot buy weight by exaggerating).
+cluster cannot buy weight by exaggerating); a left-out cluster's share is a zero update (`left_out`,
+`token_weights`).
 """
 
 from __future__ import annotations
@@ -150,14 +151,7 @@ class VerifiedRule:
 
     def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> Tensor:
         tokens = torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
-        tokens = torch.where(torch.isfinite(tokens), tokens.clamp_min(0.0), torch.zeros_like(tokens))
-        ok = ~anomalous
-        if not bool(ok.any()):
-            return torch.zeros(len(idx), dtype=torch.float64)
-        cap = self.cfg.max_token_ratio * float(tokens[ok].median())
-        t = torch.where(ok, tokens.clamp_max(cap) if cap > 0 else tokens, torch.zeros_like(tokens))
-        total = float(t.sum())
-        return t / total if total > 0 else ok.double() / float(ok.sum())
+        return token_weights(tokens, ~anomalous, self.cfg.max_token_ratio, self.cfg.left_out)
 
     @staticmethod
     def _evidence(ev: Evidence, idx: list[int], flags: dict, hits: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -220,3 +214,25 @@ class VerifiedRule:
         self.direction.refs = refs
         self.sync, self.probation = sync, {str(n) for n in probation}
         self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}
+
+
+def token_weights(tokens: Tensor, accepted: Tensor, cap_ratio: float, left_out: str = "zero") -> Tensor:
+    """The accepted contributors' weights from their claimed tokens, each claim capped at `cap_ratio` × the
+    median accepted claim (a cluster cannot buy weight by exaggerating). `left_out="others"`: the weights sum
+    to 1 (a left-out cluster's share goes to the accepted ones, EDiT's renormalisation). `"zero"`: a left-out
+    cluster's share is a zero update, so the weights sum to the share of the judged tokens that was accepted
+    and the step shrinks with the tokens that back it (the linear-scaling rule for the outer step; measured in
+    docs/sync_math.md). A left-out claim counts at most the median accepted claim: an untrusted cluster cannot
+    shrink the others' step by exaggerating either. Claims that are all zero count as one each."""
+    t = torch.where(torch.isfinite(tokens), tokens.clamp_min(0.0), torch.zeros_like(tokens))
+    if not bool(accepted.any()):
+        return torch.zeros_like(t)
+    if not float(t[accepted].sum()) > 0:
+        t = torch.ones_like(t)
+    med = float(t[accepted].median())
+    kept = torch.where(accepted, t.clamp_max(cap_ratio * med) if med > 0 else t, torch.zeros_like(t))
+    total = float(kept.sum())
+    if left_out == "zero":
+        total += float(torch.where(accepted, torch.zeros_like(t), t.clamp_max(med)).sum())
+    return kept / total
+

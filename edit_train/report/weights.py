@@ -1,6 +1,6 @@
-"""`weights.png`: each cluster's share of the merged update per sync, with the injected faults shaded.
+"""`weights.png`: each cluster's weight in the merged update per sync, with the injected faults shaded.
 
-One panel per run: a line per cluster of the `weight` its `sync` events report (its effective share of the
+One panel per run: a line per cluster of the `weight` its `sync` events report (its coefficient in the
 merged update; 0 when every module left it out), a red × where that sync flagged the cluster anomalous, a
 black ▼ on a sync whose update of that cluster a later sync took back (the others' probes found it harmful,
 `retracted` in the sync events), and each fault window of `config.json`'s `faults` shaded ([start, end) in
@@ -109,7 +109,7 @@ def weights_figure(runs: list[Run]):  # type: ignore[no-untyped-def]
         ax.set_visible(False)
     for r, ax in zip(runs, axes):
         _panel(ax, r)
-    fig.suptitle("Each cluster's share of the merged update per sync (red ×: flagged anomalous; ▼: taken back; "
+    fig.suptitle("Each cluster's weight in the merged update per sync (red ×: flagged anomalous; ▼: taken back; "
                  "shaded: injected fault)", fontsize=11)
     return fig
 
