@@ -31,7 +31,10 @@ Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
     (anchors and outer Nesterov momentum) at the end of every run is finite (`checkpoint.at_end=true`,
     unlike `_common.BASE_OVERRIDES`). A non-finite outer step would leave the momentum non-finite for
     good, so the end-of-run check covers the whole run;
-  * and, as a check of the benchmark, every oracle dropped exactly its window's syncs.
+  * and, as checks of the benchmark, every oracle dropped exactly its window's syncs, and every run was in
+    lockstep: each cluster took exactly H local steps before every sync. On a loaded machine a cluster's first
+    connection can fail and it joins sync 1 with 0 steps — the federation is fine with that, but the run then
+    follows another trajectory than its references; such a run is deleted and run again (up to 3 tries).
 JSON (`--out`) + plot (`--plot`: every cluster's weight per sync for each kind, first seed, smallest N;
 val loss / clean and / oracle per kind and N) + printed tables.
 
@@ -42,7 +45,7 @@ val loss / clean and / oracle per kind and N) + printed tables.
 Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs) ~5 min with the cores
 nearly free (a 2-cluster run 47-54 s), 11.7 min with them shared (88-151 s a run). A 4-cluster run costs
 ~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
-better guide). Runs are deterministic: a rerun gives the same val losses to the last digit.
+better guide). Runs in lockstep are deterministic: a rerun gives the same val losses to the last digit.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -190,6 +194,28 @@ def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
     return len(files), bad, sorted(modules)
 
 
+def out_of_step(job: C.Job, a: argparse.Namespace) -> list[int]:
+    """The syncs at which some cluster had not taken exactly H local steps: a cluster that joined late (e.g. its
+    first connection failed on a loaded machine) or missed a sync. Such a run follows another trajectory from
+    there and cannot be compared with its references; the runs are deterministic only in lockstep."""
+    return sorted({int(e["sync"]) for e in job.events("sync") if int(e["local_steps"]) != a.interval})
+
+
+def run_in_step(label: str, run_dir: Path, overrides: list[str], env: dict[str, str],
+                a: argparse.Namespace, tries: int = 3) -> C.Job:
+    """A run in lockstep: one that was not (see `out_of_step`) is deleted and run again, up to `tries` times."""
+    for attempt in range(tries):
+        job = run_with_env(label, run_dir, overrides, env, a)
+        bad = out_of_step(job, a)
+        if not bad:
+            return job
+        print(f"  {label}: not in lockstep at syncs {bad} (a late join or a missed sync); "
+              f"{'running it again' if attempt + 1 < tries else 'giving up'}", flush=True)
+        if attempt + 1 < tries:
+            shutil.rmtree(run_dir)
+    return job
+
+
 def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trace: bool) -> dict[str, Any]:
     """Per-run numbers: c1's weight over the window syncs, flags per check, anchors, val loss."""
     by: dict[int, dict[str, dict[str, Any]]] = {}
@@ -229,6 +255,7 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
         "anchor_files": files, "nonfinite_anchor_tensors": nonfinite[:20], "nan_in_anchors": bool(nonfinite),
         "val_losses_finite": all(math.isfinite(v) for v in [*losses, s.get("final_val_loss", math.nan)]),
         "syncs": len(syncs), "modules": modules, "job_wall_s": job.wall_s, "run_dir": job.run_dir,
+        "out_of_step": out_of_step(job, a),
     }
     if run.startswith("oracle_"):
         rec["oracle_dropped"] = [k for k in c1 if "oracle" in reasons.get(k, [])]
@@ -295,6 +322,8 @@ def targets(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str,
     out["no NaN in any anchor (end checkpoints, every run)"] = {"value": bad, "pass": not bad}
     miss = [f"{r['clusters']}/{r['seed']}/{r['run']}" for r in runs if not r.get("oracle_window_ok", True)]
     out["every oracle dropped exactly its window syncs"] = {"value": miss, "pass": not miss}
+    late = [f"{r['clusters']}/{r['seed']}/{r['run']}" for r in runs if r.get("out_of_step")]
+    out["every run in lockstep (H local steps per cluster and sync)"] = {"value": late, "pass": not late}
     return out
 
 
@@ -314,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     spent, spent_n = 0.0, 0  # seconds and cluster-runs of the runs not reused (ETA: cost ∝ cluster count)
     for i, (n, seed, run, overrides, env) in enumerate(todo):
         t = time.perf_counter()
-        job = run_with_env(f"[{i + 1}/{len(todo)}] n{n} seed {seed} {run}", a.workdir / f"n{n}" / f"seed{seed}" / run,
-                           overrides, env, a)
+        job = run_in_step(f"[{i + 1}/{len(todo)}] n{n} seed {seed} {run}", a.workdir / f"n{n}" / f"seed{seed}" / run,
+                          overrides, env, a)
         if time.perf_counter() - t > 1.0:
             spent, spent_n = spent + time.perf_counter() - t, spent_n + n
         runs.append(measure(job, a, n, seed, run, trace=seed == a.seeds[0]))
