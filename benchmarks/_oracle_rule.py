@@ -28,7 +28,7 @@ from torch import Tensor
 
 from edit_train.local_sgd.penalty import Decision, PenaltyConfig
 from edit_train.local_sgd.rules import Evidence
-from edit_train.local_sgd.verified import VerifiedRule, token_weights
+from edit_train.local_sgd.verified import VerifiedRule, claimed_tokens, token_weights
 
 ENV = "EDIT_TRAIN_ORACLE"
 
@@ -93,10 +93,7 @@ class OracleRule:
         """The weights as the inner rule would set them with the dropped cluster judged and left out: its token
         share is a zero update under `left_out=zero` (the others' weights are renormalised without it above)."""
         idx = ev.contributors
-        tokens = torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
         accepted = torch.tensor([weights[i] > 0 for i in idx], dtype=torch.bool)
-        w = token_weights(tokens, accepted, self.cfg.max_token_ratio, self.cfg.left_out)
-        out = [0.0] * len(weights)
-        for j, i in enumerate(idx):
-            out[i] = float(w[j])
-        return out
+        out = torch.zeros(len(weights), dtype=torch.float64)
+        out[idx] = token_weights(claimed_tokens(ev, idx), accepted, self.cfg.max_token_ratio, self.cfg.left_out)
+        return out.tolist()

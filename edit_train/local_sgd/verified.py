@@ -150,8 +150,7 @@ class VerifiedRule:
         return torch.isfinite(p) & (p > self.cfg.probe_tolerance)
 
     def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> Tensor:
-        tokens = torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
-        return token_weights(tokens, ~anomalous, self.cfg.max_token_ratio, self.cfg.left_out)
+        return token_weights(claimed_tokens(ev, idx), ~anomalous, self.cfg.max_token_ratio, self.cfg.left_out)
 
     @staticmethod
     def _evidence(ev: Evidence, idx: list[int], flags: dict, hits: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -214,6 +213,11 @@ class VerifiedRule:
         self.direction.refs = refs
         self.sync, self.probation = sync, {str(n) for n in probation}
         self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}
+
+
+def claimed_tokens(ev: Evidence, idx: list[int]) -> Tensor:
+    """The tokens contributors `idx` claim to have trained on (their local steps where no claim was sent)."""
+    return torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
 
 
 def token_weights(tokens: Tensor, accepted: Tensor, cap_ratio: float, left_out: str = "zero") -> Tensor:
