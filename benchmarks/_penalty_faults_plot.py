@@ -2,7 +2,7 @@
 one panel per fault kind (and each oracle) with every cluster's `weight` per sync for the first seed at the
 smallest cluster count, the fault window's syncs shaded, flagged syncs marked (×) and updates taken back a sync
 later marked (▼); then the final val loss of
-each kind over the clean run and over the oracle run, per cluster count (bar: mean over seeds, whisker: worst).
+each kind over the clean run and over the oracle run, per cluster count (bar: mean over seeds, whiskers: best, worst).
 """
 
 from __future__ import annotations
@@ -49,16 +49,17 @@ def _ratio_panel(ax: Any, rows: list[dict[str, Any]], key: str, bound: float, ti
     counts = sorted({r["clusters"] for r in rows})
     width = 0.8 / max(len(counts), 1)
     for j, n in enumerate(counts):
-        mean, worst = [], []
+        mean, worst, best = [], [], []
         for kind in kinds:
             r = next((r for r in rows if r["clusters"] == n and r["kind"] == kind), {})
-            m, w = r.get(f"{key}_mean"), r.get(f"{key}_worst")
+            m, w, b = r.get(f"{key}_mean"), r.get(f"{key}_worst"), r.get(f"{key}_best")
             mean.append(m if m is not None else math.nan)
             worst.append((w - m) if (w is not None and m is not None) else 0.0)
+            best.append((m - b) if (b is not None and m is not None) else 0.0)
         xs = [i + (j - (len(counts) - 1) / 2) * width for i in range(len(kinds))]
         ax.bar(xs, [m - 1 for m in mean], width, bottom=1, color=COLORS[j % len(COLORS)], alpha=0.8,
                label=f"{n} clusters")
-        ax.errorbar(xs, mean, yerr=[[0] * len(xs), [max(w, 0) for w in worst]], fmt="none", ecolor="black",
+        ax.errorbar(xs, mean, yerr=[[max(b, 0) for b in best], [max(w, 0) for w in worst]], fmt="none", ecolor="black",
                     capsize=2, lw=0.8)
     ax.axhline(bound, color="black", ls="--", lw=1, label=f"target {bound}")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -71,7 +72,7 @@ def _ratio_panel(ax: Any, rows: list[dict[str, Any]], key: str, bound: float, ti
 def plot(result: dict[str, Any], path: Path) -> Path:
     plt = C.pyplot()
     setup = result["setup"]
-    traced = [r for r in result["runs"] if r.get("trace") and r["run"] != "clean"]
+    traced = [r for r in result["runs"] if r.get("trace") and r["run"] not in ("clean", "clean_jitter")]
     n0 = min((r["clusters"] for r in traced), default=0)
     panels = [r for r in traced if r["clusters"] == n0]
     order = {k: i for i, k in enumerate(setup["kinds"])}
@@ -88,10 +89,12 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         _weights_panel(ax, run, title, setup["interval"])
     flat[0].legend(fontsize=7, loc="lower left")
     rows = result["rows"]
+    tokens = {r.get("final_val_tokens") for r in result["runs"]}
+    on = f" on {tokens.pop():,} val tokens" if len(tokens) == 1 and None not in tokens else ""
     _ratio_panel(flat[len(panels)], rows, "vs_clean", setup["targets"]["vs_clean"],
-                 "final val loss / clean (oracles: what the lost tokens cost)\n(bar: mean over seeds, whisker: worst)")
+                 f"final val loss{on} / clean (oracles: the lost tokens)\n(bar: mean over seeds, whiskers: best, worst)")
     _ratio_panel(flat[len(panels) + 1], [r for r in rows if not r["kind"].startswith("oracle_")], "vs_oracle",
-                 setup["targets"]["vs_oracle"], "final val loss / its oracle\n(bar: mean over seeds, whisker: worst)")
+                 setup["targets"]["vs_oracle"], f"final val loss{on} / its oracle\n(bar: mean over seeds, whiskers: best, worst)")
     for ax in flat[total:]:
         ax.set_visible(False)
     fig.suptitle(f"verified rule, EDiT H={setup['interval']}, W={setup['warmup_syncs']}: fault on c1 for steps "

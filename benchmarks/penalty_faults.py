@@ -26,7 +26,13 @@ Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
   * c1's `weight` is 0 (left out of every module) in >= 90 % of the window's syncs (min over seeds);
   * false flags on the clean runs <= 1 % per check (a check = one cluster × one module × one sync, all
     syncs; flagged modules counted from `anomalous_modules` of every cluster);
-  * final val loss <= 1.01 × clean and <= 1.005 × oracle (one-sided: better than the oracle is fine);
+  * final val loss <= 1.01 × clean and <= 1.005 × oracle (one-sided: better than the oracle is fine). The final
+    val loss is the end model's (cluster 0's end checkpoint, the anchor) on the first `--end-eval-batches` = 128
+    val batches (131,072 tokens, the same for every run; `_end_eval.py`), not the trainer's last 8-batch eval,
+    which moved a faulty/oracle ratio by up to 0.9 %;
+  * the resolution of those ratios, per (N, seed): a `clean_jitter` run, the clean run with the outer lr
+    × (1 + 1e-5) — a change that costs nothing by itself, so `clean_jitter / clean` is how far two runs end
+    apart once their trajectories part anywhere (printed, and in the JSON's `resolution`; `--no-jitter` skips it);
   * NaN never reaches an anchor: every tensor of `checkpoints/<cluster>/step_*/rank*-outer.safetensors`
     (anchors and outer Nesterov momentum) at the end of every run is finite (`checkpoint.at_end=true`,
     unlike `_common.BASE_OVERRIDES`). A non-finite outer step would leave the momentum non-finite for
@@ -38,12 +44,13 @@ Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
 JSON (`--out`) + plot (`--plot`: every cluster's weight per sync for each kind, first seed, smallest N;
 val loss / clean and / oracle per kind and N) + printed tables.
 
-    python benchmarks/penalty_faults.py --quick   # N=2, seed 0, garbage_data sign_flip nan_payload: 6 runs
-    python benchmarks/penalty_faults.py           # N=2,3,4 × seeds 0,1,2 × (clean + 3 oracles + 6 kinds): 90 runs
+    python benchmarks/penalty_faults.py --quick   # N=2, seed 0, garbage_data sign_flip nan_payload: 7 runs
+    python benchmarks/penalty_faults.py           # N=2,3,4 × seeds 0,1,2 × (clean, jitter, 3 oracles, 6 kinds): 99 runs
+    python benchmarks/penalty_faults.py --steps 960 --clusters 2 --kinds sign_flip garbage_data  # 18 runs, 37 min
     python benchmarks/penalty_faults.py --kinds lie_norm --clusters 3 --seeds 0 --reuse
 
 Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs) ~5 min with the cores
-nearly free (a 2-cluster run 47-54 s), 11.7 min with them shared (88-151 s a run). A 4-cluster run costs
+nearly free (a 2-cluster run 47-54 s; 115-120 s at 960 steps), 11.7 min with them shared (88-151 s a run). A 4-cluster run costs
 ~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
 better guide). Runs in lockstep are deterministic: a rerun gives the same val losses to the last digit.
 """
@@ -62,6 +69,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import _oracle_rule  # noqa: E402
+from _end_eval import end_val_loss  # noqa: E402
 from _penalty_faults_plot import plot  # noqa: E402
 
 KINDS = ("garbage_data", "lr_spike", "sign_flip", "random_direction", "lie_norm", "nan_payload")
@@ -70,6 +78,7 @@ QUICK_KINDS = ("garbage_data", "sign_flip", "nan_payload")
 FAULT_GROUP, FAULTY = 1, "c1"
 TARGETS = {"weight0_share": 0.9, "false_flags": 0.01, "vs_clean": 1.01, "vs_oracle": 1.005}
 ORACLE_RULE = "algo.penalty.rule=_oracle_rule:OracleRule"
+JITTER = "clean_jitter"  # the clean run with the outer lr × (1 + 1e-5): how far two runs that part anywhere end apart
 
 
 def oracle_of(kind: str) -> str:
@@ -80,7 +89,19 @@ def oracle_of(kind: str) -> str:
 def window_kind(run: str) -> str | None:
     """The fault kind whose window a run's syncs are counted against (None: the clean run)."""
     kind = run.removeprefix("oracle_")
-    return None if run == "clean" else "sign_flip" if kind == "payload" else kind
+    return None if run in ("clean", JITTER) else "sign_flip" if kind == "payload" else kind
+
+
+def jitter_override(extra: list[str]) -> str:
+    """The outer lr (a `--set algo.outer.lr=…`, else conf/algo/edit.yaml's) × (1 + 1e-5): a perturbation that
+    costs nothing by itself, so the jittered run's distance from the clean one is the per-seed resolution of
+    every loss ratio here."""
+    from omegaconf import OmegaConf
+
+    key = "algo.outer.lr="
+    given = [e.removeprefix(key) for e in extra if e.startswith(key)]
+    lr = float(given[-1]) if given else float(OmegaConf.load(C.BENCH_DIR.parent / "conf/algo/edit.yaml").outer.lr)
+    return f"{key}{lr * (1 + 1e-5)!r}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +119,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--eval-every", type=int, default=48)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-batches", type=int, default=8, help="train.eval_batches (the trainer's val curve)")
+    ap.add_argument("--end-eval-batches", type=int, default=128,
+                    help="val batches the end model is scored on (0: the trainer's last eval); see _end_eval.py")
+    ap.add_argument("--no-jitter", dest="jitter", action="store_false",
+                    help=f"skip the {JITTER} run per (clusters, seed) that measures the per-seed resolution")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every run (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "penalty_faults")
@@ -153,6 +178,8 @@ def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str
         for seed in a.seeds:
             base = common_overrides(a, n, seed)
             out.append((n, seed, "clean", base, {}))
+            if a.jitter:
+                out.append((n, seed, JITTER, [*base, jitter_override(a.extra)], {}))
             for oracle in dict.fromkeys(oracle_of(k) for k in a.kinds):
                 kind = window_kind(oracle)
                 win = window_syncs(a, kind)
@@ -241,8 +268,11 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
                for k in c1 if c1[k].get("anomalous")}
     _, losses = job.eval_curve()
     s = job.summary
+    final, tokens = (end_val_loss(job.run_dir, a.end_eval_batches) if a.end_eval_batches > 0
+                     else (s.get("final_val_loss"), a.eval_batches * a.batch_size * a.seq_len))
     rec: dict[str, Any] = {
-        "clusters": n, "seed": seed, "run": run, "faulty": FAULTY, "final_val_loss": s.get("final_val_loss"),
+        "clusters": n, "seed": seed, "run": run, "faulty": FAULTY, "final_val_loss": final,
+        "final_val_tokens": tokens, "train_final_val_loss": s.get("final_val_loss"),
         "window_syncs": win, "weight0_syncs": zero, "weight0_share": len(zero) / len(win) if win else None,
         "c1_weight_in_window": [round(float(c1[k]["weight"]), 4) for k in win],
         "c1_flag_reasons": {str(k): v for k, v in reasons.items()},
@@ -253,7 +283,7 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
         "checks": checks, "flags": flags, "false_flag_rate": flags / checks if run == "clean" and checks else None,
         "honest_flags": honest_flags, "honest_flag_rate": honest_flags / max(len(honest) * len(modules), 1),
         "anchor_files": files, "nonfinite_anchor_tensors": nonfinite[:20], "nan_in_anchors": bool(nonfinite),
-        "val_losses_finite": all(math.isfinite(v) for v in [*losses, s.get("final_val_loss", math.nan)]),
+        "val_losses_finite": all(math.isfinite(v) for v in [*losses, s.get("final_val_loss", math.nan), final]),
         "syncs": len(syncs), "modules": modules, "job_wall_s": job.wall_s, "run_dir": job.run_dir,
         "out_of_step": out_of_step(job, a),
     }
@@ -274,27 +304,28 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
     ref = {(r["clusters"], r["seed"], r["run"]): r for r in runs}
     rows = []
     for n in a.clusters:
-        for kind in [*a.kinds, *dict.fromkeys(oracle_of(k) for k in a.kinds)]:
+        for kind in [*a.kinds, *dict.fromkeys(oracle_of(k) for k in a.kinds), *([JITTER] if a.jitter else [])]:
             rs = [r for r in runs if r["clusters"] == n and r["run"] == kind]
             if not rs:
                 continue
             vs_c = [r["final_val_loss"] / ref[(n, r["seed"], "clean")]["final_val_loss"] for r in rs]
-            oracle = kind.startswith("oracle_")
+            oracle = kind.startswith("oracle_") or kind == JITTER  # references: judged on their own checks
             vs_o = [] if oracle else [r["final_val_loss"] / ref[(n, r["seed"], oracle_of(kind))]["final_val_loss"]
                                       for r in rs]
             clean_ff = [ref[(n, r["seed"], "clean")]["false_flag_rate"] for r in rs]
-            shares = [r["weight0_share"] for r in rs]
+            shares = [r["weight0_share"] for r in rs if r["weight0_share"] is not None]  # none: no window
             row = {"clusters": n, "kind": kind, "seeds": [r["seed"] for r in rs],
-                   "weight0_min": min(shares), "weight0_mean": sum(shares) / len(shares),
-                   "weight0_or_back_min": min(r.get("weight0_or_retracted_share") or 0.0 for r in rs),
+                   "weight0_min": min(shares, default=None), "weight0_mean": sum(shares) / len(shares) if shares else None,
+                   "weight0_or_back_min": min((r.get("weight0_or_retracted_share") or 0.0 for r in rs), default=None)
+                   if shares else None,
                    "clean_retractions": max(ref[(n, r["seed"], "clean")].get("retractions", 0) for r in rs),
                    "clean_ff_max": max(clean_ff), "honest_ff_max": max(r["honest_flag_rate"] for r in rs),
-                   "vs_clean_mean": sum(vs_c) / len(vs_c), "vs_clean_worst": max(vs_c),
+                   "vs_clean_mean": sum(vs_c) / len(vs_c), "vs_clean_worst": max(vs_c), "vs_clean_best": min(vs_c),
                    "vs_oracle_mean": sum(vs_o) / len(vs_o) if vs_o else None,
-                   "vs_oracle_worst": max(vs_o, default=None),
+                   "vs_oracle_worst": max(vs_o, default=None), "vs_oracle_best": min(vs_o, default=None),
                    "nan": any(r["nan_in_anchors"] or not r["val_losses_finite"] for r in rs)}
             if oracle:
-                row["ok"] = all(r["oracle_window_ok"] for r in rs) and not row["nan"]
+                row["ok"] = all(r.get("oracle_window_ok", True) for r in rs) and not row["nan"]
             else:
                 row["ok"] = (row["weight0_min"] >= TARGETS["weight0_share"] and row["clean_ff_max"]
                              <= TARGETS["false_flags"] and row["vs_clean_worst"] <= TARGETS["vs_clean"]
@@ -304,7 +335,7 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
 
 
 def targets(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    faulty = [r for r in rows if not r["kind"].startswith("oracle_")]
+    faulty = [r for r in rows if not (r["kind"].startswith("oracle_") or r["kind"] == JITTER)]
     worst = {"weight0_share": min((r["weight0_min"] for r in faulty), default=None),
              "false_flags": max((r["false_flag_rate"] for r in runs if r["run"] == "clean"), default=None),
              "vs_clean": max((r["vs_clean_worst"] for r in faulty), default=None),
@@ -353,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  ETA ~{spent / spent_n * left / 60:.0f} min for the {len(todo) - i - 1} runs left", flush=True)
     rows = aggregate(runs, a)
     tg = targets(runs, rows)
+    resolution = {str(r["clusters"]): [r["vs_clean_best"], r["vs_clean_worst"]] for r in rows if r["kind"] == JITTER}
     wall = time.perf_counter() - t0
     result = {
         "benchmark": "penalty_faults", "quick": a.quick,
@@ -361,8 +393,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                                "training_side": window_syncs(a, "garbage_data")},
                   "steps": a.steps, "interval": a.interval, "warmup_syncs": a.warmup_syncs,
                   "lr_factor": a.lr_factor, "batch_size": a.batch_size, "seq_len": a.seq_len,
+                  "eval_batches": a.eval_batches, "end_eval_batches": a.end_eval_batches,
                   "targets": TARGETS, "extra": a.extra},
-        "rows": rows, "targets": tg, "runs": runs, "wall_s": wall, "env": C.environment(),
+        "rows": rows, "targets": tg, "resolution": resolution, "runs": runs, "wall_s": wall, "env": C.environment(),
     }
     C.write_json(a.out, result)
     plot(result, a.plot)
@@ -382,6 +415,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  n{r['clusters']} seed {r['seed']} {r['run']}: c1 kept weight at window syncs {kept or '-'}; "
                   f"taken back (sync: at) {r.get('c1_retracted') or '-'}; "
                   f"weight 0 outside the window at syncs {r['c1_dropped_outside_window'] or '-'}")
+    for n, (lo, hi) in resolution.items():
+        print(f"  resolution at {n} clusters: {JITTER} / clean = {lo:.4f} … {hi:.4f} over the seeds (the outer lr "
+              "× (1 + 1e-5): any two runs that part somewhere end this far apart)")
     print(f"\ntotal wall {wall / 60:.1f} min; targets:")
     C.print_targets({k: f"{'pass' if v['pass'] else 'FAIL'} ({C.fmt(v['value'])})" for k, v in tg.items()},
                     a.out, a.plot)
