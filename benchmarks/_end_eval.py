@@ -34,11 +34,12 @@ def end_val_loss(run_dir: Path, batches: int) -> tuple[float, int]:
     """(mean val loss, tokens) of the run's last checkpoint of cluster 0 on the first `batches` val batches
     (the run's own data, batch size and sequence length, read from its `config.json`)."""
     cfg = json.loads((Path(run_dir) / "config.json").read_text())
-    steps = sorted((Path(run_dir) / "checkpoints").glob("*/step_*"))
+    root = Path(run_dir) / "checkpoints"
+    # a lone cluster writes checkpoints/step_*, a federation checkpoints/<cluster>/step_*: the first cluster's
+    steps = sorted(root.glob("step_*")) or sorted(root.glob("*/step_*"), key=lambda p: p.parent.name)
     if not steps:
-        raise FileNotFoundError(f"{run_dir}: no checkpoints/<cluster>/step_*; run it with checkpoint.at_end=true")
-    last = max(int(p.name.split("_")[1]) for p in steps)
-    step_dir = next(p for p in steps if int(p.name.split("_")[1]) == last)
+        raise FileNotFoundError(f"{run_dir}: no checkpoints/[<cluster>/]step_*; run it with checkpoint.at_end=true")
+    step_dir = max(steps, key=lambda p: (p.parent == steps[0].parent, int(p.name.split("_")[1])))
     state, model_cfg = gather_checkpoint(step_dir, group=0)
     model = CausalLM(model_cfg)
     model.load_state_dict(state, strict=True)
