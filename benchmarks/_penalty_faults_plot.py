@@ -91,10 +91,11 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     rows = result["rows"]
     tokens = {r.get("final_val_tokens") for r in result["runs"]}
     on = f" on {tokens.pop():,} val tokens" if len(tokens) == 1 and None not in tokens else ""
+    bars = "(bar: mean over seeds, whiskers: best, worst)"
     _ratio_panel(flat[len(panels)], rows, "vs_clean", setup["targets"]["vs_clean"],
-                 f"final val loss{on} / clean (oracles: the lost tokens)\n(bar: mean over seeds, whiskers: best, worst)")
+                 f"final val loss{on} / clean (oracles: the lost tokens)\n{bars}")
     _ratio_panel(flat[len(panels) + 1], [r for r in rows if not r["kind"].startswith("oracle_")], "vs_oracle",
-                 setup["targets"]["vs_oracle"], f"final val loss{on} / its oracle\n(bar: mean over seeds, whiskers: best, worst)")
+                 setup["targets"]["vs_oracle"], f"final val loss{on} / its oracle\n{bars}")
     for ax in flat[total:]:
         ax.set_visible(False)
     fig.suptitle(f"verified rule, EDiT H={setup['interval']}, W={setup['warmup_syncs']}: fault on c1 for steps "

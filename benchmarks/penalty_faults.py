@@ -45,13 +45,13 @@ JSON (`--out`) + plot (`--plot`: every cluster's weight per sync for each kind, 
 val loss / clean and / oracle per kind and N) + printed tables.
 
     python benchmarks/penalty_faults.py --quick   # N=2, seed 0, garbage_data sign_flip nan_payload: 7 runs
-    python benchmarks/penalty_faults.py           # N=2,3,4 × seeds 0,1,2 × (clean, jitter, 3 oracles, 6 kinds): 99 runs
+    python benchmarks/penalty_faults.py           # N=2,3,4 × seeds 0,1,2 × (clean, jitter, 3 oracles, 6 kinds)
     python benchmarks/penalty_faults.py --steps 960 --clusters 2 --kinds sign_flip garbage_data  # 18 runs, 37 min
     python benchmarks/penalty_faults.py --kinds lie_norm --clusters 3 --seeds 0 --reuse
 
-Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs before the jitter run) ~5 min with the cores
-nearly free (a 2-cluster run 47-54 s; 115-120 s at 960 steps), 11.7 min with them shared (88-151 s a run). A 4-cluster run costs
-~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
+Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs before the jitter run) ~5 min
+with the cores nearly free (a 2-cluster run 47-54 s; 115-120 s at 960 steps), 11.7 min with them shared (88-151 s
+a run). A 4-cluster run costs ~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
 better guide). Runs in lockstep are deterministic: a rerun gives the same val losses to the last digit.
 """
 
@@ -317,7 +317,8 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
             row = {"clusters": n, "kind": kind, "seeds": [r["seed"] for r in rs],
                    "weight0_min": min(shares) if shares else None,
                    "weight0_mean": sum(shares) / len(shares) if shares else None,
-                   "weight0_or_back_min": min(r.get("weight0_or_retracted_share") or 0.0 for r in rs) if shares else None,
+                   "weight0_or_back_min": (min(r.get("weight0_or_retracted_share") or 0.0 for r in rs)
+                                           if shares else None),
                    "clean_retractions": max(ref[(n, r["seed"], "clean")].get("retractions", 0) for r in rs),
                    "clean_ff_max": max(clean_ff), "honest_ff_max": max(r["honest_flag_rate"] for r in rs),
                    "vs_clean_mean": sum(vs_c) / len(vs_c), "vs_clean_worst": max(vs_c), "vs_clean_best": min(vs_c),
