@@ -51,8 +51,9 @@ val loss / clean and / oracle per kind and N) + printed tables.
 
 Measured wall time (2 CPU cores shared with other jobs, so noisy): `--quick` (6 runs before the jitter run) ~5 min
 with the cores nearly free (a 2-cluster run 47-54 s; 115-120 s at 960 steps), 11.7 min with them shared (88-151 s
-a run). A 4-cluster run costs ~2-3× a 2-cluster one, so the full grid takes ~2-3 h on free cores (the ETA printed after each run is the
-better guide). Runs in lockstep are deterministic: a rerun gives the same val losses to the last digit.
+a run). A 4-cluster run costs ~2-3× a 2-cluster one, so the full grid takes ~2 h on free cores (107 min measured;
+the ETA printed after each run is the better guide). Runs in lockstep are deterministic: a rerun gives the same
+val losses to the last digit.
 """
 
 from __future__ import annotations
