@@ -24,8 +24,8 @@ allowance) — and then taken back at the next sync (`local_sgd/retract.py`; `c1
 
 Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
   * c1's `weight` is 0 (left out of every module) in >= 90 % of the window's syncs (min over seeds);
-  * false flags on the clean runs <= 1 % per check (a check = one cluster × one module × one sync, all
-    syncs; flagged modules counted from `anomalous_modules` of every cluster);
+  * false flags on the clean (and clean_jitter) runs <= 1 % per check (a check = one cluster × one module × one
+    sync, all syncs; flagged modules counted from `anomalous_modules` of every cluster);
   * final val loss <= 1.01 × clean and <= 1.005 × oracle (one-sided: better than the oracle is fine). The final
     val loss is the end model's (cluster 0's end checkpoint, the anchor) on the first `--end-eval-batches` = 128
     val batches (131,072 tokens, the same for every run; `_end_eval.py`), not the trainer's last 8-batch eval,
@@ -281,7 +281,8 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
         "weight0_or_retracted_share": len([k for k in win if k in zero or k in taken]) / len(win) if win else None,
         "retractions": retractions,  # clusters taken back, summed over the syncs (as c1 saw them)
         "c1_dropped_outside_window": [k for k in c1 if k not in win and float(c1[k]["weight"]) <= 1e-12],
-        "checks": checks, "flags": flags, "false_flag_rate": flags / checks if run == "clean" and checks else None,
+        "checks": checks, "flags": flags,
+        "false_flag_rate": flags / checks if run in ("clean", JITTER) and checks else None,
         "honest_flags": honest_flags, "honest_flag_rate": honest_flags / max(len(honest) * len(modules), 1),
         "anchor_files": files, "nonfinite_anchor_tensors": nonfinite[:20], "nan_in_anchors": bool(nonfinite),
         "val_losses_finite": all(math.isfinite(v) for v in [*losses, s.get("final_val_loss", math.nan), final]),
@@ -339,12 +340,12 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
 def targets(runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     faulty = [r for r in rows if not (r["kind"].startswith("oracle_") or r["kind"] == JITTER)]
     worst = {"weight0_share": min((r["weight0_min"] for r in faulty), default=None),
-             "false_flags": max((r["false_flag_rate"] for r in runs if r["run"] == "clean"), default=None),
+             "false_flags": max((r["false_flag_rate"] for r in runs if r["run"] in ("clean", JITTER)), default=None),
              "vs_clean": max((r["vs_clean_worst"] for r in faulty), default=None),
              "vs_oracle": max((r["vs_oracle_worst"] for r in faulty), default=None)}
     out = {}
     for key, what in (("weight0_share", "c1 weight 0 in >= 90% of window syncs (min)"),
-                      ("false_flags", "clean false flags per check <= 1% (max)"),
+                      ("false_flags", "clean (and clean_jitter) false flags per check <= 1% (max)"),
                       ("vs_clean", "final val loss / clean <= 1.01 (worst)"),
                       ("vs_oracle", "final val loss / oracle <= 1.005 (worst)")):
         v, bound = worst[key], TARGETS[key]
