@@ -39,10 +39,21 @@ MAX_WARNED = 1024  # distinct (name, host) pairs of unauthenticated records logg
 MAX_SKEW_S = 300.0  # a request more than this far from the gate's clock is stale (or from the future)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*")  # fullmatch; no "..", at most 64
 DATA_KEYS = {"local_steps": int, "incarnation": str, "fp": str, "total_steps": int}
+# The gate's answer to a request whose tag does not verify: untagged (the gate cannot sign for a key it does
+# not hold) and always the same bytes, so a stranger learns only what a closed connection already told it
+# (this is a gate, and its key is not theirs). A cluster holding another key can then say so instead of
+# training alone; since anyone on the path could forge these bytes, a cluster acts on them only after a
+# bounded wait in which nothing verified arrived (quorum.QuorumClient).
+UNKNOWN_KEY = b'{"kind":"unknown_key"}'
+_UNKNOWN_KEY_FRAME = struct.pack(">I", auth.TAG_BYTES + len(UNKNOWN_KEY)) + bytes(auth.TAG_BYTES) + UNKNOWN_KEY
 
 
 class FrameError(ValueError):
     """Bytes that are not a well-formed, bounded frame (the message says why)."""
+
+
+class KeyRefused(FederationError):
+    """The gate answered that this request's tag does not verify: it holds another federation key."""
 
 
 # ----------------------------------------------------------------------------------- frames
@@ -130,15 +141,28 @@ class Gate:
                                        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
         import datetime
 
-        self._client = LighthouseClient(self._inner.address(), datetime.timedelta(seconds=10))
+        # torchft's address() names this host by its hostname, which resolves to the host's LAN address
+        # (or Debian's 127.0.1.1) on a real node, where nothing listens: dial the loopback it is bound to
+        self._loopback = f"127.0.0.1:{str(self._inner.address()).rpartition(':')[2]}"
+        self._client = LighthouseClient(f"http://{self._loopback}", datetime.timedelta(seconds=10))
         self._seen: dict[tuple[str, str], float] = {}  # (name, nonce) -> when (replays inside the skew window)
         self._warned: set[tuple[str, str]] = set()
         self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
         self._lock = threading.Lock()
         host, _, port = bind.rpartition(":")
         handler = type("Handler", (_Handler,), {"gate": self})
-        self._server = socketserver.ThreadingTCPServer((host.strip("[]"), int(port)), handler, bind_and_activate=True)
-        self._server.daemon_threads = True
+        host = host.strip("[]")
+        self._server = _Server((host, int(port)), handler, bind_and_activate=False)
+        if ":" in host:
+            self._server.address_family = socket.AF_INET6
+            self._server.socket = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        try:
+            self._server.server_bind()
+            self._server.server_activate()
+        except OSError:
+            self._server.server_close()
+            self._inner.shutdown()
+            raise
         threading.Thread(target=self._server.serve_forever, name="edit-train-gate", daemon=True).start()
 
     @property
@@ -149,7 +173,7 @@ class Gate:
     @property
     def dashboard(self) -> str:
         """torchft's own Lighthouse (and its dashboard): on this host's loopback only."""
-        return str(self._inner.address())
+        return self._loopback
 
     def shutdown(self) -> None:
         self._server.shutdown()
@@ -192,6 +216,8 @@ class Gate:
         if kind == "heartbeat":
             self._client.heartbeat(name)
             return {"kind": "ok", "re": body["nonce"]}
+        if kind == "hello":  # a key check before a cluster starts: answered here, the Lighthouse never sees it
+            return {"kind": "ok", "re": body["nonce"]}
         if kind != "quorum":
             raise FrameError(f"unknown request {kind!r}")
         me = check_member(body.get("member"))
@@ -229,6 +255,14 @@ class Gate:
                 "members": members}
 
 
+class _Server(socketserver.ThreadingTCPServer):
+    """The gate's listening socket. SO_REUSEADDR: a Lighthouse restarted where it was rebinds its port at
+    once instead of failing for the minute its old connections spend in TIME-WAIT."""
+
+    allow_reuse_address = True
+    daemon_threads = True
+
+
 class _Handler(socketserver.BaseRequestHandler):
     gate: Gate
 
@@ -239,6 +273,9 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             raw = read_frame(sock)
             name = claimed_name(raw)
+            if not auth.valid(self.gate.key, "gate/request", raw[:auth.TAG_BYTES], raw[auth.TAG_BYTES:]):
+                sock.sendall(_UNKNOWN_KEY_FRAME)
+                raise FrameError("tag does not verify (another key, or altered)")
             body = unpack(raw, self.gate.key, "gate/request")
             self.gate.fresh(body)
             sock.settimeout(None)
@@ -274,7 +311,10 @@ def call(address: str, body: dict[str, Any], key: bytes, timeout_s: float) -> di
         with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 10.0)) as sock:
             sock.sendall(pack(body, key, "gate/request"))
             sock.settimeout(timeout_s)
-            answer = unpack(read_frame(sock), key, "gate/response")
+            frame = read_frame(sock)
+            if frame == _UNKNOWN_KEY_FRAME[4:]:
+                raise KeyRefused(f"the Lighthouse gate at {address} does not accept this cluster's federation key")
+            answer = unpack(frame, key, "gate/response")
     except (OSError, ValueError) as exc:
         raise FederationError(f"the Lighthouse gate at {address}: {exc}") from None
     if answer.get("re") != body["nonce"]:

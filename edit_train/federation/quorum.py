@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from edit_train.federation import gate
+from edit_train.federation import auth, gate
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
 
@@ -37,9 +37,11 @@ class QuorumClient:
     """The cluster leader's link to the gate: signed heartbeats in the background, a quorum per sync."""
 
     def __init__(self, lighthouse: str, name: str, key: bytes, connect_timeout_s: float = 10.0,
-                 heartbeat_interval_s: float = 0.5) -> None:
+                 heartbeat_interval_s: float = 0.5, key_source: str = "federation.key_file",
+                 refuse_after_s: float = 25.0) -> None:
         self.lighthouse, self.name, self.key = lighthouse, name, key
         self._timeout = connect_timeout_s
+        self.refusals = KeyRefusals(lighthouse, name, key, key_source, refuse_after_s)
         _check_reachable(lighthouse, connect_timeout_s)
         self._partitioned_until = 0.0
         self._stop = threading.Event()
@@ -68,6 +70,7 @@ class QuorumClient:
                 continue
             try:
                 gate.call(self.lighthouse, {"kind": "heartbeat", "name": self.name}, self.key, self._timeout)
+                self.refusals.verified()
             except FederationError as exc:  # keep beating; the quorum call reports for real
                 log.debug("heartbeat to %s failed: %s", self.lighthouse, exc)
 
@@ -82,11 +85,15 @@ class QuorumClient:
         self.start_heartbeat()
         member = {"name": self.name, "sync": sync, "size": size, "store": store, "data": data}
         body = {"kind": "quorum", "name": self.name, "member": member, "timeout_s": timeout_s}
-        try:
-            answer = gate.call(self.lighthouse, body, self.key, timeout_s + 30.0)
-        except FederationError as exc:
-            raise FederationError(f"cluster {self.name}: {exc} (a gate that ignores this cluster holds another "
-                                  "federation key: check federation.key_file)") from None
+        while True:
+            try:
+                answer = gate.call(self.lighthouse, body, self.key, timeout_s + 30.0)
+                break
+            except gate.KeyRefused:
+                self.refusals.refused()
+            except FederationError as exc:
+                raise FederationError(f"cluster {self.name}: {exc}") from None
+        self.refusals.verified()
         if answer.get("kind") == "error":
             msg = str(answer.get("error", ""))
             if "timed out" in msg.lower() or "deadline" in msg.lower():
@@ -111,6 +118,54 @@ class QuorumClient:
             raise FederationRefused(f"two clusters are named {self.name!r}: cluster names must be unique "
                                     "(set a different EDIT_TRAIN_CLUSTER / cluster.only)")
         return Quorum(qid, nonce, members, me)
+
+
+class KeyRefusals:
+    """A gate's "unknown key" answers to one cluster. Those bytes are unauthenticated and a Lighthouse may be
+    coming back with the federation's key, so one refusal proves nothing: the cluster asks again, a second
+    apart, and only when every answer for `refuse_after_s` was a refusal (nothing verified in between) does
+    it stop, with one line naming its key, instead of training alone forever."""
+
+    def __init__(self, lighthouse: str, name: str, key: bytes, key_source: str, refuse_after_s: float) -> None:
+        self.lighthouse, self.name, self.key = lighthouse, name, key
+        self.key_source, self.refuse_after_s = key_source, refuse_after_s
+        self.since: float | None = None
+
+    def verified(self) -> None:
+        self.since = None
+
+    def refused(self) -> None:
+        """One more refusal: FederationRefused once they have lasted refuse_after_s, else wait a second."""
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning("cluster %s: the Lighthouse at %s does not accept this cluster's federation key (%s); "
+                        "asking again for up to %.0fs", self.name, self.lighthouse, self.key_source,
+                        self.refuse_after_s)
+        if now - self.since >= self.refuse_after_s:
+            raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} holds another "
+                                    f"federation key than this cluster's ({self.key_source}, key id "
+                                    f"{auth.fingerprint(self.key)}): every request for {self.refuse_after_s:.0f}s "
+                                    "was refused; give every cluster and the Lighthouse the same key file")
+        time.sleep(1.0)
+
+
+def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_after_s: float,
+              timeout_s: float = 10.0) -> bool:
+    """Before a cluster job starts its ranks: does the gate at `lighthouse` hold our key? True when it
+    answered a signed hello, False when it could not be reached (the job starts and waits for it as usual);
+    FederationRefused when it refused the key for `refuse_after_s` (then no rank starts, and no launcher
+    restarts a job that cannot get in)."""
+    refusals = KeyRefusals(lighthouse, name, key, key_source, refuse_after_s)
+    while True:
+        try:
+            gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s)
+            return True
+        except gate.KeyRefused:
+            refusals.refused()
+        except FederationError as exc:
+            log.debug("key check: %s", exc)
+            return False
 
 
 def _check_reachable(lighthouse: str, timeout_s: float) -> None:

@@ -281,10 +281,12 @@ class LaneTransport:
 def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | None, host: str = "127.0.0.1",
                          chunks: int = 4, link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
                          collective_timeout_s: float = 30.0, compression: CompressionConfig | None = None,
-                         key: bytes = auth.INSECURE) -> LaneTransport:
+                         key: bytes = auth.INSECURE, key_source: str = "federation.key_file",
+                         refuse_after_s: float = 25.0) -> LaneTransport:
     """A cluster's transport across hosts: the federation's gate at `lighthouse` (None: a lone cluster) and
     gloo lanes bound to `host`; the leader serves the lanes' rendezvous from a store on `host`. `key`
-    authenticates the membership and everything the lanes carry but a plain SUM."""
+    authenticates the membership and everything the lanes carry but a plain SUM; a gate that refuses it for
+    `refuse_after_s` stops this cluster with a line naming `key_source`."""
     from edit_train.cluster.mesh import bound_store
     from edit_train.federation.lanes import BoundGloo
     from edit_train.federation.quorum import QuorumClient
@@ -293,7 +295,7 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
     store, service = None, None
     if lighthouse is not None and cluster.rank == 0:
         store = bound_store(host, 0, 1, True, timeout)
-        service = QuorumClient(lighthouse, name, key)
+        service = QuorumClient(lighthouse, name, key, key_source=key_source, refuse_after_s=refuse_after_s)
     return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
                          f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
                          compression, store=store, key=key, connect_timeout_s=collective_timeout_s)

@@ -65,6 +65,17 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0) -> LocalSGDConfig:
                           tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max)
 
 
+KEY_REFUSED_GRACE_S = 20.0  # past the grace window: how long a gate may refuse our key before this cluster stops
+
+
+def key_source(key_file: str) -> str:
+    """Where this cluster's federation key came from, as a user would look for it."""
+    if key_file:
+        return f"federation.key_file={key_file}"
+    env = os.environ.get(auth.KEY_ENV, "")
+    return f"{auth.KEY_ENV}={env}" if env else "no key file: the insecure public key"
+
+
 def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTransport:
     """This rank's cross-cluster transport: torchft's Lighthouse and gloo lanes bound to this host's address."""
     f = cfg.federation
@@ -80,7 +91,8 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
     return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None, host, f.chunks,
                                 LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
                                 f.quorum_timeout_s, f.collective_timeout_s,
-                                CompressionConfig.of(cfg.sync), key)
+                                CompressionConfig.of(cfg.sync), key, key_source=key_source(f.key_file),
+                                refuse_after_s=f.join_timeout_s + KEY_REFUSED_GRACE_S)
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
