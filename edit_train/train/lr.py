@@ -88,6 +88,9 @@ class LrSchedule:
         lr0 = new.at(step)
         if step >= new.steps:
             rest = f"step {step:,} is already at or past the new end"
+        elif step < new.warmup_steps and new.warmup_steps >= new.steps:
+            rest = (f"keeps warming up towards {new.lr:.2e} (reached at step {new.warmup_steps:,}, after the run "
+                    f"ends at step {new.steps:,})")
         elif step < new.warmup_steps:
             rest = (f"warms up to {new.lr:.2e} by step {new.warmup_steps:,}, then decays to {new.min_lr:.2e} "
                     f"at step {new.steps:,}")
