@@ -5,6 +5,7 @@ here so that `config.py` and these checks share it without an import cycle."""
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 import socket
 import threading
@@ -19,6 +20,24 @@ class ConfigError(ValueError):
 def _need(cond: bool, field_name: str, why: str) -> None:
     if not cond:
         raise ConfigError(f"{field_name}: {why}")
+
+
+def _check_seconds(field_name: str, value: Any, *, zero: str = "", unit: str = "seconds",
+                   example: float | None = None) -> None:
+    """`value` is a finite number of `unit` > 0 (or >= 0 when `zero` says what 0 means), else a ConfigError
+    naming `field_name` and what to give instead: `inf` would never time out (or overflow a deadline), `nan`
+    compares false with everything (a wait that never ends), a negative duration is no duration."""
+    floor = ">= 0" if zero else "> 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{field_name}: must be a number of {unit} {floor}, got {value!r}")
+    hint = f" (e.g. {field_name}={example:g})" if example is not None else ""
+    zero_hint = f"; 0 means {zero}" if zero else ""
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{field_name}: must be a finite number of {unit} {floor}, got {value}; give a number"
+                          f"{hint}{zero_hint}")
+    if value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"{field_name}: must be {floor} {unit}, got {value:g}; give a positive number{hint}"
+                          f"{zero_hint}")
 
 
 _RESOLVE_TIMEOUT_S = 5.0

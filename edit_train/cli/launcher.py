@@ -159,7 +159,10 @@ class Bars:
     def __init__(self, path: Path, jobs: list[ClusterJob], total: int, enabled: bool, desc: str) -> None:
         from edit_train.train.progress import Progress
 
-        self.path, self.enabled, self.offset = path, enabled, 0
+        # resume=auto appends to the run's metrics.jsonl: start after what the earlier launches wrote, or the
+        # first progress lines would be theirs (a replay of the previous run's steps and losses)
+        self.path, self.enabled = path, enabled
+        self.offset = path.stat().st_size if path.exists() else 0
         self.names = {job.spec.name for job in jobs}  # the clusters started here (not others in run.dir)
         self.progress = Progress([job.spec.name for job in jobs], total, desc, enabled=enabled)
         self._relays: list[threading.Thread] = []

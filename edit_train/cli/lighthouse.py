@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> None:
         fail(f"unknown option(s) {bad}; see edit-train-lighthouse --help")
     try:
         cfg = compose(overrides)
+        from edit_train.config import check_federation_timeouts
+
+        check_federation_timeouts(cfg.federation)  # inf / nan / <= 0: one line, exit 2
     except Exception as exc:  # noqa: BLE001 - one line for a bad override
         fail(one_line(exc))
     from edit_train.federation import auth

@@ -73,8 +73,9 @@ def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
                           float(spec.get("seconds", 0.0)), name)
         except (TypeError, ValueError) as exc:
             raise FaultError(f"faults[{i}]: {exc}") from None
-        if kind == "partition" and fault.seconds <= 0:
-            raise FaultError(f"faults[{i}]: a partition needs seconds > 0")
+        if kind == "partition" and not 0 < fault.seconds < float("inf"):  # nan, inf: a partition never healed
+            raise FaultError(f"faults[{i}].seconds: a partition needs a finite number of seconds > 0, "
+                             f"got {fault.seconds}")
         if fault.end <= fault.start:
             raise FaultError(f"faults[{i}]: end ({fault.end}) must be > start ({fault.start})")
         faults.append(fault)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from edit_train.fsutil import atomic_write_json
+from edit_train.train.lr import LrSchedule
 
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ class TrainingState:
     startup_s: float = 0.0
     initial_val_loss: float | None = None
     mfu: list[float] = field(default_factory=list)
+    schedule: LrSchedule | None = None  # the learning-rate schedule (checkpointed: a resume may have re-planned it)
 
     @staticmethod
     def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None) -> TrainingState:
@@ -141,8 +143,11 @@ class TrainingState:
 
     # ------------------------------------------------------------ checkpoint
     def checkpoint_json(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
-                "wall_s": self.wall(), "initial_val_loss": self.initial_val_loss}
+        out = {"step": self.step, "tokens": self.tokens, "skipped_steps": self.skipped_steps,
+               "wall_s": self.wall(), "initial_val_loss": self.initial_val_loss}
+        if self.schedule is not None:
+            out["lr_schedule"] = self.schedule.json()
+        return out
 
     def restore(self, saved: dict[str, Any], record_found: bool) -> None:
         """The loop's position from a checkpoint; its token count only when no record survived (the record
@@ -154,6 +159,30 @@ class TrainingState:
         if not record_found:
             self.carried.tokens = int(saved["tokens"])
             self.carried.steps_trained = self.carried.tokens // max(self.tokens_per_step, 1)
+
+    def continue_schedule(self, saved: dict[str, Any]) -> str | None:
+        """After `restore`: keep the checkpoint's learning-rate schedule when the config plans the same one
+        (bit-identical to a run that was never interrupted); when train.steps / lr / lr_warmup_steps /
+        min_lr_ratio changed, continue from the learning rate the checkpoint's schedule gives at this step
+        instead of jumping to the new plan's. Returns the line that says so, or None when nothing changed."""
+        if self.schedule is None:
+            return None
+        was = LrSchedule.from_json(saved.get("lr_schedule"))
+        if was is None:  # a checkpoint from before lr_schedule was saved: its config planned it from step 0
+            train = (saved.get("config") or {}).get("train") if isinstance(saved.get("config"), dict) else None
+            try:
+                was = LrSchedule.of(train) if isinstance(train, dict) else None
+            except (KeyError, TypeError, ValueError):
+                was = None
+        if was is None:
+            return None
+        if was.same_plan(self.schedule):
+            self.schedule = was
+            return None
+        new = was.continued(self.schedule, self.step)
+        line = was.change_line(new, self.step)
+        self.schedule = new
+        return line
 
 
 # ------------------------------------------------------------------ what a person watching sees

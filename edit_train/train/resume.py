@@ -81,3 +81,6 @@ def resume(loaded: Loaded, state: TrainingState, parts: Resumable, record_found:
     state.restore(saved, record_found)
     if is_main:
         log.info("resumed from %s (step %d)", path, saved["step"])
+    changed = state.continue_schedule(saved)  # train.steps etc. changed: continue the lr, no jump
+    if changed and is_main:
+        log.warning("%s", changed)

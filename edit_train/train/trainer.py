@@ -34,7 +34,7 @@ from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
 from edit_train.train.checkpoint import CheckpointManager
-from edit_train.train.lr import lr_at
+from edit_train.train.lr import LrSchedule
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 from edit_train.train.parallel import apply_layer_options, precision_policy
@@ -79,6 +79,7 @@ class Trainer:
         # this cluster's counters across its incarnations (restarted, resumed or healed: it keeps counting)
         self.record_found = record_path(self.run_dir, topo.name).exists()
         self.state = TrainingState.begin(self.run_dir, topo.name, self.cluster_batch * t.seq_len * t.grad_accum)
+        self.state.schedule = LrSchedule.of(t)  # a resume may continue the checkpoint's instead
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
 
@@ -222,7 +223,7 @@ class Trainer:
         """One inner step (with gradient accumulation). Returns (loss, applied)."""
         t, topo = self.cfg.train, self.topo
         faulty = bool(self.faults.faults)  # fault injection configured for this cluster (else: no calls at all)
-        lr = lr_at(step, t.lr, t.steps, t.lr_warmup_steps, t.min_lr_ratio) * (self.faults.lr_scale(step) if faulty else 1.0)
+        lr = self.state.schedule.at(step) * (self.faults.lr_scale(step) if faulty else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.set_step(step)
