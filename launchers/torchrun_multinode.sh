@@ -18,8 +18,11 @@
 #   KEY_FILE        the federation key (edit-train-keygen PATH; the same file for every cluster and the
 #                   Lighthouse; passed to the workers as EDIT_TRAIN_FEDERATION_KEY_FILE) (required unless
 #                   LIGHTHOUSE is this host's loopback or federation.insecure=true is given)
-#   HOST_ADDR       this node's address as the other clusters reach it (cross-cluster
-#                   traffic binds to it)                                    (default: `hostname`)
+#   HOST_ADDR       this node's address as the other clusters reach it; its cross-cluster traffic (the
+#                   leader's lane store, the gloo lanes) binds to it (EDIT_TRAIN_HOST). Default: the
+#                   source address the kernel picks for a route to the Lighthouse (a UDP connect, no
+#                   packet sent); behind NAT, set this node's VPN address. Refused when it resolves to
+#                   a loopback address and the Lighthouse is not on loopback           (optional)
 #   RDZV_ID         rendezvous id                                           (default: edit-$CLUSTER)
 #   MAX_RESTARTS    times torchrun restarts this cluster's workers after a failure; a
 #                   restarted cluster heals from a live peer, the others never stop   (default: 3)
@@ -46,7 +49,6 @@ RDZV_ID=${RDZV_ID:-edit-$CLUSTER}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 RDZV_BACKEND=${RDZV_BACKEND:-static}
 RDZV_CONF=${RDZV_CONF:-}
-HOST_ADDR=${HOST_ADDR:-$(hostname)}
 
 [[ $CLUSTER =~ ^[A-Za-z0-9._-]+$ ]] || die "CLUSTER may only contain letters, digits, '.', '_' and '-', got '$CLUSTER'"
 is_uint "$NNODES" && ((10#$NNODES >= 1)) || die "NNODES must be a positive integer, got '$NNODES'"
@@ -80,18 +82,56 @@ for a in "${overrides[@]}"; do
 done
 KEY_FILE=${KEY_FILE:-${EDIT_TRAIN_FEDERATION_KEY_FILE:-}}
 lh_host=${LIGHTHOUSE#http://}
+lh_port=${lh_host##*:}
 lh_host=${lh_host%:*}
+lh_loopback=0
+[[ $lh_host =~ ^(localhost|127\.[0-9.]+|\[::1\])$ ]] && lh_loopback=1
 if [[ -n $KEY_FILE ]]; then
     [[ -r $KEY_FILE ]] || die "KEY_FILE=$KEY_FILE cannot be read on this node (copy the federation key here, mode 0600)"
-elif ((insecure == 0)) && [[ ! $lh_host =~ ^(localhost|127\.[0-9.]+|\[::1\])$ ]]; then
+elif ((insecure == 0 && lh_loopback == 0)); then
     die "KEY_FILE is not set: a federation across hosts needs a key so that only its members can join, steer or read it (make one with edit-train-keygen PATH, give every cluster and the Lighthouse the same file), or pass federation.insecure=true"
 fi
 ((has_run_dir)) || overrides+=("run.dir=runs/edit-train")
 overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
+python=${PYTHON:-python3}
+
+# This node's cross-cluster address: HOST_ADDR, or the source address of this node's route to the
+# Lighthouse (connecting a UDP socket picks the route and sends nothing). Never a loopback address when
+# the Lighthouse is elsewhere: the other clusters could not reach it (a Debian host name is 127.0.1.1).
+HOST_ADDR=$("$python" - "$lh_host" "$lh_port" "${HOST_ADDR:-}" "$lh_loopback" "$LIGHTHOUSE" <<'PY'
+import ipaddress, socket, sys
+host, port, given, lh_loopback, lighthouse = sys.argv[1].strip("[]"), int(sys.argv[2]), *sys.argv[3:]
+def fail(msg):
+    print(f"torchrun_multinode.sh: error: {msg}: set HOST_ADDR to this node's address as the other clusters reach it",
+          file=sys.stderr)
+    raise SystemExit(2)
+addr, what = given, f"HOST_ADDR={given}"
+if not addr:
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            addr = s.getsockname()[0]
+    except OSError as exc:
+        fail(f"cannot find this node's address towards the Lighthouse {lighthouse} ({exc.strerror or exc})")
+    what = f"HOST_ADDR={addr} (this node's source address towards the Lighthouse)"
+if lh_loopback != "1":
+    try:
+        ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as exc:
+        fail(f"{what} does not resolve on this node ({exc.strerror or exc})")
+    kind = ipaddress.ip_address(ip.split("%")[0])
+    if kind.is_loopback or kind.is_unspecified:
+        is_ = "is" if ip == addr else f"resolves to {ip},"
+        fail(f"{what} {is_} {'a loopback' if kind.is_loopback else 'an unspecified'} address, but the Lighthouse "
+             f"{lighthouse} is not on loopback")
+print(addr)
+PY
+) || exit 2
+
 # Check the cluster's size before starting NNODES x NPROC_PER_NODE workers (a mismatch would otherwise
 # fail in every worker, and torchrun would restart them MAX_RESTARTS times for nothing).
-python=${PYTHON:-python3}
 ranks=$((NNODES * NPROC_PER_NODE))
 if [[ ${EDIT_SKIP_TOPOLOGY_CHECK:-0} != 1 ]]; then
     want=$(EDIT_TRAIN_CLUSTER=$CLUSTER "$python" - "${overrides[@]}" <<'PY'
@@ -119,7 +159,7 @@ PY
         ((want_ranks == ranks)) ||
             die "cluster $CLUSTER has $want_ranks rank(s) in the config but NNODES ($NNODES) x NPROC_PER_NODE ($NPROC_PER_NODE) = $ranks processes; fix cluster.clusters or the node counts"
     fi
-    echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: cluster ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)) of $ranks, Lighthouse $LIGHTHOUSE" >&2
+    echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: cluster ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)) of $ranks, Lighthouse $LIGHTHOUSE, cross-cluster address $HOST_ADDR" >&2
 fi
 
 if command -v torchrun >/dev/null 2>&1; then

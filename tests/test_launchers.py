@@ -57,7 +57,7 @@ def parse_cmd(line: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
 
 KEY = str(auth.new_key(Path(tempfile.mkdtemp(prefix="edit-train-test-key-")) / "fed.key"))  # mode 0600
 NODE = {"CLUSTER": "a", "LIGHTHOUSE": "lh0:29510", "NNODES": "2", "NODE_RANK": "1", "NPROC_PER_NODE": "4",
-        "RDZV_ENDPOINT": "a0:29500", "HOST_ADDR": "a1", "KEY_FILE": KEY}
+        "RDZV_ENDPOINT": "a0:29500", "HOST_ADDR": "10.1.0.11", "KEY_FILE": KEY}
 VARS = ("CLUSTER", "LIGHTHOUSE", "NNODES", "NODE_RANK", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RDZV_ID", "MAX_RESTARTS",
         "RDZV_BACKEND", "RDZV_CONF", "HOST_ADDR", "EDIT_TRAIN_CLUSTER", "KEY_FILE", auth.KEY_ENV)
 
@@ -75,7 +75,7 @@ def test_multinode_dry_run_is_one_cluster_job() -> None:
     proc = multinode("algo=edit", **NODE)
     assert proc.returncode == 0, proc.stderr
     env, flags, overrides = parse_cmd(proc.stdout.strip())
-    assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": "a1", auth.KEY_ENV: KEY}
+    assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": "10.1.0.11", auth.KEY_ENV: KEY}
     assert flags == {"--nnodes": "2", "--nproc-per-node": "4", "--rdzv-backend": "static",
                      "--rdzv-endpoint": "a0:29500", "--rdzv-id": "edit-a", "--max-restarts": "3", "--node-rank": "1"}
     assert overrides == ["algo=edit", "run.dir=runs/edit-train", "federation.lighthouse=lh0:29510"]
@@ -104,12 +104,49 @@ def test_multinode_keeps_run_dir_and_supports_c10d() -> None:
     ({k: v for k, v in NODE.items() if k != "KEY_FILE"}, (), "KEY_FILE is not set: a federation across hosts"),
     ({**NODE, "KEY_FILE": "/nonexistent/fed.key"}, (), "KEY_FILE=/nonexistent/fed.key cannot be read"),
     (NODE, (f"federation.key_file={KEY}",), "set KEY_FILE instead"),
+    # a cross-cluster address the other clusters cannot reach (a Debian host name resolves to 127.0.1.1)
+    ({**NODE, "HOST_ADDR": "127.0.1.1"}, (), "HOST_ADDR=127.0.1.1 is a loopback address, but the Lighthouse "
+                                             "lh0:29510 is not on loopback: set HOST_ADDR to this node's address"),
+    ({**NODE, "HOST_ADDR": "localhost"}, (), "HOST_ADDR=localhost resolves to 127.0.0.1, a loopback address"),
+    ({**NODE, "HOST_ADDR": "0.0.0.0"}, (), "HOST_ADDR=0.0.0.0 is an unspecified address"),
+    # no route to the Lighthouse host to take the default from (connecting a UDP socket to a broadcast
+    # address fails at once: nothing is sent, no network needed)
+    ({**{k: v for k, v in NODE.items() if k != "HOST_ADDR"}, "LIGHTHOUSE": "255.255.255.255:29510"}, (),
+     "cannot find this node's address towards the Lighthouse 255.255.255.255:29510"),
 ])
 def test_multinode_refuses_bad_input(env: dict[str, str], args: tuple[str, ...], needle: str) -> None:
     proc = multinode(*args, **env)
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def route_source(host: str) -> str | None:
+    """The source address the kernel picks for a route to `host` (a UDP connect sends nothing); None: no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 29510))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def test_multinode_default_host_addr_is_this_nodes_address_towards_the_lighthouse() -> None:
+    """Without HOST_ADDR a node's cross-cluster address is the source address of its route to the Lighthouse
+    (not `hostname`, which is 127.0.1.1 on Debian): 127.0.0.1 for a Lighthouse on loopback, this host's
+    outgoing address for one elsewhere (198.51.100.7, a documentation address: only the route is looked up)."""
+    nodefault = {k: v for k, v in NODE.items() if k != "HOST_ADDR"}
+    local = multinode(**{**nodefault, "LIGHTHOUSE": "127.0.0.1:29510"})
+    assert local.returncode == 0, local.stderr
+    assert parse_cmd(local.stdout.strip())[0]["EDIT_TRAIN_HOST"] == "127.0.0.1"
+    loopback_ok = multinode(**{**NODE, "LIGHTHOUSE": "127.0.0.1:29510", "HOST_ADDR": "127.0.0.1"})
+    assert loopback_ok.returncode == 0, loopback_ok.stderr  # a one-host federation may stay on loopback
+    expected = route_source("198.51.100.7")
+    if expected is None:
+        pytest.skip("this host has no route to 198.51.100.7 (no default route)")
+    remote = multinode(**{**nodefault, "LIGHTHOUSE": "198.51.100.7:29510"})
+    assert remote.returncode == 0, remote.stderr
+    assert parse_cmd(remote.stdout.strip())[0]["EDIT_TRAIN_HOST"] == expected != "127.0.0.1"
 
 
 def test_multinode_without_a_key_only_on_loopback_or_when_told() -> None:
@@ -242,7 +279,7 @@ def slurm(tmp_path: Path):
                       SLURM_JOB_NUM_NODES=str(len(hosts.split())), SLURM_NODEID="0", SLURMD_NODENAME=hosts.split()[0],
                       SLURM_GPUS_ON_NODE="4", SLURM_GPUS_PER_NODE="4", SLURM_JOB_CPUS_PER_NODE="32(x2)",
                       SLURM_SUBMIT_DIR=str(tmp_path), EDIT_SKIP_TOPOLOGY_CHECK="0" if check else "1",
-                      CLUSTER="a", LIGHTHOUSE="lh0:29510", KEY_FILE=KEY)
+                      CLUSTER="a", LIGHTHOUSE="127.0.0.1:29510", KEY_FILE=KEY)
         for var in ("NPROC_PER_NODE", "RDZV_ID", "RDZV_BACKEND", "RDZV_PORT", "HOST_ADDR", "SLURM_HET_SIZE",
                     "SLURM_RESTART_COUNT", "EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER", auth.KEY_ENV):
             env.pop(var, None)
@@ -272,12 +309,14 @@ def test_slurm_one_job_is_one_cluster(slurm) -> None:
     cmds = node_commands(proc.stdout)
     assert len(cmds) == 2, proc.stdout
     for rank, (env, flags, overrides) in enumerate(cmds):
-        assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": f"gpu-a{rank}", auth.KEY_ENV: KEY}
+        # each node's cross-cluster address is its own route's source towards the Lighthouse (here all
+        # "nodes" are this host and the Lighthouse is on its loopback), never the node's host name
+        assert env == {"EDIT_TRAIN_CLUSTER": "a", "EDIT_TRAIN_HOST": "127.0.0.1", auth.KEY_ENV: KEY}
         assert flags["--nnodes"] == "2" and flags["--node-rank"] == str(rank) and flags["--nproc-per-node"] == "4"
         assert flags["--rdzv-endpoint"] == f"gpu-a0:{10000 + 4242 % 20000}"
         assert flags["--rdzv-id"] == "edit-a-4242" and flags["--rdzv-backend"] == "static"
         assert overrides == ["algo=a_edit", "model=tiny", "cluster.clusters=[{name:a,ranks:8},{name:b,ranks:2}]",
-                             "run.dir=runs/edit-train", "federation.lighthouse=lh0:29510"]
+                             "run.dir=runs/edit-train", "federation.lighthouse=127.0.0.1:29510"]
     assert "cluster a, node 1/2: cluster ranks 4..7 of 8" in proc.stderr
     args = slurm.srun_args()
     assert "--ntasks-per-node=1" in args and "--nodes=2" in args and "--cpus-per-task=32" in args
@@ -299,12 +338,25 @@ def test_slurm_cluster_name_from_job_name_and_requeue_resumes(slurm) -> None:
     ({"RDZV_PORT": "99999"}, "RDZV_PORT must be a port number"),
     ({"KEY_FILE": None}, "KEY_FILE is not set"),
     ({"KEY_FILE": "/nonexistent/fed.key"}, "cannot be read"),
+    ({"HOST_ADDR": "10.1.0.11"}, "HOST_ADDR=10.1.0.11 would be the cross-cluster address of all 2 nodes"),
 ])
 def test_slurm_refuses_before_launching(slurm, kwargs: dict, needle: str) -> None:
     proc = slurm(**kwargs)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
     assert not slurm.srun_called()
+
+
+def test_slurm_host_addr_of_a_one_node_job(slurm) -> None:
+    """A one-node job may name its node's address (e.g. its VPN address); a loopback one is refused on the node
+    when the Lighthouse is elsewhere."""
+    one = {"hosts": "gpu-a0", "nodelist": "gpu-a0", "LIGHTHOUSE": "lh0:29510"}
+    proc = slurm(**one, HOST_ADDR="10.77.0.3")
+    assert proc.returncode == 0, proc.stderr
+    assert [env["EDIT_TRAIN_HOST"] for env, _, _ in node_commands(proc.stdout)] == ["10.77.0.3"]
+    loop = slurm(**one, HOST_ADDR="127.0.1.1")
+    assert loop.returncode == 2 and node_commands(loop.stdout) == [], loop.stdout
+    assert "HOST_ADDR=127.0.1.1 is a loopback address, but the Lighthouse lh0:29510 is not on loopback" in loop.stderr
 
 
 def test_slurm_refuses_nodes_with_different_gpu_counts(slurm) -> None:
