@@ -30,6 +30,7 @@
 #   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)      (optional)
 #   EDIT_DRY_RUN=1  print the command (one shell-quoted line) instead of running it
 #   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check the cluster's rank count
+#   EDIT_SKIP_KEY_CHECK=1  do not ask the Lighthouse whether it holds KEY_FILE's key before starting
 #
 # Every other argument is a Hydra override, passed through. Every worker gets EDIT_TRAIN_CLUSTER=$CLUSTER
 # (operators find a cluster's processes by it). run.dir defaults to runs/edit-train: clusters that
@@ -160,6 +161,15 @@ PY
             die "cluster $CLUSTER has $want_ranks rank(s) in the config but NNODES ($NNODES) x NPROC_PER_NODE ($NPROC_PER_NODE) = $ranks processes; fix cluster.clusters or the node counts"
     fi
     echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: cluster ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)) of $ranks, Lighthouse $LIGHTHOUSE, cross-cluster address $HOST_ADDR" >&2
+fi
+
+# Does the Lighthouse hold this cluster's key? A signed hello, before any rank starts: a job holding another
+# key stops here with one line (after federation.join_timeout_s + 20 s of refusals) instead of being
+# restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
+if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
+    key_env=()
+    if [[ -n $KEY_FILE ]]; then key_env=(EDIT_TRAIN_FEDERATION_KEY_FILE="$KEY_FILE"); fi
+    env EDIT_TRAIN_CLUSTER="$CLUSTER" "${key_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
 if command -v torchrun >/dev/null 2>&1; then

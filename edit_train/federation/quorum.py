@@ -146,7 +146,7 @@ class KeyRefusals:
             raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} holds another "
                                     f"federation key than this cluster's ({self.key_source}, key id "
                                     f"{auth.fingerprint(self.key)}): every request for {self.refuse_after_s:.0f}s "
-                                    "was refused; give every cluster and the Lighthouse the same key file")
+                                    "was refused; give every cluster and the Lighthouse the same key file") from None
         time.sleep(1.0)
 
 
