@@ -17,7 +17,9 @@ Per sync of `a` and `b`, this prints and saves
   its transfer alone, `planner_bytes` its byte count;
 * the ratios measured / predicted.
 
-Before the federation, one 12.5 MB TCP transfer from `a` to `b` measures the link's ceiling (Mbit/s).
+Before the federation, one 12.5 MB TCP transfer from `a` to `b` measures the link's ceiling (Mbit/s), the same
+both ways at once checks the link under a sync's traffic pattern, and a bare gloo all_gather of the first
+model's parameters between the two hosts (no edit-train) separates the transport from the sync's own work.
 
     PYTHONPATH=$PWD python benchmarks/link_hosts.py [--quick] [--out docs/link_hosts.json]
 
@@ -110,6 +112,25 @@ def tcp_ceiling(net: Any, nbytes: int) -> dict[str, Any]:
     got, secs = srv.stdout.readline().split()
     srv.wait(timeout=10)
     return {"bytes": int(got), "seconds": float(secs), "mbit_s": int(got) * 8 / float(secs) / 1e6}
+
+
+def tcp_both_ways(net: Any, nbytes: int) -> dict[str, float]:
+    """`nbytes` a -> b and b -> a at once (a sync's pattern), Mbit/s of each direction."""
+    srvs = {}
+    for h, port in (("b", "29601"), ("a", "29602")):
+        p = net.popen(h, [sys.executable, "-c", SERVER, net.address(h), port], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "listening"
+        srvs[h] = p
+    clients = [net.popen("a", [sys.executable, "-c", CLIENT, "b", "29601", str(nbytes)]),
+               net.popen("b", [sys.executable, "-c", CLIENT, "a", "29602", str(nbytes)])]
+    for c in clients:
+        c.wait(timeout=60)
+    out = {}
+    for h, p in srvs.items():
+        got, secs = p.stdout.readline().split()  # type: ignore[union-attr]
+        p.wait(timeout=10)
+        out[f"to_{h}_mbit_s"] = int(got) * 8 / float(secs) / 1e6
+    return out
 
 
 def gloo_all_gather(net: Any, numel: int, reps: int) -> list[float]:
@@ -247,6 +268,9 @@ def main() -> int:
             print(f"TCP a -> b: {tcp['bytes'] / 1e6:.1f} MB in {tcp['seconds']:.3f} s = {tcp['mbit_s']:.1f} Mbit/s "
                   f"(tbf rate {RATE_MBIT:g} Mbit/s)", flush=True)
             results["tcp"] = tcp
+            results["tcp_both_ways"] = both = tcp_both_ways(net, TCP_BYTES)
+            print(f"TCP both ways at once: a -> b {both['to_b_mbit_s']:.1f}, b -> a {both['to_a_mbit_s']:.1f} Mbit/s",
+                  flush=True)
             from edit_train.plan import hardware
 
             numel = hardware.model_facts(models[0]).total_params
@@ -266,7 +290,8 @@ def main() -> int:
             ("measured_over_planner", "meas/planner", ".2f")]
     print()
     print(C.table([r for run in results["runs"] for r in run["syncs"]], cols))
-    print(f"\nTCP ceiling a -> b: {tcp['mbit_s']:.1f} Mbit/s")
+    print(f"\nTCP ceiling a -> b: {tcp['mbit_s']:.1f} Mbit/s; both ways at once {both['to_b_mbit_s']:.1f} / "
+          f"{both['to_a_mbit_s']:.1f} Mbit/s")
     for run in results["runs"]:
         m = run["median_excluding_first"]
         if m["measured_s"] is None:
