@@ -134,15 +134,16 @@ class KeyRefusals:
     def verified(self) -> None:
         self.since = None
 
-    def refused(self) -> None:
-        """One more refusal: FederationRefused once they have lasted refuse_after_s, else wait a second."""
+    def refused(self, count: bool = True) -> None:
+        """One more refusal (or, `count=False`, no answer after one): FederationRefused once refusals have
+        lasted refuse_after_s with nothing verified, else wait a second."""
         now = time.monotonic()
-        if self.since is None:
+        if self.since is None and count:
             self.since = now
             log.warning("cluster %s: the Lighthouse at %s does not accept this cluster's federation key (%s); "
                         "asking again for up to %.0fs", self.name, self.lighthouse, self.key_source,
                         self.refuse_after_s)
-        if now - self.since >= self.refuse_after_s:
+        if self.since is not None and now - self.since >= self.refuse_after_s:
             raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} holds another "
                                     f"federation key than this cluster's ({self.key_source}, key id "
                                     f"{auth.fingerprint(self.key)}): every request for {self.refuse_after_s:.0f}s "
@@ -164,8 +165,10 @@ def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_af
         except gate.KeyRefused:
             refusals.refused()
         except FederationError as exc:
-            log.debug("key check: %s", exc)
-            return False
+            if refusals.since is None:
+                log.debug("key check: %s", exc)
+                return False
+            refusals.refused(count=False)  # refused before, unreachable now (a restart?): not a verified answer
 
 
 def _check_reachable(lighthouse: str, timeout_s: float) -> None:
