@@ -35,6 +35,11 @@ def _frame(body: object, key: bytes) -> bytes:
     return struct.pack(">I", auth.TAG_BYTES + len(raw)) + auth.tag(key, "gate/request", raw) + raw
 
 
+def _answered(answer: bytes) -> bool:
+    """Anything but silence or the gate's fixed, unsigned "unknown key" bytes (which carry nothing)."""
+    return bool(answer) and answer != gate.UNKNOWN_KEY_FRAME
+
+
 def _send(address: str, data: bytes) -> bytes:
     host, _, port = address.rpartition(":")
     try:
@@ -74,11 +79,11 @@ def _stranger(address: str, attempts: list[str], stop: threading.Event, round_do
                                         "nonce": secrets.token_hex(16)}, other),
         ):
             answer = _send(address, _frame(body, key))
-            attempts.append(("ACCEPTED: " if answer else "refused: ") + what)
+            attempts.append(("ACCEPTED: " if _answered(answer) else "refused: ") + what)
         for what, raw in (("length 2**31", struct.pack(">I", 2**31) + b"x" * 64),
                           ("deep JSON", struct.pack(">I", 40_000) + b"[" * 20_000 + b"]" * 20_000),
                           ("garbage", os.urandom(256))):
-            attempts.append(("ACCEPTED: " if _send(address, raw) else "refused: ") + what)
+            attempts.append(("ACCEPTED: " if _answered(_send(address, raw)) else "refused: ") + what)
         for what, kwargs in tries:
             try:
                 client = LighthouseClient(address, datetime.timedelta(seconds=0.5))

@@ -45,7 +45,7 @@ DATA_KEYS = {"local_steps": int, "incarnation": str, "fp": str, "total_steps": i
 # training alone; since anyone on the path could forge these bytes, a cluster acts on them only after a
 # bounded wait in which nothing verified arrived (quorum.QuorumClient).
 UNKNOWN_KEY = b'{"kind":"unknown_key"}'
-_UNKNOWN_KEY_FRAME = struct.pack(">I", auth.TAG_BYTES + len(UNKNOWN_KEY)) + bytes(auth.TAG_BYTES) + UNKNOWN_KEY
+UNKNOWN_KEY_FRAME = struct.pack(">I", auth.TAG_BYTES + len(UNKNOWN_KEY)) + bytes(auth.TAG_BYTES) + UNKNOWN_KEY
 
 
 class FrameError(ValueError):
@@ -274,7 +274,7 @@ class _Handler(socketserver.BaseRequestHandler):
             raw = read_frame(sock)
             name = claimed_name(raw)
             if not auth.valid(self.gate.key, "gate/request", raw[:auth.TAG_BYTES], raw[auth.TAG_BYTES:]):
-                sock.sendall(_UNKNOWN_KEY_FRAME)
+                sock.sendall(UNKNOWN_KEY_FRAME)
                 raise FrameError("tag does not verify (another key, or altered)")
             body = unpack(raw, self.gate.key, "gate/request")
             self.gate.fresh(body)
@@ -312,7 +312,7 @@ def call(address: str, body: dict[str, Any], key: bytes, timeout_s: float) -> di
             sock.sendall(pack(body, key, "gate/request"))
             sock.settimeout(timeout_s)
             frame = read_frame(sock)
-            if frame == _UNKNOWN_KEY_FRAME[4:]:
+            if frame == UNKNOWN_KEY_FRAME[4:]:
                 raise KeyRefused(f"the Lighthouse gate at {address} does not accept this cluster's federation key")
             answer = unpack(frame, key, "gate/response")
     except (OSError, ValueError) as exc:
