@@ -367,18 +367,26 @@ def test_slurm_refuses_nodes_with_different_gpu_counts(slurm) -> None:
 
 
 def test_slurm_lighthouse_job(slurm) -> None:
-    """It binds the node's own name (what the clusters dial), never every interface unless told, and passes
-    the key; without one it refuses unless federation.insecure=true."""
+    """It binds the node's own address (what its name resolves to: what the clusters dial; a loopback one is
+    refused), never every interface unless told, and passes the key; without one it refuses unless
+    federation.insecure=true."""
     proc = slurm("federation.min_clusters=2", script=LH_SBATCH, EDIT_DRY_RUN="1", LIGHTHOUSE_PORT="29600")
-    assert proc.returncode == 0, proc.stderr
-    argv = shlex.split(proc.stdout.strip())
-    assert argv == ["edit-train-lighthouse", "--bind", f"{socket.gethostname()}:29600", "--address-file",
-                    str(slurm.dir / "lighthouse-4242.addr"), "federation.min_clusters=2", f"federation.key_file={KEY}"]
+    resolved = socket.gethostbyname(socket.gethostname())
+    if resolved.startswith("127."):  # this box (and Debian's 127.0.1.1): the clusters could not reach it
+        assert proc.returncode == 2 and proc.stdout == "" and "set LIGHTHOUSE_BIND" in proc.stderr, proc.stderr
+        assert f"resolves to '{resolved}'" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        argv = shlex.split(proc.stdout.strip())
+        assert argv == ["edit-train-lighthouse", "--bind", f"{resolved}:29600", "--address-file",
+                        str(slurm.dir / "lighthouse-4242.addr"), "federation.min_clusters=2",
+                        f"federation.key_file={KEY}"]
     chosen = slurm(script=LH_SBATCH, EDIT_DRY_RUN="1", LIGHTHOUSE_BIND="10.0.0.5:29510")
     assert shlex.split(chosen.stdout.strip())[2] == "10.0.0.5:29510"
-    keyless = slurm(script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None)
+    keyless = slurm(script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None, LIGHTHOUSE_BIND="10.0.0.5:29510")
     assert keyless.returncode == 2 and "KEY_FILE is not set" in keyless.stderr and keyless.stdout == ""
-    insecure = slurm("federation.insecure=true", script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None)
+    insecure = slurm("federation.insecure=true", script=LH_SBATCH, EDIT_DRY_RUN="1", KEY_FILE=None,
+                     LIGHTHOUSE_BIND="10.0.0.5:29510")
     assert insecure.returncode == 0 and "federation.key_file" not in insecure.stdout
 
 
