@@ -157,7 +157,15 @@ class LocalSGD:
                            checkpoint_due and not p.stopped)
 
     def flush(self) -> None:
-        """Finish any sync in flight (before eval, checkpoints and the next sync)."""
+        """Finish any sync in flight (the loop's call: before eval and checkpoints, between steps)."""
+        before = self.t.blocked_s
+        self._flush()
+        # time blocked here belongs to no step: the next step's measured compute (A-EDiT's seconds per step)
+        # must not have it subtracted (it would be ~0 s, and H = τ / 1e-6 steps: the cluster never syncs again)
+        self._blocked_mark += self.t.blocked_s - before
+
+    def _flush(self) -> None:
+        """Finish any sync in flight (before the next sync)."""
         if self.driver is not None and self.driver.pending:
             try:
                 self._exchanged(self.driver.flush())
@@ -168,7 +176,7 @@ class LocalSGD:
         """A final blocking sync if local steps are outstanding, so every cluster ends on θ̄."""
         if self.t.forming:  # a quorum asked for in the background: this sync happens, then the final one
             self._poll_quorum(block=True)
-        self.flush()
+        self._flush()
         if self.driver is not None and self.pacer.local_steps > 0:
             self._start_sync(final=True)
         if self.driver is not None and self.pacer.local_steps == 0:
@@ -186,7 +194,7 @@ class LocalSGD:
         return self.pacer.planner is not None and self.t.federated and self.cfg.mode == "overlap"
 
     def _start_sync(self, final: bool = False) -> None:
-        self.flush()
+        self._flush()
         self.membership.start(self.pacer.local_steps)
         self._poll_quorum(block=final or not self._background_quorum, final=final)
 

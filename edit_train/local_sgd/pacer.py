@@ -98,8 +98,11 @@ class Pacer:
         if self.lockstep:
             self.global_step = step + 1
         self.local_steps += 1
-        secs, self.vote = self.agree(max(compute_s, 1e-6), self.want_stop())
-        self.timer.record(secs)
+        # a step whose seconds were all spent blocked on other clusters says nothing about this cluster's speed:
+        # recorded as ~0 s it would plan τ / 1e-6 local steps, and the cluster would never sync (nor stop) again
+        secs, self.vote = self.agree(max(compute_s, 0.0), self.want_stop())
+        if secs > 0:
+            self.timer.record(secs)
 
     @property
     def due(self) -> bool:
