@@ -20,11 +20,13 @@ BASE = ["cluster=local", "model=tiny", "logger=none", "train.progress=false", "t
         "federation.heartbeat_timeout_s=2", "federation.collective_timeout_s=15", "run.restart_delay_s=1"]
 
 
-def start(run_dir: Path, corpus: str, *overrides: str) -> subprocess.Popen:
+def start(run_dir: Path, corpus: str, *overrides: str, start_new_session: bool = False) -> subprocess.Popen:
+    """`start_new_session`: the run gets its own process group (`os.killpg(proc.pid, …)` ends all of it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "edit_train.cli.train", *BASE, f"data.source={corpus}", f"run.dir={run_dir}",
            *overrides]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=start_new_session)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 400) -> str:

@@ -194,14 +194,18 @@ def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, cor
     assert json.loads((resumed / "summary.json").read_text())["completed"]
 
 
-def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str) -> None:
+@pytest.mark.parametrize("algo", ["algo=edit algo.interval=2", "algo=a_edit algo.sync_time_s=0.2"])
+def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str, algo: str) -> None:
     """run.max_restarts=1: the launcher restarts the dead cluster alone, it resumes from its last checkpoint
-    (and heals from the other cluster if that one is ahead) and the run completes."""
-    run_dir = run_job(tmp_path, "restart", "algo=edit", "cluster=local_2x1", "train.steps=8", "algo.interval=2",
+    (and heals from the other cluster if that one is ahead) and the run completes. The a_edit twin: the
+    checkpoint is the one the cluster took at its own pace (after a sync), and it keeps its own step count."""
+    run_dir = run_job(tmp_path, "restart", *algo.split(), "cluster=local_2x1", "train.steps=8",
                       "train.batch_size=2", "checkpoint.every=4", "run.max_restarts=1",
                       "faults=[{kind:kill,group:1,start:6}]", corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["completed"] and summary["steps"] == 8
+    # a_edit: the first cluster to reach train.steps ends the run at the next exchange (the others stop where
+    # they are, a cluster may pass train.steps before that exchange): `steps` is not exactly 8
+    assert summary["completed"] and (summary["steps"] == 8 if "algo=edit" in algo else summary["steps"] >= 8)
     assert (run_dir / ".fault-kill-g1-s6").exists()
     assert summary["per_cluster"]["c1"]["restarts"] == 1 and summary["per_cluster"]["c0"]["restarts"] == 0
 

@@ -179,11 +179,17 @@ FED_RUN = ["algo=edit", "algo.interval=4", "model=tiny", "logger=none", "train.p
            "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", "federation.collective_timeout_s=15"]
 
 
-def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path: Path, small_corpus: str) -> None:
+@pytest.mark.parametrize("algo", ["edit", "a_edit"])
+def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path: Path, small_corpus: str,
+                                                                        algo: str) -> None:
     """Clusters a and b are two torchrun_multinode.sh jobs (1 node, 1 worker each) meeting at an
     edit-train-lighthouse. b's worker SIGKILLs itself at step 9; b's torchrun restarts it (MAX_RESTARTS=1), it
-    heals from a and both finish. a is never restarted and keeps syncing (alone) while b is down."""
+    heals from a and both finish. a is never restarted and keeps syncing (alone) while b is down. The a_edit twin
+    (syncs every 0.5 s of compute instead of every 4 steps) asserts the same."""
     run_dir = tmp_path / "run"
+    fed_run = FED_RUN if algo == "edit" else \
+        [o for o in FED_RUN if not o.startswith("algo")] + ["algo=a_edit", "algo.sync_time_s=0.5",
+                                                            "algo.penalty.probe_tokens=0"]
     house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
     jobs = []
     try:
@@ -194,7 +200,7 @@ def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path:
             for var in ("EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER"):
                 env.pop(var, None)
             log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-            jobs.append((subprocess.Popen(["bash", str(MULTINODE), *FED_RUN, "train.steps=40",
+            jobs.append((subprocess.Popen(["bash", str(MULTINODE), *fed_run, "train.steps=40",
                                            f"data.source={small_corpus}", f"run.dir={run_dir}",
                                            "faults=[{kind:kill_cluster,cluster:b,step:9}]"],
                                           stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,

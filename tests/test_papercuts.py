@@ -140,6 +140,13 @@ def test_interrupt_message_says_whether_a_checkpoint_exists(tmp_path):
         assert "before the first checkpoint" in msg and "nothing to resume" in msg and "intact" not in msg
     _fake_checkpoint(run_dir, 8, complete=False)  # a half-written one does not count
     assert "before the first checkpoint" in interrupted_message(run_dir)
+    # checkpoint.every was set (an A-EDiT run used to ignore it): the message does not tell the user to set it
+    msg = interrupted_message(run_dir, every=50)
+    assert "checkpoint.every=50" in msg and "before the first was written" in msg and "set checkpoint" not in msg
+    assert "set checkpoint.every=N" in interrupted_message(run_dir, every=0)
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps({"checkpoint": {"every": 7}}))  # what the run wrote
+    assert "checkpoint.every=7 saves" in interrupted_message(run_dir)
     good = _fake_checkpoint(run_dir, 4, complete=True)
     msg = interrupted_message(run_dir, 4)
     assert f"{good} is intact" in msg and "all 4 workers stopped" in msg and "resume=auto" in msg

@@ -151,6 +151,26 @@ def test_resume_continues_and_is_bit_identical(tmp_path, small_corpus, caplog):
         assert not diff, f"{part}: {len(diff)} tensors differ after resume, e.g. {diff[:5]}"
 
 
+def test_a_edit_resume_continues_from_its_newest_checkpoint(tmp_path, small_corpus, caplog):
+    """The a_edit twin of the resume test: a lone a_edit cluster checkpoints mid-run (each sync ends a 0.05 s
+    interval; `checkpoint.every` bounds the steps a crash loses) and `resume=auto` continues from the newest
+    one. Not bit-identical to an uninterrupted run: the interval is wall-clock time, so where the syncs fall
+    (and the outer steps they take) depends on measured step times."""
+    run_dir = tmp_path / "run"
+    common = ("algo=a_edit", "algo.sync_time_s=0.05", "algo.penalty.probe_tokens=0", "train.log_every=1",
+              "train.eval_every=0", "checkpoint.every=3", "checkpoint.keep=10", "checkpoint.at_end=false")
+    s1 = run_train(tiny_overrides(run_dir, small_corpus, *common, "train.steps=6"))
+    steps = [int(p.name[5:]) for p in sorted((run_dir / "checkpoints").glob("step_*"))]
+    assert steps and all(b - a <= 3 for a, b in zip([0, *steps], steps)), steps  # never more than 3 unsaved
+    assert s1["steps"] - steps[-1] <= 3
+    n_first = len(read_events(run_dir / "metrics.jsonl"))
+    with caplog.at_level(logging.INFO, logger="edit_train"):
+        s2 = run_train(tiny_overrides(run_dir, small_corpus, *common, "train.steps=10", "resume=auto"))
+    assert any("resumed from" in r.getMessage() and f"step_{steps[-1]:08d}" in r.getMessage() for r in caplog.records)
+    trains = [e["step"] for e in read_events(run_dir / "metrics.jsonl")[n_first:] if e["event"] == "train"]
+    assert trains[0] == steps[-1] + 1 and s2["completed"] and s2["steps"] >= 10
+
+
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path, small_corpus):
     s = run_train(tiny_overrides(tmp_path / "run", small_corpus, "train.steps=2", "train.eval_every=0",
                                  "resume=auto"))

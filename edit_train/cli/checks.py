@@ -174,15 +174,36 @@ def newest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def interrupted_message(run_dir: str | os.PathLike[str], workers: int | None = None, detail: str = "") -> str:
-    """The line Ctrl-C / SIGTERM ends with: whether a checkpoint exists decides what resume=auto will do."""
+def _checkpoint_every(run_dir: str | os.PathLike[str]) -> int | None:
+    """`checkpoint.every` of the run in `run_dir` (its config.json), None when unknown."""
+    try:
+        every = json.loads((Path(run_dir) / "config.json").read_text())["checkpoint"]["every"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return every if isinstance(every, int) and not isinstance(every, bool) else None
+
+
+def interrupted_message(run_dir: str | os.PathLike[str], workers: int | None = None, detail: str = "",
+                        every: int | None = None) -> str:
+    """The line Ctrl-C / SIGTERM ends with: whether a checkpoint exists decides what resume=auto will do.
+    `every`: the run's `checkpoint.every` (default: read from run.dir/config.json)."""
     head = "interrupted" + (f" ({detail})" if detail else "")
     if workers and workers > 1:
         head += f": all {workers} workers stopped"
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
-        return (f"{head} before the first checkpoint: there is nothing to resume from (resume=auto would start "
-                "from scratch; checkpoint.every=N saves during the run)")
+        every = _checkpoint_every(run_dir) if every is None else every
+        if every:  # it was set: the run stopped before its first one (not a setting to change)
+            hint = (f"checkpoint.every={every} saves after about every {every} steps; it stopped before the first "
+                    "was written")
+        else:
+            hint = "set checkpoint.every=N to save during the run" if every == 0 else \
+                "checkpoint.every=N saves during the run"
+        return f"{head} before the first checkpoint: there is nothing to resume from (resume=auto would start " \
+               f"from scratch; {hint})"
+    if ckpt.parent.name != "checkpoints":  # checkpoints/<cluster>/step_N: each cluster resumes its own newest
+        return (f"{head}; complete checkpoints are intact, the newest {ckpt} (resume=auto continues every cluster "
+                "from its own newest)")
     return f"{head}; the newest complete checkpoint {ckpt} is intact (resume=auto continues from it)"
 
 

@@ -50,7 +50,8 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
-        fail(checks.interrupted_message(cfg.run.dir, detail="every cluster and the Lighthouse stopped"), code=130)
+        fail(checks.interrupted_message(cfg.run.dir, detail="every cluster and the Lighthouse stopped",
+                                        every=cfg.checkpoint.every), code=130)
     failed = [j for j in jobs if j.state == "failed"]
     if failed:
         fail(f"cluster(s) {[j.spec.name for j in failed]} failed (exit codes {[j.exit_codes for j in failed]}); "

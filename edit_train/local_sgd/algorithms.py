@@ -52,6 +52,7 @@ class LocalSGDConfig:
     total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
+    checkpoint_every: int = 0  # time schedule: a crash loses at most this many of a cluster's steps (Pacer)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
     tokens_per_step: int = 0  # this cluster's tokens per step (weights by tokens); 0: count steps
@@ -62,6 +63,7 @@ class LocalSGDConfig:
 class StepOutcome:
     adopt_step: int | None = None  # healed / behind: the loop continues from this step
     eval_due: bool = False  # time schedule: the agreed step crossed an eval boundary (every cluster evals)
+    checkpoint_due: bool = False  # time schedule: this cluster saves now (Pacer: at its own pace, after a sync)
 
 
 class LocalSGD:
@@ -75,7 +77,8 @@ class LocalSGD:
         self.cfg, self.t, self.span = cfg, transport, span
         self.warmup = StepSchedule(cfg.schedule)
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s,
-                                      cfg.eval_every, cfg.tokens_per_step), transport.cluster)
+                                      cfg.eval_every, cfg.tokens_per_step,
+                                      cfg.checkpoint_every), transport.cluster)
         self.rule = make_rule(cfg.penalty)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.records = Records(transport, emit, cluster_index)
@@ -149,10 +152,20 @@ class LocalSGD:
             self._start_sync()
         self._blocked_mark = self.t.blocked_s
         eval_due, p.eval_due = p.eval_due, False
-        return StepOutcome(self.membership.take_adopted(), eval_due and not p.stopped)
+        checkpoint_due, p.checkpoint_due = p.checkpoint_due, False
+        return StepOutcome(self.membership.take_adopted(), eval_due and not p.stopped,
+                           checkpoint_due and not p.stopped)
 
     def flush(self) -> None:
-        """Finish any sync in flight (before eval, checkpoints and the next sync)."""
+        """Finish any sync in flight (the loop's call: before eval and checkpoints, between steps)."""
+        before = self.t.blocked_s
+        self._flush()
+        # time blocked here belongs to no step: the next step's measured compute (A-EDiT's seconds per step)
+        # must not have it subtracted (it would be ~0 s, and H = τ / 1e-6 steps: the cluster never syncs again)
+        self._blocked_mark += self.t.blocked_s - before
+
+    def _flush(self) -> None:
+        """Finish any sync in flight (before the next sync)."""
         if self.driver is not None and self.driver.pending:
             try:
                 self._exchanged(self.driver.flush())
@@ -163,7 +176,7 @@ class LocalSGD:
         """A final blocking sync if local steps are outstanding, so every cluster ends on θ̄."""
         if self.t.forming:  # a quorum asked for in the background: this sync happens, then the final one
             self._poll_quorum(block=True)
-        self.flush()
+        self._flush()
         if self.driver is not None and self.pacer.local_steps > 0:
             self._start_sync(final=True)
         if self.driver is not None and self.pacer.local_steps == 0:
@@ -181,7 +194,7 @@ class LocalSGD:
         return self.pacer.planner is not None and self.t.federated and self.cfg.mode == "overlap"
 
     def _start_sync(self, final: bool = False) -> None:
-        self.flush()
+        self._flush()
         self.membership.start(self.pacer.local_steps)
         self._poll_quorum(block=final or not self._background_quorum, final=final)
 

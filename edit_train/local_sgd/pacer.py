@@ -5,6 +5,13 @@ is not this cluster's speed). A step schedule syncs every `interval` steps; A-ED
 `Hᵢ = ⌊τ / secs_per_stepᵢ⌋` from the speeds exchanged at the last sync (its first interval ends once τ has
 been spent). What the exchange carries back (every cluster's steps, speed, total steps and stop vote) moves
 the agreed global step, the eval cadence and the stop.
+
+Checkpoints of a time schedule (`checkpoint_due`): each cluster at its own pace, right after a sync (the
+trainer lands it before saving, so the anchor, outer state and sync index saved are a committed sync's).
+A cluster saves at the last sync before its own steps would pass `checkpoint_every` since its last
+checkpoint: its next sync is planned (`planned` local steps away), so if waiting for it would leave more
+than `checkpoint_every` steps unsaved, it saves now. A crash then loses at most `checkpoint_every` of its
+steps (one planned interval when that is longer, or when it ran longer than planned).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class PaceConfig:
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
     tokens_per_step: int = 0  # this cluster's tokens per local step (what its contribution is worth)
+    checkpoint_every: int = 0  # time schedule: the most steps of this cluster a crash may lose (0 = no checkpoints)
 
 
 class Pacer:
@@ -44,6 +52,8 @@ class Pacer:
         self.stopped = False  # every cluster agreed to stop (time schedule / time budget)
         self.finishing = False  # A-EDiT + overlap after the agreed stop: step until the final quorum is issued
         self.eval_due = False
+        self.checkpoint_due = False  # time schedule: save now (a sync has just been exchanged or missed)
+        self.checkpoint_step = 0  # time schedule: this cluster's total steps at its last checkpoint
         self.vote = False  # this cluster's agreed stop vote, refreshed every local step
         self._t0 = self.last_exchange_t = time.time()
 
@@ -88,8 +98,11 @@ class Pacer:
         if self.lockstep:
             self.global_step = step + 1
         self.local_steps += 1
-        secs, self.vote = self.agree(max(compute_s, 1e-6), self.want_stop())
-        self.timer.record(secs)
+        # a step whose seconds were all spent blocked on other clusters says nothing about this cluster's speed:
+        # recorded as ~0 s it would plan τ / 1e-6 local steps, and the cluster would never sync (nor stop) again
+        secs, self.vote = self.agree(max(compute_s, 0.0), self.want_stop())
+        if secs > 0:
+            self.timer.record(secs)
 
     @property
     def due(self) -> bool:
@@ -114,6 +127,7 @@ class Pacer:
         self.last_exchange_t = time.time()
         base = self.cfg.schedule.interval if self.planner is None else max(self.planned, 1)
         self.planned = self.local_steps + base
+        self._plan_checkpoint()  # cut off for long: its local progress is saved too
 
     def exchanged(self, rows: Tensor, position: int, background_quorum: bool) -> None:
         """Every participant's [local_steps, secs/step, total_steps, stop vote] from a committed exchange."""
@@ -129,11 +143,24 @@ class Pacer:
             self.finishing = background_quorum
         if self.planner is not None:
             self.planned = self.planner.steps_for(float(rows[position, 1]))
+            self._plan_checkpoint()
+
+    def _plan_checkpoint(self) -> None:
+        """Time schedule: save now if waiting for the next planned sync would leave more than
+        `checkpoint_every` of this cluster's steps unsaved (see the module docstring)."""
+        every = self.cfg.checkpoint_every
+        if every <= 0 or self.planner is None or self.stopped:
+            return
+        next_sync = self.total_steps + max(self.planned - self.local_steps, 0)
+        if next_sync - self.checkpoint_step > every and self.total_steps > self.checkpoint_step:
+            self.checkpoint_due = True
+            self.checkpoint_step = self.total_steps
 
     # ------------------------------------------------------------ checkpoint
     def state_json(self) -> dict[str, Any]:
         return {"local_steps": self.local_steps, "timer": self.timer.state_dict(),
-                "planned": self.planned, "global_step": self.global_step, "total_steps": self.total_steps}
+                "planned": self.planned, "global_step": self.global_step, "total_steps": self.total_steps,
+                "checkpoint_step": self.checkpoint_step}
 
     def load(self, state: dict[str, Any]) -> None:
         self.local_steps = int(state["local_steps"])
@@ -141,3 +168,4 @@ class Pacer:
         self.planned = int(state.get("planned", self.planned))
         self.global_step = int(state.get("global_step", 0))
         self.total_steps = int(state.get("total_steps", 0))  # the quorum compares it (lockstep step adoption)
+        self.checkpoint_step = int(state.get("checkpoint_step", self.total_steps))

@@ -45,11 +45,14 @@ class SyncState:
             adopt_replica(self.replica, tensors)
         self.membership.sync_index = int(meta.get("sync_index", self.membership.sync_index))
         p = self.pacer
-        if self.membership.joining or p.total_steps == 0 or p.lockstep:
+        p.global_step = max(p.global_step, int(meta.get("global_step", 0)))
+        if p.total_steps == 0 or p.lockstep:
             # lockstep schedules end at train.steps on every cluster: a cluster that healed (restarted, joined
-            # late, or ran ahead/behind while cut off) continues from the federation's step
+            # late, or ran ahead/behind while cut off) continues from the federation's step; so does a cluster
+            # with no steps of its own. Under a time schedule the clusters' step counts differ by design: one
+            # that resumed its own checkpoint keeps its own count (its learning-rate schedule and data position
+            # are that checkpoint's) and only takes the newer anchor (re-based: its local progress is kept)
             self.membership.adopt_step = p.total_steps = int(meta.get("total_steps", 0))
-            p.global_step = max(p.global_step, int(meta.get("global_step", 0)))
 
     # ------------------------------------------------------------------ checkpoint
     def tensors(self) -> dict[str, dict[str, Tensor]]:

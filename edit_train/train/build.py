@@ -61,6 +61,7 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0) -> LocalSGDConfig:
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
+                          checkpoint_every=cfg.checkpoint.every,
                           membership=membership, shares_loss=cfg.train.spike_factor > 0,
                           tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max)
 

@@ -209,10 +209,15 @@ class Trainer:
             self.metrics.log("eval", group=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, final: bool = False) -> None:
         with self.timing.span("checkpoint"):
-            # clusters of a time-scheduled run have different step counts: name it by the agreed one
-            step = self.state.step if self.algo.lockstep else self.algo.global_step
+            # a checkpoint is named by this cluster's own step (it lives in this cluster's directory): under a
+            # time schedule the clusters' step counts differ and each saves at its own pace. The end-of-run one
+            # is named by the agreed step (the largest any cluster reached), the same for every cluster, so
+            # `edit-train-export` finds one step all clusters have; never lower than this cluster's own, so
+            # the newest checkpoint is always the one with the largest name.
+            step = self.state.step if self.algo.lockstep or not final else \
+                max(self.algo.global_step, self.state.step)
             path = save_checkpoint(self.ckpt, step, self.state, self.resumable, self.cfg,
                                    self.wandb.run_id if self.wandb else None)
         if self.is_main:
@@ -332,8 +337,11 @@ class Trainer:
                 self.eval_logged()
             elif not self.algo.lockstep and outcome.eval_due:  # every cluster sees the same exchange: all eval
                 self.eval_logged()
-            if (cfg.checkpoint.every and p.step % cfg.checkpoint.every == 0 and self.algo.lockstep
-                    and not self.algo.should_stop(p.step)):
+            # lockstep: every cluster at the same multiple of checkpoint.every (a sync boundary, config.py says);
+            # a time schedule: each cluster at its own pace, right after a sync (Pacer.checkpoint_due)
+            every = cfg.checkpoint.every
+            due = every > 0 and (p.step % every == 0 if self.algo.lockstep else outcome.checkpoint_due)
+            if due and not self.algo.should_stop(p.step):
                 with self.timing.span("sync"):
                     self.algo.flush()
                 self.save_checkpoint()
@@ -343,7 +351,7 @@ class Trainer:
         self._account_useful(0.0, final=True)
         val_loss = self.eval_logged()
         if cfg.checkpoint.at_end:
-            self.save_checkpoint()
+            self.save_checkpoint(final=True)
         summary = self._summary(val_loss)
         self.metrics.close(summary)
         self.algo.close()
