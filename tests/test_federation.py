@@ -1,6 +1,9 @@
 """Clusters as independent jobs (issue 9): a cluster that dies, is cut off or joins late never stops the
 others; it heals from a live peer and every cluster ends on the same anchor.
 
+The default algorithm's versions of the kill / partition / heal cases run across hosts in tests/test_hosts.py
+(algo=a_edit, each cluster on its own network namespace); its kill-and-resume in tests/test_a_edit_checkpoint.py.
+
 Each test starts the real `edit-train` (a torchft Lighthouse + one job per cluster on 127.0.0.1). Steps are
 stretched with the simulated slowdown (sleep) so that a restart (a fresh Python + torch import) happens
 while the others are still training, without burning the two CPU cores.
