@@ -3,7 +3,7 @@ network namespace with its own address and a hostname resolving to it, links sha
 tbf), driven with the README's multi-host recipe (`edit-train-lighthouse` + `launchers/torchrun_multinode.sh`
 per host) and the default algorithm, a_edit.
 
-Marked `hosts`; the cases below run in the default suite (about two minutes on 2 cores). Where namespaces
+Marked `hosts`; the cases below run in the default suite (about 150 s on 2 cores). Where namespaces
 cannot be built (not root, no `ip netns` / `tc tbf`) the tier skips with one line.
 """
 
@@ -113,12 +113,13 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
     both = lambda: [e for e in syncs(run_dir, "a") if e["participants"] == ["a", "b"]]  # noqa: E731
     wait_until(lambda: len(both()) >= 2, 240, "two syncs of a and b", [a, b])
 
-    # the Lighthouse dies and is restarted on its port within 2 s: it binds, and a and b sync together again
+    # the Lighthouse dies and is restarted on its port at once (well within 2 s of its death): it binds — no
+    # EADDRINUSE from the connections it left in TIME-WAIT — and a and b sync together again
     net.kill("lh")
     house.wait(timeout=10)
     killed_at = time.time()
     house = lighthouse(net, tmp_path, key, "federation.min_clusters=2", log="lh-restarted")
-    assert time.time() - killed_at < 10, logs(tmp_path)  # starting a Python process included; no EADDRINUSE
+    assert time.time() - killed_at < 15, logs(tmp_path)  # serving: a Python start and torchft's import included
     n_before = len(both())
     wait_until(lambda: len(both()) > n_before, 120, "a sync of a and b after the restart", [a, b])
 
