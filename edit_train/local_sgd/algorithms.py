@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,9 +76,8 @@ class LocalSGD:
                  probe_loss: Callable[[], float] | None = None) -> None:
         self.cfg, self.t, self.span = cfg, transport, span
         self.warmup = StepSchedule(cfg.schedule)
-        self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s,
-                                      cfg.eval_every, cfg.tokens_per_step,
-                                      cfg.checkpoint_every), transport.cluster)
+        self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s, cfg.eval_every,
+                                      cfg.tokens_per_step, cfg.checkpoint_every), transport.cluster)
         self.rule = make_rule(cfg.penalty)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.records = Records(transport, emit, cluster_index)
@@ -107,8 +106,7 @@ class LocalSGD:
 
     # ------------------------------------------------------------------ the loop's calls
     def join(self) -> int | None:
-        """Before the first step: meet the federation. Returns the step to continue from if this cluster
-        healed or was behind."""
+        """Before the first step: meet the federation. The step to continue from if healed or behind, else None."""
         if not self.t.federated:
             return None
         q = self.membership.meet()
@@ -151,26 +149,19 @@ class LocalSGD:
         if p.due and not self.t.forming:
             self._start_sync()
         self._blocked_mark = self.t.blocked_s
-        eval_due, p.eval_due = p.eval_due, False
-        checkpoint_due, p.checkpoint_due = p.checkpoint_due, False
-        return StepOutcome(self.membership.take_adopted(), eval_due and not p.stopped,
-                           checkpoint_due and not p.stopped)
+        return StepOutcome(self.membership.take_adopted(), *p.take_due())
 
     def flush(self) -> None:
-        """Finish any sync in flight (the loop's call: before eval and checkpoints, between steps)."""
+        """Finish any sync in flight (the loop's call, between steps: before eval and checkpoints). The time it
+        blocks belongs to no step: subtracted from the next one, A-EDiT would plan τ / ~0 s steps and never sync."""
         before = self.t.blocked_s
         self._flush()
-        # time blocked here belongs to no step: the next step's measured compute (A-EDiT's seconds per step)
-        # must not have it subtracted (it would be ~0 s, and H = τ / 1e-6 steps: the cluster never syncs again)
         self._blocked_mark += self.t.blocked_s - before
 
-    def _flush(self) -> None:
-        """Finish any sync in flight (before the next sync)."""
+    def _flush(self) -> None:  # any sync in flight, finished (before the next sync too)
         if self.driver is not None and self.driver.pending:
-            try:
+            with suppress(SyncAborted):  # rolled back; local progress kept, the next interval retries
                 self._exchanged(self.driver.flush())
-            except SyncAborted:
-                pass  # rolled back; local progress kept, the next interval retries
 
     def finish(self) -> None:
         """A final blocking sync if local steps are outstanding, so every cluster ends on θ̄."""
@@ -231,16 +222,13 @@ class LocalSGD:
         driver = self.driver  # the final sync runs blocking in every mode: every cluster ends on θ̄
         if final and isinstance(driver, OverlapDriver):
             driver = BlockingDriver(driver.core, driver.on_complete, driver.on_abort, False, True)
-        try:
+        with suppress(SyncAborted):  # rolled back; local progress kept, the next interval retries
             self._exchanged(driver.begin(self.membership.sync_index, local_steps, extra))
             if final or self.cfg.mode == "at_end":
                 driver.flush()
-        except SyncAborted:
-            pass  # rolled back; local progress kept, the next interval retries
 
     def _exchanged(self, rows: Tensor | None) -> None:
-        q = self.t.quorum
-        if rows is not None and q is not None:
+        if rows is not None and (q := self.t.quorum) is not None:
             self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
 
     def _completed(self, report: SyncReport) -> None:

@@ -145,6 +145,12 @@ class Pacer:
             self.planned = self.planner.steps_for(float(rows[position, 1]))
             self._plan_checkpoint()
 
+    def take_due(self) -> tuple[bool, bool]:
+        """(eval due, checkpoint due) once each, since the last call; neither after the agreed stop."""
+        due = (self.eval_due and not self.stopped, self.checkpoint_due and not self.stopped)
+        self.eval_due = self.checkpoint_due = False
+        return due
+
     def _plan_checkpoint(self) -> None:
         """Time schedule: save now if waiting for the next planned sync would leave more than
         `checkpoint_every` of this cluster's steps unsaved (see the module docstring)."""
