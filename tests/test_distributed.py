@@ -194,7 +194,9 @@ def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, cor
     assert json.loads((resumed / "summary.json").read_text())["completed"]
 
 
-@pytest.mark.parametrize("algo", ["algo=edit algo.interval=2", "algo=a_edit algo.sync_time_s=0.2"])
+# the default algorithm in the default run; edit's variant is slow (CI's 20 minutes)
+@pytest.mark.parametrize("algo", [pytest.param("algo=edit algo.interval=2", marks=pytest.mark.slow),
+                                  "algo=a_edit algo.sync_time_s=0.2"])
 def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str, algo: str) -> None:
     """run.max_restarts=1: the launcher restarts the dead cluster alone, it resumes from its last checkpoint
     (and heals from the other cluster if that one is ahead) and the run completes. The a_edit twin: the

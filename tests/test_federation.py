@@ -43,6 +43,7 @@ def _ends_on_one_anchor(run_dir: Path, clusters: list[str]) -> None:
         assert same(first, anchors(run_dir, c)) == 0.0, c
 
 
+@pytest.mark.slow  # the default run has a_edit's kill / partition / heal across hosts (test_hosts.py)
 def test_killed_cluster_never_stops_the_others_and_heals(tmp_path: Path, corpus: str, baseline: Path) -> None:
     run_dir = tmp_path / "kill"
     # restarted after 8 s: long enough that the survivors sync without it (a 1 s restart can heal in time for
@@ -84,6 +85,7 @@ def test_killed_cluster_never_stops_the_others_and_heals(tmp_path: Path, corpus:
     assert not cluster_pids("c1", run_dir) and killed_at > 0
 
 
+@pytest.mark.slow  # the default run has a_edit's kill / partition / heal across hosts (test_hosts.py)
 def test_partitioned_cluster_rejoins_without_any_exit(tmp_path: Path, corpus: str, baseline: Path) -> None:
     run_dir = tmp_path / "partition"
     finish(start(run_dir, corpus, *THREE, "faults=[{kind:partition,cluster:1,step:30,seconds:8}]",

@@ -3,8 +3,9 @@ network namespace with its own address and a hostname resolving to it, links sha
 tbf), driven with the README's multi-host recipe (`edit-train-lighthouse` + `launchers/torchrun_multinode.sh`
 per host) and the default algorithm, a_edit.
 
-Marked `hosts`: the recipe and the local demo run in the default suite (about 80 s on 2 cores); the partition
-and host-death case is also `slow` (about 70 s). `pytest -q -m hosts` runs all three. Where namespaces
+Marked `hosts`; all three cases run in the default suite (about 150 s on 2 cores; `pytest -q -m hosts` runs
+the tier alone). They are the default run's kill / partition / heal tests of the default algorithm; the
+loopback ones of tests/test_federation.py (algo=edit) are `slow`. Where namespaces
 cannot be built (not root, no `ip netns` / `tc tbf`) the tier skips with one line.
 """
 
@@ -142,7 +143,6 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
         assert "holds another federation key" not in (tmp_path / f"{name}.log").read_text()
 
 
-@pytest.mark.slow  # ~70 s: behind the marker to keep the default suite within CI's 20 minutes (`-m hosts` runs it)
 def test_partition_and_host_death_with_a_edit(net: sim_hosts.Hosts, tmp_path: Path, key: str,
                                               small_corpus: str) -> None:
     """A host cut off (its link down) keeps training alone and rejoins; a host killed (every process in it)
