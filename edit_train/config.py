@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edit_train.data.prepare import DEFAULT_VAL_FRACTION
-from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_seconds, _need
+from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_finite, _need
 from edit_train.local_sgd.outer import OuterConfig
 from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.model.config import ModelConfig
@@ -233,7 +233,7 @@ def validate(cfg: Config) -> None:
     _need(a.schedule in ("step", "time"), "algo.schedule", f"must be step or time, got {a.schedule!r}")
     _need(a.interval >= 1, "algo.interval", f"must be >= 1, got {a.interval}")
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
-    _check_seconds("algo.sync_time_s", a.sync_time_s, example=10)
+    _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
     a.outer.validate()
     a.penalty.validate()
     if a.local_sgd:
@@ -269,18 +269,18 @@ def validate(cfg: Config) -> None:
     _need(f.min_clusters >= 1, "federation.min_clusters", f"must be >= 1, got {f.min_clusters}")
     _need(f.chunks >= 1, "federation.chunks", f"must be >= 1, got {f.chunks}")
     check_federation_timeouts(f)
-    _check_seconds("cluster.timeout_s", c.timeout_s, example=600)
-    _check_seconds("run.restart_delay_s", cfg.run.restart_delay_s, zero="restart at once", example=2)
-    _check_seconds("cluster.link.latency_ms", c.link.latency_ms, zero="no added latency", unit="milliseconds",
+    _check_finite("cluster.timeout_s", c.timeout_s, example=600)
+    _check_finite("run.restart_delay_s", cfg.run.restart_delay_s, zero="restart at once", example=2)
+    _check_finite("cluster.link.latency_ms", c.link.latency_ms, zero="no added latency", unit="milliseconds",
                    example=50)
-    _check_seconds("cluster.link.bandwidth_mbps", c.link.bandwidth_mbps, zero="unlimited", unit="megabits/s",
+    _check_finite("cluster.link.bandwidth_mbps", c.link.bandwidth_mbps, zero="unlimited", unit="megabits/s",
                    example=100)
     _need(cfg.sync.gather_max >= 0, "sync.gather_max", f"must be >= 0 (0 = always a SUM), got {cfg.sync.gather_max}")
     _need(all(s >= 1.0 for s in c.slowdown), "cluster.slowdown", "factors must be >= 1.0")
     _need(c.backend in ("auto", "gloo", "nccl"), "cluster.backend", f"must be auto, gloo or nccl, got {c.backend!r}")
     _need(cfg.sync.mode != "overlap" or a.local_sgd, "sync.mode",
           f"overlap needs a local-SGD algorithm (edit, a_edit, diloco, post_local_sgd), not {a.name}")
-    _check_seconds("train.time_budget_s", t.time_budget_s, zero="no time budget (train.steps decides)",
+    _check_finite("train.time_budget_s", t.time_budget_s, zero="no time budget (train.steps decides)",
                    example=3600)
     from edit_train.sim.hetero import parse_schedule
 
@@ -308,7 +308,7 @@ def check_federation_timeouts(f: FederationConfig) -> None:
     """Every `federation.*_timeout_s` is a finite number of seconds > 0 (`edit-train` and `edit-train-lighthouse`):
     `inf` used to pass and end in a traceback, `nan` in a quorum wait that never ended."""
     for key, example in FEDERATION_TIMEOUTS.items():
-        _check_seconds(f"federation.{key}", getattr(f, key), example=example)
+        _check_finite(f"federation.{key}", getattr(f, key), example=example)
 
 
 def to_container(cfg: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def _need(cond: bool, field_name: str, why: str) -> None:
         raise ConfigError(f"{field_name}: {why}")
 
 
-def _check_seconds(field_name: str, value: Any, *, zero: str = "", unit: str = "seconds",
+def _check_finite(field_name: str, value: Any, *, zero: str = "", unit: str = "seconds",
                    example: float | None = None) -> None:
     """`value` is a finite number of `unit` > 0 (or >= 0 when `zero` says what 0 means), else a ConfigError
     naming `field_name` and what to give instead: `inf` would never time out (or overflow a deadline), `nan`

@@ -4,8 +4,12 @@ restarts on its port at once; a rank dials torchft's Lighthouse on the loopback 
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +17,9 @@ import pytest
 
 from edit_train.federation import auth, gate
 from edit_train.federation.quorum import QuorumClient, check_key
-from edit_train.local_sgd.errors import FederationError, FederationRefused
+from edit_train.local_sgd.errors import FederationRefused
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -31,7 +37,7 @@ def test_a_cluster_with_another_key_is_refused_after_the_grace(keys: tuple[bytes
             check_key(g.address, "b", wrong, "federation.key_file=/keys/other.key", refuse_after_s=1.5)
         took = time.monotonic() - t0
         msg = str(exc.value)
-        assert 1.5 <= took < 5.0  # asked again, a second apart, for the grace; then stopped
+        assert took >= 1.5  # one refusal proves nothing: it asked again for the whole grace before stopping
         assert "\n" not in msg and "/keys/other.key" in msg and g.address in msg
         assert auth.fingerprint(wrong) in msg and auth.fingerprint(right) not in msg  # ours only
         # a rank's quorum request: the same (the refusal mid-run stops the cluster with the same line)
@@ -85,19 +91,25 @@ def test_the_gate_rebinds_its_port_at_once_after_serving(keys: tuple[bytes, byte
         again.shutdown()
 
 
-def test_the_gate_dials_its_lighthouse_on_loopback(keys: tuple[bytes, bytes], monkeypatch) -> None:
+_DIAL = """
+import sys
+from edit_train.federation import auth, gate
+from edit_train.federation.quorum import QuorumClient
+key = bytes(32)
+g = gate.Gate("127.0.0.1:0", key, min_clusters=1, join_timeout_s=0.2, heartbeat_timeout_s=5)
+q = QuorumClient(g.address, "a", key).request(0, 1, "127.0.0.1:1", {"local_steps": 0, "incarnation": "i"}, 10)
+print("members", q.names, "dashboard", g.dashboard)
+g.shutdown()
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs root and unshare --uts")
+def test_the_gate_dials_its_lighthouse_on_loopback() -> None:
     """torchft names its Lighthouse by this host's name, which on a real node resolves to the LAN address
-    (or 127.0.1.1) where nothing listens: the gate must not use that name."""
-    right, _ = keys
-    monkeypatch.setattr(socket, "gethostname", lambda: "a-name-that-does-not-resolve.invalid")
-    g = gate.Gate("127.0.0.1:0", right, min_clusters=1, join_timeout_s=0.2, heartbeat_timeout_s=5)
-    try:
-        assert g.dashboard.startswith("127.0.0.1:")
-        client = QuorumClient(g.address, "a", right)
-        q = client.request(0, 1, "127.0.0.1:1", {"local_steps": 0, "incarnation": "i"}, timeout_s=5)
-        assert q is not None and q.names == ["a"]
-        client.close()
-    except FederationError as exc:
-        raise AssertionError(exc) from None
-    finally:
-        g.shutdown()
+    (or 127.0.1.1) where nothing listens. Here the hostname resolves to nothing at all (its own UTS
+    namespace): a gate that dialled that name would fail to start."""
+    proc = subprocess.run(["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
+                           "edit-train-nowhere.invalid", sys.executable, "-c", _DIAL],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "members ['a'] dashboard 127.0.0.1:" in proc.stdout, proc.stdout

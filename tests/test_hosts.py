@@ -119,9 +119,7 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
     # EADDRINUSE from the connections it left in TIME-WAIT — and a and b sync together again
     net.kill("lh")
     house.wait(timeout=10)
-    killed_at = time.time()
-    house = lighthouse(net, tmp_path, key, "federation.min_clusters=2", log="lh-restarted")
-    assert time.time() - killed_at < 15, logs(tmp_path)  # serving: a Python start and torchft's import included
+    house = lighthouse(net, tmp_path, key, "federation.min_clusters=2", log="lh-restarted")  # serving, or fails
     n_before = len(both())
     wait_until(lambda: len(both()) > n_before, 120, "a sync of a and b after the restart", [a, b])
 

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     from edit_train.federation import auth
     from edit_train.federation.quorum import check_key
     from edit_train.local_sgd.errors import FederationRefused
-    from edit_train.train.build import KEY_REFUSED_GRACE_S, key_source
+    from edit_train.train.build import key_refused_after_s, key_source
 
     f = cfg.federation
     name = os.environ.get("EDIT_TRAIN_CLUSTER", "") or cfg.cluster.only
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
         fail("federation.lighthouse is not set")
     try:
         key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
-        check_key(f.lighthouse, name, key, key_source(f.key_file), f.join_timeout_s + KEY_REFUSED_GRACE_S)
+        check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f))
     except (auth.KeyFileError, FederationRefused) as exc:
         fail(one_line(exc))
 

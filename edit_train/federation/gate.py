@@ -52,6 +52,10 @@ class FrameError(ValueError):
     """Bytes that are not a well-formed, bounded frame (the message says why)."""
 
 
+class TagError(FrameError):
+    """A frame whose tag does not verify: signed with another key, or altered."""
+
+
 class KeyRefused(FederationError):
     """The gate answered that this request's tag does not verify: it holds another federation key."""
 
@@ -87,7 +91,7 @@ def unpack(frame: bytes, key: bytes, context: str) -> dict[str, Any]:
     first: nothing unauthenticated is parsed, and no byte can change without the tag failing."""
     mac, raw = frame[:auth.TAG_BYTES], frame[auth.TAG_BYTES:]
     if not auth.valid(key, context, mac, raw):
-        raise FrameError("tag does not verify (another key, or altered)")
+        raise TagError("tag does not verify (another key, or altered)")
     if raw.count(b"[") + raw.count(b"{") > 256:
         raise FrameError("too deeply nested")
     try:
@@ -273,10 +277,11 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             raw = read_frame(sock)
             name = claimed_name(raw)
-            if not auth.valid(self.gate.key, "gate/request", raw[:auth.TAG_BYTES], raw[auth.TAG_BYTES:]):
+            try:
+                body = unpack(raw, self.gate.key, "gate/request")
+            except TagError:
                 sock.sendall(UNKNOWN_KEY_FRAME)
-                raise FrameError("tag does not verify (another key, or altered)")
-            body = unpack(raw, self.gate.key, "gate/request")
+                raise
             self.gate.fresh(body)
             sock.settimeout(None)
             sock.sendall(pack(self.gate.serve(body), self.gate.key, "gate/response"))

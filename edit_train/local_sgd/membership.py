@@ -48,7 +48,6 @@ class Membership:
         self.sync_index = 0  # the anchor version this cluster holds
         self.healed_from: list[str] = []
         self.adopt_step: int | None = None  # set by a heal or an admission: continue from this step
-        self.joining = False
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -88,35 +87,31 @@ class Membership:
 
     def meet(self) -> Quorum | None:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
-        self.joining = True
         deadline = time.time() + self.cfg.start_timeout_s
         regroup = time.time() + self.cfg.regroup_s
-        try:
-            while True:
-                try:
-                    q = self.form(0)
-                except FederationRefused:
-                    raise
-                except (FederationError, SyncAborted) as exc:
-                    self.t.abort()
-                    if time.time() >= deadline:
-                        log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
-                                    self.t.name, exc)
-                        return None
-                    log.info("cluster %s: joining: %s; trying again", self.t.name, exc)
-                    continue
-                total_steps = self.pacer.total_steps
-                missing = q is not None and not set(self.cfg.expected) <= set(q.names)
-                fresh = q is not None and q.max_sync == 0 and total_steps == 0 and time.time() < deadline
-                resumed = q is not None and total_steps > 0 and q.max_sync <= self.sync_index \
-                    and time.time() < regroup
-                if missing and (fresh or resumed):
-                    self.t.abort()
-                    time.sleep(0.1)
-                    continue
-                return q
-        finally:
-            self.joining = False
+        while True:
+            try:
+                q = self.form(0)
+            except FederationRefused:
+                raise
+            except (FederationError, SyncAborted) as exc:
+                self.t.abort()
+                if time.time() >= deadline:
+                    log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
+                                self.t.name, exc)
+                    return None
+                log.info("cluster %s: joining: %s; trying again", self.t.name, exc)
+                continue
+            total_steps = self.pacer.total_steps
+            missing = q is not None and not set(self.cfg.expected) <= set(q.names)
+            fresh = q is not None and q.max_sync == 0 and total_steps == 0 and time.time() < deadline
+            resumed = q is not None and total_steps > 0 and q.max_sync <= self.sync_index \
+                and time.time() < regroup
+            if missing and (fresh or resumed):
+                self.t.abort()
+                time.sleep(0.1)
+                continue
+            return q
 
     def take_adopted(self) -> int | None:
         """The step this cluster moved to (once): the loop continues from there."""

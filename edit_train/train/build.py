@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
-from edit_train.config import ClusterSpec, Config, ConfigError, cluster_specs, to_container
+from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, to_container
 from edit_train.federation import auth, heal
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
@@ -69,6 +69,11 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0) -> LocalSGDConfig:
 KEY_REFUSED_GRACE_S = 20.0  # past the grace window: how long a gate may refuse our key before this cluster stops
 
 
+def key_refused_after_s(f: FederationConfig) -> float:
+    """How long a gate may answer nothing but "unknown key" before this cluster stops (worker and key check)."""
+    return f.join_timeout_s + KEY_REFUSED_GRACE_S
+
+
 def key_source(key_file: str) -> str:
     """Where this cluster's federation key came from, as a user would look for it."""
     if key_file:
@@ -93,7 +98,7 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
                                 LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
                                 f.quorum_timeout_s, f.collective_timeout_s,
                                 CompressionConfig.of(cfg.sync), key, key_source=key_source(f.key_file),
-                                refuse_after_s=f.join_timeout_s + KEY_REFUSED_GRACE_S)
+                                refuse_after_s=key_refused_after_s(f))
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,
