@@ -154,6 +154,34 @@ def environment() -> dict[str, Any]:
             "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
+def load() -> dict[str, Any]:
+    """How busy this host was (load averages over 1, 5, 15 minutes, and its cores): timings mean little without."""
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg": [one, five, fifteen], "cpus": os.cpu_count()}
+
+
+def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
+    """(files checked, non-finite 'file:tensor's, module names) over every cluster's last checkpoint (anchors
+    and outer momentum; the run needs `checkpoint.at_end=true`)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(run_dir).glob("checkpoints/*/step_*/rank*-outer.safetensors"))
+    if not files:
+        raise JobError(f"{run_dir}: no checkpoints/<cluster>/step_*/rank*-outer.safetensors")
+    bad, modules = [], set()
+    for f in files:
+        for key, t in load_file(str(f)).items():
+            modules.add(key.rsplit("/", 2)[0])
+            if t.is_floating_point() and not bool(t.isfinite().all()):
+                bad.append(f"{f.relative_to(run_dir)}:{key}")
+    return len(files), bad, sorted(modules)
+
+
+def ring_bytes(summary: dict[str, Any], clusters: int) -> float:
+    """What one cluster sends in a ring all-reduce of the whole model in fp32: 2(N−1)/N · 4 · parameters."""
+    return 2 * (clusters - 1) / clusters * 4 * float(summary["total_params"])
+
+
 def _clean(obj: Any) -> Any:
     """JSON-safe: non-finite floats -> None, paths -> str."""
     if isinstance(obj, float):

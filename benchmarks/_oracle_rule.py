@@ -5,7 +5,9 @@ separates what the fault cost through the detector's mistakes from what the lost
 
 Select it with `algo.penalty.rule=_oracle_rule:OracleRule` (`benchmarks/` on PYTHONPATH) and
 `EDIT_TRAIN_ORACLE="<cluster>:<first sync>:<last sync>"` (1-based `sync` indices of the `sync` events,
-inclusive) in the environment of every process of the run.
+inclusive) in the environment of every process of the run. Its parameters are the `verified` rule's
+(`VerifiedConfig`), given as `algo.penalty.options` (a rule of one's own sees nothing else of `algo.penalty`):
+a run that sets `algo.penalty.verified.warmup_syncs=5` gives the oracle `+algo.penalty.options.warmup_syncs=5`.
 
 A rule is not told the sync index: it sees every module once per sync, so a sync starts when a module it has
 already seen in the current sync comes again (an aborted sync would shift the count by one; the benchmark
@@ -26,9 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edit_train.local_sgd.penalty import Decision, PenaltyConfig
-from edit_train.local_sgd.rules import Evidence
-from edit_train.local_sgd.verified import VerifiedRule, claimed_tokens, token_weights
+from edit_train.local_sgd.aggregator import Decision, Evidence
+from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule, claimed_tokens, token_weights
 
 ENV = "EDIT_TRAIN_ORACLE"
 
@@ -46,7 +47,10 @@ def parse_window(spec: str | None) -> tuple[str, int, int]:
 
 
 class OracleRule:
-    def __init__(self, cfg: PenaltyConfig) -> None:
+    Config = VerifiedConfig  # built from `algo.penalty.options` (rules._with_options)
+    needs = VerifiedRule.needs  # measured on what was sent, as the inner rule decides
+
+    def __init__(self, cfg: VerifiedConfig) -> None:
         self.inner = VerifiedRule(cfg)
         self.cfg, self.sketch_dim = cfg, self.inner.sketch_dim  # the round reads the rule's sketch size
         self.cluster, self.first, self.last = parse_window(os.environ.get(ENV))
@@ -75,7 +79,7 @@ class OracleRule:
         contributes = tuple(c and i != me for i, c in enumerate(ev.contributes))
         d = self.inner.decide(dataclasses.replace(ev, contributes=contributes, extra=extra))
         if drop:
-            d.weights[me], d.anomalous[me] = 0.0, True
+            d.weights[me], d.left_out[me] = 0.0, True
             d.weights = self._backed(ev, d.weights)
             if d.evidence:
                 d.evidence[me] = {"measured_norm": float(ev.norms[me]), "reasons": ["oracle"]}

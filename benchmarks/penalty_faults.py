@@ -3,7 +3,7 @@
 For every fault kind (training-side: `garbage_data`, `lr_spike` ×`--lr-factor`; at the transport:
 `sign_flip`, `random_direction`, `lie_norm`, `nan_payload`), every cluster count N (`cluster=local
 cluster.groups=N cluster.shard_size=1`) and every seed, `algo=edit` (layer-wise, H = `algo.interval` = 8,
-W = `algo.penalty.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
+W = `algo.penalty.verified.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
 `train.spike_factor=0`) with cluster c1 faulty for steps [56, 152), against references with the same N and
 seed: `clean` (no fault) and an ORACLE — the same fault, but a rule that knows the window
 (`benchmarks/_oracle_rule.py`, `algo.penalty.rule=_oracle_rule:OracleRule`) drops exactly c1's window syncs
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2; --quick: 0")
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--interval", type=int, default=8, help="H = algo.interval")
-    ap.add_argument("--warmup-syncs", type=int, default=5, help="W = algo.penalty.warmup_syncs")
+    ap.add_argument("--warmup-syncs", type=int, default=5, help="W = algo.penalty.verified.warmup_syncs")
     ap.add_argument("--start", type=int, default=None, help="first faulty step; default (W+2)*H")
     ap.add_argument("--end", type=int, default=None, help="end of the window (exclusive); default start + 12*H")
     ap.add_argument("--lr-factor", type=float, default=10.0, help="inner LR multiplier of lr_spike")
@@ -169,7 +169,8 @@ def common_overrides(a: argparse.Namespace, n: int, seed: int) -> list[str]:
             "algo.penalty.rule=verified", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
             f"train.eval_batches={a.eval_batches}", f"algo.interval={a.interval}", "algo.warmup_steps=0",
-            f"algo.penalty.warmup_syncs={a.warmup_syncs}", *a.extra]
+            f"algo.penalty.verified.warmup_syncs={a.warmup_syncs}",
+            f"algo.penalty.edit_norm.warmup_syncs={a.warmup_syncs}", *a.extra]
 
 
 def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str, str]]]:
@@ -186,7 +187,10 @@ def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str
                 win = window_syncs(a, kind)
                 fault = [fault_spec(a, kind)] if kind in TRAINING_SIDE else []
                 spec = f"{FAULTY}:{win[0]}:{win[-1]}"  # run.name: the window is in the overrides (--reuse)
-                out.append((n, seed, oracle, [*base, *fault, ORACLE_RULE, f"run.name=oracle-{spec.replace(':', '-')}"],
+                # a rule of one's own gets algo.penalty.options (the oracle wraps the verified rule: its parameters)
+                options = f"+algo.penalty.options.warmup_syncs={a.warmup_syncs}"
+                out.append((n, seed, oracle, [*base, *fault, ORACLE_RULE, options,
+                                              f"run.name=oracle-{spec.replace(':', '-')}"],
                             {_oracle_rule.ENV: spec}))
             out += [(n, seed, k, [*base, fault_spec(a, k)], {}) for k in a.kinds]
     return out
@@ -204,22 +208,6 @@ def run_with_env(name: str, run_dir: Path, overrides: list[str], env: dict[str, 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
-    """(files checked, non-finite 'file:tensor's, module names) over every cluster's last checkpoint."""
-    from safetensors.torch import load_file
-
-    files = sorted(run_dir.glob("checkpoints/*/step_*/rank*-outer.safetensors"))
-    if not files:
-        raise C.JobError(f"{run_dir}: no checkpoints/<cluster>/step_*/rank*-outer.safetensors")
-    bad, modules = [], set()
-    for f in files:
-        for key, t in load_file(str(f)).items():
-            modules.add(key.rsplit("/", 2)[0])
-            if t.is_floating_point() and not bool(t.isfinite().all()):
-                bad.append(f"{f.relative_to(run_dir)}:{key}")
-    return len(files), bad, sorted(modules)
 
 
 def out_of_step(job: C.Job, a: argparse.Namespace) -> list[int]:
@@ -259,7 +247,7 @@ def measure(job: C.Job, a: argparse.Namespace, n: int, seed: int, run: str, trac
     taken = {int(v["sync"]): k for k in syncs for e in by[k].values() for who, v in e.get("retracted", {}).items()
              if who == FAULTY}
     retractions = sum(len(e.get("retracted", {})) for k in syncs for e in by[k].values() if e["cluster"] == FAULTY)
-    files, nonfinite, modules = anchor_check(job.run_dir)
+    files, nonfinite, modules = C.anchor_check(job.run_dir)
     events = [e for k in syncs for e in by[k].values()]
     checks = len(events) * len(modules)
     flags = sum(len(e.get("anomalous_modules", [])) for e in events)

@@ -13,7 +13,7 @@ from typing import Any
 from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_finite, _need
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.rules import PenaltyConfig
 from edit_train.model.config import ModelConfig
 
 
@@ -89,7 +89,8 @@ class SyncConfig:
     bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
     topk_group: int = 1  # topk: values selected together (a power of two <= 128 dividing block_size)
     unsent: str = "resend"  # topk: what top-k left out is resent later (resend) or kept in the cluster's params (keep)
-    gather_max: int = 4  # up to this many clusters each receives every contribution and judges it (0 = never)
+    gather_max: int = 4  # up to this many clusters each may receive every contribution (0 = never; docs/sync_math.md)
+    transport: str = "lighthouse"  # lighthouse | inproc | "package.module:factory" (federation/registry.py)
 
 
 @dataclass
@@ -237,9 +238,12 @@ def validate(cfg: Config) -> None:
     a.outer.validate()
     a.penalty.validate()
     if a.local_sgd:
-        from edit_train.local_sgd.rules import make_rule
+        from edit_train.local_sgd.rules import make_rule, refuse_mode
 
-        make_rule(a.penalty)  # an unknown or unloadable algo.penalty.rule fails here, in one line
+        rule = make_rule(a.penalty)  # an unknown or unloadable algo.penalty.rule fails here, in one line
+        why = refuse_mode(rule, a.penalty.rule, len(cluster_specs(cfg)), cfg.sync.gather_max,
+                          cfg.sync.unsent == "keep" and cfg.sync.compression == "topk")
+        _need(not why, "algo.penalty.rule", why)
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
     _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from edit_train.local_sgd.penalty import Decision, PenaltyConfig
-from edit_train.local_sgd.rules import Evidence
+from edit_train.local_sgd.aggregator import Decision, Evidence
 
 
 class FirstClusterOnly:
     """All the weight to the first cluster (by name) that contributes; the others are left out."""
 
-    def __init__(self, cfg: PenaltyConfig) -> None:
+    def __init__(self, options: dict[str, Any]) -> None:
         self.calls = 0
 
     def decide(self, ev: Evidence) -> Decision:
@@ -22,11 +22,22 @@ class FirstClusterOnly:
         first = ev.contributors[0] if ev.contributors else -1
         n = len(ev.names)
         w = [1.0 if i == first else 0.0 for i in range(n)]
-        return Decision(module=ev.module, norms=ev.norms.tolist(), weights=w, anomalous=[False] * n, z=[0.0] * n,
-                        all_anomalous=first < 0, threshold=[])
+        return Decision(ev.module, ev.norms.tolist(), w, [False] * n, skip=first < 0)
 
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
         return {"calls": self.calls}, {}
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         self.calls = int(meta.get("calls", 0))
+
+
+class WithConfig(FirstClusterOnly):
+    """The same rule with parameters of its own (`algo.penalty.options.favourite=...`)."""
+
+    @dataclass
+    class Config:
+        favourite: int = 0
+
+    def __init__(self, cfg: WithConfig.Config) -> None:
+        super().__init__({})
+        self.favourite = cfg.favourite

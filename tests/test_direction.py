@@ -9,7 +9,7 @@ import math
 import torch
 
 from edit_train.local_sgd.direction import DirectionTest, cosines
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.verified import VerifiedConfig
 
 D = 4096  # a random direction is then nearly orthogonal to everything, as in a real module
 
@@ -42,7 +42,7 @@ def test_cosines_from_a_gram_matrix_are_exact_and_nan_for_bad_rows() -> None:
 
 def test_a_sign_flipped_cluster_among_four_is_flagged_and_nobody_else() -> None:
     gen = torch.Generator().manual_seed(0)
-    test = DirectionTest(PenaltyConfig(warmup_syncs=3))
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
     shared = _shared(gen)
     for _ in range(12):  # honest history, slowly turning
         shared = shared + 0.2 * _shared(gen)
@@ -58,7 +58,7 @@ def test_a_sign_flipped_cluster_among_four_is_flagged_and_nobody_else() -> None:
 
 def test_two_clusters_the_reference_tells_which_one_is_off() -> None:
     gen = torch.Generator().manual_seed(1)
-    test = DirectionTest(PenaltyConfig(warmup_syncs=3))
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
     shared = _shared(gen)
     for _ in range(10):
         shared = shared + 0.2 * _shared(gen)
@@ -74,7 +74,7 @@ def test_a_cluster_left_out_for_long_is_not_locked_out_when_it_agrees_again() ->
     """12 syncs of a random-direction c1 at two clusters: flagged every time; then honest again: accepted at
     once (the pair agrees as before, whatever the reference learned meanwhile)."""
     gen = torch.Generator().manual_seed(2)
-    test = DirectionTest(PenaltyConfig(warmup_syncs=3))
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
     shared = _shared(gen)
     for _ in range(8):
         shared = shared + 0.2 * _shared(gen)
@@ -91,7 +91,7 @@ def test_a_cluster_left_out_for_long_is_not_locked_out_when_it_agrees_again() ->
 
 def test_an_untrusted_cluster_is_still_judged_against_the_trusted_ones() -> None:
     gen = torch.Generator().manual_seed(3)
-    test = DirectionTest(PenaltyConfig(warmup_syncs=3))
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
     shared = _shared(gen)
     for _ in range(10):
         shared = shared + 0.2 * _shared(gen)

@@ -25,7 +25,7 @@ from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.rules import PenaltyConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
 from edit_train.sim.hetero import HeteroError, Slowdown, parse_schedule
 from mp_utils import run_processes

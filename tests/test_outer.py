@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.penalty import PenaltyConfig, PseudoGradAggregator, aggregate
+from edit_train.local_sgd.rules import EditNormConfig, PenaltyConfig
+from fixed_set import FixedSet, merge
 
 
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, list[torch.Tensor]]:
@@ -174,13 +175,13 @@ def test_lr1_uniform_outer_step_is_parameter_averaging() -> None:
     g = torch.Generator().manual_seed(4)
     workers = [{n: [t + 0.3 * torch.randn(t.shape, generator=g) for t in ts] for n, ts in init.items()}
                for _ in range(3)]
-    pcfg = PenaltyConfig(weighting="uniform", anomaly=False, clip=False)
-    agg = PseudoGradAggregator(pcfg, 3)
+    pcfg = PenaltyConfig(rule="edit_norm", clip=False, edit_norm=EditNormConfig(weighting="uniform", anomaly=False))
+    agg = FixedSet(pcfg.edit_norm, 3)
     for name in st.module_names:
         deltas = [[a - p for a, p in zip(st.anchors[name], w[name])] for w in workers]
         norms = torch.tensor([float(sum(d.double().pow(2).sum() for d in ds).sqrt()) for ds in deltas])
         dec = agg.decide(name, norms)
-        delta, coef = aggregate(deltas, dec.weights, pcfg)
+        delta, coef = merge(deltas, dec.weights, pcfg.clip_phi)
         assert coef == 1.0
         st.step(name, delta)
         st.reset(name)

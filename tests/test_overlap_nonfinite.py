@@ -14,7 +14,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.transport import lighthouse_transport
 from edit_train.local_sgd.drivers import OverlapDriver
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.rules import PenaltyConfig
 from edit_train.local_sgd.round import SyncCore, Unit
 from edit_train.local_sgd.rules import make_rule
 

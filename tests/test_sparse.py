@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edit_train.config import Config, ConfigError, validate
+from edit_train.federation.seal import TAG
 from edit_train.federation import seal as seal_mod
 from edit_train.federation.compress import CompressionConfig, ErrorFeedback, dequantize, quantize, wire_bytes
 from edit_train.federation.compressed_reduce import compressed_gather, gathered_sum, plan, sent_bytes
@@ -252,7 +253,7 @@ def test_gathered_sum_adds_decoded_payloads_in_rank_order() -> None:
 
 # ------------------------------------------------------------------------------------------ whole syncs
 def _anchors_after_each_sync(mode: str, gather_max: int, names: list[str]) -> dict[str, Any]:
-    cfg = config(mode, "uniform", syncs=3)
+    cfg = config(mode, "verified" if gather_max else "uniform", syncs=3)  # verified gathers, uniform sums
     cfg.gather_max = gather_max
     steps = tuple(k * H + 1 for k in (1, 2))  # the sync of interval k has landed by then in every driver
     return run_inproc(names, cfg, compression=topk(16, 0.25, 2, "bf16"), flush_each_step=mode == "overlap",
@@ -278,8 +279,9 @@ def test_every_cluster_holds_the_bit_identical_anchor_after_every_sync(mode: str
 
 
 def test_sync_bytes_are_the_sparse_payloads_and_their_tags() -> None:
-    """Against an fp32 run with the same exchanges: the difference per sync is exactly (P − 1)·Σ_units
-    (wire_bytes(topk) − 4n) — indices, values, scales and headers counted, nothing else."""
+    """Against an fp32 run with the same exchanges (the uniform rule: a SUM, a ring all-reduce of 2(P−1)/P·4n
+    per unit): the sparse SUM is a gather of tagged payloads, so the difference per sync is exactly Σ_units
+    (P − 1)·(wire_bytes(topk) + tag) − 2(P−1)·4n/P — indices, values, scales and headers counted, nothing else."""
     cfg = config("at_end", "uniform", syncs=2)
     comp = topk(16, 0.25, 2, "bf16")
     sparse = run_inproc(NAMES[:3], cfg, compression=comp)["c0"]
@@ -287,7 +289,7 @@ def test_sync_bytes_are_the_sparse_payloads_and_their_tags() -> None:
     sizes = [sum(p.numel() for p in u.params) for u in sparse.algo.replica.units]
     per = [e["bytes"] for e in sparse.events if e["event"] == "sync"]
     ref = [e["bytes"] for e in dense.events if e["event"] == "sync"]
-    expected = (3 - 1) * sum(wire_bytes(n, comp) - 4 * n for n in sizes)
+    expected = sum((3 - 1) * (wire_bytes(n, comp) + TAG) - 2 * (3 - 1) * 4 * n // 3 for n in sizes)
     assert len(per) == 2 and [a - b for a, b in zip(per, ref)] == [expected] * 2
 
 

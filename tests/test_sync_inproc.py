@@ -45,8 +45,12 @@ def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> N
     reduction landed; layer-wise had applied every unit): every survivor's anchor, outer optimizer state and
     live parameters are exactly what they were before that round, and the next sync runs without c2."""
     def arm(hub: InProcessFederation) -> None:
-        # c2's all-gathers, 5 per sync: the exchange, one per unit (contributions are gathered), the vote
-        hub.kill_at("c2", "allgather", 8 if when == "reduction" else 10)  # sync 2: unit 2 / the vote
+        # the uniform rule moves a SUM: per sync c2 all-gathers twice (the exchange, the vote) and all-reduces once
+        # per unit (3)
+        if when == "reduction":
+            hub.kill_at("c2", "allreduce", 5)  # sync 2, unit 2
+        else:
+            hub.kill_at("c2", "allgather", 4)  # sync 2, the vote
 
     cfg = config(mode, "uniform", syncs=4)
     results = run_inproc(NAMES, cfg, before=arm, flush_each_step=mode == "overlap", snapshot_at=(2 * H - 1,))
@@ -66,19 +70,25 @@ def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> N
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
-def test_int8_payloads_bit_identical_and_close_to_fp32(mode: str) -> None:
-    """int8 with blockwise scales and error feedback (3 clusters: reduce-scatter as an all-to-all of payloads,
-    then an all-gather of the re-quantized sums): every cluster holds the bit-identical anchor, within the
+@pytest.mark.parametrize("rule", ["uniform", "verified"])
+def test_int8_payloads_bit_identical_and_close_to_fp32(mode: str, rule: str) -> None:
+    """int8 with blockwise scales and error feedback at 3 clusters, both reduction paths: `uniform` moves a SUM —
+    a reduce-scatter as an all-to-all of payloads, then an all-gather of the re-quantized sums (`rs_ag`) —
+    and `verified` gathers every payload. Every cluster holds the bit-identical anchor, within the
     quantization error of the fp32 closed form."""
-    cfg = config(mode, "uniform")
-    exact = reference(3, 3, "uniform")
-    results = run_inproc(NAMES, cfg, compression=CompressionConfig("int8", block_size=8),
+    cfg = config(mode, rule)
+    exact = reference(3, 3, "uniform")  # verified: equal claims weigh 1/3 each, and nothing is flagged in 3 syncs
+    hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
+    results = run_inproc(NAMES, cfg, hub=hub, compression=CompressionConfig("int8", block_size=8),
                          flush_each_step=mode == "overlap")
     for name in NAMES[1:]:
         assert max_diff(results[name].anchors, results["c0"].anchors) == 0.0
     assert 0 < max_diff(results["c0"].anchors, exact) <= 2e-3
     syncs = [e for e in results["c0"].events if e["event"] == "sync"]
     assert syncs and all(e["bytes"] > 0 for e in syncs)
+    assert all(e["aggregation"] == ("sum" if rule == "uniform" else "gathered") for e in syncs)
+    alltoall = hub.calls[("c0", "alltoall")]
+    assert alltoall == 3 * 3 if rule == "uniform" else alltoall == 0  # rs_ag: one all-to-all per unit and sync
 
 
 def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:

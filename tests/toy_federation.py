@@ -17,10 +17,12 @@ from torch import Tensor, nn
 from edit_train.cluster.group import RankGroup
 from edit_train.federation import heal
 from edit_train.federation.inproc import ClusterKilled, InProcessFederation
+from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.penalty import PenaltyConfig
+from edit_train.local_sgd.rules import EditNormConfig, PenaltyConfig
+from edit_train.local_sgd.verified import VerifiedConfig
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.schedule import ScheduleConfig
 
@@ -53,7 +55,8 @@ def config(mode: str, rule: str = "edit_norm", syncs: int = 3, phi: float = 0.05
            **outer: Any) -> LocalSGDConfig:
     """EDiT over `syncs` intervals of H steps; no anomaly flag can fire in so few syncs (warm-up 10), so the
     weights are the closed-form softmax; φ small enough that clipping acts on some modules."""
-    penalty = PenaltyConfig(rule=rule, warmup_syncs=warmup, clip_threshold=phi, sketch_dim=256)
+    penalty = PenaltyConfig(rule=rule, clip_threshold=phi, verified=VerifiedConfig(warmup_syncs=warmup, sketch_dim=256),
+                            edit_norm=EditNormConfig(warmup_syncs=warmup))
     return LocalSGDConfig(schedule=ScheduleConfig(interval=H), outer=OuterConfig(**{"lr": 0.7, "momentum": 0.8,
                           "nesterov": True, **outer}), penalty=penalty, mode=mode, total_steps=syncs * H)
 
@@ -84,10 +87,12 @@ def state_of(algo: LocalSGD) -> dict[str, Any]:
 def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flush_each_step: bool = False,
                   snapshot_at: tuple[int, ...] = (), after_at: tuple[int, ...] = (), out: Outcome | None = None,
                   wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
-                  shared_task: bool = False, lr: float = LR, probe: bool = False) -> Outcome:
+                  shared_task: bool = False, lr: float = LR, probe: bool = False,
+                  ascent: tuple[int, int] = (0, 0)) -> Outcome:
     """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
     forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
-    its transport (a Byzantine fault). `snapshot_at` steps are captured before their `after_step`, `after_at`
+    its transport (a Byzantine fault); in the `ascent` window of steps it climbs its loss instead (a wrong
+    update it reports, sketches and sends consistently). `snapshot_at` steps are captured before their `after_step`, `after_at`
     steps after it (and its flush). `probe`: the usefulness probe scores updates on a batch of this cluster's
     own task that it never trains on."""
     torch.set_num_threads(1)
@@ -118,7 +123,7 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
                 loss = nn.functional.mse_loss(model(x), y)
             except SyncAborted:
                 loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
+            (-loss if ascent[0] <= step < ascent[1] else loss).backward()
             algo.after_backward(step)
             opt.step()
             opt.zero_grad()
@@ -149,7 +154,13 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
     hub = hub or InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     tkw = {k: kw.pop(k) for k in ("compression", "link") if k in kw}
     wraps = kw.pop("wraps", {})
-    transports = {n: hub.transport(n, RankGroup(), **tkw) for n in names}
+    ascents = kw.pop("ascent", {})
+    spec = kw.pop("transport", None)  # a transport by name or import path (federation/registry.py), over `hub`
+    if spec is not None:
+        InProcessFederation.install(hub)
+        transports = {n: make_transport(spec, TransportRequest(n, RankGroup(), True, **tkw)) for n in names}
+    else:
+        transports = {n: hub.transport(n, RankGroup(), **tkw) for n in names}
     if before is not None:
         before(hub)
     results: dict[str, Outcome] = {}
@@ -157,7 +168,7 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
 
     def one(i: int, n: str) -> None:
         try:
-            results[n] = train_cluster(i, transports[n], cfg, wrap=wraps.get(n), **kw)
+            results[n] = train_cluster(i, transports[n], cfg, wrap=wraps.get(n), ascent=ascents.get(n, (0, 0)), **kw)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
@@ -173,6 +184,27 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
 
 
 # ------------------------------------------------------------------------------------- closed form
+def local_deltas(anchor: list[list[Tensor]], n: int, k: int, shared: bool = False, lr: float = LR,
+                 ) -> list[list[list[Tensor]]]:
+    """[cluster][unit][tensor]: Δᵢ = θ̄ − θᵢ of each of `n` clusters after interval `k`'s H local SGD steps from
+    `anchor` on its own batches."""
+    deltas = []
+    for i in range(n):
+        m = toy_model()
+        with torch.no_grad():
+            for u, a in zip(units_of(m), anchor):
+                for p, t in zip(u.parameters(), a):
+                    p.copy_(t)
+        opt = torch.optim.SGD(m.parameters(), lr=lr)
+        for step in range(k * H, (k + 1) * H):
+            x, y = batch(i, step, shared)
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        deltas.append([[a - p.detach() for a, p in zip(au, u.parameters())] for au, u in zip(anchor, units_of(m))])
+    return deltas
+
+
 def reference(n: int, syncs: int, rule: str, lr: float = 0.7, mu: float = 0.8, nesterov: bool = True,
               phi: float = 0.05, temperature: float = 1.0) -> list[list[Tensor]]:
     """The anchor after `syncs` EDiT syncs of `n` clusters, computed directly from the math
@@ -182,20 +214,7 @@ def reference(n: int, syncs: int, rule: str, lr: float = 0.7, mu: float = 0.8, n
     anchor = [[p.detach().clone() for p in u.parameters()] for u in units_of(model)]
     bufs: list[list[Tensor] | None] = [None] * len(anchor)
     for k in range(syncs):
-        deltas = []  # [cluster][unit][tensor]
-        for i in range(n):
-            m = toy_model()
-            with torch.no_grad():
-                for u, a in zip(units_of(m), anchor):
-                    for p, t in zip(u.parameters(), a):
-                        p.copy_(t)
-            opt = torch.optim.SGD(m.parameters(), lr=LR)
-            for step in range(k * H, (k + 1) * H):
-                x, y = batch(i, step)
-                nn.functional.mse_loss(m(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-            deltas.append([[a - p.detach() for a, p in zip(au, u.parameters())] for au, u in zip(anchor, units_of(m))])
+        deltas = local_deltas(anchor, n, k)
         for j in range(len(anchor)):
             norms = [math.sqrt(sum(float(d.double().pow(2).sum()) for d in deltas[i][j])) for i in range(n)]
             if rule == "uniform":

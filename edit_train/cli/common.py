@@ -25,6 +25,10 @@ def _unknown_key_hint(exc: BaseException) -> str | None:
     if not isinstance(exc, (ConfigAttributeError, ConfigKeyError)) or " not in " not in str(exc):
         return None
     full_key, key, parent = getattr(exc, "full_key", None), getattr(exc, "key", None), getattr(exc, "parent_node", None)
+    from edit_train.retired import retired_hint
+
+    if full_key and retired_hint(str(full_key)):
+        return retired_hint(str(full_key))
     if not full_key or key is None or parent is None or not hasattr(parent, "keys"):
         return None
     prefix = str(full_key)[:-len(str(key))].rstrip(".") if str(full_key).endswith(str(key)) else ""

@@ -147,6 +147,13 @@ class CompressionConfig:
         return self.scheme != "none"
 
     @property
+    def payload_error(self) -> float:
+        """A bound on how far a SUM of these payloads may lie from the sum of what the clusters handed over,
+        relative to the sum of their norms — quantization, the residual error feedback carries between syncs,
+        the re-quantized partial sums of `rs_ag` — that the sketched check tolerates (0: exact)."""
+        return {"none": 0.0, "bf16": 0.02, "int8": 0.1, "fp8": 0.25}.get(self.scheme, math.inf)
+
+    @property
     def value_bytes(self) -> int:
         return {"none": 4, "bf16": 2, "int8": 1, "fp8": 1, "topk": 0}[self.scheme]
 

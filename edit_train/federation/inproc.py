@@ -18,6 +18,7 @@ Tests use it to run whole sync rounds of 2–4 clusters in milliseconds; nothing
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import threading
 import time
 from collections.abc import Callable
@@ -170,6 +171,18 @@ class _Client:
 class InProcessFederation:
     """The network of a federation whose clusters are threads of this process."""
 
+    _installed: InProcessFederation | None = None
+
+    @classmethod
+    def install(cls, hub: InProcessFederation | None) -> InProcessFederation | None:
+        """Make `hub` the one `sync.transport=inproc` connects to (None: uninstall); returns it."""
+        cls._installed = hub
+        return hub
+
+    @classmethod
+    def installed(cls) -> InProcessFederation | None:
+        return cls._installed
+
     def __init__(self, min_clusters: int = 1, join_timeout_s: float = 5.0, timeout_s: float = 30.0) -> None:
         self.min_clusters, self.join_timeout_s, self.timeout_s = min_clusters, join_timeout_s, timeout_s
         self.cond = threading.Condition()
@@ -182,6 +195,7 @@ class InProcessFederation:
         self._quorum_ids = itertools.count(1)
         self._channels: dict[str, _Channel] = {}
         self._kill_at: dict[tuple[str, str], int] = {}
+        self.calls: Counter[tuple[str, str]] = Counter()  # (cluster, allreduce | allgather | alltoall | send): issued
 
     # ------------------------------------------------------------------ clusters
     def transport(self, name: str, cluster: ClusterGroup, *, chunks: int = 4, link: LinkModel | None = None,
@@ -285,6 +299,7 @@ class InProcessFederation:
     def post(self, ch: _Channel, key: tuple[Any, ...], rank: int, value: Any, owner: str, kind: str) -> None:
         with self.cond:
             self._alive(owner)
+            self.calls[(owner, kind)] += 1
             left = self._kill_at.get((owner, kind))
             if left is not None:
                 self._kill_at[(owner, kind)] = left - 1

@@ -15,15 +15,48 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 from torchft.process_group import ProcessGroupGloo
 
 from edit_train.local_sgd.errors import FederationError
 from edit_train.local_sgd.protocols import Quorum
 
 log = logging.getLogger(__name__)
+
+
+class Work(Protocol):
+    """A collective in flight on a lane (torch's `Work`)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> Any: ...
+
+
+class LaneGroup(Protocol):
+    """One lane's process group for one quorum: what the transport and `compressed_reduce` call on it. torchft's
+    reconfigurable gloo group (`BoundGloo`) across hosts; `inproc.ThreadGroup` between threads."""
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None: ...
+
+    def abort(self, errored: bool = False) -> None: ...
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+    def allreduce(self, tensors: list[Tensor], opts: Any) -> Work: ...
+
+    def allgather(self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: Any = None) -> Work: ...
+
+    def alltoall_base(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int],
+                      opts: Any = None) -> Work: ...
+
+    def send(self, tensors: list[Tensor], dst: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[Tensor], src: int, tag: int) -> Work: ...
 
 
 class BoundGloo(ProcessGroupGloo):
@@ -63,9 +96,9 @@ class Lanes:
     reconfigurable group (torchft's `configure(store_addr, replica_id, rank, world_size)` / `abort()`):
     gloo over TCP here, threads in `federation.inproc`."""
 
-    def __init__(self, make_group: Callable[[], Any]) -> None:
+    def __init__(self, make_group: Callable[[], LaneGroup]) -> None:
         self.make_group = make_group
-        self.groups: dict[int, Any] = {}
+        self.groups: dict[int, LaneGroup] = {}
         self.quorum: Quorum | None = None
 
     def configure(self, quorum: Quorum, rank: int, size: int, chunks: int) -> None:
@@ -73,7 +106,7 @@ class Lanes:
         self.abort()
         self.quorum = quorum
         store = quorum.members[0].store
-        groups: dict[int, Any] = {}
+        groups: dict[int, LaneGroup] = {}
         for j in lanes_of(rank, size, quorum, chunks):
             pg = self.make_group()
             try:

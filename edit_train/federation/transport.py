@@ -97,6 +97,15 @@ class LaneTransport:
         return not self.compression.lossy
 
     @property
+    def payload_error(self) -> float:
+        return self.compression.payload_error
+
+    @property
+    def gathers_sums(self) -> bool:
+        """A SUM of sparse payloads is a gather summed by every receiver: gathering costs the same."""
+        return self.compression.sparse
+
+    @property
     def _shared(self) -> bool:
         return self._quorum is not None and self._quorum.shared
 

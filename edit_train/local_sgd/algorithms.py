@@ -28,13 +28,12 @@ from edit_train.local_sgd.healing import Decode, Encode, Healer, Replica
 from edit_train.local_sgd.membership import Membership, MembershipConfig
 from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.pacer import PaceConfig, Pacer
-from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.probe import Probe
 from edit_train.local_sgd.protocols import Quorum, Transport
 from edit_train.local_sgd.records import Records
 from edit_train.local_sgd.retract import Retraction
 from edit_train.local_sgd.round import SyncCore, SyncReport, build_units, land_on_anchors
-from edit_train.local_sgd.rules import make_rule
+from edit_train.local_sgd.rules import PenaltyConfig, make_rule
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule
 from edit_train.local_sgd.state import SyncState
 
@@ -56,7 +55,7 @@ class LocalSGDConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
     tokens_per_step: int = 0  # this cluster's tokens per step (weights by tokens); 0: count steps
-    gather_max: int = 4  # judge what was sent: up to this many clusters every one receives every contribution
+    gather_max: int = 4  # a rule that needs measurements gathers up to this many clusters, sketches above
 
 
 @dataclass(frozen=True)
@@ -99,8 +98,8 @@ class LocalSGD:
         core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
                         self.cfg.penalty.clip_phi, self.span, self.cfg.gather_max,
                         getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
-                        retract=Retraction(self.cfg.penalty.probe_tolerance)
-                        if self.probe.enabled and self.cfg.penalty.retract else None)
+                        retract=Retraction(self.cfg.penalty.verified.probe_tolerance)
+                        if self.probe.enabled and self.cfg.penalty.verified.retract else None)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 

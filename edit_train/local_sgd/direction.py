@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from edit_train.local_sgd.evidence import cosine
-from edit_train.local_sgd.penalty import PenaltyConfig
 from edit_train.local_sgd.penalty_stats import EWMAStats
 
 SIGMA = 0.02  # cosine units: the spread below which two directions are not told apart
@@ -68,8 +68,18 @@ def cosines(gram: Tensor) -> Tensor:
     return torch.where(bad, torch.full_like(c, math.nan), c)
 
 
+class DirectionParams(Protocol):
+    """The parameters of the direction test (fields of the `verified` rule's config)."""
+
+    anomaly: bool
+    warmup_syncs: int
+    direction_rate: float  # EWMA rate of the reference direction (accepted aggregates)
+    direction_alpha: float  # EWMA rate per accepted value of a module's pooled statistics
+    direction_z: float  # nominal z (agreements have heavier tails than norms)
+
+
 class DirectionTest:
-    def __init__(self, cfg: PenaltyConfig) -> None:
+    def __init__(self, cfg: DirectionParams) -> None:
         self.cfg = cfg
         self.stats: dict[str, EWMAStats] = {}  # "<key>/<module>" -> one pooled row
         self.refs: dict[str, Tensor] = {}  # module -> unit-norm reference direction (sketch)

@@ -3,13 +3,15 @@
 * `BlockingDriver(hooks=True)` — layer-wise (EDiT): the exchange blocks at the sync point, then each unit is
   reduced and applied in a forward pre-hook registered *before* FSDP's own (so it runs on the local shard
   before FSDP gathers it), the next unit's reduction already in flight (prefetch). The vote follows the
-  last unit; a failure rolls every applied unit back and raises `SyncAborted` (the step is redone).
+  last unit; a failure rolls every applied unit back and raises `SyncAborted` (the step is redone). A sketched
+  round whose check fails gathers every unit again at the vote and commits; the forward that already ran on
+  the sketched parameters is redone (`ForwardStale`).
 * `BlockingDriver(hooks=False)` — at_end: the same, every unit at once at the sync point (`flush()` right
   after `begin()`).
 * `OverlapDriver` — the round runs in the background while local steps go on: exchange, reductions and the
   vote are polled at step boundaries (every rank of the cluster agrees when something has landed), and
   nothing is applied before the vote passed; then θ ← θ̄_new + (θ − θ_snap), so local progress is kept.
-  A lost participant drops the round whole.
+  A lost participant drops the round whole; a sketched round whose check fails goes back to reducing, gathered.
 
 A driver reports a finished round through `on_complete(report)` and a failed one through
 `on_abort(report, why)`. What the exchange carried (each cluster's EXTRA columns) is returned with the round
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from edit_train.local_sgd.errors import FederationError, SyncAborted
+from edit_train.local_sgd.errors import FederationError, ForwardStale, SyncAborted
 from edit_train.local_sgd.protocols import Handle
 from edit_train.local_sgd.round import SyncCore, SyncReport, SyncRound
 
@@ -99,7 +101,7 @@ class BlockingDriver(Driver):
         return gathered
 
     @torch.no_grad()
-    def _unit(self, name: str) -> None:
+    def _unit(self, name: str, in_forward: bool = True) -> None:
         rnd = self.round
         assert rnd is not None
         rnd.launch(name)
@@ -114,14 +116,22 @@ class BlockingDriver(Driver):
             raise SyncAborted(str(exc)) from None
         rnd.apply(name)
         if not rnd.todo:
-            self._commit()
+            self._commit(in_forward)
 
-    def _commit(self) -> None:
+    def _commit(self, in_forward: bool) -> None:
         rnd = self.round
         assert rnd is not None
+        regathered = False
         try:
             ok = rnd.voted(rnd.vote())
-            why = "a participant did not commit" if not rnd.report.nonfinite else \
+            if not ok and rnd.regather():  # the sketched SUM did not check out: gather this sync, every unit now
+                regathered = True
+                for name in list(rnd.todo):
+                    rnd.launch(name)
+                    rnd.land(name)
+                    rnd.apply(name)
+                ok = rnd.voted(rnd.vote())
+            why = "a cluster did not commit" if not rnd.report.nonfinite else \
                 f"the reduced pseudo-gradient of {rnd.report.nonfinite} is not finite"
         except FederationError as exc:
             ok, why = False, str(exc)
@@ -129,11 +139,13 @@ class BlockingDriver(Driver):
             self._fail(why)
             raise SyncAborted(why)
         self._done()
+        if regathered and in_forward:
+            raise ForwardStale(f"sync {rnd.report.sync} was gathered again ({rnd.report.regathered})")
 
     def flush(self) -> Tensor | None:
         """Synchronize every remaining unit now, in unit order."""
         while self.round is not None and self.round.todo:
-            self._unit(self.round.todo[0])
+            self._unit(self.round.todo[0], in_forward=False)
         return None
 
 
@@ -194,7 +206,12 @@ class OverlapDriver(Driver):
             if not self._ready(self._vote is None or self._vote.ready(), block):
                 return None
             if not rnd.voted(self._vote):
-                raise FederationError("a participant did not commit" if not rnd.report.nonfinite else
+                if rnd.regather():  # the sketched SUM did not check out: gather this sync (in the background too)
+                    for name in list(rnd.todo):
+                        rnd.launch(name)
+                    self._vote, self.phase = None, "reducing"
+                    return self._poll(block)
+                raise FederationError("a cluster did not commit" if not rnd.report.nonfinite else
                                       f"the reduced pseudo-gradient of {rnd.report.nonfinite} is not finite")
             for name in list(rnd.todo):
                 rnd.apply(name)

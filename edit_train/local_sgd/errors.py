@@ -24,6 +24,11 @@ class SyncAborted(RuntimeError):
     """A participant was lost mid-sync: every module was rolled back; the caller retries its step."""
 
 
+class ForwardStale(SyncAborted):
+    """The layer-wise sync committed, but only after it gathered again (its sketched SUM did not check out):
+    the parameters the forward pass already used have changed since, so the caller runs that forward again."""
+
+
 class HealError(FederationError):
     """A healing payload that is not ours or does not fit this model (refused; nothing in it was executed
     or adopted)."""

@@ -4,6 +4,7 @@ the anomaly test of :mod:`edit_train.local_sgd.penalty` (pure math; exact formul
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from functools import lru_cache
 
 import torch
@@ -185,3 +186,27 @@ class EWMAStats:
         self.streak = torch.where(which, torch.zeros_like(self.streak), self.streak)
         self.streak_mu = torch.where(which, zero, self.streak_mu)
         self.streak_m2 = torch.where(which, zero, self.streak_m2)
+
+
+class ClusterRows:
+    """Which row of per-cluster statistics is whose: cluster names in order of first appearance (the same on
+    every cluster, because a cluster that missed a quorum heals the rule's state before it takes part again)."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self.names: list[str] = []
+        self._row: dict[str, int] = {}
+        self.add(names)
+
+    def add(self, names: Iterable[str]) -> int:
+        """Give every new name a row; returns how many were new (the statistics grow by that many rows)."""
+        new = [n for n in dict.fromkeys(names) if n not in self._row]
+        for n in new:
+            self._row[n] = len(self.names)
+            self.names.append(n)
+        return len(new)
+
+    def rows(self, names: Iterable[str]) -> Tensor:
+        return torch.tensor([self._row[n] for n in names], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.names)

@@ -5,7 +5,7 @@ median score the *other* clusters gave it (`evidence.probe_medians`), so nobody 
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
-one forward per *other* participant plus one of the anchor on `algo.penalty.probe_tokens` tokens per sync (the
+one forward per *other* participant plus one of the anchor on `algo.penalty.verified.probe_tokens` tokens per sync (the
 `probe` time bucket), and the contributions held until then.
 """
 

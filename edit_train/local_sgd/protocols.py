@@ -170,6 +170,8 @@ class Transport(Protocol):
     name: str  # this cluster's name
     federated: bool  # False: a lone cluster (every call is local)
     exact: bool  # contributions arrive exactly as handed over (no lossy compression)
+    payload_error: float  # how far a lossy SUM may lie from the sum handed over, relative (0: exact)
+    gathers_sums: bool  # a SUM moves every contribution anyway (sparse payloads): gathering costs the same
     cluster: ClusterGroup
     feedback: Residuals
 
@@ -200,6 +202,10 @@ class Transport(Protocol):
                key: str = "") -> Handle[Contributions]: ...
 
     def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
+
+    # `sync.unsent=keep`: what this cluster's last send of module `key` left out (laid out like `tensors`), and
+    # forgotten by the transport; None when nothing was left out
+    def take_unsent(self, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None: ...
 
     def send_bytes(self, payload: bytes, dst: int) -> None: ...  # leader to leader
 

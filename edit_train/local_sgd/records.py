@@ -4,13 +4,13 @@ events (emitted by the cluster's leader; bytes are summed and blocked time maxed
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from edit_train.local_sgd.aggregator import Decision
 from edit_train.local_sgd.protocols import Transport
-from edit_train.local_sgd.penalty import anomaly_details
 from edit_train.local_sgd.round import SyncReport
 
 
@@ -69,7 +69,7 @@ def summarize(report: SyncReport) -> dict[str, Any]:
     me = report.position
     decisions = list(report.decisions.values())
     sizes = [report.sizes.get(d.module, 1) for d in decisions]
-    anomalous = [d.module for d in decisions if d.anomalous[me]]
+    anomalous = [d.module for d in decisions if d.left_out[me]]
     clips = [c for c in report.clip.values() if c > 0] or [0.0]
     return {
         "sync": report.sync,
@@ -80,7 +80,9 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
         "anomalous_modules": anomalous,
-        "anomaly_details": anomaly_details(report.decisions, me),  # {module: {z, threshold}} of flagged ones
+        "anomaly_details": anomaly_details(report.decisions, me),  # {module: the rule's evidence} of left-out ones
+        "aggregation": report.mode,  # how this sync moved the contributions: sum | gathered | sketched
+        "regathered": report.regathered,  # sketched, then gathered: why the sketches did not check out ("": no)
         "clip_coef": min(clips),
         "bytes": report.bytes,
         "blocked_s": report.blocked_s,
@@ -88,3 +90,10 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         # clusters whose update of the last sync was admitted, then judged harmful by the probe, and taken back
         "retracted": {n: dict(v) for n, v in report.retracted.items()},
     }
+
+
+def anomaly_details(decisions: Mapping[str, Decision], cluster: int) -> dict[str, dict[str, Any]]:
+    """`{module: the rule's evidence about it}` for every module that left `cluster` out (for the `sync` event:
+    why); non-finite values become None."""
+    return {name: d.as_dict()["evidence"][cluster] if d.evidence else {}
+            for name, d in decisions.items() if d.left_out[cluster]}

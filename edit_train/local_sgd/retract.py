@@ -18,7 +18,7 @@ hold the same record: each one sends the identity of the round it last committed
 quorum's nonce) in the exchange, and a retraction happens only where every participant names the same round.
 A participant that missed it, restarted or healed since names another round (or none): nothing is taken back
 then, on any cluster. Cost: the last round's kept contributions stay in memory until the next round (the
-probe holds them anyway until it has scored them); `algo.penalty.retract=false` turns it off.
+probe holds them anyway until it has scored them); `algo.penalty.verified.retract=false` turns it off.
 """
 
 from __future__ import annotations

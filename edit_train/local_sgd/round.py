@@ -3,13 +3,18 @@
     exchange   each rank sums ‖Δ‖² per unit over its cluster; the leaders all-gather one small vector
                ([‖Δ‖² per unit ‖ last committed round ‖ local steps, s/step, total steps, stop vote, tokens ‖
                probe scores]) across the quorum
-    decide     the aggregation rule (`rules.py`) weighs every participant, module by module
-    launch     w·Δ of a unit goes into the transport's SUM reduction, or Δ to every participant (gathered)
-    land       wait for a unit's reduced Δ (gathered: judge every contribution, sum them here); a non-finite
+    decide     the aggregation rule (`rules.py`, `aggregator.py`) weighs every cluster, module by module
+    launch     w·Δ of a unit goes into the transport's SUM reduction, or Δ to every cluster (gathered)
+    land       wait for a unit's reduced Δ (gathered: judge every contribution, merge them here); a non-finite
                one can never be applied (the round votes no)
     apply      clip → (take back what the probe showed harmful, `retract.py`) → outer step → re-base the live
                parameters on the new anchor
-    commit     every participant votes; a "no" or a lost participant rolls every applied unit back
+    commit     every cluster votes; a "no" or a lost cluster rolls every applied unit back
+
+What moves is what the rule needs (`Needs`): a SUM decided from the reported norms (`sum`); every contribution
+(`gathered`: up to `gather_max` clusters for a rule that needs measurements, always for one that needs the
+contributions); or, above `gather_max` for a rule that needs measurements, a SUM checked against sketches at
+the vote (`sketched`, `sketch_check.py`) — a check that fails gathers the same sync instead (`regather`).
 
 How and when units are launched, landed and applied is the drivers' business (`drivers.py`): layer-wise
 inside the next forward pass, all at once (at_end), or in the background while training goes on (overlap).
@@ -17,6 +22,7 @@ inside the next forward pass, all at once (at_end), or in the background while t
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
@@ -27,12 +33,13 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from edit_train.local_sgd.outer import OuterState
-from edit_train.local_sgd.penalty import Decision, clip_factor, weighted
+from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of
 from edit_train.local_sgd.evidence import buckets, measure, probe_medians, shard_positions, snap
-from edit_train.local_sgd.protocols import Contributions, Handle, Transport
+from edit_train.local_sgd.outer import OuterState
+from edit_train.local_sgd.penalty import clip_factor, weighted
+from edit_train.local_sgd.protocols import Contributions, Handle, Quorum, Transport
 from edit_train.local_sgd.retract import NONE, Applied, Retraction, marker_of
-from edit_train.local_sgd.rules import Aggregator, Evidence
+from edit_train.local_sgd.sketch_check import DIGEST_DIM, EXACT_TOLERANCE, SketchCheck
 
 log = logging.getLogger(__name__)
 
@@ -93,29 +100,45 @@ class SyncCore:
     transport: Transport
     clip: float | None  # φ (None: no clipping)
     span: Callable[[str], AbstractContextManager[Any]] = lambda _name: nullcontext()
-    gather_max: int = 4  # up to this many participants every one receives every contribution and judges it
-    sketch_dim: int = 0  # count-sketch buckets per module for the rule's direction test (0: none)
+    gather_max: int = 4  # a rule that needs measurements: up to this many clusters, gather; above, sketch
+    sketch_dim: int = 0  # count-sketch buckets per module (the rule's direction test; the sketched check)
     keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
     kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep)
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
-        self._hashed: dict[tuple[str, bool], tuple[Tensor, Tensor] | None] = {}
+        self.needs = needs_of(self.rule)
+        self._hashed: dict[tuple[str, bool, int], tuple[Tensor, Tensor]] = {}
+        self._positions: dict[str, Tensor] = {}
 
-    def hashed(self, name: str, whole: bool) -> tuple[Tensor, Tensor] | None:
-        """The count sketch's buckets and signs for unit `name`: its whole flat Δ, or this rank's shard
-        (computed once)."""
-        if self.sketch_dim <= 0:
+    def mode(self, q: Quorum) -> str:
+        """How this quorum's contributions move: "sum", "gathered" or "sketched" (module docstring)."""
+        if not q.shared or self.needs is Needs.SUM:
+            return "sum"
+        if self.needs is Needs.CONTRIBUTIONS or len(q.members) <= self.gather_max or self.sketch_dim <= 0 \
+                or self.transport.gathers_sums:
+            return "gathered"
+        return "sketched"
+
+    def positions(self, name: str) -> Tensor:
+        """Where this rank's elements of unit `name` sit in the module's flat Δ (computed once)."""
+        if name not in self._positions:
+            cluster = self.transport.cluster
+            self._positions[name] = torch.cat(shard_positions(self.unit(name).params, cluster.rank, cluster.size))
+        return self._positions[name]
+
+    def hashed(self, name: str, whole: bool, dim: int | None = None) -> tuple[Tensor, Tensor] | None:
+        """The fixed count sketch's buckets and signs for unit `name` (`dim` buckets, default `sketch_dim`): its
+        whole flat Δ, or this rank's shard (computed once)."""
+        dim = self.sketch_dim if dim is None else dim
+        if dim <= 0:
             return None
-        key = (name, whole)
+        key = (name, whole, dim)
         if key not in self._hashed:
-            params, cluster = self.unit(name).params, self.transport.cluster
-            if whole:
-                pos = torch.arange(sum(p.numel() for p in params), dtype=torch.int64)
-            else:
-                pos = torch.cat(shard_positions(params, cluster.rank, cluster.size))
-            self._hashed[key] = buckets(pos, self.sketch_dim)
+            numel = sum(p.numel() for p in self.unit(name).params)
+            pos = torch.arange(numel, dtype=torch.int64) if whole else self.positions(name)
+            self._hashed[key] = buckets(pos, dim)
         return self._hashed[key]
 
     def unit(self, name: str) -> Unit:
@@ -138,6 +161,8 @@ class SyncReport:
     sizes: dict[str, int] = field(default_factory=dict)  # parameters per unit (for the effective weight)
     nonfinite: list[str] = field(default_factory=list)  # units whose reduced Δ was non-finite
     retracted: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster -> {sync, probe}: taken back
+    mode: str = "sum"  # how the contributions moved: sum | gathered | sketched
+    regathered: str = ""  # sketched, then gathered: why the sketches did not check out
 
 
 class SyncRound:
@@ -150,12 +175,10 @@ class SyncRound:
     def __init__(self, core: SyncCore, sync: int, local_steps: int, eager: bool) -> None:
         q = core.transport.quorum
         assert q is not None, "a round needs an issued quorum"
-        self.core, self.eager, self.shared = core, eager, q.shared
-        # judge what was sent: every participant receives every contribution (a few clusters), else a SUM of
-        # w·Δ decided from the norms each one reported
-        self.gather = q.shared and len(q.members) <= core.gather_max
-        self.report = SyncReport(sync, local_steps, q.names, q.me, sizes={u: core.outer.numel(u) for u in core.index})
-        self.meta: dict[str, Tensor] = {}  # per participant: reported norms, steps, tokens, probe scores
+        self.core, self.eager, self.shared, self.nonce = core, eager, q.shared, q.nonce
+        self.report = SyncReport(sync, local_steps, q.names, q.me, sizes={u: core.outer.numel(u) for u in core.index},
+                                 mode=core.mode(q))
+        self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.todo = [u.name for u in core.units]  # in unit order
         self.snap: dict[str, list[Tensor]] = {}
         self.inflight: dict[str, tuple[Handle[Any], list[Tensor]]] = {}
@@ -163,12 +186,19 @@ class SyncRound:
         self.undo: dict[str, Any] = {}
         self.sqnorm: dict[str, float] = {}  # gathered: ‖Σ wᵢΔᵢ‖² per unit, from the Gram matrix
         self.ok = True  # False once something makes this cluster vote no
+        self.check: SketchCheck | None = None  # sketched: this cluster's proofs and the verdict
+        self.provisional: tuple[dict[str, Any], dict[str, Tensor]] | None = None  # sketched: the rule's state before
         # what this round applies, for a later verdict (gathered rounds only); who of the last round to take back
-        self.applied = Applied(sync, marker_of(q.nonce), q.names) if self.gather and core.retract else None
+        self.applied = Applied(sync, marker_of(q.nonce), q.names) \
+            if self.gather and core.retract and not isinstance(core.rule, Combiner) else None
         self.taking: dict[str, float] = {}
         # error feedback: what a rolled-back round sent was never applied, so its residuals are forgotten
-        _feedback(core, "mark")
+        core.transport.feedback.mark()
         core.kept = False
+
+    @property
+    def gather(self) -> bool:
+        return self.report.mode == "gathered"
 
     def _wait(self, handle: Handle[T]) -> T:
         try:
@@ -201,8 +231,8 @@ class SyncRound:
 
     def gathered(self, handle: Handle[Tensor]) -> Tensor:
         """Wait for the exchange ([‖Δ‖² per unit ‖ last committed round ‖ EXTRA ‖ probe score of every
-        participant's last update]); in SUM mode decide every module now. Returns the EXTRA columns
-        [participants, len(EXTRA)]."""
+        cluster's last update]); unless gathering, decide every module now (sketched: provisionally, the
+        rule's state kept to decide again at the vote). Returns the EXTRA columns [clusters, len(EXTRA)]."""
         full = self._wait(handle).cpu()
         n, k = len(self.core.units), len(EXTRA)
         norms, marks = full[:, :n].clamp_min(0).sqrt(), full[:, n]
@@ -215,9 +245,16 @@ class SyncRound:
         if self.core.retract is not None and self.gather:
             self.taking = self.core.retract.plan(self.report.participants, marks, self.meta["probe"])
             self.report.retracted = self.core.retract.described(self.taking)
+        if self.report.mode == "sketched":
+            self.provisional = _copy_state(self.core.rule.state())
+            tolerance = EXACT_TOLERANCE if self.core.transport.exact else self.core.transport.payload_error
+            self.check = SketchCheck([u.name for u in self.core.units], self.core.sketch_dim, tolerance,
+                                     f"{self.nonce}/{self.report.sync}")
         if not self.gather:
             for i, unit in enumerate(self.core.units):
                 self.report.decisions[unit.name] = self.core.rule.decide(self._evidence(unit.name, norms[:, i], {}))
+        if self.provisional is not None:
+            self.core.rule.load(*_copy_state(self.provisional))
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return rows[:, n:n + k]
 
@@ -258,39 +295,54 @@ class SyncRound:
 
     @torch.no_grad()
     def land(self, name: str) -> None:
-        """Wait for unit `name`'s contributions (raises FederationError when a participant was lost); gathered,
-        judge them and sum them here. A non-finite result can never be applied: this cluster votes no."""
+        """Wait for unit `name`'s contributions (raises FederationError when a cluster was lost); gathered,
+        judge them and merge them here; sketched, sketch the sum and this cluster's part for the vote. A
+        non-finite result can never be applied: this cluster votes no."""
         self.launch(name)
         handle, delta = self.inflight.pop(name)
         got = self._wait(handle)
         if self.gather:
             delta = self._judge(name, got)
-        if not all(bool(torch.isfinite(d).all()) for d in delta):
+        finite = all(bool(torch.isfinite(d).all()) for d in delta)
+        if not finite:
             self.report.nonfinite.append(name)
             self.ok = False
+        if self.check is not None and finite:
+            c = self.core
+            fixed = c.hashed(name, False, DIGEST_DIM)
+            assert fixed is not None
+            self.check.landed(name, delta, self._delta(name), c.positions(name), fixed, c.transport.cluster)
         self.landed[name] = delta
 
     def _judge(self, name: str, got: Contributions) -> list[Tensor]:
-        """The rule decides on what every participant sent (its Gram matrix, finiteness, sketches); the
-        weighted sum is taken here, in participant order, identically on every cluster."""
+        """The rule decides on what every cluster sent (its Gram matrix, finiteness, sketches); the merge —
+        the weighted sum, or the rule's own `combine` — is taken here, in quorum order, identically on every
+        cluster."""
         c = self.core
         m = measure(got, c.transport.cluster, lambda whole: c.hashed(name, whole), c.sketch_dim)
         measured = {"gram": m.gram, "finite": torch.tensor(m.finite), "exact": torch.tensor(c.transport.exact)}
         if m.sketches is not None:
             measured["sketches"] = m.sketches
-        decision = c.rule.decide(self._evidence(name, m.norms, measured))
+        ev = self._evidence(name, m.norms, measured)
+        decision = c.rule.decide(ev)
         w = [snap(float(x)) if ok else 0.0 for x, ok in zip(decision.weights, m.finite)]
         decision.weights = w
         self.report.decisions[name] = decision
+        if c.keep is not None:
+            c.keep(name, [a.detach().clone() for a in c.outer.anchors[name]], got)
+        if isinstance(c.rule, Combiner):
+            if decision.skip:
+                return [torch.zeros_like(d, dtype=torch.float32) for d in got.parts[self.report.position]]
+            kept = [p if ok and not out else [torch.zeros_like(t) for t in p]
+                    for p, ok, out in zip(got.parts, m.finite, decision.left_out)]
+            return [t.to(torch.float32) for t in c.rule.combine(ev, decision, kept)]
         if self.applied is not None:
             self.applied.add(name, got.parts, w)
         used = [i for i, x in enumerate(w) if x != 0.0]
         wt = torch.tensor([w[i] for i in used], dtype=torch.float64)
         self.sqnorm[name] = float(wt @ m.gram[used][:, used] @ wt) if used else 0.0
-        if c.keep is not None:
-            c.keep(name, [a.detach().clone() for a in c.outer.anchors[name]], got)
         total = [torch.zeros_like(d, dtype=torch.float32) for d in got.parts[self.report.position]]
-        for i in used:  # participant order: the same sum on every cluster
+        for i in used:  # quorum order: the same sum on every cluster
             for t, part in zip(total, got.parts[i]):
                 t.add_(part.to(t.dtype), alpha=w[i])
         return total
@@ -306,7 +358,7 @@ class SyncRound:
             self.undo[name] = c.outer.snapshot(name)
         decision = report.decisions[name]
         back = c.retract.term(name, self.taking) if c.retract is not None and name not in report.nonfinite else None
-        if decision.all_anomalous or name in report.nonfinite:
+        if decision.skip or name in report.nonfinite:
             report.clip[name] = 0.0  # no outer step; every cluster lands on the anchor it had
             if back is not None:  # ... except for taking back a harmful update of the last round
                 c.outer.step(name, [-b for b in back])
@@ -331,10 +383,9 @@ class SyncRound:
     def _keep_unsent(self, name: str, live: list[Tensor], decision: Decision) -> None:
         """`sync.unsent=keep`: θ ← θ̄_new − e, the part e of this cluster's Δ that top-k left out (a SUM
         carried w·Δ: e/w). A cluster whose contribution was left out lands on θ̄ and lets e go with it."""
-        take = getattr(self.core.transport, "take_unsent", None)
-        unsent = take(live, self.core.unit(name).params, name) if take is not None else None
+        unsent = self.core.transport.take_unsent(live, self.core.unit(name).params, name)
         w = float(decision.weights[self.report.position])
-        if unsent is None or w <= 0.0 or name in self.report.nonfinite or decision.all_anomalous:
+        if unsent is None or w <= 0.0 or name in self.report.nonfinite or decision.skip:
             return
         scale = 1.0 if self.gather else 1.0 / w
         for p, u in zip(live, unsent):
@@ -342,14 +393,61 @@ class SyncRound:
         self.core.kept = True
 
     # ------------------------------------------------------------------ commit
-    def vote(self) -> Handle[bool] | None:
-        """This cluster's vote (None when alone: nothing to agree on)."""
+    def vote(self) -> Handle[Any] | None:
+        """This cluster's vote (None when alone: nothing to agree on); sketched, it carries the proofs."""
         if not self.shared:
             return None
+        if self.check is not None:
+            row = self.check.row(self.core.transport.cluster.agree(self.ok))
+            return self._counted(lambda: self.core.transport.all_gather(row, "commit vote"))
         return self._counted(lambda: self.core.transport.vote(self.ok))
 
-    def voted(self, handle: Handle[bool] | None) -> bool:
-        return (self._wait(handle) if handle is not None else True) and self.ok
+    def voted(self, handle: Handle[Any] | None) -> bool:
+        """Whether the round commits. Sketched: every cluster's rows give every cluster the same verdict; a
+        verdict against the SUM leaves `regathered` set and False (the caller gathers: `regather`)."""
+        if handle is None:
+            return self.ok
+        if self.check is None:
+            return bool(self._wait(handle)) and self.ok
+        rows = self._wait(handle).cpu()
+        why = self._verdict(rows)
+        if why:
+            self.report.regathered = why
+            return False
+        return True
+
+    def _verdict(self, rows: Tensor) -> str:
+        """"" when the sketched SUM checks out and the rule, deciding again on the proven sketches, agrees with
+        its provisional decision (then the report holds the second decisions); else why not."""
+        check = self.check
+        assert check is not None
+        measure = lambda name, measured: self.core.rule.decide(  # noqa: E731
+            self._evidence(name, self.meta["reported"][:, self.core.index[name]], measured))
+        final, why = check.verdict(rows, self.report.decisions, measure, self.report.participants)
+        self.report.decisions.update(final)
+        return why
+
+    def regather(self) -> bool:
+        """After a sketched verdict against the SUM: undo what was applied, forget the rule's decisions, and make
+        this round gather every contribution (every unit again, in order). False when there is nothing to do."""
+        if not self.report.regathered or self.check is None or self.provisional is None:
+            return False
+        c = self.core
+        for name, undo in self.undo.items():
+            c.outer.restore(name, undo)
+        self.undo.clear()
+        self.inflight.clear()
+        self.landed.clear()
+        c.rule.load(*_copy_state(self.provisional))
+        c.transport.feedback.restore()  # what the SUM sent is not applied: its residuals are forgotten
+        c.transport.feedback.mark()
+        self.check, self.provisional, self.ok = None, None, True
+        self.todo = [u.name for u in c.units]
+        self.report.mode = "gathered"
+        self.report.decisions.clear()
+        self.report.clip.clear()
+        self.report.nonfinite.clear()
+        return True
 
     def committed(self) -> None:
         """The vote passed: this round is the one the next round's probe verdicts refer to."""
@@ -359,16 +457,23 @@ class SyncRound:
     @torch.no_grad()
     def rollback(self) -> None:
         """Undo every applied unit (anchor, outer state, live parameters); forget what is in flight."""
-        for name, snap in self.undo.items():
-            self.core.outer.restore(name, snap)
+        for name, undo in self.undo.items():
+            self.core.outer.restore(name, undo)
         self.undo.clear()
         self.inflight.clear()
         self.landed.clear()
         self.snap.clear()
         self.todo.clear()
+        if self.provisional is not None:  # a sketched round that did not commit decided nothing
+            self.core.rule.load(*_copy_state(self.provisional))
         self.core.transport.abort()
-        _feedback(self.core, "restore")
+        self.core.transport.feedback.restore()
         self.core.kept = False  # the live parameters are what they were before the round
+
+
+def _copy_state(state: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    meta, tensors = state
+    return json.loads(json.dumps(meta)), {k: v.clone() for k, v in tensors.items()}
 
 
 @torch.no_grad()
@@ -379,10 +484,3 @@ def land_on_anchors(core: SyncCore) -> None:
         for unit in core.units:
             rebase(unit.live(), core.outer.anchors[unit.name])
         core.kept = False
-
-
-def _feedback(core: SyncCore, what: str) -> None:
-    """`mark` / `restore` the transport's error-feedback residuals (a transport without them: nothing)."""
-    fn = getattr(getattr(core.transport, "feedback", None), what, None)
-    if fn is not None:
-        fn()

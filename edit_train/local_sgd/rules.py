@@ -1,142 +1,173 @@
-"""The aggregation seam: rules that turn what a sync gathered about each participant into weights.
+"""Aggregation rules by name, and the `algo.penalty` config that picks one and holds each rule's parameters.
 
-A rule sees one module at a time (`Evidence`: the participants' names, their pseudo-gradient norms, their
-local steps, whether they contribute at all, and `extra` for anything a round gathers beyond that) and
-returns a `Decision` (weights, anomalous flags, the score and the bound each flag came from). Every
-participant runs the same rule on the same evidence, so every cluster takes the same decision without more
-communication. A rule owns whatever statistics it keeps (per cluster *name*, so an absent cluster's history
-is untouched), and hands them over as JSON + tensors for checkpoints and healing.
-
-Rules are chosen by `algo.penalty.rule`: a built-in name (`verified`, the default, in `verified.py`;
-`edit_norm`, EDiT's rule; `uniform`) or
-``"package.module:Class"`` for a rule defined outside this package (imported on first use). Adding one:
+`algo.penalty.rule` names the rule: a built-in (`verified`, the default, in `verified.py`; `edit_norm`, EDiT's
+rule; `uniform`) or ``"package.module:Class"`` for a rule defined outside this package (imported on first use).
+Each built-in rule owns its parameters (`algo.penalty.verified.*`, `algo.penalty.edit_norm.*`); a rule of your
+own gets `algo.penalty.options` (a dict): built from its `Config` dataclass when it has one (an unknown key is
+refused in one line), else handed over as the dict. The round's own parameters — clipping — sit beside them.
 
     @register_rule("my_rule")
     class MyRule:
-        def __init__(self, cfg: PenaltyConfig) -> None: ...
+        needs = Needs.SUM                   # or MEASUREMENTS / CONTRIBUTIONS (aggregator.py)
+        def __init__(self, options) -> None: ...
         def decide(self, ev: Evidence) -> Decision: ...
-        def state(self) -> tuple[dict, dict[str, Tensor]]: return {}, {}
-        def load(self, meta: dict, tensors: dict[str, Tensor]) -> None: ...
+        def state(self): return {}, {}
+        def load(self, meta, tensors) -> None: ...
 
-A rule that wants count sketches of the gathered contributions in `extra["sketches"]` says how many buckets
-with a `sketch_dim` attribute (the round reads it once; a rule that wraps another must pass it on).
+A rule keeps whatever statistics it needs per cluster *name* (an absent cluster's history is untouched) and
+hands them over as JSON + tensors for checkpoints and healing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from edit_train.local_sgd.penalty import Decision, PenaltyConfig, decide_with
-from edit_train.local_sgd.penalty_stats import EWMAStats
+from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of, nobody, spread
+from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per_step
+from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
+from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule
 
-__all__ = ["Evidence", "Decision", "Aggregator", "register_rule", "make_rule", "rule_names", "EditNormRule",
-           "UniformRule", "spread"]
+__all__ = ["PenaltyConfig", "EditNormConfig", "register_rule", "make_rule", "refuse_mode", "rule_names",
+           "EditNormRule", "UniformRule", "softmax_weights"]
+
+_WEIGHTINGS = ("softmax", "uniform")
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """What a round gathered about every participant for one module (rows in quorum order)."""
+@dataclass
+class EditNormConfig(NormTestConfig):
+    """`edit_norm`: EDiT's norm test + softmax(−norm) weights."""
 
-    module: str
-    names: tuple[str, ...]
-    norms: Tensor  # float64 [P]: ‖Δᵢ‖ over the whole module
-    steps: Tensor  # float64 [P]: local steps since the anchor
-    contributes: tuple[bool, ...]  # False: no local step since its anchor (weight 0, not judged)
-    extra: Mapping[str, Tensor] = field(default_factory=dict)  # room for more evidence (e.g. cosines)
+    weighting: str = "softmax"  # softmax | uniform
+    temperature: float = 1.0  # relative to the median accepted per-step norm (scale-free)
+    step_weight_ratio: float = 0.0  # blend in each cluster's share of the steps: w ← (1−r)w + r·sᵢ
+
+    def validate(self, rule: str = "edit_norm") -> None:
+        super().validate(rule)
+        check_fields(self.weighting in _WEIGHTINGS, f"{rule}.weighting",
+                     f"must be one of {_WEIGHTINGS}, got {self.weighting!r}")
+        check_fields(self.temperature > 0 and math.isfinite(self.temperature), f"{rule}.temperature",
+                     f"must be > 0, got {self.temperature}")
+        check_fields(0.0 <= self.step_weight_ratio <= 1.0, f"{rule}.step_weight_ratio",
+                     f"must be in [0, 1], got {self.step_weight_ratio}")
+
+
+@dataclass
+class PenaltyConfig:
+    """`algo.penalty`: which rule merges the clusters' pseudo-gradients, its parameters, and the round's clip."""
+
+    rule: str = "verified"
+    clip: bool = True
+    clip_threshold: float = 10.0  # φ: the merged Δ of a module is scaled to norm ≤ φ
+    verified: VerifiedConfig = field(default_factory=VerifiedConfig)
+    edit_norm: EditNormConfig = field(default_factory=EditNormConfig)
+    options: dict[str, Any] = field(default_factory=dict)  # a rule of your own: its parameters
 
     @property
-    def contributors(self) -> list[int]:
-        return [i for i, c in enumerate(self.contributes) if c]
+    def clip_phi(self) -> float | None:
+        """The clip threshold φ, or None when clipping is off."""
+        return self.clip_threshold if self.clip else None
 
-
-@runtime_checkable
-class Aggregator(Protocol):
-    """An aggregation rule (module by module; the same answer on every participant)."""
-
-    def decide(self, ev: Evidence) -> Decision: ...
-
-    def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]: ...
-
-    def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None: ...
+    def validate(self) -> None:
+        check_fields(self.clip_threshold > 0, "clip_threshold", f"must be > 0, got {self.clip_threshold}")
+        self.verified.validate()
+        self.edit_norm.validate()
 
 
 _RULES: dict[str, Callable[[PenaltyConfig], Aggregator]] = {}
-# built-in rules in modules of their own, by import path (resolved on first use, like a user's rule)
-_BUILTIN = {"verified": "edit_train.local_sgd.verified:VerifiedRule"}
 
 
-def register_rule(name: str) -> Callable[[type], type]:
-    """Class decorator: make a rule selectable as `algo.penalty.rule=<name>`."""
+def register_rule(name: str, build: Callable[[PenaltyConfig], Any] | None = None) -> Callable[[type], type]:
+    """Class decorator: make a rule selectable as `algo.penalty.rule=<name>` (built from `algo.penalty.options`,
+    or by `build(penalty_config)`)."""
     def add(cls: type) -> type:
-        _RULES[name] = cls
+        _RULES[name] = build if build is not None else (lambda cfg: _with_options(cls, cfg.options, name))
         return cls
     return add
 
 
 def rule_names() -> list[str]:
-    return sorted({*_RULES, *_BUILTIN})
+    return sorted(_RULES)
+
+
+def _with_options(factory: Any, options: dict[str, Any], spec: str) -> Any:
+    """`factory(Config(**options))` when the rule declares a `Config` dataclass, else `factory(options)`."""
+    config = getattr(factory, "Config", None)
+    if config is None or not dataclasses.is_dataclass(config):
+        return factory(dict(options))
+    known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"algo.penalty.options: {unknown} are not parameters of rule {spec!r} "
+                         f"(it takes {sorted(known)})")
+    return factory(config(**options))
 
 
 def make_rule(cfg: PenaltyConfig) -> Aggregator:
-    """The rule `cfg.rule` names (a registered name or "module:attr"), built from `cfg`."""
-    spec = _BUILTIN.get(cfg.rule, cfg.rule)
-    if spec in _RULES:
-        return _RULES[spec](cfg)
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"algo.penalty.rule: unknown rule {spec!r}; choose one of {rule_names()} or name your own "
-                         "class as 'package.module:Class'")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"algo.penalty.rule: cannot load {spec!r} ({exc}); is its module on PYTHONPATH?") from None
-    rule = factory(cfg)
+    """The rule `cfg.rule` names (a registered name or "module:attr"), built with its own parameters."""
+    if cfg.rule in _RULES:
+        rule = _RULES[cfg.rule](cfg)
+    else:
+        module, sep, attr = cfg.rule.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"algo.penalty.rule: unknown rule {cfg.rule!r}; choose one of {rule_names()} or name "
+                             "your own class as 'package.module:Class'")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"algo.penalty.rule: cannot load {cfg.rule!r} ({exc}); is its module on PYTHONPATH?") \
+                from None
+        rule = _with_options(factory, cfg.options, cfg.rule)
     if not isinstance(rule, Aggregator):
-        raise ValueError(f"algo.penalty.rule: {spec!r} does not build a rule (needs decide, state and load)")
+        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} does not build a rule (needs decide, state and load)")
+    try:
+        needs = needs_of(rule)
+    except ValueError:
+        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} says it needs {getattr(rule, 'needs')!r}; one of "
+                         f"{[n.value for n in Needs]}") from None
+    if isinstance(rule, Combiner) and needs is not Needs.CONTRIBUTIONS:
+        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} combines contributions itself, so it needs "
+                         f"Needs.CONTRIBUTIONS, not {needs.value!r}")
     return rule
 
 
-def spread(d: Decision, idx: list[int], n: int, norms: Tensor) -> Decision:
-    """A decision over the contributors `idx` spread to all `n` participants (the others: weight 0, not
-    anomalous, no score)."""
-    def full(values: list[Any], default: Any) -> list[Any]:
-        out = [default] * n
-        for j, i in enumerate(idx):
-            out[i] = values[j]
-        return out
-    return Decision(module=d.module, norms=norms.tolist(), weights=full(d.weights, 0.0),
-                    anomalous=full(d.anomalous, False), z=full(d.z, 0.0) if d.z else [0.0] * n,
-                    all_anomalous=d.all_anomalous, threshold=full(d.threshold, math.inf) if d.threshold else [])
+def refuse_mode(rule: Aggregator, name: str, clusters: int, gather_max: int, keeps_unsent: bool) -> str:
+    """Why `rule` cannot serve this federation ("" when it can): a rule that needs every contribution gathers
+    them at every cluster count, which `sync.gather_max` (the most clusters each may receive every
+    contribution from) must allow; a rule that merges by itself has no weight to keep top-k's unsent part by."""
+    needs = needs_of(rule)
+    if needs is Needs.CONTRIBUTIONS and clusters > gather_max:
+        return (f"{name!r} needs every cluster's contribution, which sync.gather_max={gather_max} forbids at "
+                f"{clusters} clusters: raise sync.gather_max to {clusters} or pick a rule that needs a SUM or "
+                "measurements")
+    if isinstance(rule, Combiner) and keeps_unsent:
+        return f"{name!r} merges the contributions itself: sync.unsent=keep needs a weighted sum (use resend)"
+    return ""
 
 
-def nobody(ev: Evidence) -> Decision:
-    """No participant contributes: no outer step for this module."""
-    n = len(ev.names)
-    return Decision(module=ev.module, norms=ev.norms.tolist(), weights=[0.0] * n, anomalous=[False] * n,
-                    z=[0.0] * n, all_anomalous=True, threshold=[math.inf] * n)
+# ------------------------------------------------------------------------------------------- built-in rules
+register_rule("verified", lambda cfg: VerifiedRule(cfg.verified))(VerifiedRule)
 
 
-@register_rule("uniform")
+@register_rule("uniform", lambda cfg: UniformRule())
 class UniformRule:
-    """Every contributor weighs the same (DiLoCo, post-local SGD); a non-finite norm gets weight 0."""
+    """Every contributor weighs the same (DiLoCo, post-local SGD); a non-finite reported norm gets weight 0."""
 
-    def __init__(self, cfg: PenaltyConfig) -> None:
-        self.cfg = cfg
+    needs = Needs.SUM
 
     def decide(self, ev: Evidence) -> Decision:
         ok = [c and math.isfinite(float(g)) for c, g in zip(ev.contributes, ev.norms.tolist())]
         n_ok = sum(ok)
         w = [1.0 / n_ok if o else 0.0 for o in ok] if n_ok else [0.0] * len(ok)
         bad = [c and not o for c, o in zip(ev.contributes, ok)]
-        return Decision(module=ev.module, norms=ev.norms.tolist(), weights=w, anomalous=bad,
-                        z=[0.0] * len(ok), all_anomalous=n_ok == 0, threshold=[math.inf] * len(ok))
+        return Decision(ev.module, ev.norms.tolist(), w, bad, n_ok == 0, [{} for _ in ok])
 
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
         return {}, {}
@@ -145,28 +176,66 @@ class UniformRule:
         return None
 
 
-@register_rule("edit_norm")
-class EditNormRule:
-    """EDiT's rule (docs/sync_math.md): per-cluster EWMA of the per-step norm, a one-sided test, regime
-    rescale and re-admission, softmax(−x/(T·m)) over the accepted clusters. Statistics are kept per cluster
-    name (a roster slot each, in order of first appearance, the same on every cluster because a cluster
-    that missed a quorum heals the roster before it takes part again)."""
+def softmax_weights(norms: Tensor, left_out: Tensor, cfg: EditNormConfig,
+                    steps: Tensor | Sequence[float] | None = None) -> Tensor:
+    """EDiT's weights (float64, sum 1 over the accepted clusters; all zeros if none): `softmax(−xᵢ/(T·m))`,
+    `xᵢ = Gᵢ/sᵢ` the per-step norm and `m` the (lower) median accepted `x` — invariant to the scale of the norms,
+    exactly the paper's `softmax(−G/T)` when `m = 1` — or uniform; then the optional blend with each cluster's
+    share of the steps."""
+    g = torch.as_tensor(norms, dtype=torch.float64).reshape(-1)
+    x = per_step(g, steps)
+    ok = ~torch.as_tensor(left_out, dtype=torch.bool).reshape(-1) & torch.isfinite(x)
+    zeros = torch.zeros_like(g)
+    n_ok = int(ok.sum())
+    if n_ok == 0:
+        return zeros
+    w = torch.where(ok, torch.full_like(g, 1.0 / n_ok), zeros)
+    if cfg.weighting == "softmax":
+        acc = x[ok]
+        m = float(acc.median())
+        if not m > 0:
+            m = float(acc.max())
+        if m > 0:
+            logits = torch.where(ok, -x / (cfg.temperature * m), torch.full_like(g, -math.inf))
+            logits = logits - logits.max()
+            e = torch.where(ok, logits.exp(), zeros)
+            w = e / e.sum()
+    r = cfg.step_weight_ratio
+    if r > 0 and steps is not None:
+        s = torch.as_tensor(steps, dtype=torch.float64).reshape(g.shape)
+        s = torch.where(ok & torch.isfinite(s), s.clamp_min(0.0), zeros)
+        total = float(s.sum())
+        if total > 0:  # no steps recorded → nothing to blend
+            w = (1.0 - r) * w + r * (s / total)
+    return w
 
-    def __init__(self, cfg: PenaltyConfig) -> None:
+
+@register_rule("edit_norm", lambda cfg: EditNormRule(cfg.edit_norm))
+class EditNormRule:
+    """EDiT's rule (docs/sync_math.md): per-cluster EWMA of the per-step norm, a one-sided test, regime rescale
+    and re-admission, softmax(−x/(T·m)) over the accepted clusters. Statistics are kept per cluster name (a
+    roster slot each, in order of first appearance — the same on every cluster, because a cluster that missed a
+    quorum heals the roster before it takes part again)."""
+
+    needs = Needs.SUM
+
+    def __init__(self, cfg: EditNormConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.roster: list[str] = []
-        self.stats: dict[str, EWMAStats] = {}  # module -> one row per roster slot
+        self.clusters = ClusterRows()
+        self.stats: dict[str, EWMAStats] = {}  # module -> one row per cluster
+
+    @property
+    def roster(self) -> list[str]:
+        return self.clusters.names
 
     def _rows(self, module: str, names: list[str]) -> Tensor:
-        new = [n for n in names if n not in self.roster]
-        if new:
-            self.roster.extend(new)
-            for st in self.stats.values():
-                st.grow(len(new))
+        grown = self.clusters.add(names)
+        for st in self.stats.values() if grown else ():
+            st.grow(grown)
         if module not in self.stats:
-            self.stats[module] = EWMAStats(len(self.roster), self.cfg.ewma_alpha)
-        return torch.tensor([self.roster.index(n) for n in names], dtype=torch.long)
+            self.stats[module] = EWMAStats(len(self.clusters), self.cfg.ewma_alpha)
+        return self.clusters.rows(names)
 
     def decide(self, ev: Evidence) -> Decision:
         idx = ev.contributors
@@ -175,9 +244,15 @@ class EditNormRule:
         g = torch.as_tensor(ev.norms, dtype=torch.float64).reshape(-1)
         rows = self._rows(ev.module, [ev.names[i] for i in idx])
         full = self.stats[ev.module]
-        sub = full.select(rows)
-        d = decide_with(sub, ev.module, g[idx], torch.as_tensor(ev.steps, dtype=torch.float64)[idx], self.cfg)
-        full.assign(rows, sub)
+        st = full.select(rows)
+        steps = torch.as_tensor(ev.steps, dtype=torch.float64)[idx]
+        x = per_step(g[idx], steps)
+        left_out, z, thr, readmit = flag(st, x, self.cfg)
+        st.update(x, ~left_out & ~readmit)
+        full.assign(rows, st)
+        w = softmax_weights(g[idx], left_out, self.cfg, steps)
+        evidence = [{"z": float(zi), "threshold": float(ti)} for zi, ti in zip(z.tolist(), thr.tolist())]
+        d = Decision(ev.module, g[idx].tolist(), w.tolist(), left_out.tolist(), bool(left_out.all()), evidence)
         return spread(d, idx, len(ev.names), g)
 
     # ------------------------------------------------------------- state
@@ -197,4 +272,4 @@ class EditNormRule:
             st = stats.setdefault(module, EWMAStats(len(roster), self.cfg.ewma_alpha))
             dtype = torch.int64 if fname in ("count", "streak") else torch.float64
             setattr(st, fname, val.detach().cpu().to(dtype).clone())
-        self.roster, self.stats = roster, stats
+        self.clusters, self.stats = ClusterRows(roster), stats

@@ -28,41 +28,76 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from edit_train.local_sgd.aggregator import Decision, Evidence, Needs, nobody, spread
 from edit_train.local_sgd.direction import KEYS as DIRECTION_KEYS
 from edit_train.local_sgd.direction import DirectionTest, Verdict, cosines
-from edit_train.local_sgd.penalty import Decision, PenaltyConfig, flag, per_step
-from edit_train.local_sgd.penalty_stats import EWMAStats
-from edit_train.local_sgd.rules import Evidence, nobody, spread
+from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per_step
+from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 
 log = logging.getLogger(__name__)
 _TESTS = ("norm", *DIRECTION_KEYS)
+LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
+
+
+@dataclass
+class VerifiedConfig(NormTestConfig):
+    """`algo.penalty.verified`: EDiT's norm test (inherited) plus the direction and usefulness tests and the
+    token weights (docs/sync_math.md)."""
+
+    sketch_dim: int = 1024  # count-sketch buckets per module (the reference direction; sketched syncs)
+    direction_rate: float = 0.3  # EWMA rate of the reference direction (accepted aggregates)
+    direction_alpha: float = 0.05  # EWMA rate per accepted value of a module's pooled direction statistics
+    direction_z: float = 4.0  # the direction test's nominal z (agreements have heavier tails than norms)
+    probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
+    probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
+    retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
+    report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
+    max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
+    # what a left-out cluster's token share of a module's step becomes: "zero" (the step is backed by the
+    # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
+    left_out: str = "zero"
+
+    def validate(self, rule: str = "verified") -> None:
+        super().validate(rule)
+        check_fields(self.sketch_dim >= 0 and not self.sketch_dim & (self.sketch_dim - 1), f"{rule}.sketch_dim",
+                     f"must be 0 or a power of two, got {self.sketch_dim}")
+        check_fields(self.direction_z > 0 and math.isfinite(self.direction_z), f"{rule}.direction_z",
+                     f"must be > 0, got {self.direction_z}")
+        check_fields(0.0 < self.direction_alpha < 1.0, f"{rule}.direction_alpha",
+                     f"must be in (0, 1), got {self.direction_alpha}")
+        check_fields(0.0 < self.direction_rate <= 1.0, f"{rule}.direction_rate",
+                     f"must be in (0, 1], got {self.direction_rate}")
+        check_fields(self.left_out in LEFT_OUT, f"{rule}.left_out", f"must be one of {LEFT_OUT}, got {self.left_out!r}")
+        check_fields(self.probe_tokens >= 0 and self.max_token_ratio >= 1.0 and self.report_tolerance > 0, rule,
+                     ": probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
 
 class VerifiedRule:
-    def __init__(self, cfg: PenaltyConfig) -> None:
+    needs = Needs.MEASUREMENTS
+
+    def __init__(self, cfg: VerifiedConfig) -> None:
         cfg.validate()
         self.cfg = cfg
         self.sketch_dim = cfg.sketch_dim  # the round measures sketches of this size (the reference direction)
-        self.roster: list[str] = []
-        self.stats: dict[str, EWMAStats] = {}  # "norm/<module>" -> one row per roster slot
+        self.clusters = ClusterRows()
+        self.stats: dict[str, EWMAStats] = {}  # "norm/<module>" -> one row per cluster
         self.direction = DirectionTest(cfg)
         self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
         self.tally: dict[str, list[int]] = {}  # name -> [modules judged, modules left out as corrupt]
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
 
     def _rows(self, key: str, names: list[str]) -> tuple[EWMAStats, Tensor]:
-        new = [n for n in names if n not in self.roster]
-        if new:
-            self.roster.extend(new)
-            for st in self.stats.values():
-                st.grow(len(new))
-        st = self.stats.setdefault(key, EWMAStats(len(self.roster), self.cfg.ewma_alpha))
-        return st, torch.tensor([self.roster.index(n) for n in names], dtype=torch.long)
+        grown = self.clusters.add(names)
+        for st in self.stats.values() if grown else ():
+            st.grow(grown)
+        st = self.stats.setdefault(key, EWMAStats(len(self.clusters), self.cfg.ewma_alpha))
+        return st, self.clusters.rows(names)
 
     def _new_sync(self, ev: Evidence) -> None:
         """At the first module of a new sync, the previous sync's tallies decide who is on probation."""
@@ -119,27 +154,29 @@ class VerifiedRule:
         w = self._weights(ev, idx, anomalous)
         ref_cos = [self.direction.ref_cosine(ev.module, s) for s in sk] if sk is not None else [None] * len(idx)
         self.direction.follow(ev.module, sk, w)
-        d = Decision(module=ev.module, norms=g.tolist(), weights=w.tolist(), anomalous=anomalous.tolist(),
-                     z=flags["norm"][1].tolist(), all_anomalous=bool(anomalous.all()),
-                     threshold=flags["norm"][2].tolist(),
-                     evidence=self._evidence(ev, idx, flags, (bad, lied, useless, held), verdict, ref_cos))
+        d = Decision(ev.module, g.tolist(), w.tolist(), anomalous.tolist(), bool(anomalous.all()),
+                     self._evidence(ev, idx, flags, (bad, lied, useless, held), verdict, ref_cos))
         if log.isEnabledFor(logging.DEBUG):  # EDIT_TRAIN_DEBUG=edit_train.local_sgd.verified: every decision
             pair = cosines(torch.as_tensor(ev.extra["gram"])[idx][:, idx]).tolist() if "gram" in ev.extra else None
             log.debug("decision %s: %s", ev.module, {n: {
                 "w": round(float(w[j]), 4), "pair": [round(v, 3) for v in pair[j]] if pair else None,
                 **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.evidence[j].items()}}
                 for j, n in enumerate(names)})
-        out = spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
-        out.evidence = [d.evidence[idx.index(i)] if i in idx else {} for i in range(len(ev.names))]
-        return out
+        return spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
 
     # ------------------------------------------------------------------ the tests
     def _misreported(self, ev: Evidence, g: Tensor, idx: list[int]) -> Tensor:
+        """The reported norm against the measured one: gathered, the norm of what was sent (lossless links:
+        `report_tolerance`); sketched, the norm of the proven sketch (within the sketch's own precision)."""
         reported = ev.extra.get("reported")
         if reported is None or "finite" not in ev.extra or not bool(ev.extra.get("exact", torch.tensor(True))):
             return torch.zeros(len(idx), dtype=torch.bool)
         r = torch.as_tensor(reported, dtype=torch.float64)[idx]
-        gap = (r - g).abs() > self.cfg.report_tolerance * torch.maximum(g.abs(), torch.full_like(g, 1e-12))
+        tol = self.cfg.report_tolerance
+        if "measured_norms" in ev.extra:
+            g = torch.as_tensor(ev.extra["measured_norms"], dtype=torch.float64)[idx]
+            tol = max(tol, float(ev.extra["measure_tolerance"]))
+        gap = (r - g).abs() > tol * torch.maximum(g.abs(), torch.full_like(g, 1e-12))
         return gap & torch.isfinite(g)
 
     def _useless(self, ev: Evidence, idx: list[int]) -> Tensor:
@@ -181,7 +218,7 @@ class VerifiedRule:
         tensors = {f"{k}/{f}": getattr(st, f).clone().contiguous() for k, st in stats.items()
                    for f in EWMAStats.FIELDS}
         tensors.update({f"ref/{m}": r.clone().contiguous() for m, r in self.direction.refs.items()})
-        return {"roster": list(self.roster), "sync": self.sync, "probation": sorted(self.probation),
+        return {"roster": list(self.clusters.names), "sync": self.sync, "probation": sorted(self.probation),
                 "tally": {n: list(t) for n, t in self.tally.items()}}, tensors
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
@@ -207,7 +244,7 @@ class VerifiedRule:
                 and all(isinstance(t, list) and len(t) == 2 and all(isinstance(v, int) for v in t)
                         for t in tally.values())):
             raise ValueError("penalty state: unreadable probation record")
-        self.roster = roster
+        self.clusters = ClusterRows(roster)
         self.stats = {k: v for k, v in stats.items() if k.startswith("norm/")}
         self.direction.stats = {k: v for k, v in stats.items() if not k.startswith("norm/")}
         self.direction.refs = refs

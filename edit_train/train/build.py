@@ -18,8 +18,9 @@ from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig
 from edit_train.federation import auth, heal
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
-from edit_train.federation.transport import LaneTransport, lighthouse_transport
+from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
 from edit_train.sim.byzantine import ByzantineTransport
@@ -82,11 +83,12 @@ def key_source(key_file: str) -> str:
     return f"{auth.KEY_ENV}={env}" if env else "no key file: the insecure public key"
 
 
-def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTransport:
-    """This rank's cross-cluster transport: torchft's Lighthouse and gloo lanes bound to this host's address."""
+def build_transport(cfg: Config, topo: Topology, federated: bool) -> Transport:
+    """This rank's cross-cluster transport, the one `sync.transport` names (default: torchft's Lighthouse and gloo
+    lanes bound to this host's address)."""
     f = cfg.federation
     lighthouse = f.lighthouse or os.environ.get("EDIT_TRAIN_LIGHTHOUSE") or None
-    if federated and lighthouse is None:
+    if federated and lighthouse is None and cfg.sync.transport == "lighthouse":
         raise ConfigError("federation.lighthouse: this cluster is part of a federation but no Lighthouse address "
                           "is set; run `edit-train` (it starts one) or pass federation.lighthouse=HOST:PORT")
     host = os.environ.get("EDIT_TRAIN_HOST") or f.host
@@ -94,11 +96,14 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> LaneTranspo
         key = auth.resolve(f.key_file, f.insecure, [lighthouse or "", host]) if federated else auth.INSECURE
     except auth.KeyFileError as exc:
         raise ConfigError(str(exc)) from None
-    return lighthouse_transport(topo.name, topo.group, lighthouse if federated else None, host, f.chunks,
-                                LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
-                                f.quorum_timeout_s, f.collective_timeout_s,
-                                CompressionConfig.of(cfg.sync), key, key_source=key_source(f.key_file),
-                                refuse_after_s=key_refused_after_s(f))
+    request = TransportRequest(topo.name, topo.group, federated, lighthouse, host, f.chunks,
+                               LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
+                               f.quorum_timeout_s, f.collective_timeout_s, CompressionConfig.of(cfg.sync), key,
+                               key_source(f.key_file), key_refused_after_s(f))
+    try:
+        return make_transport(cfg.sync.transport, request)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: MetricsLogger,

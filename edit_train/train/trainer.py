@@ -154,8 +154,9 @@ class Trainer:
             sinks.append(self.wandb)
         self.metrics = MetricsLogger(sinks)
         probe = None
-        if cfg.algo.local_sgd and cfg.algo.penalty.probe_tokens > 0:  # each update's usefulness (verified rule)
-            batch = probe_batch(self.data_dir, t.seq_len, cfg.algo.penalty.probe_tokens, topo.index)
+        verified = cfg.algo.penalty.verified
+        if cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0:  # usefulness
+            batch = probe_batch(self.data_dir, t.seq_len, verified.probe_tokens, topo.index)
             probe = lambda: batch_loss(self.model, batch, topo, self._autocast)  # noqa: E731
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,

@@ -1,0 +1,134 @@
+"""The aggregation seam: what a rule is told about every cluster of a sync, what it decides, and what it needs
+the round to move for it.
+
+A rule sees one module at a time (`Evidence`) and returns a `Decision`: who is left out, and every cluster's
+weight in the merged update. Every cluster of the quorum runs the same rule on the same evidence, so all take
+the same decision without more communication. A rule says what the round must move (`needs`):
+
+* `Needs.SUM` — the rule decides from what every cluster *reported* in the sync's small exchange (norms,
+  local steps, tokens); each cluster sends w·Δ into a SUM all-reduce: a ring all-reduce's bytes, nothing
+  verified beyond "the merged update is finite" (`uniform`, `edit_norm`).
+* `Needs.MEASUREMENTS` — the rule decides from quantities measured on what each cluster actually sent: the
+  Gram matrix (norms, cosines), finiteness and count sketches. Up to `sync.gather_max` clusters every
+  cluster receives every contribution and measures it exactly; above, every cluster sketches its own Δ, the
+  merge is a SUM, and the SUM is checked against the sketches after it lands (docs/sync_math.md, "Sketched"):
+  a mismatch gathers that sync (`verified`).
+* `Needs.CONTRIBUTIONS` — every cluster receives every contribution at any cluster count, and the rule may
+  merge them itself: a rule with a `combine(ev, decision, parts)` method returns the merged Δ (a coordinate-wise
+  median, a trimmed mean, ...); without one, the round sums the contributions with the decision's weights.
+
+Clipping, the outer step, the re-base and rollback stay in the one round (`round.py`) for every rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["Needs", "Evidence", "Decision", "Aggregator", "Combiner", "nobody", "spread", "needs_of"]
+
+
+class Needs(str, enum.Enum):
+    SUM = "sum"
+    MEASUREMENTS = "measurements"
+    CONTRIBUTIONS = "contributions"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a round knows about every cluster for one module (rows in quorum order).
+
+    `norms` are ‖Δᵢ‖ over the whole module: reported (SUM), measured on what was sent (gathered), or the
+    reported norms whose claims the sketch check holds them to (sketched). `extra` holds the rest, by key:
+    ``reported`` (the norms as reported), ``tokens`` (claimed), ``probe`` (the others' median probe score of
+    each cluster's last update), ``sync``; measured: ``gram`` [P, P], ``finite`` [P], ``sketches`` [P, dim],
+    ``exact`` (the transport is lossless), ``measured`` ("gathered" or "sketched")."""
+
+    module: str
+    names: tuple[str, ...]
+    norms: Tensor  # float64 [P]
+    steps: Tensor  # float64 [P]: local steps since the anchor
+    contributes: tuple[bool, ...]  # False: no local step since its anchor (weight 0, not judged)
+    extra: Mapping[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def contributors(self) -> list[int]:
+        return [i for i, c in enumerate(self.contributes) if c]
+
+
+def _finite_or_none(v: Any) -> Any:
+    return v if not isinstance(v, float) or math.isfinite(v) else None
+
+
+@dataclass
+class Decision:
+    """One module's decision (identical on every cluster). `weights[i]` is cluster i's coefficient in the merged
+    update (a combining rule may leave them nominal: they are what the `sync` event reports); `left_out[i]`
+    says the rule refused cluster i's contribution; `skip`: no outer step for this module (nobody is left to
+    merge). `evidence[i]` is whatever the rule wants the `sync` event to say about cluster i (its scores, bounds
+    and reasons), by key: nothing in the round reads it."""
+
+    module: str
+    norms: list[float]
+    weights: list[float]
+    left_out: list[bool]
+    skip: bool
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly; non-finite floats become None."""
+        d = asdict(self)
+        d["norms"] = [_finite_or_none(float(v)) for v in self.norms]
+        d["weights"] = [_finite_or_none(float(v)) for v in self.weights]
+        d["evidence"] = [{k: _finite_or_none(v) for k, v in e.items()} for e in self.evidence]
+        return d
+
+
+@runtime_checkable
+class Aggregator(Protocol):
+    """An aggregation rule (module by module; the same answer on every cluster). Optional attributes: `needs`
+    (default `Needs.SUM`) and `sketch_dim` (count-sketch buckets a MEASUREMENTS rule wants; 0: none)."""
+
+    def decide(self, ev: Evidence) -> Decision: ...
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]: ...  # JSON + tensors a checkpoint/heal keeps
+
+    def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None: ...
+
+
+@runtime_checkable
+class Combiner(Aggregator, Protocol):
+    """A rule that merges the gathered contributions itself (`Needs.CONTRIBUTIONS`): `parts[i]` is cluster i's
+    contribution as this rank holds it (its local shard of each tensor, the same layout for every cluster), and
+    the answer is the merged Δ in that layout. Every cluster calls it on bit-identical parts, in quorum order."""
+
+    def combine(self, ev: Evidence, decision: Decision, parts: list[list[Tensor]]) -> list[Tensor]: ...
+
+
+def needs_of(rule: Aggregator) -> Needs:
+    """What `rule` needs moved (`needs`, default a SUM)."""
+    return Needs(getattr(rule, "needs", Needs.SUM))
+
+
+def nobody(ev: Evidence) -> Decision:
+    """No cluster contributes: no outer step for this module."""
+    n = len(ev.names)
+    return Decision(ev.module, ev.norms.tolist(), [0.0] * n, [False] * n, True, [{} for _ in range(n)])
+
+
+def spread(d: Decision, idx: list[int], n: int, norms: Tensor) -> Decision:
+    """A decision over the contributors `idx` spread to all `n` clusters (the others: weight 0, not left out,
+    no evidence)."""
+    def full(values: list[Any], default: Any) -> list[Any]:
+        out = [default] * n
+        for j, i in enumerate(idx):
+            out[i] = values[j]
+        return out
+    evidence = full(d.evidence, None) if d.evidence else [None] * n
+    return Decision(d.module, norms.tolist(), full(d.weights, 0.0), full(d.left_out, False), d.skip,
+                    [e if e is not None else {} for e in evidence])
