@@ -62,7 +62,8 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
     membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
-                                  expected=tuple(s.name for s in cluster_specs(cfg)), start_timeout_s=cfg.federation.quorum_timeout_s,
+                                  expected=tuple(s.name for s in cluster_specs(cfg)),
+                                  start_timeout_s=cfg.federation.quorum_timeout_s,
                                   regroup_s=cfg.federation.join_timeout_s)
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,

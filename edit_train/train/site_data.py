@@ -88,7 +88,8 @@ def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_main: bool,
     if meta["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
-    have, need = int(meta["splits"]["train"]["tokens"]) // site.parts, t.steps * cluster_batch * t.seq_len * t.grad_accum
+    have = int(meta["splits"]["train"]["tokens"]) // site.parts
+    need = t.steps * cluster_batch * t.seq_len * t.grad_accum
     if is_main and have < need and site.source != d.source:  # a site's own corpus (or family) runs short
         log.warning("data %s: this cluster's part holds %s training tokens, %d steps read %s: it sees its data "
                     "%.1f times", site.source, f"{have:,}", t.steps, f"{need:,}", need / max(have, 1))
