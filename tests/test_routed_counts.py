@@ -66,6 +66,28 @@ def test_counts_equal_a_brute_force_count_of_the_routers_top_k() -> None:
     assert not model.expert_counts().any()
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm unavailable")
+def test_counting_reads_nothing_back_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the grouped experts path (no host sync of its own) the tally adds none: training steps and reading the
+    counts as a tensor never call `.tolist()` / `.item()` / `bincount` (tests/test_experts.py, the same check)."""
+    model = _tiny()
+    for block in model.moe_blocks():
+        block.experts.impl = "grouped"
+    x = torch.randint(0, 64, (2, 16))
+
+    def host_read(*_a, **_k):
+        raise AssertionError("host read while counting routed tokens")
+
+    for name in ("tolist", "item", "__int__", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    monkeypatch.setattr(torch, "bincount", host_read)
+    for _ in range(2):
+        model(x, x).loss.backward()
+    counts = model.expert_counts()
+    monkeypatch.undo()
+    assert counts.sum(1).tolist() == [2 * 2 * 16 * 2] * 2
+
+
 @pytest.mark.parametrize("mode", ["full", "moe"])
 def test_a_recomputed_forward_does_not_count_twice(mode: str) -> None:
     plain = _tiny()
