@@ -7,6 +7,7 @@ a message naming the key. `validate(cfg)` checks the cross-field rules Hydra can
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,9 @@ class DataConfig:
     cache_dir: str | None = None  # default: $EDIT_TRAIN_CACHE or ~/.cache/edit-train
     val_fraction: float = DEFAULT_VAL_FRACTION  # 0.02; edit-train-prepare's default too (same cache entry)
     seed: int = 0
+    # shared: the clusters split `source` (or their own cluster.clusters[i].data.source); by_family: cluster i of
+    # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all
+    split: str = "shared"
 
 
 @dataclass
@@ -104,7 +108,8 @@ class ClusterConfig:
     name: str = "local"
     groups: int = 1  # N equal clusters of `shard_size` ranks (named c0..cN-1), unless `clusters` lists them
     shard_size: int = 1
-    clusters: list[dict[str, Any]] = field(default_factory=list)  # [{name, ranks, slowdown}] clusters of any size
+    # [{name, ranks, slowdown, batch_size, device, data: {source, tokenizer}}]: clusters of any size, own data
+    clusters: list[dict[str, Any]] = field(default_factory=list)
     only: str = ""  # start only this cluster (joins a federation whose Lighthouse is federation.lighthouse)
     slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per group (simulated slower hardware)
     slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{group, step, factor}] mid-run changes
@@ -168,6 +173,25 @@ class ClusterSpec:
     slowdown: float = 1.0
     batch_size: int = 0  # sequences per rank for this cluster (0: train.batch_size)
     device: str = ""  # auto | cpu | cuda for this cluster ("": train.device): a federation may mix devices
+    source: str = ""  # this cluster's own training data (data.source of its `data`; "": the federation's)
+    tokenizer: str = ""  # its tokenizer ("": data.tokenizer); must tokenize as data.tokenizer does
+
+
+CLUSTER_FIELDS = ("name", "ranks", "slowdown", "batch_size", "device", "data")
+CLUSTER_DATA_FIELDS = ("source", "tokenizer")
+
+
+def _cluster_data(i: int, data: Any) -> tuple[str, str]:
+    """(source, tokenizer) of `cluster.clusters[i].data` ("" where it does not set one)."""
+    if data is None:
+        return "", ""
+    if not isinstance(data, Mapping) or set(data) - set(CLUSTER_DATA_FIELDS):
+        raise ConfigError(f"cluster.clusters[{i}].data: must be a mapping of {', '.join(CLUSTER_DATA_FIELDS)}, got "
+                          f"{data!r}")
+    values = [data.get(k) or "" for k in CLUSTER_DATA_FIELDS]
+    if not all(isinstance(v, str) for v in values):
+        raise ConfigError(f"cluster.clusters[{i}].data: source and tokenizer must be strings, got {data!r}")
+    return values[0], values[1]
 
 
 def cluster_specs(cfg: Config) -> list[ClusterSpec]:
@@ -177,10 +201,10 @@ def cluster_specs(cfg: Config) -> list[ClusterSpec]:
         out = []
         for i, spec in enumerate(c.clusters):
             spec = dict(spec)
-            unknown = set(spec) - {"name", "ranks", "slowdown", "batch_size", "device"}
+            unknown = set(spec) - set(CLUSTER_FIELDS)
             if unknown:
                 raise ConfigError(f"cluster.clusters[{i}]: unknown field(s) {sorted(unknown)}; "
-                                  "use name, ranks, slowdown, batch_size, device")
+                                  f"use {', '.join(CLUSTER_FIELDS)}")
             device = str(spec.get("device", ""))
             if device not in ("", "auto", "cpu", "cuda"):
                 raise ConfigError(f"cluster.clusters[{i}].device: must be auto, cpu or cuda, got {device!r}")
@@ -192,7 +216,8 @@ def cluster_specs(cfg: Config) -> list[ClusterSpec]:
                                   "a number") from None
             if ranks < 1 or slow < 1.0 or batch < 0:
                 raise ConfigError(f"cluster.clusters[{i}]: ranks must be >= 1, slowdown >= 1.0, batch_size >= 0")
-            out.append(ClusterSpec(str(spec.get("name", f"c{i}")), ranks, i, slow, batch, device))
+            out.append(ClusterSpec(str(spec.get("name", f"c{i}")), ranks, i, slow, batch, device,
+                                   *_cluster_data(i, spec.get("data"))))
         return out
     slow = list(c.slowdown) or [1.0] * c.groups
     return [ClusterSpec(f"c{i}", c.shard_size, i, float(slow[i]) if i < len(slow) else 1.0) for i in range(c.groups)]
@@ -292,6 +317,7 @@ def validate(cfg: Config) -> None:
         parse_schedule(list(c.slowdown_schedule), c.groups)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_split(cfg, specs)
     _need(cfg.logger.kind in ("wandb", "none"), "logger.kind", f"must be wandb or none, got {cfg.logger.kind!r}")
     _need(str(cfg.resume).lower() in ("false", "true", "auto"), "resume",
           f"must be false or auto, got {cfg.resume!r}")
@@ -301,6 +327,24 @@ def validate(cfg: Config) -> None:
           "checkpoint.every", f"{cfg.checkpoint.every} is not a sync boundary: checkpoints are taken where every "
           f"group holds the anchor, so use warmup_steps + a multiple of algo.interval ({a.interval})")
     _need(cfg.run.max_restarts >= 0, "run.max_restarts", "must be >= 0")
+
+
+def _check_split(cfg: Config, specs: list[ClusterSpec]) -> None:
+    from edit_train.data.families import group_sources, parse_source
+    from edit_train.data.tokenizer import DataError
+
+    d = cfg.data
+    _need(d.split in ("shared", "by_family"), "data.split", f"must be shared or by_family, got {d.split!r}")
+    try:
+        for source in [s.source for s in specs] + [d.source]:
+            if source.startswith("stdlib:"):
+                parse_source(source)
+        if d.split == "by_family":
+            _need(d.source == "stdlib", "data.source", f"data.split=by_family splits the standard library by "
+                  f"family; leave data.source=stdlib (got {d.source!r}) or use data.split=shared")
+            group_sources(len(specs))
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # The federation's waits (seconds; `edit-train-lighthouse` reads the same keys) and a working example of each.

@@ -141,10 +141,11 @@ def test_grouped_experts_checked_before_training() -> None:
 
 def test_checkpointing_under_fsdp2_same_losses(tmp_path, small_corpus) -> None:
     """A cluster of 2 CPU ranks sharding the replica with FSDP2 (gloo): recomputing each decoder layer in
-    backward (inside the FSDP unit, after its all-gather) logs exactly the losses of a run without it."""
+    backward (inside the FSDP unit, after its all-gather) logs exactly the losses of a run without it, and the
+    same routed tokens per expert: the recompute does not count again, and the cluster sums both ranks'."""
     from conftest import run_cli
 
-    losses = {}
+    losses, experts = {}, {}
     for mode in ("none", "full"):
         run_dir = tmp_path / mode
         proc = run_cli("edit-train", "edit_train.cli.train",
@@ -152,5 +153,9 @@ def test_checkpointing_under_fsdp2_same_losses(tmp_path, small_corpus) -> None:
                                       "train.log_every=1", "train.eval_every=0",
                                       f"train.activation_checkpointing={mode}"), timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        losses[mode] = [e["loss"] for e in read_events(run_dir / "metrics.jsonl") if e["event"] == "train"]
+        events = read_events(run_dir / "metrics.jsonl")
+        losses[mode] = [e["loss"] for e in events if e["event"] == "train"]
+        experts[mode] = [e["counts"] for e in events if e["event"] == "experts"]
     assert len(losses["none"]) == 4 and losses["full"] == losses["none"]
+    assert len(experts["none"]) == 4 and experts["full"] == experts["none"]
+    assert all(sum(row) == 2 * 2 * 32 * 2 for c in experts["none"] for row in c)  # 2 ranks x 2 x 32 tokens x top-2

@@ -112,6 +112,14 @@ def test_metrics_jsonl_contract(run40):
             assert sum(layer) == TOKENS_PER_STEP * TOP_K, layer
 
 
+def test_ddp_logs_routed_tokens_every_log_every_steps(run40):
+    """Without local SGD an `experts` interval is `log_every` steps (issue 41): each event holds the tokens x k its
+    10 steps routed per MoE layer."""
+    events = [e for e in read_events(run40[0] / "metrics.jsonl") if e["event"] == "experts"]
+    assert [(e["step"], e["steps"]) for e in events] == [(10, 10), (20, 10), (30, 10), (40, 10)]
+    assert all(sum(row) == 10 * TOKENS_PER_STEP * TOP_K for e in events for row in e["counts"])
+
+
 # ------------------------------------------------------------------------------------------------ resume
 def test_resume_continues_and_is_bit_identical(tmp_path, small_corpus, caplog):
     """6 steps (checkpoint every 3) then resume=auto to 9 == 9 steps uninterrupted, bit for bit.

@@ -254,7 +254,11 @@ def check_data_source(source: str) -> None:
 
     from edit_train.data import DataError
     from edit_train.data.corpus import is_stdlib
+    from edit_train.data.families import is_family_source, parse_source
 
+    if is_family_source(source):
+        parse_source(source)  # an unknown family: one line
+        return
     if is_stdlib(source):
         return
     expanded = os.path.expanduser(source)
@@ -266,6 +270,19 @@ def check_data_source(source: str) -> None:
                             "does not expand it)")
         return
     raise DataError(f"corpus path {source} does not exist; pass a file, directory, glob or 'stdlib'")
+
+
+def check_data(cfg: Any) -> None:
+    """Every corpus this invocation trains on names something, and every cluster it starts tokenizes as
+    data.tokenizer does (a local run: all of them, before any starts; a cluster job: its own)."""
+    from edit_train.config import cluster_specs
+    from edit_train.train.site_data import check_tokenizers
+
+    mine = job_cluster(cfg)
+    specs = [s for s in cluster_specs(cfg) if mine is None or s.name == mine]
+    for source in dict.fromkeys([cfg.data.source] + [s.source for s in specs if s.source]):
+        check_data_source(source)
+    check_tokenizers(cfg, specs)
 
 
 def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
@@ -282,7 +299,7 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
         validate(cfg)
         check_run_lock(cfg)  # another process writing one of our clusters: say who, before anything else
         check_run_dir(cfg.run.dir, cfg.resume, job_cluster(cfg))
-        check_data_source(cfg.data.source)
+        check_data(cfg)
         if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: check its cluster's
             from edit_train.cluster.mesh import check_shape       # size before Hydra creates run.dir
             from edit_train.config import cluster_specs

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize a corpus into memory-mapped train/val token shards.",
     )
     p.add_argument("source", nargs="?", default="stdlib",
-                   help="'stdlib' (default: this Python's standard library), a file, a directory, a glob "
+                   help="'stdlib' (default: this Python's standard library), 'stdlib:<family>[+<family>]' (some of its "
+                        "package families: net, systems, dev, core, or all), a file, a directory, a glob "
                         "(quote it), or .jsonl files with a string \"text\" field per line")
     p.add_argument("--out", default=None,
                    help="output directory (default: the trainer's cache, $EDIT_TRAIN_CACHE or ~/.cache/edit-train)")

@@ -79,13 +79,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="edit-train-report",
         description="Plot and tabulate edit-train runs (val loss, train loss with anomaly markers, throughput, "
-                    "time blocked on sync, expert load, each cluster's weight per sync with fault windows) from their "
-                    "run.dir, or from every run of a sweep folder.")
+                    "time blocked on sync, expert load, which cluster feeds which expert, each cluster's weight per "
+                    "sync with fault windows) from their run.dir, or from every run of a sweep folder.")
     parser.add_argument("run_dirs", nargs="+", metavar="PATH",
                         help="a run.dir (holds metrics.jsonl) or a sweep folder (holds run.dirs); anything else "
                              "a glob matches (multirun.yaml) is skipped with one line")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="output folder (default: PATH/report for one PATH, ./report for several)")
+    parser.add_argument("--expert-intervals", metavar="N", type=int, default=0,
+                        help="expert_clusters.png: each cluster's share of every expert's routed tokens over its last "
+                             "N intervals (syncs) instead of the whole run")
     return parser.parse_args(argv)
 
 
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         runs, skipped = find_run_dirs(args.run_dirs)
         for line in skipped:
             print(line, file=sys.stderr, flush=True)
-        report = make_report(runs, args.out if args.out is not None else default_out(args.run_dirs))
+        report = make_report(runs, args.out if args.out is not None else default_out(args.run_dirs),
+                             args.expert_intervals)
     except ReportError as exc:
         fail(str(exc))
     except OSError as exc:

@@ -39,6 +39,7 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     from edit_train.train.trainer import train
 
     validate(cfg)
+    checks.check_data(cfg)  # (again: a sweep skips the precheck) every cluster's tokenizer agrees, before any starts
     specs = cluster_specs(cfg)
     if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER") or (
             len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only):

@@ -11,11 +11,11 @@ import hashlib
 import json
 import logging
 import os
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .families import family_files, family_of, is_family_source, stdlib_root
 from .tokenizer import DataError
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,12 @@ _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "te
 
 
 def is_stdlib(source: str | None) -> bool:
-    return source is None or source == "stdlib"
+    """The whole standard library (the default source) or some of its families (``stdlib:<family>``)."""
+    return source is None or source == "stdlib" or is_family_source(source)
 
 
 def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
+    return stdlib_root()
 
 
 def stdlib_files() -> list[Path]:
@@ -98,6 +99,9 @@ def _is_jsonl(path: Path) -> bool:
 
 def _resolve_files(source: str | None) -> tuple[list[Path], Path]:
     """The corpus files in a deterministic order, and the directory their keys are relative to."""
+    if is_family_source(source):
+        assert source is not None
+        return family_files(source), _stdlib_root()
     if is_stdlib(source):
         return stdlib_files(), _stdlib_root()
     assert source is not None
@@ -161,7 +165,7 @@ class DocReader:
                 return raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 if self.skip_bad_utf8:
-                    log.warning("skipping %s: not valid UTF-8", doc.path)
+                    log.info("skipping %s: not valid UTF-8", doc.path)  # the stdlib's deliberately mis-encoded tests
                     return None
                 raise _utf8_error(doc.path, raw, exc) from None
         if self._jsonl_path != doc.path:
@@ -173,14 +177,51 @@ class DocReader:
         raise DataError(f"{doc.path}: changed while being read (line {doc.line} vanished); prepare again")
 
 
+def split_source(docs: list[Doc], val_fraction: float, seed: int, source: str | None) -> list[bool]:
+    """Per document: True when it goes to val. A standard-library family source splits each family on its own
+    (`split_by_size`), so every source holding a document agrees on its side; any other source is split whole
+    (`split_fractions`)."""
+    if not is_family_source(source):
+        return split_fractions(docs, val_fraction, seed)
+    by_family: dict[str, list[int]] = {}
+    for i, doc in enumerate(docs):
+        by_family.setdefault(family_of(doc.key), []).append(i)
+    is_val = [False] * len(docs)
+    for members in by_family.values():
+        for i, v in zip(members, split_by_size([docs[i] for i in members], val_fraction, seed)):
+            is_val[i] = v
+    return is_val
+
+
+def _score(seed: int, doc: Doc) -> float:
+    """A document's place in [0, 1) for the split: a hash of the seed and its key (machine-independent)."""
+    h = hashlib.sha1(f"{seed}\0{doc.key}".encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") / 2.0**64
+
+
+def split_by_size(docs: list[Doc], val_fraction: float, seed: int) -> list[bool]:
+    """Per document: True when it goes to val. Documents in the order of their hash go to val until they hold
+    val_fraction of the bytes (a family of a few hundred files split by count alone can end up with one small
+    file of val); ≥1 each side when ≥2 docs."""
+    if not docs or val_fraction <= 0:
+        return [False] * len(docs)
+    sizes = [doc.path.stat().st_size for doc in docs]
+    target, held = val_fraction * sum(sizes), 0
+    is_val = [False] * len(docs)
+    for i in sorted(range(len(docs)), key=lambda i: _score(seed, docs[i])):
+        if held >= target:
+            break
+        is_val[i], held = True, held + sizes[i]
+    if len(docs) >= 2 and all(is_val):
+        is_val[max(range(len(docs)), key=lambda i: _score(seed, docs[i]))] = False
+    return is_val
+
+
 def split_fractions(docs: list[Doc], val_fraction: float, seed: int) -> list[bool]:
     """Per document: True when it goes to val. ~val_fraction of docs, ≥1 each side when ≥2 docs."""
     if not docs or val_fraction <= 0:
         return [False] * len(docs)
-    scores = []
-    for doc in docs:
-        h = hashlib.sha1(f"{seed}\0{doc.key}".encode("utf-8")).digest()
-        scores.append(int.from_bytes(h[:8], "big") / 2.0**64)
+    scores = [_score(seed, doc) for doc in docs]
     is_val = [s < val_fraction for s in scores]
     if len(docs) >= 2:
         if not any(is_val):

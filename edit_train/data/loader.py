@@ -19,7 +19,7 @@ import torch
 from .prepare import SPLITS, read_meta
 from .tokenizer import DataError
 
-__all__ = ["TokenDataset", "TokenLoader", "eval_batches"]
+__all__ = ["TokenDataset", "TokenLoader", "eval_batches", "interleaved_windows"]
 
 _STATE_VERSION = 1
 
@@ -209,8 +209,19 @@ class TokenLoader:
         self.epoch, self.cursor = epoch, cursor
 
 
+def interleaved_windows(counts: list[int], limit: int) -> list[tuple[int, int]]:
+    """The first `limit` of (dataset, window) pairs taken from datasets holding `counts` windows in turn:
+    window 0 of each, then window 1 of each, ...; a dataset that runs out is skipped."""
+    out: list[tuple[int, int]] = []
+    w = 0
+    while len(out) < limit and w < max(counts, default=0):
+        out.extend((d, w) for d, c in enumerate(counts) if w < c)
+        w += 1
+    return out[:limit]
+
+
 def eval_batches(
-    data_dir: str | os.PathLike[str],
+    data_dir: str | os.PathLike[str] | list[str | os.PathLike[str]],
     batch_size: int,
     seq_len: int,
     max_batches: int,
@@ -221,23 +232,29 @@ def eval_batches(
     """Deterministic evaluation batches: the first windows of ``split`` (no shuffle), part ``p`` taking every
     ``num_parts``-th one. Every part gets the same number of batches; the last one may be smaller than
     ``batch_size`` when the split is small. Raises :class:`DataError` when there is not one window per part.
+
+    A list of dataset directories is one validation set drawn from all of them: their windows in turn (the
+    first window of each, then the second of each, ...); a list of one is the same as that directory.
     """
     _check_shape(batch_size, seq_len, part, num_parts)
     if max_batches < 1:
         return []
-    ds = TokenDataset(data_dir, split)
-    windows = _num_windows(ds.tokens, seq_len)
-    per_part = windows // num_parts
+    dirs = list(data_dir) if isinstance(data_dir, (list, tuple)) else [data_dir]
+    sets = [TokenDataset(d, split) for d in dirs]
+    counts = [_num_windows(ds.tokens, seq_len) for ds in sets]
+    per_part = sum(counts) // num_parts
     if per_part == 0:
+        where = ", ".join(str(d) for d in dirs)
         raise DataError(
-            f"{split} split of {data_dir} has {ds.tokens} tokens, fewer than one window of seq_len+1={seq_len + 1} "
-            f"per part ({num_parts} parts); prepare with a larger val_fraction, use a larger corpus or reduce seq_len"
+            f"{split} split of {where} has {sum(ds.tokens for ds in sets)} tokens, fewer than one window of "
+            f"seq_len+1={seq_len + 1} per part ({num_parts} parts); prepare with a larger val_fraction, use a larger "
+            "corpus or reduce seq_len"
         )
     per_part = min(per_part, max_batches * batch_size)
-    mine = np.arange(windows)[part::num_parts][:per_part]
+    mine = interleaved_windows(counts, per_part * num_parts)[part::num_parts][:per_part]
     out = []
     for i in range(0, per_part, batch_size):
-        rows = np.stack([ds.get(int(w) * seq_len, int(w) * seq_len + seq_len + 1) for w in mine[i : i + batch_size]])
+        rows = np.stack([sets[d].get(w * seq_len, w * seq_len + seq_len + 1) for d, w in mine[i : i + batch_size]])
         data = torch.from_numpy(rows)
         out.append((data[:, :-1].contiguous(), data[:, 1:].contiguous()))
     return out

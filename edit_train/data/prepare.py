@@ -27,7 +27,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from tqdm import tqdm
 
-from .corpus import Doc, DocReader, is_stdlib, list_documents, split_fractions, stdlib_files
+from .corpus import Doc, DocReader, is_stdlib, list_documents, split_source, stdlib_files
+from .families import is_family_source
 from .tokenizer import DataError, load_tokenizer, tokenizer_id
 
 __all__ = [
@@ -67,7 +68,7 @@ def default_cache_dir() -> Path:
 
 
 def _source_label(source: str | None) -> str:
-    return "stdlib" if is_stdlib(source) else str(source)
+    return "stdlib" if is_stdlib(source) and not is_family_source(source) else str(source)
 
 
 def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -229,7 +230,7 @@ def prepare_corpus(
     try:
         tmp.mkdir()
         splits = _write_splits(tmp, docs, tok, dtype, val_fraction, shard_tokens, seed, progress,
-                               skip_bad_utf8=is_stdlib(source))
+                               skip_bad_utf8=is_stdlib(source), source=source)
         content = splits.pop("_content_tokens")
         if content == 0:
             raise DataError(f"corpus {label} contains no text ({len(docs)} document(s) produced no tokens); "
@@ -278,6 +279,7 @@ def _write_splits(
     seed: int,
     progress: bool,
     skip_bad_utf8: bool,
+    source: str | None = None,
 ) -> dict[str, Any]:
     writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
     eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=np.int64)
@@ -300,7 +302,7 @@ def _write_splits(
                 writers["val"].documents = 1 if n_val else 0
                 bar.update(1)
             else:
-                for doc, is_val in zip(docs, split_fractions(docs, val_fraction, seed)):
+                for doc, is_val in zip(docs, split_source(docs, val_fraction, seed, source)):
                     text = reader.read(doc)
                     bar.update(1)
                     if not text:
@@ -334,7 +336,11 @@ def _warn_if_different(meta: dict[str, Any], out_dir: Path, label: str, tokenize
 def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float = DEFAULT_VAL_FRACTION,
                 seed: int = 0) -> str:
     """The cache directory name for a dataset: readable prefix + hash of (source, tokenizer content, split)."""
-    if is_stdlib(source):
+    if is_family_source(source):
+        assert source is not None
+        src = f"{source}-py{sys.version.split()[0]}"
+        prefix = src.replace(":", "-")
+    elif is_stdlib(source):
         src = f"stdlib-py{sys.version.split()[0]}"
         prefix = src
     else:

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MembershipConfig:
-    fingerprint: str = ""  # hash of what must agree across clusters (model, algorithm, chunks)
+    fingerprint: str = ""  # what must agree across clusters: `part=value` words (train/build.py) or one hash
     expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
     start_timeout_s: float = 60.0
     regroup_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume
@@ -72,10 +72,11 @@ class Membership:
         agreed = federation_fingerprint(q)
         if self.cfg.fingerprint != agreed:
             raise FederationRefused(f"cluster {self.t.name} runs another configuration than the federation "
-                                    "(model, algorithm or federation.chunks differ); start it with the federation's config")
+                                    f"({differences(self.cfg.fingerprint, agreed)}); start it with the federation's "
+                                    "config")
         if src.data.get("fp") != agreed:  # the one ahead is the misconfigured one: it leaves, nobody heals from it
-            raise FederationError(f"cluster {src.name} runs another configuration than the federation: "
-                                  "this sync is skipped")
+            raise FederationError(f"cluster {src.name} runs another configuration than the federation "
+                                  f"({differences(str(src.data.get('fp', '')), agreed)}): this sync is skipped")
         healed = self.healer.run(q)
         if healed is not None:
             self.healed_from.append(healed)
@@ -117,6 +118,16 @@ class Membership:
         """The step this cluster moved to (once): the loop continues from there."""
         step, self.adopt_step = self.adopt_step, None
         return step
+
+
+def differences(mine: str, agreed: str) -> str:
+    """The parts of two fingerprints that differ, each with both values (`tokenizer: hf-1a2b here, byte in the
+    federation`); a fingerprint that is one opaque word: what it covers."""
+    if not all("=" in w for w in (mine + " " + agreed).split()):
+        return "model, algorithm or federation.chunks differ"
+    ours, theirs = (dict(w.partition("=")[::2] for w in fp.split()) for fp in (mine, agreed))
+    return "; ".join(f"{k}: {ours.get(k, '-')} here, {theirs.get(k, '-')} in the federation"
+                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
 
 
 def federation_fingerprint(q: Quorum) -> str:

@@ -11,6 +11,9 @@ Pure torch; nothing here knows about distribution.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -228,11 +231,26 @@ def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
     return coef * torch.logsumexp(logits.to(dtype), dim=-1).square().mean()
 
 
+_counting = [True]  # routed_counting(False) turns the tally off (a checkpointed forward recomputed in backward)
+
+
+@contextmanager
+def routed_counting(enabled: bool) -> Iterator[None]:
+    """Whether training forwards inside add their routed tokens to ``MoEBlock.routed_tokens`` (default on)."""
+    before, _counting[0] = _counting[0], enabled
+    try:
+        yield
+    finally:
+        _counting[0] = before
+
+
 class MoEBlock(nn.Module):
     """Routed experts + optional shared experts, with balance / z losses and stochastic routing warmup.
 
     After each forward the block holds ``aux_loss``, ``z_loss`` (scalar tensors, part of the graph) and
-    ``last_expert_load`` (detached LongTensor ``[E]``: tokens routed to each expert).
+    ``last_expert_load`` (detached LongTensor ``[E]``: tokens routed to each expert). Every training forward
+    also adds its counts to ``routed_tokens`` (a non-persistent int64 ``[E]`` buffer on the block's device, so
+    no host sync) until ``reset_buffers``: the tokens each expert was routed since the caller last read them.
     """
 
     def __init__(self, cfg: ModelConfig, stats_momentum: float = 0.99) -> None:
@@ -255,6 +273,7 @@ class MoEBlock(nn.Module):
         # (folded in once per optimizer step, in ``set_step``, so a recomputed forward sees the same stats)
         self.register_buffer("logit_mean", torch.zeros(()), persistent=False)
         self.register_buffer("logit_std", torch.ones(()), persistent=False)
+        self.register_buffer("routed_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         self.step = 0
         self._batch_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.aux_loss: torch.Tensor | None = None
@@ -274,6 +293,7 @@ class MoEBlock(nn.Module):
         with torch.no_grad():
             self.logit_mean.fill_(0.0)
             self.logit_std.fill_(1.0)
+            self.routed_tokens.zero_()
         self._batch_stats = None
 
     def set_step(self, step: int) -> None:
@@ -324,6 +344,8 @@ class MoEBlock(nn.Module):
         logits, probs, topk_idx, topk_weight = self.route(x)
         y, counts = self.experts(x, topk_idx, topk_weight)
         self.last_expert_load = counts.detach()
+        if self.training and _counting[0]:
+            self.routed_tokens += self.last_expert_load  # on the device: no host sync
         self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef)
         self.z_loss = z_loss(logits, self.z_coef)
         if self.shared_experts is not None:

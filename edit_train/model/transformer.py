@@ -208,6 +208,22 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.set_step(step)
 
+    def expert_counts(self) -> torch.Tensor:
+        """Tokens routed to each expert by the training forwards since the last `reset_expert_counts`:
+        ``[MoE layers, E]`` int64 on the model's device (rows in `moe_layers` order); reading it syncs nothing."""
+        blocks = self.moe_blocks()
+        if not blocks:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return torch.stack([b.routed_tokens for b in blocks])
+
+    def reset_expert_counts(self) -> None:
+        for b in self.moe_blocks():
+            b.routed_tokens.zero_()
+
+    def moe_layers(self) -> list[int]:
+        """The decoder-layer index of each MoE block (the rows of `expert_counts`)."""
+        return [layer.layer_idx for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
     def expert_load(self) -> list[torch.Tensor]:
         """Tokens per expert of the last forward, one ``[E]`` LongTensor per MoE layer."""
         return [b.last_expert_load for b in self.moe_blocks() if b.last_expert_load is not None]

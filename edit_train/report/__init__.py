@@ -1,8 +1,8 @@
 """Plots and a summary table from one or more run directories (the `edit-train-report` logic).
 
 The orchestrator of the report package: `make_report` loads the runs (`report.model`), draws the figures
-(`report.plots`, `report.time_split`, `report.weights`) and writes `summary.md`. It works on the output of
-every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
+(`report.plots`, `report.time_split`, `report.weights`, `report.experts`) and writes `summary.md`. It works on
+the output of every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
 `summary.json`: what the metrics hold is still plotted, the table marks the run incomplete and derives its
 numbers from the events).
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edit_train.report import plots as fig
+from edit_train.report.experts import plot_expert_clusters
 from edit_train.report.model import ReportError, Run, human_bytes, load_run, markdown_table, table_rows
 from edit_train.report.time_split import plot_time, time_table
 from edit_train.report.weights import plot_weights
@@ -26,7 +27,7 @@ __all__ = ["PLOTS", "Report", "ReportError", "Run", "default_out", "human_bytes"
 log = logging.getLogger(__name__)
 
 PLOTS = ("val_loss_vs_tokens.png", "val_loss_vs_wall.png", "loss.png", "tokens_per_s.png", "blocked.png",
-         "expert_load.png", "time.png", "weights.png")
+         "expert_load.png", "time.png", "weights.png", "expert_clusters.png")
 
 
 def _assign_labels(runs: list[Run]) -> None:
@@ -52,8 +53,9 @@ def default_out(run_dirs: list[str | Path]) -> Path:
     return Path(run_dirs[0]) / "report" if len(run_dirs) == 1 else Path("report")
 
 
-def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Report:
-    """Load every run (all paths checked before anything is written), draw the plots, write summary.md."""
+def make_report(run_dirs: list[str | Path], out: str | Path | None = None, expert_intervals: int = 0) -> Report:
+    """Load every run (all paths checked before anything is written), draw the plots, write summary.md.
+    `expert_intervals` > 0: `expert_clusters.png` sums each cluster's last that many intervals, not the run."""
     if not run_dirs:
         raise ReportError("no run directory given")
     runs = [load_run(p) for p in run_dirs]
@@ -69,6 +71,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Re
         fig.plot_expert_load(runs, out_dir),
         plot_time(runs, out_dir),
         plot_weights(runs, out_dir),
+        plot_expert_clusters(runs, out_dir, expert_intervals),
     ]
     table = markdown_table(table_rows(runs))
     notes = []

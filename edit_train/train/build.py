@@ -15,6 +15,7 @@ from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
 from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, to_container
+from edit_train.data.tokenizer import tokenizer_id
 from edit_train.federation import auth, heal
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
@@ -28,12 +29,16 @@ from edit_train.sim.faults import FaultInjector
 from edit_train.train.metrics import MetricsLogger
 
 
-def fingerprint(cfg: Config) -> str:
-    """What every cluster of a federation must agree on (model, algorithm core, chunking)."""
+def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
+    """What every cluster of a federation must agree on, as `part=value` words the refusal can name: the model,
+    algorithm core, sync mode and chunking (one hash), and the content of this cluster's tokenizer (default
+    data.tokenizer; its data source is its own). A cluster whose fingerprint differs from the majority's refuses
+    itself (local_sgd/membership.py), so a site with another tokenizer stops, not the others."""
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     keep["model"].pop("init_from", None)
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+    return f"model/algo/sync={digest} tokenizer={tokenizer_id(tokenizer or cfg.data.tokenizer)}"
 
 
 def my_cluster(cfg: Config, specs: list[ClusterSpec]) -> ClusterSpec:
@@ -52,11 +57,13 @@ def my_cluster(cfg: Config, specs: list[ClusterSpec]) -> ClusterSpec:
     return ClusterSpec(name, ranks, zlib.crc32(name.encode()) % max(len(specs), 1), 1.0)
 
 
-def local_sgd_config(cfg: Config, tokens_per_step: int = 0) -> LocalSGDConfig:
+def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | None = None) -> LocalSGDConfig:
+    """The core's config; `tokenizer`: this cluster's own (cluster.clusters[i].data.tokenizer), if it has one."""
     a = cfg.algo
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
-    membership = MembershipConfig(fingerprint=fingerprint(cfg), expected=tuple(s.name for s in cluster_specs(cfg)),
+    membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
+                                  expected=tuple(s.name for s in cluster_specs(cfg)),
                                   start_timeout_s=cfg.federation.quorum_timeout_s,
                                   regroup_s=cfg.federation.join_timeout_s)
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
@@ -116,6 +123,7 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
     transport: Any = build_transport(cfg, topo, federated)
     if faults is not None and faults[0].byzantine:
         transport = ByzantineTransport(transport, faults[0], faults[1], seed=cfg.seed + topo.index)
-    return LocalSGD(local_sgd_config(cfg, tokens_per_step), model, fsdp_units(model), transport,
+    own = next((s.tokenizer for s in cluster_specs(cfg) if s.name == topo.name), "")
+    return LocalSGD(local_sgd_config(cfg, tokens_per_step, own or None), model, fsdp_units(model), transport,
                     (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
                     optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss)

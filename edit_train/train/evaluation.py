@@ -27,7 +27,7 @@ def reshard(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data_dir: str | Path, t: TrainConfig, topo: Topology,
+def evaluate(model: nn.Module, data_dir: str | Path | list[str | Path], t: TrainConfig, topo: Topology,
              autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
     """Mean val loss over `t.eval_batches` batches. Every rank runs the same number of forwards (FSDP gathers
     inside them): the rows are split over the cluster's ranks and a rank short of rows runs a zero-weight
@@ -60,16 +60,20 @@ def _finish(model: nn.Module, total: torch.Tensor, topo: Topology) -> float:
     return float(total[0] / total[1])
 
 
-def probe_batch(data_dir: str | Path, seq_len: int, tokens: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_batch(data_dir: str | Path | list[str | Path], seq_len: int, tokens: int,
+                part: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe slice of cluster `part`: ⌈tokens / seq_len⌉ windows from the *end* of the val split (the val
-    loss is measured on its first windows), a different stretch for every cluster."""
-    ds = TokenDataset(data_dir, "val")
+    loss is measured on its first windows), a different stretch for every cluster. A list of datasets (the
+    shared validation of per-site data): row i from dataset (part + i) mod D, at the same place in it."""
+    sets = [TokenDataset(d, "val") for d in (data_dir if isinstance(data_dir, list) else [data_dir])]
     rows = max(1, -(-tokens // seq_len))
-    windows = max((ds.tokens - 1) // seq_len, 1)
-    first = max(windows - rows * (part + 1), 0) % windows
-    data = torch.from_numpy(np.stack([ds.get(((first + i) % windows) * seq_len,
-                                             ((first + i) % windows) * seq_len + seq_len + 1)
-                                      for i in range(rows)]).astype(np.int64))
+    picked = []
+    for i in range(rows):
+        ds = sets[(part + i) % len(sets)]
+        windows = max((ds.tokens - 1) // seq_len, 1)
+        w = (max(windows - rows * (part + 1), 0) + i) % windows
+        picked.append(ds.get(w * seq_len, w * seq_len + seq_len + 1))
+    data = torch.from_numpy(np.stack(picked).astype(np.int64))
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 

@@ -61,13 +61,22 @@ def precision_policy(precision: str, device: torch.device, sharded: bool) -> Pre
 
 
 def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` recomputed in backward (non-reentrant; the RNG state is replayed, so routing noise matches)."""
+    """``fn`` recomputed in backward (non-reentrant; the RNG state is replayed, so routing noise matches). The
+    recompute does not count its routed tokens again (``MoEBlock.routed_tokens``: the forward did)."""
+    from edit_train.model.moe import routed_counting
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)  # eval: nothing to save, nothing to recompute
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        calls = [0]
+
+        def counted_once(*a: Any, **k: Any) -> Any:
+            calls[0] += 1
+            with routed_counting(False) if calls[0] > 1 else contextlib.nullcontext():
+                return fn(*a, **k)
+
+        return checkpoint(counted_once, *args, use_reentrant=False, **kwargs)
 
     return run
 

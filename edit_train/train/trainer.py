@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from edit_train.config import Config, to_container, validate
 from edit_train.data.loader import TokenLoader
-from edit_train.data.prepare import ensure_dataset
 from edit_train.cluster.mesh import Topology, init_topology, parallelize
 from edit_train.cluster.threads import ThreadBudget
 from edit_train.config import cluster_specs
@@ -42,6 +41,8 @@ from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, resha
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
+from edit_train.train.routing import RoutedTally
+from edit_train.train.site_data import check_tokenizers, open_data, site_data
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +84,12 @@ class Trainer:
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
 
-        # ---- data (prepared once by rank 0, cached for everyone else)
-        parts = len(self.specs)
-        min_tokens = parts * self.cluster_batch * (t.seq_len + 1)
-        if self.is_main:
-            self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
-                                           val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
-                                           min_tokens=min_tokens)
-        self._barrier()
-        if not self.is_main:
-            self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
-                                           val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
-                                           min_tokens=min_tokens)
-        meta = json.loads((Path(self.data_dir) / "meta.json").read_text())
-        if meta["vocab_size"] > cfg.model.vocab_size:
-            from edit_train.config import ConfigError
-
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                              f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
+        # ---- data: this cluster's own part (site_data.py), prepared once by rank 0, cached for everyone else
+        check_tokenizers(cfg, [self.spec])
+        self.site = site_data(cfg, self.specs, self.spec)
+        self.data_dir, self.val_dirs = open_data(cfg, self.site, self.cluster_batch, self.is_main, self._barrier)
         self.loader = TokenLoader(self.data_dir, "train", self.cluster_batch, t.seq_len,
-                                  part=topo.index % parts, num_parts=parts, seed=cfg.seed)
+                                  part=self.site.part, num_parts=self.site.parts, seed=cfg.seed)
 
         # ---- model, replicated per cluster, sharded inside it
         counts = count_params(cfg.model)
@@ -156,11 +143,13 @@ class Trainer:
         probe = None
         verified = cfg.algo.penalty.verified
         if cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0:  # usefulness
-            batch = probe_batch(self.data_dir, t.seq_len, verified.probe_tokens, topo.index)
+            batch = probe_batch(self.val_dirs, t.seq_len, verified.probe_tokens, topo.index)
             probe = lambda: batch_loss(self.model, batch, topo, self._autocast)  # noqa: E731
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, faults=(self.faults, lambda: self.state.step))
+        self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
+                                 cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
         if self.is_main and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
@@ -193,7 +182,7 @@ class Trainer:
         """Mean val loss of the global model (after a flush); every rank of the cluster takes part."""
         with self.timing.span("sync"):
             self.algo.flush()
-        return evaluate(self.model, self.data_dir, self.cfg.train, self.topo, self._autocast)
+        return evaluate(self.model, self.val_dirs, self.cfg.train, self.topo, self._autocast)
 
     def eval_logged(self) -> float:
         """Evaluate the global model and log it (charged to the `eval` bucket)."""
@@ -316,6 +305,9 @@ class Trainer:
                 outcome = self.algo.after_step(step, time.time() - step_t0)
             if outcome.adopt_step is not None:  # healed mid-run: continue from the federation's step
                 p.step = outcome.adopt_step
+            self.tally.counted()
+            if self.tally.due(p.step, self.algo.pacer.local_steps):  # 0: a sync began in this step
+                self.tally.take()
             self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
                 loss_t = self._cluster_mean(torch.tensor([loss], dtype=torch.float64))
@@ -349,6 +341,8 @@ class Trainer:
         bar.close()
         with self.timing.span("sync"):
             self.algo.finish()
+        if self.tally.steps:  # the last interval (the final sync's)
+            self.tally.take()
         self._account_useful(0.0, final=True)
         val_loss = self.eval_logged()
         if cfg.checkpoint.at_end:

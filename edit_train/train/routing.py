@@ -1,0 +1,59 @@
+"""Which experts this cluster fed: the tokens its MoE layers routed to each expert over each interval.
+
+The MoE blocks add every training forward's counts to a device tensor (`CausalLM.expert_counts`, no host
+sync per step). `RoutedTally.take` closes an interval: it reads the counts, sums them over the cluster's ranks
+(each rank routed its own micro-batch), resets them and logs one `experts` event {step, cluster, group,
+interval, steps, layers, counts [MoE layers][experts]}. An interval is the local steps one sync contributes
+(`due`: the step at which a sync began; a missed sync does not close it), or `log_every` steps without local
+SGD (ddp, the synchronous warm-up). `edit-train-report` draws from these events which cluster feeds which
+expert (report/experts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from edit_train.cluster.mesh import Topology
+from edit_train.model import CausalLM
+
+
+class RoutedTally:
+    def __init__(self, model: CausalLM, topo: Topology, emit: Callable[..., None], step: Callable[[], int],
+                 local_sgd: bool, warmup_steps: int, log_every: int) -> None:
+        self.model, self.topo, self.emit, self.step = model, topo, emit, step
+        self.local_sgd, self.warmup_steps, self.log_every = local_sgd, warmup_steps, max(log_every, 1)
+        self.layers = model.moe_layers()
+        self.steps = 0  # training steps in the open interval
+        self.intervals = 0  # intervals this incarnation closed
+
+    def counted(self) -> None:
+        """One more training step in the open interval."""
+        self.steps += 1
+
+    def due(self, step: int, local_steps: int) -> bool:
+        """Whether the interval closes after `step` steps: a sync began in this step (`local_steps`, the
+        local steps since the last sync, is back to 0), or without local SGD every `log_every` steps."""
+        if not self.layers or self.steps == 0:
+            return False
+        if self.local_sgd and step > self.warmup_steps:
+            return local_steps == 0
+        return step % self.log_every == 0 or step == self.warmup_steps
+
+    def take(self) -> torch.Tensor:
+        """This cluster's routed tokens per expert since the last take, summed over its ranks: ``[MoE layers,
+        experts]`` int64 on the CPU. Resets the counts and logs the interval (every rank of the cluster calls
+        it at the same point: the sum is a collective over the cluster's ranks)."""
+        counts = self.model.expert_counts().clone()
+        self.model.reset_expert_counts()
+        if self.topo.distributed and self.topo.shard_size > 1:
+            dist.all_reduce(counts, group=self.topo.shard_pg)
+        counts = counts.cpu()
+        if self.topo.is_leader:
+            self.emit("experts", step=self.step(), group=self.topo.index, cluster=self.topo.name,
+                      interval=self.intervals, steps=self.steps, layers=self.layers, counts=counts.tolist())
+        self.intervals += 1
+        self.steps = 0
+        return counts
