@@ -47,7 +47,8 @@ class Evidence:
     reported norms whose claims the sketch check holds them to (sketched). `extra` holds the rest, by key:
     ``reported`` (the norms as reported), ``tokens`` (claimed), ``probe`` (the others' median probe score of
     each cluster's last update), ``sync``; measured: ``gram`` [P, P], ``finite`` [P], ``sketches`` [P, dim],
-    ``exact`` (the transport is lossless), ``measured`` ("gathered" or "sketched")."""
+    ``exact`` (the transport is lossless); sketched also ``measured_norms`` (of the proven sketches),
+    ``measure_tolerance`` (their relative precision) and ``distance_noise`` (the std of a sketched distance)."""
 
     module: str
     names: tuple[str, ...]

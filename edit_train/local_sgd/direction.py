@@ -87,14 +87,14 @@ class DirectionTest:
     def _stat(self, key: str, module: str) -> EWMAStats:
         return self.stats.setdefault(f"{key}/{module}", EWMAStats(1, self.cfg.direction_alpha))
 
-    def _test(self, st: EWMAStats, x: Tensor, widen: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    def _test(self, st: EWMAStats, x: Tensor, widen: bool = True, noise: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
         """z = (x − μ)/σ_eff against the Student-t predictive bound of `direction_z` (`widen`), or against
         `direction_z` itself with σ_eff at least a tenth of μ (the pair: one value per sync, too few for a
-        t-bound to be useful within a run's first syncs)."""
+        t-bound to be useful within a run's first syncs). σ_eff is at least the measurement's own noise."""
         n = x.numel()
         count = int(st.count[0])
         floor = 0.0 if widen else PAIR_FLOOR
-        z = st.zscore(x, floor, SIGMA) if count else torch.zeros(n, dtype=torch.float64)
+        z = st.zscore(x, floor, max(SIGMA, noise)) if count else torch.zeros(n, dtype=torch.float64)
         warm = self.cfg.anomaly and count >= max(self.cfg.warmup_syncs, 2)
         if not warm:
             bound = torch.full((1,), math.inf, dtype=torch.float64)
@@ -106,9 +106,10 @@ class DirectionTest:
         return torch.isfinite(x) & (z > bound), z, bound
 
     def judge(self, module: str, gram: Tensor, trusted: Tensor, sketches: list[Tensor] | None,
-              suspect: Tensor | None = None) -> Verdict:
+              suspect: Tensor | None = None, noise: float = 0.0) -> Verdict:
         """The verdict on the contributors whose Gram matrix is `gram` (rows: contributors). `suspect`: those
-        on probation — judged, never a comparator (with one trusted other: the pair test, see `_suspect`)."""
+        on probation — judged, never a comparator (with one trusted other: the pair test, see `_suspect`).
+        `noise`: the std of a distance measured from sketches rather than exactly (0: exact)."""
         n = gram.shape[0]
         c = cosines(gram)
         t_idx = [j for j in range(n) if bool(trusted[j]) and math.isfinite(float(c[j, j]))]
@@ -127,7 +128,7 @@ class DirectionTest:
         if len(t_idx) >= 3 or (len(t_idx) == 2 and judged >= 3):  # a majority to measure against
             med = _lower_median(x[t_idx])
             e = x - med
-            flagged, z, bound = self._test(self._stat("direction", module), e)
+            flagged, z, bound = self._test(self._stat("direction", module), e, noise=noise)
             # the median's own excess is 0 by construction (and two trusted share their pair's x): learn the
             # others' only, so that the spread is not understated
             centre = next(j for j in t_idx if float(x[j]) == med)

@@ -135,7 +135,9 @@ class SketchCheck:
             _, u = self.split(rows, name)
             measured = {"gram": u @ u.T, "finite": torch.isfinite(u).all(dim=1), "exact": torch.tensor(True),
                         "measured_norms": u.norm(dim=1),
-                        "measure_tolerance": torch.tensor(6.0 / math.sqrt(2.0 * self.dim))}
+                        "measure_tolerance": torch.tensor(6.0 / math.sqrt(2.0 * self.dim)),
+                        # a cosine from a count sketch errs by up to √((1 + c²)/dim); an excess of two such medians
+                        "distance_noise": torch.tensor(2.0 / math.sqrt(self.dim))}
             second = decide(name, measured)
             if second.left_out != first.left_out or [snap(w) for w in second.weights] != [snap(w) for w in first.weights]:
                 out = lambda d: [n for n, o in zip(names, d.left_out) if o]  # noqa: E731

@@ -137,7 +137,8 @@ class VerifiedRule:
         verdict: Verdict | None = None
         if "gram" in ev.extra:
             gram = torch.as_tensor(ev.extra["gram"])[idx][:, idx]
-            verdict = self.direction.judge(ev.module, gram, ~(bad | lied | useless | held), sk, held & ~(bad | lied))
+            verdict = self.direction.judge(ev.module, gram, ~(bad | lied | useless | held), sk, held & ~(bad | lied),
+                                           noise=float(ev.extra.get("distance_noise", 0.0)))
             flags["direction"] = (verdict.flagged, verdict.z, verdict.bound, torch.zeros_like(bad))
         anomalous = bad | lied | useless | held
         for an, _z, _thr, _readmit in flags.values():
