@@ -17,7 +17,8 @@ from conftest import run_train
 from edit_train.model import CausalLM, ModelConfig, load_preset
 from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, from_hf_config, from_hf_state_dict, param_shapes,
                                  to_hf_config, to_hf_state_dict)
-from edit_train.model.hf_io import export_hf, gather_checkpoint, load_hf_into
+from edit_train.model.hf_io import export_hf, load_hf_into
+from edit_train.train.checkpoint_reader import gather_checkpoint
 
 BAILING_KEYS = {
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -26,7 +27,7 @@ BAILING_KEYS = {
     "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
     "hidden_act", "use_bias", "use_qkv_bias", "embedding_dropout", "attention_dropout", "output_dropout",
     "rope_scaling", "use_cache", "use_sliding_window", "max_window_layers", "output_router_logits",
-    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype",
+    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "auto_map",
 }
 
 
@@ -177,7 +178,8 @@ def test_export_then_load_gives_identical_logits(tmp_path, variant):
     src = model_of(cfg, seed=1)
     out = export_hf(src, None, tmp_path / "hf", eos_token_id=256)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left behind
-    assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME, "generation_config.json"}
+    assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME, "generation_config.json",
+                                               "configuration_edit_train.py", "modeling_edit_train.py"}
     with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
         assert f.metadata()["format"] == "pt"
         assert set(f.keys()) == expected_hf_names(cfg)
