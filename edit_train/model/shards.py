@@ -5,9 +5,9 @@ A directory holds either one ``model.safetensors`` or shards ``model-0000k-of-00
 ``transformers``' ``save_pretrained`` writes them and the Hub serves them.
 
 Memory: :class:`ShardWriter` holds at most one shard's tensors before it writes them (``safetensors`` writes
-from the tensors' own memory); :func:`iter_tensors` opens one file at a time and hands out one tensor at a time,
-and the file's pages that reading touched are released when it moves on to the next file. So reading or
-writing a directory costs about one shard above what the caller keeps. Nothing unpickles.
+from the tensors' own memory); :func:`iter_tensors` hands out one tensor at a time, each from its own mapping of
+the file, released when the caller lets the tensor go. So writing a directory costs about one shard above what
+the caller keeps, and reading it about one tensor. Nothing unpickles.
 """
 
 from __future__ import annotations
@@ -149,11 +149,16 @@ def header_shapes(files: Mapping[Path, list[str]]) -> dict[str, tuple[int, ...]]
 
 
 def iter_tensors(files: Mapping[Path, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every listed tensor, file by file: one file open at a time."""
+    """``(name, tensor)`` for every listed tensor, file by file. Each tensor is read through its own short-lived
+    ``safe_open``: safetensors maps the file and the tensor it hands out lives in that mapping, whose pages stay
+    resident until the file is closed, so one open per tensor keeps at most one tensor's pages (not a whole
+    shard's) in memory once the caller has copied it and let it go."""
     for path, names in files.items():
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in names:
-                    yield name, f.get_tensor(name)
-        except Exception as exc:  # noqa: BLE001 - safetensors raises several types; nothing else is parsed
-            raise ValueError(f"{path}: not a valid safetensors file ({_why(exc)})") from None
+        for name in names:
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    t = f.get_tensor(name)
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types; nothing else is parsed
+                raise ValueError(f"{path}: not a valid safetensors file ({_why(exc)})") from None
+            yield name, t
+            del t
