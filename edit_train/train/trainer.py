@@ -89,12 +89,14 @@ class Trainer:
         if self.is_main:
             self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
                                            val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
-                                           min_tokens=min_tokens)
+                                           min_tokens=min_tokens, text_column=cfg.data.text_column,
+                                           token_dtype=cfg.data.token_dtype, workers=cfg.data.workers)
         self._barrier()
         if not self.is_main:
             self.data_dir = ensure_dataset(cfg.data.source, cfg.data.tokenizer, cfg.data.cache_dir,
                                            val_fraction=cfg.data.val_fraction, seed=cfg.data.seed,
-                                           min_tokens=min_tokens)
+                                           min_tokens=min_tokens, text_column=cfg.data.text_column,
+                                           token_dtype=cfg.data.token_dtype, workers=cfg.data.workers)
         meta = json.loads((Path(self.data_dir) / "meta.json").read_text())
         if meta["vocab_size"] > cfg.model.vocab_size:
             from edit_train.config import ConfigError
