@@ -25,7 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .corpus import PIECE_BYTES, plan_pieces
+from . import corpus
+from .corpus import plan_pieces
 from .pieces import SPLITS, record_path, tokenize_piece
 from .tokenizer import DataError
 
@@ -140,12 +141,13 @@ def _quiet_worker() -> None:
 
 
 def tokenize_corpus(source: str | None, label: str, work: Path, job: dict[str, Any], workers: int = 0,
-                    piece_bytes: int = PIECE_BYTES, progress: bool = True) -> tuple[dict[str, Any], Stats]:
+                    piece_bytes: int | None = None, progress: bool = True) -> tuple[dict[str, Any], Stats]:
     """Tokenize ``source`` into ``work`` (resuming what is there); returns ``(splits, stats)`` where splits is
     ``{"train": {"files", "tokens", "documents"}, "val": …, "_content_tokens": n}`` with the files renamed to
     ``{split}_{i:05d}.bin``. ``job`` holds the settings every piece shares (tokenizer, dtype, shard_tokens,
     val_fraction, seed, text_column, skip_bad_utf8). Caller holds :func:`locked`."""
     t0 = time.perf_counter()
+    piece_bytes = piece_bytes or corpus.PIECE_BYTES
     fingerprint = {k: job[k] for k in sorted(job)} | {"source": label, "piece_bytes": piece_bytes}
     pieces, n_files = _plan(work, source, piece_bytes, fingerprint)
     jobs = [{**job, "piece": p, "index": i, "work": str(work)} for i, p in enumerate(pieces)]

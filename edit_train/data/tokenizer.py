@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
+
+from edit_train.offline import looks_like_hub_name, offline_hint
 
 __all__ = [
     "DataError",
@@ -24,8 +25,6 @@ __all__ = [
     "tokenizer_id",
     "EOS_CANDIDATES",
 ]
-
-_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 #: The byte tokenizer's end-of-document token, as its Hugging Face file names it.
 BYTE_EOS = "<|endoftext|>"
@@ -90,25 +89,12 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def looks_like_hub_name(spec: str) -> bool:
-    """``org/name`` (a Hugging Face Hub repository id) rather than a path: two plain name parts, no file suffix."""
-    return bool(_HUB_NAME.match(str(spec))) and not Path(str(spec)).suffix
-
-
-def offline_hint(spec: str, key: str, file: str = "") -> str:
-    """The one line for a Hub name where a local path is needed: edit-train downloads nothing."""
-    what = f" {file}" if file else ""
-    return (f"{key}={spec} looks like a Hugging Face Hub name, but edit-train works offline and downloads nothing; "
-            f"fetch it once where you have network (huggingface-cli download {spec}{what} --local-dir DIR) and set "
-            f"{key}=DIR{'/' + file if file else ''}")
-
-
 def _resolve_tokenizer_file(spec: str | os.PathLike[str]) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        if not Path(spec).expanduser().exists() and looks_like_hub_name(str(spec)):
+        if looks_like_hub_name(str(spec)):
             raise DataError(offline_hint(str(spec), "data.tokenizer", "tokenizer.json"))
         raise DataError(
             f"tokenizer file {path} does not exist; pass 'byte' or the path to a HuggingFace tokenizer.json"

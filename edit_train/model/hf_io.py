@@ -25,6 +25,7 @@ from edit_train.model.config import ModelConfig
 from edit_train.model.hf import (CONFIG_NAME, GENERATION_CONFIG_NAME, REMOTE_CODE_FILES, check_same_architecture,
                                  hf_param_shapes, hf_targets, iter_hf_tensors, param_shapes, parse_dtype,
                                  read_hf_config, to_hf_config)
+from edit_train.offline import looks_like_hub_name, offline_hint
 from edit_train.model.shards import DEFAULT_SHARD_BYTES, ShardWriter, header_shapes, iter_tensors, weight_files
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,8 @@ def load_hf_into(model: nn.Module, directory: str | os.PathLike[str]) -> None:
     """
     d = Path(directory)
     if not d.is_dir():
+        if looks_like_hub_name(str(directory)):
+            raise ValueError(offline_hint(str(directory), "model.init_from"))
         raise ValueError(f"{d}: not a directory; model.init_from must name a Hugging Face BailingMoe directory")
     ours: ModelConfig = model.config  # type: ignore[assignment]
     theirs, _ = read_hf_config(d)
