@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from . import corpus
+import edit_train.data.corpus as corpus
 from .corpus import plan_pieces
 from .pieces import SPLITS, record_path, tokenize_piece
 from .tokenizer import DataError
