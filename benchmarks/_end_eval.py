@@ -22,7 +22,7 @@ from edit_train.cluster.mesh import Topology
 from edit_train.config import TrainConfig
 from edit_train.data import ensure_dataset
 from edit_train.data.loader import eval_batches
-from edit_train.model.hf_io import gather_checkpoint
+from edit_train.train.checkpoint_reader import gather_checkpoint
 from edit_train.model.transformer import CausalLM
 from edit_train.train.evaluation import evaluate
 

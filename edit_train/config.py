@@ -28,8 +28,11 @@ class RunConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # "stdlib", a glob of text files, a directory, or a .jsonl file/glob
-    tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json
+    source: str = "stdlib"  # "stdlib", text files (a file, directory or glob), .jsonl, .parquet, or token files
+    tokenizer: str = "byte"  # "byte" or a path to a HF tokenizer.json (or a directory holding one)
+    text_column: str = "text"  # the text field of .jsonl lines / the text column of .parquet files
+    token_dtype: str | None = None  # uint16 | uint32: data.source is pre-tokenized token files of this dtype
+    workers: int = 0  # processes tokenizing a corpus at once; 0 = every core this process may use
     cache_dir: str | None = None  # default: $EDIT_TRAIN_CACHE or ~/.cache/edit-train
     val_fraction: float = DEFAULT_VAL_FRACTION  # 0.02; edit-train-prepare's default too (same cache entry)
     seed: int = 0

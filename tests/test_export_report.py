@@ -85,7 +85,7 @@ def test_export_run_dir_takes_the_common_final_anchor(sweep, tmp_path):
     holds after the final sync (equal to each cluster's replica here), with a tokenizer a HF user loads."""
     from tokenizers import Tokenizer
 
-    from edit_train.cli.export import read_cluster
+    from edit_train.train.checkpoint_reader import open_cluster
 
     run = sweep / "0"
     out = tmp_path / "hf"
@@ -96,12 +96,13 @@ def test_export_run_dir_takes_the_common_final_anchor(sweep, tmp_path):
     line = lines[0]
     for part in ("the common final anchor of clusters c0, c1 (identical in both)", "step 8",
                  f"{run}/checkpoints/{{c0,c1}}/step_00000008", str(out), "1,757,312 params",
-                 "files: config.json, generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json"):
+                 "files: config.json, configuration_edit_train.py, generation_config.json, model.safetensors, "
+                 "modeling_edit_train.py, tokenizer.json, tokenizer_config.json"):
         assert part in line, (part, line)
 
     exported, cfg = hf_params(out)
     for cluster in ("c0", "c1"):
-        ck = read_cluster(run / "checkpoints" / cluster / "step_00000008")
+        ck = open_cluster(run / "checkpoints" / cluster / "step_00000008")
         assert ck.anchor is not None and ck.model_cfg == cfg
         for name, t in ck.anchor.items():
             assert torch.equal(exported[name], t), (cluster, name)
@@ -199,7 +200,7 @@ def test_anchor_names_follow_the_sync_units():
     """export's anchor key -> parameter map is the one the outer state is written with."""
     import dataclasses
 
-    from edit_train.cli.export import anchor_names
+    from edit_train.train.checkpoint_reader import anchor_names
     from edit_train.cluster.mesh import fsdp_units
     from edit_train.local_sgd.round import build_units
     from edit_train.model import CausalLM, load_preset

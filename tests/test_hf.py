@@ -15,9 +15,10 @@ from safetensors.torch import save_file
 
 from conftest import run_train
 from edit_train.model import CausalLM, ModelConfig, load_preset
-from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, from_hf_config, from_hf_state_dict, param_shapes,
+from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, from_hf_config, from_hf_state_dict, hf_param_shapes, param_shapes,
                                  to_hf_config, to_hf_state_dict)
-from edit_train.model.hf_io import export_hf, gather_checkpoint, load_hf_into
+from edit_train.model.hf_io import export_hf, load_hf_into
+from edit_train.train.checkpoint_reader import gather_checkpoint
 
 BAILING_KEYS = {
     "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -26,7 +27,7 @@ BAILING_KEYS = {
     "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
     "hidden_act", "use_bias", "use_qkv_bias", "embedding_dropout", "attention_dropout", "output_dropout",
     "rope_scaling", "use_cache", "use_sliding_window", "max_window_layers", "output_router_logits",
-    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype",
+    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "auto_map",
 }
 
 
@@ -177,7 +178,8 @@ def test_export_then_load_gives_identical_logits(tmp_path, variant):
     src = model_of(cfg, seed=1)
     out = export_hf(src, None, tmp_path / "hf", eos_token_id=256)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary directory left behind
-    assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME, "generation_config.json"}
+    assert {p.name for p in out.iterdir()} == {CONFIG_NAME, WEIGHTS_NAME, "generation_config.json",
+                                               "configuration_edit_train.py", "modeling_edit_train.py"}
     with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
         assert f.metadata()["format"] == "pt"
         assert set(f.keys()) == expected_hf_names(cfg)
@@ -392,3 +394,67 @@ def test_export_cli_user_errors(tiny_run, tmp_path, capsys, case):
         assert (out / "x").read_text() == "keep me"
     else:
         assert not out.exists()
+
+
+# ------------------------------------------------------------------------------- sharded, streaming (issue 39)
+def test_sharded_export_and_import_round_trip(tmp_path):
+    """Shards of at most max_shard_size (a bigger tensor alone), the index transformers writes, and the exact
+    inverse on import; a broken index or a missing shard is one line naming the file."""
+    from edit_train.model.shards import WEIGHTS_INDEX_NAME, parse_size
+
+    cfg = tiny()
+    src = model_of(cfg, seed=6)
+    cap = 200_000
+    out = export_hf(src, None, tmp_path / "hf", max_shard_size=cap, eos_token_id=256)
+    index = json.loads((out / WEIGHTS_INDEX_NAME).read_text())
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    n = len(shards)
+    assert n > 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (out / WEIGHTS_NAME).exists()
+    assert set(index["weight_map"]) == expected_hf_names(cfg) and set(index["weight_map"].values()) == set(shards)
+    sizes = {}
+    for shard in shards:
+        with safe_open(str(out / shard), framework="pt") as f:
+            sizes[shard] = [f.get_slice(k).get_shape() for k in f.keys()]
+            assert f.metadata()["format"] == "pt"
+    nbytes = {s: sum(4 * math.prod(shape) for shape in shapes) for s, shapes in sizes.items()}
+    assert index["metadata"]["total_size"] == sum(nbytes.values())
+    assert all(b <= cap or len(sizes[s]) == 1 for s, b in nbytes.items())  # a bigger tensor gets its own shard
+
+    dst = model_of(cfg, seed=7)
+    load_hf_into(dst, out)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(logits_of(src, ids), logits_of(dst, ids))
+
+    (out / shards[1]).unlink()
+    with pytest.raises(ValueError, match=rf"{shards[1]}: listed in {WEIGHTS_INDEX_NAME} but missing"):
+        load_hf_into(dst, out)
+    (out / WEIGHTS_INDEX_NAME).write_text("{")
+    with pytest.raises(ValueError, match="unreadable index"):
+        load_hf_into(dst, out)
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size(1000) == 1000
+    with pytest.raises(ValueError, match="shard size '5 parsecs'"):
+        parse_size("5 parsecs")
+
+
+def test_streaming_peak_memory_is_one_shard(tmp_path):
+    """The small, fast version of benchmarks/hf_shards.py: a sharded checkpoint written by the test, imported
+    into a model and exported again, each with peak RSS above the process's baseline (the model's own share)
+    within 1.5 x one shard — not the model's size (4 shards here) — and bit-exact."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hf_shards
+
+    cfg = ModelConfig(vocab_size=32000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, num_experts=16, num_shared_experts=1,
+                      num_experts_per_tok=2, moe_intermediate_size=512, intermediate_size=1024,
+                      first_k_dense_replace=1)
+    shard = 20 * 10**6  # the largest tensor (the embedding, 16.4 MB in bf16) fits one shard
+    write = hf_shards.phase_write(cfg, tmp_path / "src", shard)
+    trip = hf_shards.phase_round_trip(cfg, tmp_path / "src", tmp_path / "dst", shard)
+    assert write["files"] >= 5 and trip["model_bytes"] > 3 * shard
+    for what in ("import", "export"):
+        assert trip[what]["peak_above_baseline"] <= 1.5 * shard, (what, trip[what])
+    same = hf_shards.phase_compare(tmp_path / "src", tmp_path / "dst")
+    assert same["equal"] and same["tensors"] == len(hf_param_shapes(cfg)), same

@@ -150,3 +150,33 @@ def test_readme_export_and_sweep_report_commands_run(tmp_path, tmp_path_factory,
             if "*" in command:
                 assert "multirun.yaml: not a run directory" in proc.stderr, proc.stderr
                 assert proc.stdout.count("| edit |") == 2, proc.stdout
+
+
+def test_readme_transformers_snippet_runs(tmp_path, tmp_path_factory, small_corpus):
+    """The README's "load it in transformers" block, run verbatim by a fresh Python in a directory whose `hf/demo`
+    is the export of a real two-cluster run, exactly as the README's export command writes it."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[dev]')")
+    from conftest import cli_env
+    from edit_train.cli.export import main
+    from test_export_report import tiny_sweep
+
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "trust_remote_code=True" in b]
+    assert len(blocks) == 1, "the README shows one transformers loading snippet"
+    assert "`trust_remote_code=True` lets `transformers` run Python files shipped in the model folder" in README
+    (export,) = [c for c in _readme_commands("edit-train-export") if "--out hf/demo" in c]
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    args = shlex.split(export)[2:]
+    args[args.index("--out") + 1] = str(cwd / args[args.index("--out") + 1])  # relative to where the snippet runs
+    main([str(tiny_sweep(tmp_path_factory, small_corpus) / "0"), *args])
+    proc = subprocess.run([sys.executable, "-c", blocks[0]], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env=cli_env(HF_HUB_OFFLINE="1", PYTHONPATH=os.environ.get("PYTHONPATH", "")))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("def main():") and "[y/N]" not in proc.stdout, proc.stdout

@@ -3,6 +3,8 @@ setting), the shared validation every cluster evaluates on, and the tokenizer ev
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from conftest import tiny_overrides
 from edit_train.config import ConfigError, cluster_specs, validate
 from edit_train.data import DataError, ensure_dataset, eval_batches, tokenizer_id
 from edit_train.data import families as fam
-from edit_train.data.corpus import list_documents, split_source
+from edit_train.data.corpus import plan_pieces, planned_sides
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.membership import Membership, MembershipConfig
 from edit_train.local_sgd.protocols import Member, Quorum
@@ -86,13 +88,26 @@ def test_every_family_holds_the_convergence_benchmarks_longest_run() -> None:
 
 def test_a_document_is_on_the_same_side_in_every_source_that_holds_it() -> None:
     def val_keys(source: str) -> set[str]:
-        docs, _ = list_documents(source)
-        return {d.key for d, v in zip(docs, split_source(docs, 0.02, 0, source)) if v}
+        pieces = [dataclasses.asdict(p) for p in plan_pieces(source)[0]]  # what edit-train-prepare splits by
+        return {key for key, side in planned_sides(source, pieces, 0.02, 0).items() if side == "val"}
 
     per_family = {name: val_keys(f"stdlib:{name}") for name in fam.NAMES}
     assert all(per_family.values())
     assert val_keys("stdlib:net+systems") == per_family["net"] | per_family["systems"]
     assert val_keys("stdlib:all") == set().union(*per_family.values())
+
+
+def test_preparing_a_family_source_writes_its_planned_val_documents(tmp_path: Path) -> None:
+    """The pool's pieces follow the planned split: with the byte tokenizer the val split holds exactly the planned
+    val files' bytes, one end-of-document id after each (the per-document hash alone would pick other files)."""
+    source = "stdlib:net"
+    pieces = [dataclasses.asdict(p) for p in plan_pieces(source)[0]]
+    sides = planned_sides(source, pieces, 0.02, 0)
+    paths = {k: p for piece in pieces for p, k in zip(piece["paths"], piece["keys"])}
+    val = [k for k, side in sides.items() if side == "val"]
+    meta = json.loads((ensure_dataset(source, cache_dir=tmp_path, progress=False, workers=1) / "meta.json").read_text())
+    assert meta["splits"]["val"]["documents"] == len(val)
+    assert meta["splits"]["val"]["tokens"] == sum(os.path.getsize(paths[k]) + 1 for k in val)
 
 
 def test_an_unknown_family_is_one_line() -> None:

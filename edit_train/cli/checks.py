@@ -285,6 +285,19 @@ def check_data(cfg: Any) -> None:
     check_tokenizers(cfg, specs)
 
 
+def check_init_from(init_from: str | None) -> None:
+    """Fail early when `model.init_from` names nothing on disk (a Hub name: the offline line)."""
+    if not init_from or os.path.isdir(os.path.expanduser(init_from)):
+        return
+    from edit_train.config import ConfigError
+    from edit_train.offline import looks_like_hub_name, offline_hint
+
+    if looks_like_hub_name(init_from):
+        raise ConfigError(offline_hint(init_from, "model.init_from"))
+    raise ConfigError(f"model.init_from={init_from}: not a directory; give a Hugging Face BailingMoe directory "
+                      f"(config.json + safetensors), e.g. one written by edit-train-export")
+
+
 def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
     """Compose and validate the config of a single run and check its `run.dir` before Hydra creates it, so
     a user mistake fails in one line and leaves nothing behind. Returns the guard of `run.dir` and, when
@@ -300,6 +313,7 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
         check_run_lock(cfg)  # another process writing one of our clusters: say who, before anything else
         check_run_dir(cfg.run.dir, cfg.resume, job_cluster(cfg))
         check_data(cfg)
+        check_init_from(cfg.model.init_from)
         if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: check its cluster's
             from edit_train.cluster.mesh import check_shape       # size before Hydra creates run.dir
             from edit_train.config import cluster_specs

@@ -9,6 +9,7 @@ Typical use (what the trainer does)::
 
 from .tokenizer import ByteTokenizer, DataError, HFTokenizer, load_tokenizer, tokenizer_id
 from .prepare import (
+    prepare_with_stats,
     dataset_key,
     default_cache_dir,
     dtype_for_vocab,
@@ -36,6 +37,7 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_id",
     "prepare_corpus",
+    "prepare_with_stats",
     "ensure_dataset",
     "default_cache_dir",
     "dataset_key",

@@ -1,7 +1,16 @@
-"""Corpus discovery and reading: which files/lines are documents, their UTF-8 text, the train/val split.
+"""Corpus discovery and reading: which files hold documents, how they are cut into *pieces* (units of work that
+``edit-train-prepare`` hands to its processes), each document's text and key, and the train/val split.
 
-Sources: the running interpreter's standard library (the demo corpus), a glob of text files, a directory,
-or JSONL with a ``text`` field. Every user error is a one-line :class:`DataError` naming the file.
+Sources: the running interpreter's standard library (the demo corpus) or some of its package families
+(``stdlib:<family>[+...]``, :mod:`edit_train.data.families`), a file, a directory, or a glob of text
+files (a file is a document), ``.jsonl`` files (a line is a document: a JSON object with a string text field)
+and ``.parquet`` files (a row is a document: a string column, ``text`` by default). Every user error is a
+one-line :class:`DataError` naming the file (and line or row).
+
+A document's *key* is its file's path relative to the source's fixed directory, plus ``:LINE`` (JSONL, 1-based)
+or ``#ROW`` (Parquet, 0-based); the split hashes it, so it does not depend on where the corpus lives, on the
+order files are read in, or on how the work is cut into pieces. A family source's split is planned per family
+by size before tokenizing (`planned_sides`), so a document is on the same side in every source that holds it.
 """
 
 from __future__ import annotations
@@ -11,9 +20,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from .families import family_files, family_of, is_family_source, stdlib_root
 from .tokenizer import DataError
@@ -22,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
                                    "__pycache__"})
+PIECE_BYTES = 64 << 20  # work per piece: files are grouped, a JSONL file cut at line ends, Parquet by row group
 
 
 def is_stdlib(source: str | None) -> bool:
@@ -43,61 +53,13 @@ def stdlib_files() -> list[Path]:
     return sorted(found)
 
 
-# ------------------------------------------------------------------------------------------------- documents
+def kind_of(path: Path) -> str:
+    """``jsonl`` | ``parquet`` | ``text``, from the file name."""
+    suffix = path.suffix.lower()
+    return "jsonl" if suffix == ".jsonl" else "parquet" if suffix == ".parquet" else "text"
 
 
-@dataclass(frozen=True)
-class Doc:
-    key: str  # stable, machine-independent name used for the split hash
-    path: Path
-    line: int | None = None  # 1-based line number for JSONL documents
-
-
-def _utf8_error(path: Path, raw: bytes, exc: UnicodeDecodeError, base: int = 0, line: int | None = None) -> DataError:
-    where = f"{path}:{line}" if line is not None else str(path)
-    bad = raw[exc.start : exc.start + 1].hex()
-    return DataError(
-        f"{where}: not valid UTF-8 (byte 0x{bad} at byte offset {base + exc.start}); convert the file to UTF-8 "
-        "(e.g. iconv -f latin1 -t utf-8) or remove it from the corpus"
-    )
-
-
-def _jsonl_text(path: Path, line_no: int, raw: bytes, base: int) -> str:
-    """Parse one JSONL line into its ``text`` (raises DataError naming file:line)."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise _utf8_error(path, raw, exc, base=base, line=line_no) from None
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno}); "
-            'each line must be a JSON object with a string "text" field'
-        ) from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        what = "not a JSON object" if not isinstance(obj, dict) else (
-            'no "text" field' if "text" not in obj else f'"text" is a {type(obj["text"]).__name__}, not a string'
-        )
-        raise DataError(f'{path}:{line_no}: {what}; each line must be a JSON object with a string "text" field')
-    return obj["text"]
-
-
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, str]]:
-    """Yield (line number, text) for every non-blank line of a JSONL file."""
-    base = 0
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, start=1):
-            if raw.strip():
-                yield line_no, _jsonl_text(path, line_no, raw, base)
-            base += len(raw)
-
-
-def _is_jsonl(path: Path) -> bool:
-    return path.suffix.lower() == ".jsonl"
-
-
-def _resolve_files(source: str | None) -> tuple[list[Path], Path]:
+def resolve_files(source: str | None) -> tuple[list[Path], Path]:
     """The corpus files in a deterministic order, and the directory their keys are relative to."""
     if is_family_source(source):
         assert source is not None
@@ -135,97 +97,181 @@ def _glob_root(pattern: str) -> Path:
     return Path(*fixed) if fixed else Path(".")
 
 
-def list_documents(source: str | None) -> tuple[list[Doc], int]:
-    """All non-empty documents of the source (and how many files were looked at)."""
-    files, root = _resolve_files(source)
-    docs: list[Doc] = []
+# --------------------------------------------------------------------------------------------------- pieces
+@dataclass(frozen=True)
+class Piece:
+    """A unit of work: ``text`` — whole files (``paths``/``keys``), each a document; ``jsonl`` — the lines of
+    ``paths[0]`` in bytes ``[start, stop)`` (cut at line ends), the first of them line ``first_line``;
+    ``parquet`` — row group ``start`` of ``paths[0]``, whose first row is row ``first_line`` of the file."""
+    kind: str
+    paths: tuple[str, ...]
+    keys: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+    first_line: int = 1
+    nbytes: int = 0
+
+
+def _jsonl_cuts(path: Path, piece_bytes: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, first line)`` byte ranges of about ``piece_bytes``, each ending after a newline (or at EOF).
+    Counting the lines before each cut reads the file once (fast, in 1 MiB blocks, nothing kept)."""
+    size = path.stat().st_size
+    cuts, start, line = [], 0, 1
+    with open(path, "rb") as fh:
+        while start < size:
+            stop = min(size, start + piece_bytes)
+            if stop < size:
+                fh.seek(stop)
+                rest = fh.readline()
+                stop += len(rest)
+            fh.seek(start)
+            newlines, left = 0, stop - start
+            while left:
+                block = fh.read(min(left, 1 << 20))
+                newlines += block.count(b"\n")
+                left -= len(block)
+            cuts.append((start, stop, line))
+            start, line = stop, line + newlines
+    return cuts
+
+
+def plan_pieces(source: str | None, piece_bytes: int = PIECE_BYTES) -> tuple[list[Piece], int]:
+    """The corpus cut into pieces in document order, and how many files it has."""
+    from .parquet import row_groups
+
+    files, root = resolve_files(source)
+    pieces: list[Piece] = []
+    batch: list[tuple[str, str]] = []
+    batch_bytes = 0
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes
+        if batch:
+            pieces.append(Piece("text", tuple(p for p, _ in batch), tuple(k for _, k in batch), nbytes=batch_bytes))
+            batch, batch_bytes = [], 0
+
     for path in files:
-        key = path.relative_to(root).as_posix()
-        if _is_jsonl(path):
-            for line_no, text in _iter_jsonl(path):
-                if text:
-                    docs.append(Doc(f"{key}:{line_no}", path, line_no))
-        elif path.stat().st_size > 0:
-            docs.append(Doc(key, path))
-    return docs, len(files)
+        key, kind, size = path.relative_to(root).as_posix(), kind_of(path), path.stat().st_size
+        if kind == "text":
+            if size:
+                batch.append((str(path), key))
+                batch_bytes += size
+                if batch_bytes >= piece_bytes:
+                    flush()
+            continue
+        flush()
+        if kind == "jsonl":
+            for start, stop, line in _jsonl_cuts(path, piece_bytes):
+                pieces.append(Piece("jsonl", (str(path),), (key,), start, stop, line, stop - start))
+        else:
+            for group, first_row, nbytes in row_groups(path):
+                pieces.append(Piece("parquet", (str(path),), (key,), group, group + 1, first_row, nbytes))
+    flush()
+    return pieces, len(files)
 
 
-class DocReader:
-    """Reads documents' texts in listing order, opening each JSONL file once."""
+# ----------------------------------------------------------------------------------------------- documents
+def _utf8_error(where: str, raw: bytes, exc: UnicodeDecodeError, base: int = 0) -> DataError:
+    bad = raw[exc.start : exc.start + 1].hex()
+    return DataError(
+        f"{where}: not valid UTF-8 (byte 0x{bad} at byte offset {base + exc.start}); convert the file to UTF-8 "
+        "(e.g. iconv -f latin1 -t utf-8) or remove it from the corpus"
+    )
 
-    def __init__(self, skip_bad_utf8: bool = False) -> None:
-        self.skip_bad_utf8 = skip_bad_utf8
-        self._jsonl_path: Path | None = None
-        self._jsonl_iter: Iterator[tuple[int, str]] | None = None
 
-    def read(self, doc: Doc) -> str | None:
-        if doc.line is None:
-            raw = doc.path.read_bytes()
+def _jsonl_text(path: str, line_no: int, raw: bytes, base: int, column: str) -> str:
+    """Parse one JSONL line into its text field (raises DataError naming file:line)."""
+    want = f'each line must be a JSON object with a string "{column}" field (data.text_column)'
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _utf8_error(f"{path}:{line_no}", raw, exc, base=base) from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno}); {want}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get(column), str):
+        what = "not a JSON object" if not isinstance(obj, dict) else (
+            f'no "{column}" field' if column not in obj else f'"{column}" is a {type(obj[column]).__name__}, not a string'
+        )
+        raise DataError(f"{path}:{line_no}: {what}; {want}")
+    return obj[column]
+
+
+def read_piece(piece: Piece, text_column: str = "text", skip_bad_utf8: bool = False) -> Iterator[tuple[str, str]]:
+    """``(key, text)`` of every non-empty document of a piece, in order."""
+    if piece.kind == "text":
+        for path, key in zip(piece.paths, piece.keys):
+            raw = Path(path).read_bytes()
             try:
-                return raw.decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                if self.skip_bad_utf8:
-                    log.info("skipping %s: not valid UTF-8", doc.path)  # the stdlib's deliberately mis-encoded tests
-                    return None
-                raise _utf8_error(doc.path, raw, exc) from None
-        if self._jsonl_path != doc.path:
-            self._jsonl_path, self._jsonl_iter = doc.path, _iter_jsonl(doc.path)
-        assert self._jsonl_iter is not None
-        for line_no, text in self._jsonl_iter:
-            if line_no == doc.line:
-                return text
-        raise DataError(f"{doc.path}: changed while being read (line {doc.line} vanished); prepare again")
+                if skip_bad_utf8:
+                    log.info("skipping %s: not valid UTF-8", path)  # the stdlib's deliberately mis-encoded tests
+                    continue
+                raise _utf8_error(path, raw, exc) from None
+            if text:
+                yield key, text
+    elif piece.kind == "jsonl":
+        path, line_no, base = piece.paths[0], piece.first_line, piece.start
+        with open(path, "rb") as fh:
+            fh.seek(piece.start)
+            while base < piece.stop:
+                raw = fh.readline()
+                if not raw:
+                    break
+                if raw.strip():
+                    text = _jsonl_text(path, line_no, raw, base, text_column)
+                    if text:
+                        yield f"{piece.keys[0]}:{line_no}", text
+                base += len(raw)
+                line_no += 1
+    else:
+        from .parquet import iter_texts
+
+        for row, text in iter_texts(Path(piece.paths[0]), piece.start, piece.first_line, text_column):
+            if text:
+                yield f"{piece.keys[0]}#{row}", text
 
 
-def split_source(docs: list[Doc], val_fraction: float, seed: int, source: str | None) -> list[bool]:
-    """Per document: True when it goes to val. A standard-library family source splits each family on its own
-    (`split_by_size`), so every source holding a document agrees on its side; any other source is split whole
-    (`split_fractions`)."""
-    if not is_family_source(source):
-        return split_fractions(docs, val_fraction, seed)
-    by_family: dict[str, list[int]] = {}
-    for i, doc in enumerate(docs):
-        by_family.setdefault(family_of(doc.key), []).append(i)
-    is_val = [False] * len(docs)
-    for members in by_family.values():
-        for i, v in zip(members, split_by_size([docs[i] for i in members], val_fraction, seed)):
-            is_val[i] = v
-    return is_val
-
-
-def _score(seed: int, doc: Doc) -> float:
-    """A document's place in [0, 1) for the split: a hash of the seed and its key (machine-independent)."""
-    h = hashlib.sha1(f"{seed}\0{doc.key}".encode("utf-8")).digest()
+# ------------------------------------------------------------------------------------------------- the split
+def split_score(key: str, seed: int) -> float:
+    """A document's place in [0, 1): it goes to val when below ``val_fraction`` (unless `planned_sides` says)."""
+    h = hashlib.sha1(f"{seed}\0{key}".encode("utf-8")).digest()
     return int.from_bytes(h[:8], "big") / 2.0**64
 
 
-def split_by_size(docs: list[Doc], val_fraction: float, seed: int) -> list[bool]:
-    """Per document: True when it goes to val. Documents in the order of their hash go to val until they hold
-    val_fraction of the bytes (a family of a few hundred files split by count alone can end up with one small
-    file of val); ≥1 each side when ≥2 docs."""
+def planned_sides(source: str | None, pieces: list[dict], val_fraction: float, seed: int) -> dict[str, str]:
+    """``{key: "train" | "val"}`` for the documents whose side is decided over their whole source before any is
+    tokenized: a standard-library family source (``pieces``: its text pieces, as dicts) splits each family on its
+    own by size (`split_by_size`), so every source holding a document puts it on the same side (``stdlib:net+
+    systems``'s val is exactly ``stdlib:net``'s and ``stdlib:systems``'s). Empty for any other source: each
+    document's `split_score` decides as it is read."""
+    if not is_family_source(source):
+        return {}
+    by_family: dict[str, list[tuple[str, int]]] = {}
+    for piece in pieces:
+        for path, key in zip(piece["paths"], piece["keys"]):
+            by_family.setdefault(family_of(key), []).append((key, os.path.getsize(path)))
+    sides: dict[str, str] = {}
+    for docs in by_family.values():
+        sides.update(split_by_size(docs, val_fraction, seed))
+    return sides
+
+
+def split_by_size(docs: list[tuple[str, int]], val_fraction: float, seed: int) -> dict[str, str]:
+    """The side of each ``(key, bytes)`` document: in the order of their `split_score` documents go to val until
+    they hold val_fraction of the bytes (a family of a few hundred files split by count alone can end up with one
+    small file of val); ≥1 each side when ≥2 docs."""
+    sides = {key: "train" for key, _ in docs}
     if not docs or val_fraction <= 0:
-        return [False] * len(docs)
-    sizes = [doc.path.stat().st_size for doc in docs]
-    target, held = val_fraction * sum(sizes), 0
-    is_val = [False] * len(docs)
-    for i in sorted(range(len(docs)), key=lambda i: _score(seed, docs[i])):
+        return sides
+    ranked = sorted(docs, key=lambda d: split_score(d[0], seed))
+    target, held = val_fraction * sum(size for _, size in docs), 0
+    for key, size in ranked:
         if held >= target:
             break
-        is_val[i], held = True, held + sizes[i]
-    if len(docs) >= 2 and all(is_val):
-        is_val[max(range(len(docs)), key=lambda i: _score(seed, docs[i]))] = False
-    return is_val
-
-
-def split_fractions(docs: list[Doc], val_fraction: float, seed: int) -> list[bool]:
-    """Per document: True when it goes to val. ~val_fraction of docs, ≥1 each side when ≥2 docs."""
-    if not docs or val_fraction <= 0:
-        return [False] * len(docs)
-    scores = [_score(seed, doc) for doc in docs]
-    is_val = [s < val_fraction for s in scores]
-    if len(docs) >= 2:
-        if not any(is_val):
-            is_val[min(range(len(docs)), key=scores.__getitem__)] = True
-        if all(is_val):
-            is_val[max(range(len(docs)), key=scores.__getitem__)] = False
-    return is_val
+        sides[key], held = "val", held + size
+    if len(docs) >= 2 and "train" not in sides.values():
+        sides[ranked[-1][0]] = "train"
+    return sides

@@ -5,7 +5,7 @@ idlelib and lib2to3 kept, unlike the default ``stdlib`` source) belongs to exact
 top-level package or module name (``email/...`` and ``smtplib.py`` are ``net``); a name no family lists is
 ``core``. A data source ``stdlib:<family>[+<family>...]`` is those families' files; ``stdlib:all`` is every
 family. Document keys stay relative to the standard library's root and each family is split into train/val on
-its own (`split_by_family`), so a document is in the val split of every source that holds it or of none:
+its own (`corpus.planned_sides`), so a document is in the val split of every source that holds it or of none:
 ``stdlib:net+systems`` has exactly the val documents of ``stdlib:net`` and ``stdlib:systems`` together.
 
 `GROUPS` says which families each cluster of an N-cluster ``data.split=by_family`` run trains on.

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .prepare import SPLITS, read_meta
+from .prepare import SPLITS, read_meta, shard_span
 from .tokenizer import DataError
 
 __all__ = ["TokenDataset", "TokenLoader", "eval_batches", "interleaved_windows"]
@@ -37,11 +37,13 @@ class TokenDataset:
         self.vocab_size: int = int(self.meta["vocab_size"])
         self.eos_id: int | None = self.meta.get("eos_id")
         self._shards: list[np.memmap] = []
-        for name in self.meta["splits"][split]["files"]:
-            path = self.data_dir / name
-            if path.stat().st_size == 0:
+        for entry in self.meta["splits"][split]["files"]:
+            path, start, stop = shard_span(self.data_dir, entry)
+            count = (path.stat().st_size // self.dtype.itemsize if stop is None else stop) - start
+            if count == 0:
                 continue
-            self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+            self._shards.append(np.memmap(path, dtype=self.dtype, mode="r", offset=start * self.dtype.itemsize,
+                                          shape=(count,)))
         sizes = np.array([len(s) for s in self._shards], dtype=np.int64)
         # _starts[i] = global index of shard i's first token; _starts[-1] = total tokens
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

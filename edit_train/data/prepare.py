@@ -2,15 +2,24 @@
 
 Layout of a prepared dataset directory::
 
-    meta.json            {"version": 1, "tokenizer", "tokenizer_id", "vocab_size", "eos_id", "dtype", ...,
+    meta.json            {"version": 2, "tokenizer", "tokenizer_id", "vocab_size", "eos_id", "dtype", ...,
                           "splits": {"train": {"files", "tokens", "documents"}, "val": {...}}}
     train_00000.bin      raw little-endian uint16/uint32 token ids, at most ``shard_tokens`` per file
     val_00000.bin
 
-A *document* is a file (text sources) or a line (JSONL sources). Each document's tokens are followed by the
-tokenizer's end-of-document id (when it has one) and documents are concatenated per split. The train/val split
-is by document, decided by a hash of the document's key and the seed, so it does not depend on file order or
-on the machine.
+A *document* is a file (text sources), a line (JSONL) or a row (Parquet). Each document's tokens are followed by
+the tokenizer's end-of-document id (when it has one) and documents are concatenated per split. The train/val split
+is by document, decided by a hash of the document's key and the seed, so it does not depend on file order, on how
+the work is cut, or on the machine (a standard-library family source: each family's documents in hash order until
+they hold ``val_fraction`` of its bytes, the same in every source holding the family). A pre-tokenized source
+(``token_dtype``) is not copied: its meta.json lists the token files themselves (``{"path", "start", "stop"}``
+entries, see :mod:`edit_train.data.tokens`).
+
+Preparing streams: the corpus is cut into pieces (:func:`~edit_train.data.corpus.plan_pieces`), each tokenized by
+one process of a pool (all cores by default) into its own files (:mod:`edit_train.data.pieces`), in
+``<out>.partial/``; memory per process is bounded by a piece, not by the corpus. A stopped preparation (Ctrl-C,
+a kill, a crash) resumes with the pieces that have no record yet; a user error (bad file, bad line) removes the
+partial directory. Concurrent preparers of one directory take turns (an exclusive lock in it).
 """
 
 from __future__ import annotations
@@ -22,13 +31,13 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from .corpus import Doc, DocReader, is_stdlib, list_documents, split_source, stdlib_files
+from .corpus import is_stdlib, stdlib_files
 from .families import is_family_source
+from .tokenize import Stats, locked, tokenize_corpus
 from .tokenizer import DataError, load_tokenizer, tokenizer_id
 
 __all__ = [
@@ -105,8 +114,8 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
         ):
             raise DataError(f"{path} is corrupt (missing or malformed splits.{split}); {redo}")
         total = 0
-        for name in info["files"]:
-            shard = data_dir / str(name)
+        for entry in info["files"]:
+            shard, start, stop = shard_span(data_dir, entry)
             if not shard.is_file():
                 raise DataError(f"shard {shard} listed in {path} is missing; {redo}")
             size = shard.stat().st_size
@@ -114,12 +123,22 @@ def read_meta(data_dir: str | os.PathLike[str]) -> dict[str, Any]:
                 raise DataError(
                     f"shard {shard} has {size} bytes, not a multiple of {itemsize} ({meta['dtype']}); {redo}"
                 )
-            total += size // itemsize
+            if stop is not None and not 0 <= start <= stop <= size // itemsize:
+                raise DataError(f"shard {shard} holds {size // itemsize} tokens, fewer than {path} uses; {redo}")
+            total += (size // itemsize if stop is None else stop) - start
         if total != info["tokens"]:
             raise DataError(
                 f"shards of split {split!r} in {data_dir} hold {total} tokens but {path} says {info['tokens']}; {redo}"
             )
     return meta
+
+
+def shard_span(data_dir: Path, entry: Any) -> tuple[Path, int, int | None]:
+    """A ``splits.*.files`` entry: a file name in the dataset directory (all its tokens), or ``{"path", "start",
+    "stop"}`` (a pre-tokenized source's file, tokens ``[start, stop)``) -> (path, start, stop or None)."""
+    if isinstance(entry, dict):
+        return Path(str(entry.get("path"))), int(entry.get("start", 0)), int(entry["stop"])
+    return data_dir / str(entry), 0, None
 
 
 def _check_min_tokens(meta: dict[str, Any], min_tokens: int, where: str) -> None:
@@ -129,48 +148,6 @@ def _check_min_tokens(meta: dict[str, Any], min_tokens: int, where: str) -> None
             f"corpus {where} has only {train} training tokens but at least {min_tokens} are needed "
             "(batch_size × (seq_len+1)); use a larger corpus or reduce train.batch_size / train.seq_len"
         )
-
-
-class _ShardWriter:
-    """Appends tokens to ``{split}_{i:05d}.bin`` files of at most ``shard_tokens`` tokens each."""
-
-    def __init__(self, out_dir: Path, split: str, dtype: str, shard_tokens: int) -> None:
-        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.files: list[str] = []
-        self.tokens = 0
-        self.documents = 0
-        self._fh: BinaryIO | None = None
-        self._in_shard = 0
-
-    def write(self, tokens: np.ndarray) -> None:
-        arr = np.ascontiguousarray(tokens, dtype=self.dtype)
-        pos = 0
-        while pos < len(arr):
-            if self._fh is None or self._in_shard >= self.shard_tokens:
-                self._roll()
-            assert self._fh is not None
-            take = min(len(arr) - pos, self.shard_tokens - self._in_shard)
-            self._fh.write(arr[pos : pos + take].tobytes())
-            pos += take
-            self._in_shard += take
-            self.tokens += take
-
-    def _roll(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-        name = f"{self.split}_{len(self.files):05d}.bin"
-        self._fh = open(self.out_dir / name, "wb")
-        self.files.append(name)
-        self._in_shard = 0
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-    def info(self) -> dict[str, Any]:
-        return {"files": list(self.files), "tokens": self.tokens, "documents": self.documents}
 
 
 # ---------------------------------------------------------------------------------------------------- public
@@ -194,14 +171,28 @@ def prepare_corpus(
     seed: int = 0,
     min_tokens: int = 0,
     progress: bool = True,
+    text_column: str = "text",
+    token_dtype: str | None = None,
+    workers: int = 0,
 ) -> dict[str, Any]:
     """Tokenize ``source`` into train/val token shards under ``out_dir``; return the metadata.
 
     ``source``: ``None``/``"stdlib"`` (this interpreter's standard library ``*.py`` files), a file, a directory
-    (all files below it), a glob (``recursive=True``), or ``.jsonl`` files whose lines are ``{"text": ...}``.
-    If ``out_dir`` already holds a valid dataset it is returned as is (cache hit). Otherwise everything is
-    written to ``<out_dir>.tmp-<pid>`` and renamed into place at the end; on error the temp dir is removed.
+    (all files below it), a glob (``recursive=True``), ``.jsonl`` files (a line is a document, its text in
+    ``text_column``) or ``.parquet`` files (a row is a document, its text in column ``text_column``). With
+    ``token_dtype`` (``uint16``/``uint32``) the source is pre-tokenized flat token files instead, used in place.
+    ``workers``: processes tokenizing at once (0: every core this process may use). If ``out_dir`` already holds
+    a valid dataset it is returned as is (cache hit); a stopped preparation of it resumes.
     """
+    return prepare_with_stats(source, out_dir, tokenizer, val_fraction, shard_tokens, seed, min_tokens, progress,
+                              text_column, token_dtype, workers)[0]
+
+
+def prepare_with_stats(source: str | None, out_dir: str | os.PathLike[str], tokenizer: str = "byte",
+                       val_fraction: float = DEFAULT_VAL_FRACTION, shard_tokens: int = 16_000_000, seed: int = 0,
+                       min_tokens: int = 0, progress: bool = True, text_column: str = "text",
+                       token_dtype: str | None = None, workers: int = 0) -> tuple[dict[str, Any], Stats | None]:
+    """:func:`prepare_corpus`, and how the tokenizing went (None on a cache hit or a pre-tokenized source)."""
     _validate_args(val_fraction, shard_tokens, min_tokens)
     out_dir = Path(out_dir).expanduser()
     label = _source_label(source)
@@ -210,118 +201,74 @@ def prepare_corpus(
         meta = read_meta(out_dir)
         _warn_if_different(meta, out_dir, label, tokenizer, val_fraction, seed)
         _check_min_tokens(meta, min_tokens, f"{label} ({out_dir})")
-        return meta
+        return meta, None
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise DataError(f"output {out_dir} exists but is not a prepared dataset (no meta.json); "
                         "remove it or choose another output directory")
 
     tok = load_tokenizer(tokenizer)
-    tok_id = tokenizer_id(tokenizer)
-    dtype = dtype_for_vocab(tok.vocab_size)
-    docs, n_files = list_documents(source)
-    if not docs:
-        raise DataError(f"corpus {label} contains no text ({n_files} file(s), all empty); "
-                        "point the source at non-empty text files")
+    meta = {
+        "version": META_VERSION,
+        "tokenizer": str(tokenizer),
+        "tokenizer_id": tokenizer_id(tokenizer),
+        "vocab_size": int(tok.vocab_size),
+        "eos_id": tok.eos_id,
+        "dtype": dtype_for_vocab(tok.vocab_size),
+        "source": label,
+        "seed": int(seed),
+        "val_fraction": float(val_fraction),
+        "shard_tokens": int(shard_tokens),
+        "python": sys.version.split()[0],
+    }
+    if token_dtype is not None:
+        from .tokens import token_splits
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        tmp.mkdir()
-        splits = _write_splits(tmp, docs, tok, dtype, val_fraction, shard_tokens, seed, progress,
-                               skip_bad_utf8=is_stdlib(source), source=source)
-        content = splits.pop("_content_tokens")
-        if content == 0:
-            raise DataError(f"corpus {label} contains no text ({len(docs)} document(s) produced no tokens); "
-                            "point the source at non-empty text files")
-        meta = {
-            "version": META_VERSION,
-            "tokenizer": str(tokenizer),
-            "tokenizer_id": tok_id,
-            "vocab_size": int(tok.vocab_size),
-            "eos_id": tok.eos_id,
-            "dtype": dtype,
-            "source": label,
-            "seed": int(seed),
-            "val_fraction": float(val_fraction),
-            "shard_tokens": int(shard_tokens),
-            "python": sys.version.split()[0],
-            "splits": splits,
-        }
+        meta.update(token_splits(source, label, token_dtype, tok, tokenizer, val_fraction))
         _check_min_tokens(meta, min_tokens, label)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _publish_meta(meta, out_dir)
+        return meta, None
+    if text_column != "text":
+        meta["text_column"] = text_column
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = out_dir.parent / f"{out_dir.name}.partial"
+    with locked(work):
+        if (out_dir / "meta.json").is_file():  # another process finished it while we waited
+            return read_meta(out_dir), None
         try:
-            if out_dir.is_dir():  # an empty directory we are allowed to replace
-                out_dir.rmdir()
-            os.replace(tmp, out_dir)
-        except OSError:
-            # Someone else (another rank/process) finished the same dataset first: use theirs.
-            if (out_dir / "meta.json").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-                return read_meta(out_dir)
+            job = {"tokenizer": str(tokenizer), "dtype": meta["dtype"], "shard_tokens": int(shard_tokens),
+                   "val_fraction": float(val_fraction), "seed": int(seed), "text_column": text_column,
+                   "skip_bad_utf8": is_stdlib(source)}
+            splits, stats = tokenize_corpus(source, label, work, job, workers, progress=progress)
+            splits.pop("_content_tokens")
+            meta["splits"] = splits
+            _check_min_tokens(meta, min_tokens, label)
+        except DataError:  # the corpus or the settings are wrong: nothing worth resuming
+            shutil.rmtree(work, ignore_errors=True)
             raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        (work / ".lock").unlink(missing_ok=True)
+        if out_dir.is_dir():  # an empty directory we are allowed to replace
+            out_dir.rmdir()
+        os.replace(work, out_dir)
     log.info("prepared %s → %s: train %d tokens, val %d tokens", label, out_dir,
              meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"])
-    return meta
+    return meta, stats
 
 
-def _write_splits(
-    tmp: Path,
-    docs: list[Doc],
-    tok: Any,
-    dtype: str,
-    val_fraction: float,
-    shard_tokens: int,
-    seed: int,
-    progress: bool,
-    skip_bad_utf8: bool,
-    source: str | None = None,
-) -> dict[str, Any]:
-    writers = {s: _ShardWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-    eos = None if tok.eos_id is None else np.array([tok.eos_id], dtype=np.int64)
-    reader = DocReader(skip_bad_utf8=skip_bad_utf8)
-    content = 0
+def _publish_meta(meta: dict[str, Any], out_dir: Path) -> None:
+    """A dataset directory holding only ``meta.json`` (a pre-tokenized source's files stay where they are)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f"{out_dir.name}.tmp-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     try:
-        with tqdm(total=len(docs), disable=not progress, unit="doc", desc="prepare", dynamic_ncols=True) as bar:
-            if len(docs) == 1:
-                text = reader.read(docs[0]) or ""
-                ids = tok.encode_array(text)
-                content = len(ids)
-                if eos is not None and content:
-                    ids = np.concatenate([ids.astype(np.int64), eos])
-                n_val = 0
-                if val_fraction > 0 and len(ids) >= 2:
-                    n_val = min(len(ids) - 1, max(1, int(round(len(ids) * val_fraction))))
-                writers["train"].write(ids[: len(ids) - n_val])
-                writers["val"].write(ids[len(ids) - n_val :])
-                writers["train"].documents = 1 if content else 0
-                writers["val"].documents = 1 if n_val else 0
-                bar.update(1)
-            else:
-                for doc, is_val in zip(docs, split_source(docs, val_fraction, seed, source)):
-                    text = reader.read(doc)
-                    bar.update(1)
-                    if not text:
-                        continue
-                    ids = tok.encode_array(text)
-                    if not len(ids):
-                        continue
-                    content += len(ids)
-                    w = writers["val" if is_val else "train"]
-                    w.write(ids)
-                    if eos is not None:
-                        w.write(eos)
-                    w.documents += 1
-    finally:
-        for w in writers.values():
-            w.close()
-    result: dict[str, Any] = {s: w.info() for s, w in writers.items()}
-    result["_content_tokens"] = content
-    return result
+        if out_dir.is_dir():
+            out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "meta.json").is_file():  # not someone else's finished copy of the same dataset
+            raise
 
 
 def _warn_if_different(meta: dict[str, Any], out_dir: Path, label: str, tokenizer: str, val_fraction: float,
@@ -334,7 +281,7 @@ def _warn_if_different(meta: dict[str, Any], out_dir: Path, label: str, tokenize
 
 
 def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float = DEFAULT_VAL_FRACTION,
-                seed: int = 0) -> str:
+                seed: int = 0, text_column: str = "text", token_dtype: str | None = None) -> str:
     """The cache directory name for a dataset: readable prefix + hash of (source, tokenizer content, split)."""
     if is_family_source(source):
         assert source is not None
@@ -348,8 +295,13 @@ def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float
         src = os.path.abspath(os.path.expanduser(source))
         stem = Path(src.split("*")[0].rstrip("/\\") or "corpus").name or "corpus"
         prefix = "".join(c if c.isalnum() or c in "-_." else "_" for c in stem)[:40] or "corpus"
-    payload = json.dumps({"source": src, "tokenizer": tokenizer_id(tokenizer), "val_fraction": float(val_fraction),
-                          "seed": int(seed), "version": META_VERSION}, sort_keys=True)
+    key: dict[str, Any] = {"source": src, "tokenizer": tokenizer_id(tokenizer), "val_fraction": float(val_fraction),
+                           "seed": int(seed), "version": META_VERSION}
+    if text_column != "text":  # the defaults leave the keys of existing caches as they were
+        key["text_column"] = text_column
+    if token_dtype is not None:
+        key["token_dtype"] = token_dtype
+    payload = json.dumps(key, sort_keys=True)
     return f"{prefix}-{hashlib.sha256(payload.encode('utf-8')).hexdigest()[:16]}"
 
 
@@ -362,6 +314,9 @@ def ensure_dataset(
     min_tokens: int = 0,
     shard_tokens: int = 16_000_000,
     progress: bool = True,
+    text_column: str = "text",
+    token_dtype: str | None = None,
+    workers: int = 0,
 ) -> Path:
     """Return ``cache_dir/data/<key>``, preparing the dataset there first if it is not cached yet.
 
@@ -370,7 +325,8 @@ def ensure_dataset(
     """
     _validate_args(val_fraction, shard_tokens, min_tokens)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    out = root / "data" / dataset_key(source, tokenizer, val_fraction, seed)
+    out = root / "data" / dataset_key(source, tokenizer, val_fraction, seed, text_column, token_dtype)
     prepare_corpus(source, out, tokenizer=tokenizer, val_fraction=val_fraction, shard_tokens=shard_tokens,
-                   seed=seed, min_tokens=min_tokens, progress=progress)
+                   seed=seed, min_tokens=min_tokens, progress=progress, text_column=text_column,
+                   token_dtype=token_dtype, workers=workers)
     return out

@@ -14,6 +14,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from edit_train.offline import looks_like_hub_name, offline_hint
+
 __all__ = [
     "DataError",
     "Tokenizer",
@@ -23,6 +25,9 @@ __all__ = [
     "tokenizer_id",
     "EOS_CANDIDATES",
 ]
+
+#: The byte tokenizer's end-of-document token, as its Hugging Face file names it.
+BYTE_EOS = "<|endoftext|>"
 
 #: Token strings recognised as end-of-document markers in HuggingFace tokenizers, in order of preference.
 EOS_CANDIDATES: tuple[str, ...] = ("</s>", "<|endoftext|>", "<eos>", "[SEP]")
@@ -65,6 +70,21 @@ class ByteTokenizer:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
+    def save_hf(self, path: str | os.PathLike[str]) -> None:
+        """Write this tokenizer as a Hugging Face ``tokenizers`` file: byte-level BPE without merges over GPT-2's
+        byte-to-unicode alphabet, in byte order (ids 0..255 = bytes), and :data:`BYTE_EOS` = 256."""
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as _HFTok
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        extra = iter(range(256, 512))
+        char = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+        tok = _HFTok(models.BPE(vocab={char[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(BYTE_EOS, special=True, normalized=False)])
+        tok.save(str(path))
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 
@@ -74,6 +94,8 @@ def _resolve_tokenizer_file(spec: str | os.PathLike[str]) -> Path:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
+        if looks_like_hub_name(str(spec)):
+            raise DataError(offline_hint(str(spec), "data.tokenizer", "tokenizer.json"))
         raise DataError(
             f"tokenizer file {path} does not exist; pass 'byte' or the path to a HuggingFace tokenizer.json"
         )

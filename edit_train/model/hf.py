@@ -2,8 +2,9 @@
 
 A BailingMoe directory holds ``config.json`` (``architectures: ["BailingMoeForCausalLM"]``, ``model_type:
 "bailing_moe"``) and ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``). Loaders
-that read it: vLLM / SGLang natively, ``transformers`` with Ling's ``modeling_bailing_moe.py``
-(``trust_remote_code``).
+that read it: vLLM / SGLang natively, stock ``transformers`` through the modeling code an export ships
+(``modeling_edit_train.py`` + ``configuration_edit_train.py``, named in ``config.json``'s ``auto_map``; loaded
+with ``trust_remote_code=True``).
 
 Name mapping (ours -> BailingMoe); every tensor keeps its layout except the routed experts, which we store
 stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) and BailingMoe stores as one
@@ -24,8 +25,8 @@ stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) a
 ``lm_head.weight`` is exported raw (not column-normalised): with ``norm_head`` BailingMoe normalises it in
 its forward, exactly as our ``NormHead`` does.
 
-This module is the naming and config contract; reading and writing directories (export, ``load_hf_into``,
-``gather_checkpoint``) is :mod:`edit_train.model.hf_io`. Nothing unpickles: tensors are read with
+This module is the naming and config contract; reading and writing directories (``export_hf``,
+``load_hf_into``) is :mod:`edit_train.model.hf_io`, the shard files :mod:`edit_train.model.shards`. Nothing unpickles: tensors are read with
 ``safetensors`` and metadata with ``json``.
 """
 
@@ -36,22 +37,26 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from edit_train.model.config import ModelConfig
+from edit_train.model.shards import WEIGHTS_INDEX_NAME, WEIGHTS_NAME  # noqa: F401 - part of this contract
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "BailingMoeForCausalLM"
 MODEL_TYPE = "bailing_moe"
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+#: The code an export ships for ``transformers`` (``trust_remote_code``): files of this package, copied as they are.
+REMOTE_CODE_FILES: tuple[str, ...] = ("configuration_edit_train.py", "modeling_edit_train.py")
+AUTO_MAP: dict[str, str] = {"AutoConfig": "configuration_edit_train.BailingMoeConfig",
+                            "AutoModel": "modeling_edit_train.BailingMoeModel",
+                            "AutoModelForCausalLM": "modeling_edit_train.BailingMoeForCausalLM"}
 
 #: ModelConfig fields that are also BailingMoe config.json keys (same name, same meaning).
 HF_FIELDS: tuple[str, ...] = (
@@ -101,7 +106,8 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_token_id: int | None = None,
                  bos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
-    """The BailingMoe ``config.json`` of a model config.
+    """The BailingMoe ``config.json`` of a model config, with the ``auto_map`` that points ``transformers`` at the
+    shipped :data:`REMOTE_CODE_FILES`.
 
     BailingMoe builds an MoE block when ``num_experts is not None`` and shared experts when
     ``num_shared_experts is not None``, so our ``0`` ("none") is written as ``null``. Every BailingMoe key whose
@@ -115,6 +121,7 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
+        "auto_map": dict(AUTO_MAP),  # transformers has no bailing_moe: trust_remote_code loads the shipped files
         **{f: getattr(cfg, f) for f in HF_FIELDS},
         "hidden_act": "silu",
         "use_bias": False,
@@ -132,7 +139,8 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         "pad_token_id": pad_token_id,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "torch_dtype": dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),  # what transformers 4.x and serving engines read
+        "dtype": dtype_name(dtype),  # transformers 5.x's name for it
     }
     if cfg.num_experts == 0:
         d["num_experts"] = None
@@ -314,6 +322,27 @@ def _check_keys(got: Mapping[str, torch.Tensor], want: Mapping[str, tuple[int, .
             raise ValueError(f"{what}: {k} has shape {tuple(got[k].shape)}, the model config needs {tuple(shape)}")
 
 
+def iter_hf_tensors(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our ``(name, full tensor)`` pairs -> BailingMoe ``(name, tensor)`` pairs, one parameter at a time (a
+    stacked expert tensor becomes one tensor per expert). Contiguous tensors that own their memory (expert
+    slices are cloned: safetensors refuses tensors that share storage), cast to ``dtype`` when given; a tensor
+    already contiguous in ``dtype`` is passed through without a copy. Names are not checked here."""
+    items = state.items() if isinstance(state, Mapping) else state
+    for name, t in items:
+        t = t.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        m = _EXPERT_RE.match(name)
+        if m:
+            i, proj = m.groups()
+            for e in range(t.shape[0]):
+                yield f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", t[e].clone(memory_format=torch.contiguous_format)
+        else:
+            (hf_name, _), = _hf_names(name, tuple(t.shape))
+            yield hf_name, t.contiguous()
+
+
 def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
                      dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Our full (unsharded) parameters -> BailingMoe names. ``state`` holds ``named_parameters`` names
@@ -322,21 +351,17 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
     want = param_shapes(cfg)
     extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _check_keys(state, want, "model state", extra)
-    out: dict[str, torch.Tensor] = {}
-    for name in want:
-        t = state[name].detach()
-        if dtype is not None:
-            t = t.to(dtype)
+    return dict(iter_hf_tensors(((name, state[name]) for name in want), dtype))
+
+
+def hf_targets(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
+    """{BailingMoe name: (our parameter name, expert index or None)}: where each tensor of a BailingMoe
+    directory goes in our model (expert ``e``'s weight is slice ``e`` of the stacked parameter)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for name, shape in param_shapes(cfg).items():
         m = _EXPERT_RE.match(name)
-        if m:
-            i, proj = m.groups()
-            for e in range(t.shape[0]):
-                # a clone, not a view: safetensors refuses tensors that share storage
-                out[f"model.layers.{i}.mlp.experts.{e}.{proj}.weight"] = t[e].clone(
-                    memory_format=torch.contiguous_format)
-        else:
-            (hf_name, _), = _hf_names(name, t.shape)
-            out[hf_name] = t.contiguous()
+        for e, (hf_name, _) in enumerate(_hf_names(name, shape)):
+            out[hf_name] = (name, e if m else None)
     return out
 
 

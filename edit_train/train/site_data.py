@@ -75,10 +75,11 @@ def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_main: bool,
     d, t = cfg.data, cfg.train
 
     def prepare() -> tuple[Path, list[Path]]:
-        train = ensure_dataset(site.source, site.tokenizer, d.cache_dir, val_fraction=d.val_fraction, seed=d.seed,
-                               min_tokens=site.parts * cluster_batch * (t.seq_len + 1))
-        vals = [ensure_dataset(src, d.tokenizer, d.cache_dir, val_fraction=d.val_fraction, seed=d.seed)
-                for src in site.val_sources]
+        how = {"val_fraction": d.val_fraction, "seed": d.seed, "text_column": d.text_column,
+               "token_dtype": d.token_dtype, "workers": d.workers}  # every source is read alike
+        train = ensure_dataset(site.source, site.tokenizer, d.cache_dir,
+                               min_tokens=site.parts * cluster_batch * (t.seq_len + 1), **how)
+        vals = [ensure_dataset(src, d.tokenizer, d.cache_dir, **how) for src in site.val_sources]
         return train, vals
 
     out = prepare() if is_main else None
