@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edit_train.plan import hardware, traffic
@@ -50,17 +51,51 @@ def test_equal_clusters_free_link_never_block_and_add_up(algo):
     assert res.syncs == 4 and res.goodput == pytest.approx(1.0)
 
 
+def _prefetched(xfer: list[float], lat: float) -> float:
+    """Reference: units moved one at a time, the next one launched with it (`BlockingDriver`), on one link
+    queue; a unit is ready `lat` after its bytes left; the sync waits for each in turn."""
+    free = now = 0.0
+    ready: list[float] = []
+    for u in range(len(xfer)):
+        for v in (u, u + 1):
+            if v == len(ready) and v < len(xfer):
+                free = max(now, free) + xfer[v]
+                ready.append(free + lat)
+        now = max(now, ready[u])
+    return now
+
+
 def test_slow_link_costs_latency_plus_bytes_over_bandwidth():
     bw, lat = 100.0, 50.0
     fed, res = run(scenario(bw=bw, lat=lat), Candidate("edit", "at_end", "none", 16))
     units = hardware.model_facts("tiny").unit_sizes
     nbytes = sum(4 * n + traffic.TAG for n in units)  # 2 clusters gather: one copy of every unit to the peer
     assert res.bytes == pytest.approx([4 * nbytes] * 2)
-    # per sync: the norm exchange and the commit vote (one latency each) + the transfer (latency + bytes / bw)
-    per_sync = 3 * lat / 1e3 + nbytes / (bw * 1e6 / 8)
+    # per sync: the norm exchange and the commit vote (one latency each) + the units, one at a time, prefetched
+    xfer = [(4 * n + traffic.TAG) / (bw * 1e6 / 8) for n in units]
+    per_sync = 2 * lat / 1e3 + _prefetched(xfer, lat / 1e3)
+    assert per_sync > 3 * lat / 1e3 + nbytes / (bw * 1e6 / 8)  # small units expose their latency
     assert res.buckets["blocked"] == pytest.approx([4 * per_sync] * 2, rel=1e-9)
     assert res.wall_s == pytest.approx(64 * STEP + 4 * per_sync, rel=1e-9)
     assert res.tokens_per_s == pytest.approx(2 * 64 * BATCH * SEQ / (64 * STEP + 4 * per_sync), rel=1e-9)
+
+
+def test_simulated_link_hides_software_shorter_than_the_wire():
+    """edit-train's simulated link is a clock beside the real work (`Pending.wait` waits for both): software
+    shorter than a unit's wire time costs nothing there, and adds up on a real link."""
+    bw, lat = 100.0, 50.0
+    prof = zero_profile()
+    prof.per_op_s = 0.001  # far below any big unit's wire time at 100 Mbit/s
+    cand = Candidate("edit", "overlap", "none", 16)
+    costs = {}
+    for sim in (False, True):
+        fed = resolve(scenario(bw=bw, lat=lat, simulated_link=sim), prof)
+        costs[sim] = fed.sync_cost(np.array([0, 1]), cand)
+    units = hardware.model_facts("tiny").unit_sizes
+    wire = sum(4 * n + traffic.TAG for n in units) / (bw * 1e6 / 8)
+    assert costs[True]["background"] == pytest.approx(wire + lat / 1e3, rel=1e-9)
+    assert costs[False]["background"] == pytest.approx(wire + lat / 1e3 + len(units) * 0.001, rel=1e-9)
+    assert costs[True]["exchange"] == pytest.approx(lat / 1e3) and costs[False]["exchange"] == pytest.approx(0.051)
 
 
 def test_compression_shrinks_the_transfer_only():
@@ -68,7 +103,9 @@ def test_compression_shrinks_the_transfer_only():
     _, int8 = run(scenario(bw=100.0, lat=50.0), Candidate("edit", "at_end", "int8", 16))
     units = hardware.model_facts("tiny").unit_sizes
     assert int8.bytes[0] == pytest.approx(4 * sum(traffic.wire_bytes(n, "int8") + traffic.TAG for n in units))
-    saved = (none.bytes[0] - int8.bytes[0]) / (100e6 / 8)
+    pipe = {c: _prefetched([traffic.wire_bytes(n, c) / (100e6 / 8) + traffic.TAG / (100e6 / 8) for n in units], 0.05)
+            for c in ("none", "int8")}
+    saved = 4 * (pipe["none"] - pipe["int8"])
     assert none.buckets["blocked"][0] - int8.buckets["blocked"][0] == pytest.approx(saved, rel=1e-9)
 
 
@@ -116,20 +153,41 @@ def test_scenario_errors_name_the_field():
 
 
 # ------------------------------------------------------------------------------------------ calibration
-def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, compute: float) -> None:
-    """A run dir whose syncs cost what the simulator charges for a round exactly: three 20 ms latencies (the
-    exchange, the transfer, the vote; infinite bandwidth), (n_units + 2) * per_op and bytes / sw_bps."""
+def _waited(work: list[float], lat: float, between: list[float]) -> float:
+    """Reference: units one at a time, the next launched with it, each ready when both its software (one queue)
+    and the simulated link's latency are done; the training thread's `between` seconds after each."""
+    free = now = waited = 0.0
+    ready: list[float] = []
+    for u in range(len(work)):
+        for v in (u, u + 1):
+            if v == len(ready) and v < len(work):
+                free = max(now, free) + work[v]
+                ready.append(max(now + lat, free))
+        wait = max(ready[u] - now, 0.0)
+        waited, now = waited + wait, now + wait + between[u]
+    return waited
+
+
+def _synthetic_run(path: Path, per_op: float, sw_bps: float, scheme: str, compute: float, lat: float = 0.0,
+                   apply_s: float = 0.0) -> int:
+    """A run dir whose syncs cost what the simulator charges exactly: `lat` latency (infinite bandwidth), the
+    exchange and the vote (max(latency, an op) each), the units one at a time (an op + bytes / sw_bps each),
+    each applied (`apply_s` per sync by parameters) as it lands. Returns the bytes of one sync."""
     path.mkdir(parents=True)
     model = hardware.load_preset("tiny")
-    units = len(hardware.model_facts("tiny").units)
+    sizes = hardware.model_facts("tiny").unit_sizes
+    unit_bytes = [traffic.sync_bytes([n], 2, scheme) for n in sizes]
     cfg = {"model": model, "train": {"batch_size": BATCH, "seq_len": SEQ, "steps": 40, "eval_every": 0},
-           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": 20}, "clusters": [], "slowdown": []},
-           "federation": {}, "sync": {}}
+           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": lat * 1e3}, "clusters": [], "slowdown": []},
+           "federation": {}, "sync": {"mode": "at_end", "compression": scheme}}
     (path / "config.json").write_text(json.dumps(cfg))
     per = {n: {"name": n, "index": i, "ranks": 1, "steps": 40, "tokens_per_step": BATCH * SEQ, "syncs_joined": 5,
-               "time": {"compute": 40 * compute, "sync": 5 * 0.01, "eval": 2 * 0.2, "startup": 1.5,
-                        "data": 0.4, "other": 0.0, "blocked": 1.0, "wall_s": 10.0}} for i, n in enumerate(["c0", "c1"])}
+               "time": {"compute": 40 * compute, "sync": 5 * apply_s, "probe": 5 * 0.003, "eval": 2 * 0.2,
+                        "startup": 1.5, "data": 0.4, "other": 0.0, "blocked": 1.0, "wall_s": 10.0}}
+           for i, n in enumerate(["c0", "c1"])}
     (path / "summary.json").write_text(json.dumps({"algo": "edit", "steps": 40, "per_cluster": per}))
+    apply = [apply_s * n / sum(sizes) for n in sizes]
+    cost = 2 * max(lat, per_op) + _waited([per_op + b / sw_bps for b in unit_bytes], lat, apply)
     lines = []
     for n in ("c0", "c1"):
         lines += [{"event": "eval", "cluster": n, "step": 0}, {"event": "eval", "cluster": n, "step": 40}]
@@ -137,22 +195,27 @@ def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, comput
             jitter = (-1) ** k * 0.001
             lines.append({"event": "train", "cluster": n, "step": step,
                           "time_s": {"compute": 8 * (compute + jitter), "slowdown": 0.0}})
-            cost = 3 * 0.020 + (units + 2) * per_op + nbytes / sw_bps
-            lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": nbytes,
+            lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": sum(unit_bytes),
                           "blocked_s": cost + (0.5 if n == "c1" else 0.0)})  # c1 also waited: min is taken
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return sum(unit_bytes)
 
 
 def test_calibrate_recovers_known_costs_and_round_trips(tmp_path):
-    _synthetic_run(tmp_path / "a", 0.004, 50e6, 2_000_000, 0.05)
-    _synthetic_run(tmp_path / "b", 0.004, 50e6, 500_000, 0.05)
+    big = _synthetic_run(tmp_path / "a", 0.004, 50e6, "none", 0.05)
+    small = _synthetic_run(tmp_path / "b", 0.004, 50e6, "int8", 0.05)
     prof = calibrate([tmp_path / "a", tmp_path / "b"])
-    assert prof.per_op_s == pytest.approx(0.004, rel=1e-6)
-    assert prof.sw_bytes_per_s == pytest.approx(50e6, rel=1e-6)
-    assert prof.fit["sync"]["message_sizes"] == [500_000, 2_000_000]
+    assert prof.per_op_s == pytest.approx(0.004, rel=1e-3)
+    assert prof.sw_bytes_per_s == pytest.approx(50e6, rel=1e-3)
+    assert prof.fit["sync"]["message_sizes"] == [small, big]
     assert prof.clusters["c0"].mean_step_s == pytest.approx(0.05 + 0.001 / 5, rel=1e-6)  # 5 intervals, ±1 ms
     assert prof.eval_s == pytest.approx(0.2) and prof.startup_s == pytest.approx(1.5)
-    assert prof.other_step_s == pytest.approx(0.01) and prof.sync_work_s == pytest.approx(0.01)
+    assert prof.other_step_s == pytest.approx(0.01) and prof.sync_work_s == pytest.approx(0.0)
+    assert prof.probe_s == pytest.approx(0.003)
+    # a latency and the apply hide part of the software: the fit still reproduces every wait it was given
+    _synthetic_run(tmp_path / "c", 0.004, 50e6, "none", 0.05, lat=0.02, apply_s=0.01)
+    _synthetic_run(tmp_path / "d", 0.004, 50e6, "int8", 0.05, lat=0.02, apply_s=0.01)
+    assert calibrate([tmp_path / "c", tmp_path / "d"]).fit["sync"]["rms_residual_s"] < 1e-4
     back = Profile.load(prof.save(tmp_path / "p.json"))
     assert back.to_json() == prof.to_json()
     one = calibrate([tmp_path / "a"])  # one message size: the per-byte cost is not identifiable
@@ -239,26 +302,28 @@ def test_plan_is_not_imported_by_the_core():
             assert "edit_train.plan" not in f.read_text(), f
 
 
-def test_clusters_sharing_a_host_stretch_by_their_core_demand():
-    """Local runs: every rank is a process on one host; more demand than cores stretches every step."""
+def test_clusters_sharing_a_host_share_its_cores_while_they_compute():
+    """Local runs: every rank a one-thread process on one host. Processor sharing: while D cores are wanted of
+    C, everyone runs at C / D; a rank slowed s× wants 1/s; whoever finishes (and waits at the sync) frees its
+    share; intervals already under way keep theirs until they end."""
+    from edit_train.plan.contention import shared
+
+    assert shared([[1.0, 1.0, 1.0]], [1, 1, 1], 2)[0] == pytest.approx([1.5] * 3)  # 3 on 2 cores
+    assert shared([[1.0, 3.0]], [1, 1 / 3], 2)[0] == pytest.approx([1.0, 3.0])  # 1 1/3 fits in 2
+    # demand 2 1/3: the fast two take 7/6 s; then the slow one has the cores to itself: 3 - 1 s of its work left
+    assert shared([[1.0, 1.0, 3.0]], [1, 1, 1 / 3], 2)[0] == pytest.approx([7 / 6, 7 / 6, 7 / 6 + 2.0])
+    # one core, another process computing for 0.5 s more: a quarter of the work at half speed, then the rest
+    assert shared([[1.0]], [1], 1, ghost_end=[0.5], ghost_q=[1])[0] == pytest.approx([1.25])
+    # a lockstep federation of 4 on 2 cores: every step twice as long; the scenario says so with host_cores
     from edit_train.plan.calibrate import RunData, scenario_of_run
     from edit_train.plan.dist import StepDist
-    from edit_train.plan.profile import Profile
 
-    prof = Profile()
-    prof.rank_step = StepDist(0.1, 0.05)
-
-    def run(slowdown: list[float]) -> RunData:
-        per = {f"c{i}": {"index": i, "ranks": 1} for i in range(len(slowdown))}
-        cfg = {"cluster": {"slowdown": slowdown}, "federation": {}, "train": {"batch_size": 8, "seq_len": 64,
-                                                                             "steps": 100, "eval_every": 0}}
-        return RunData(Path("r"), cfg, {"per_cluster": per, "steps": 100}, [])
-
-    def slow(s: list[float], cores: int) -> list[float]:
-        return [c["slowdown"] for c in scenario_of_run(run(s), prof, host_cores=cores)["clusters"]]
-
-    assert slow([1, 1, 1], 0) == [1, 1, 1]  # dedicated hardware: no stretch
-    assert slow([1, 1, 1], 2) == pytest.approx([1.5, 1.5, 1.5])  # 3 computing ranks on 2 cores
-    assert slow([1, 1, 1, 1], 2) == pytest.approx([2, 2, 2, 2])
-    assert slow([1, 3], 2) == pytest.approx([1, 3])  # 1 + 1/3 of a core's demand fits in 2
-    assert slow([1, 1, 3], 2) == pytest.approx([7 / 6, 7 / 6, 3 * 7 / 6])  # demand 2 1/3 on 2 cores
+    prof = zero_profile()
+    prof.rank_step = StepDist(0.1, 0.0)
+    per = {f"c{i}": {"index": i, "ranks": 1} for i in range(4)}
+    cfg = {"cluster": {"slowdown": []}, "federation": {}, "train": {"batch_size": 8, "seq_len": 64, "steps": 32,
+                                                                    "eval_every": 0}}
+    raw = scenario_of_run(RunData(Path("r"), cfg, {"per_cluster": per, "steps": 32}, []), prof, host_cores=2)
+    assert raw["host_cores"] == 2 and [c["slowdown"] for c in raw["clusters"]] == [1.0] * 4
+    _, res = run(scenario_from_dict({**raw, "model": "tiny"}), Candidate("edit", "at_end", "none", 8), steps=32)
+    assert res.buckets["compute"] == pytest.approx([32 * 0.2] * 4)

@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from edit_train.plan import contention
 from edit_train.plan.costs import Fed
 from edit_train.plan.simbase import BUCKETS, SimOptions, SimResult
 from edit_train.plan.spec import Candidate
@@ -58,6 +59,8 @@ class _State:
         self.dead_at = np.full(n, -math.inf)
         self.behind = np.zeros(n, dtype=bool)
         self.pending = np.full(n, -math.inf)  # overlap: when the round in flight lands
+        self.busy_until = np.full(n, -math.inf)  # when each cluster's compute scheduled so far ends
+        self.step_s = fed.mean_step.copy()  # each cluster's seconds per step in its last interval
         self.restarts = np.zeros(n, dtype=int)
         self.planned = np.full(n, max(cand.interval, 1))
         if cand.timed:
@@ -133,6 +136,10 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     if opt.steps and not s.cand.timed:
         h = np.maximum(np.minimum(h, opt.steps - s.steps[idx]), 0).astype(int)
     dur = fed.draw_sums(s.rng, idx, h)
+    if fed.scenario.host_cores > 0:  # one shared host: the cores go to whoever computes (contention.py)
+        others = np.setdiff1d(np.nonzero(s.alive & (s.busy_until > s.t[idx].min()))[0], idx)
+        dur = contention.shared(dur[None, :], fed.demand[idx], fed.scenario.host_cores,
+                                s.busy_until[others] - s.t[idx].min(), fed.demand[others])[0]
     start, before = s.t[idx].copy(), s.steps[idx].copy()
     for i, c in enumerate(idx):
         killed = _kill_in(s, int(c), float(start[i]), float(before[i]), int(h[i]), float(dur[i]))
@@ -146,6 +153,8 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     idx, h, dur, before = idx[ok], h[ok], dur[ok], before[ok]
     s.steps_simulated += int(h.sum())
     s.spend("compute", idx, dur)
+    s.busy_until[idx] = s.t[idx]
+    s.step_s[idx] = np.where(h > 0, dur / np.maximum(h, 1), s.step_s[idx])
     s.trained[idx] += h
     s.steps[idx] += h
     s.uncommitted[idx] += dur
@@ -238,18 +247,19 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
     mode = "at_end" if final else cand.mode
     if mode == "overlap":
         if cand.timed and not final:  # background quorum: keep stepping until the first boundary after the issue
-            more = np.ceil(np.maximum(issue - ask, 0.0) / fed.mean_step[members] + s.rng.random(len(members)) - 0.5)
+            step = s.step_s[members]
+            more = np.ceil(np.maximum(issue - ask, 0.0) / step + s.rng.random(len(members)) - 0.5)
             more = more.clip(0)
-            s.spend("compute", members, more * fed.mean_step[members])
-            s.uncommitted[members] += more * fed.mean_step[members]
+            s.spend("compute", members, more * step)
+            s.uncommitted[members] += more * step
             s.steps_simulated += int(more.sum())
             s.trained[members] += more
             s.steps[members] += more
         else:
             s.spend("blocked", members, issue - ask)
         s.spend("blocked", members, prof.quorum_s)
-        polls = 1.5 * fed.mean_step[members]  # exchange, reductions, vote: each advanced at a step boundary
-        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["xfer_background"]) \
+        polls = 1.5 * s.step_s[members]  # exchange, reductions, vote: each advanced at a step boundary
+        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["background"]) \
             + float(cost["vote"]) + polls
     else:
         if mode == "layerwise" and "layerwise" in cost:
@@ -257,7 +267,7 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
         elif mode == "at_end" and "after_backward" in cost:  # launched during the last step's backward
             body = np.asarray(cost["after_backward"])
         else:
-            body = float(cost["xfer"])
+            body = np.asarray(cost["at_end"])
         s.spend("blocked", members, issue - ask + prof.quorum_s + float(cost["exchange"]) + heal + body
                 + float(cost["vote"]))
     s.spend("sync", members, work)
@@ -272,6 +282,7 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
 def _death(s: _State, c: int, t: float) -> None:
     fed = s.fed
     s.alive[c], s.dead_at[c] = False, t
+    s.busy_until[c] = -math.inf
     s.uncommitted[c] = 0.0  # nothing since the last commit survives
     s.pending[c] = -math.inf
     s.restarts[c] += 1

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from edit_train.plan import contention
 from edit_train.plan.costs import Fed
 from edit_train.plan.simbase import BUCKETS, SimOptions, SimResult
 from edit_train.plan.spec import Candidate
@@ -53,6 +54,8 @@ def run_ddp(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
         if k > 0 and len(members):
             draws = np.stack([fed.dists[c].sample_max(rng, int(fed.ranks[c]), k) for c in members], axis=1)
             draws += prof.other_step_s
+            if scn.host_cores > 0:  # one shared host: the members' steps share its cores (contention.py)
+                draws = contention.shared(draws, fed.demand[members], scn.host_cores)
             row = draws.max(axis=1)
             comm, sent = fed.ddp_step_comm(members, cand.compression)
             b["compute"][members] += draws.sum(axis=0)
