@@ -17,7 +17,10 @@ from link_hosts import REPO, run_clusters, start_lighthouse
 
 def hosts_args(names: list[str], overrides: list[str]) -> list[str]:
     spec = ",".join(f"{{name:{n},ranks:1}}" for n in names)
-    return [*overrides, f"cluster.clusters=[{spec}]", f"federation.min_clusters={len(names)}",
+    # cluster=local and no simulated link: the real, shaped link is the only one (the default cluster,
+    # hetero_2x1, would add its simulated 100 Mbit/s, 50 ms link and 3x slowdown list on top)
+    return ["cluster=local", "cluster.link.bandwidth_mbps=0", "cluster.link.latency_ms=0", *overrides,
+            f"cluster.clusters=[{spec}]", f"federation.min_clusters={len(names)}",
             "federation.heartbeat_timeout_s=5", "federation.join_timeout_s=30", "federation.collective_timeout_s=300",
             "train.threads=1"]
 

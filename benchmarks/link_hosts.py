@@ -211,7 +211,8 @@ def federation(net: Any, work: Path, key: str, data: str, model: str, interval: 
     overrides = [*C.BASE_OVERRIDES, "algo=edit", f"algo.interval={interval}", "sync.mode=at_end",
                  f"sync.compression={compression}", f"model={model}", "train.seq_len=32", "train.batch_size=2",
                  "train.eval_every=0", "train.eval_batches=1", "train.log_every=4", "train.threads=1",
-                 f"train.steps={steps}", "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]",
+                 f"train.steps={steps}", "cluster=local", "cluster.link.bandwidth_mbps=0", "cluster.link.latency_ms=0",
+                 "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]",
                  "federation.min_clusters=2", "federation.heartbeat_timeout_s=5", "federation.join_timeout_s=30",
                  "federation.collective_timeout_s=120", f"data.source={data}", f"run.dir={run_dir}"]
     try:

@@ -77,10 +77,20 @@ def measured(job: C.Job) -> dict:
     return {"tokens_per_s": float(s["tokens_per_s"]), "blocked_frac": blocked, "goodput": float(s.get("goodput") or 0)}
 
 
-def predict(job: C.Job, prof, name: str) -> dict:
+def predict(job: C.Job, prof, name: str, own_steps: bool = False) -> dict:
+    """The planner's prediction of run `job`. `own_steps` (a diagnostic, not the validation): every cluster's
+    step time is the one it measured in this run (contention and the host's load included), so what remains
+    is the sync, blocking and failure model alone."""
     rd = read_run(job.run_dir)
     real = {"bandwidth_mbps": S.HOSTS[name], "latency_ms": 0.0} if name in S.HOSTS else None
-    raw = scenario_of_run(rd, prof, host_cores=len(os.sched_getaffinity(0)), real_link=real)
+    cores = len(os.sched_getaffinity(0))
+    if own_steps:
+        own, cores = calibrate([job.run_dir], codec=prof.codec, conditions=prof.taken_under()), 0
+    raw = scenario_of_run(rd, prof, host_cores=cores, real_link=real)
+    if own_steps:  # every cluster's own measured step (its slowdown is applied again by the scenario)
+        for c in raw["clusters"]:
+            d = own.clusters[c["name"]]
+            c["step_s"], c["step_cv"] = d.dist.median_s / max(d.slowdown, 1e-9), d.dist.sigma
     cand = candidate_of_run(rd)
     scn = scenario_from_dict({**raw, "candidates": {"algos": [cand.algo]}})
     fed = resolve(scn, prof)
@@ -91,8 +101,8 @@ def predict(job: C.Job, prof, name: str) -> dict:
             "goodput": mean([r.goodput for r in rows]), "events": sum(r.sim.events for r in rows if r.sim)}
 
 
-def compare(name: str, job: C.Job, prof) -> dict[str, Any]:
-    m, p = measured(job), predict(job, prof, name)
+def compare(name: str, job: C.Job, prof, own_steps: bool = False) -> dict[str, Any]:
+    m, p = measured(job), predict(job, prof, name, own_steps)
     bm, bp = max(m["blocked_frac"].values()), max(p["blocked_frac"].values())
     return {"name": name, "candidate": p["candidate"], "real_link": name in S.HOSTS, "predicted": p, "measured": m,
             "tokens_per_s_err": p["tokens_per_s"] / m["tokens_per_s"] - 1,
@@ -140,6 +150,8 @@ def main() -> None:
     ap.add_argument("--fresh", nargs="*", default=[], help="configurations to measure again (their run dirs deleted)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--own-steps", action="store_true", help="diagnostic: predict with each run's own measured "
+                    "step times (separates the sync model from the host's load); not the validation")
     a = ap.parse_args()
     a.steps, a.batch, a.seq, a.log_every = (48, 4, 64, 8) if a.quick else (160, 8, 128, 10)
     a.workdir = a.workdir or (C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
@@ -154,15 +166,15 @@ def main() -> None:
           f"{prof.rank_step.median_s * 1e3:.0f} ms (log-σ {prof.rank_step.sigma:.2f}); codec timed for "
           f"{', '.join(codec)}", flush=True)
     sets = {"fitting": S.FITTING, "held_out": S.HELD_OUT}
-    result: dict[str, Any] = {"benchmark": "plan_validation", "quick": a.quick, "command": " ".join(sys.argv),
+    result: dict[str, Any] = {"benchmark": "plan_validation", "quick": a.quick, "own_steps": a.own_steps,
+                              "command": " ".join(sys.argv),
                               "environment": C.environment(), "load_at_start": start.to_json(),
                               "calibration_runs": {n: {"overrides": o, "load": run_load(j)}
                                                    for (n, o), j in zip(S.CALIBRATION.items(), cal)},
                               "profile": {"conditions": prof.conditions, "fit": prof.fit, "codec": prof.codec},
                               "sets": {}}
     for set_name in [s for s in a.sets.split(",") if s]:
-        names = [n for n in sets[set_name] if (a.only is None or n in a.only)
-                 and (not a.quick or n in S.QUICK)]
+        names = [n for n in sets[set_name] if (n in a.only if a.only is not None else not a.quick or n in S.QUICK)]
         rows = []
         for name in names:
             try:
@@ -170,7 +182,7 @@ def main() -> None:
             except C.JobError as exc:
                 print(f"{name}: FAILED — {str(exc).splitlines()[0]}", flush=True)
                 continue
-            rows.append(compare(name, job, prof))
+            rows.append(compare(name, job, prof, a.own_steps))
             print(line(rows[-1]), flush=True)
         result["sets"][set_name] = summarize(rows)
     result["load_at_end"] = conditions.measure().to_json()

@@ -121,6 +121,18 @@ def test_step_schedule_waits_for_the_straggler_a_edit_does_not():
     assert aedit.tokens_per_s > 1.5 * edit.tokens_per_s
 
 
+def test_the_lighthouse_needs_more_than_half_of_the_heartbeating_clusters():
+    """torchft's quorum rule: with two clusters neither syncs alone however short the grace window (the fast
+    one waits for the 5x slower one every interval); with three, two fast ones go on without a straggler once
+    the grace window has passed."""
+    _, two = run(scenario(slowdowns=(1.0, 5.0), join_timeout_s=1.0), Candidate("edit", "at_end", "none", 8), steps=32)
+    assert two.syncs == 4 and two.missed == 0
+    assert two.blocked_frac[0] == pytest.approx(4 / 5, rel=1e-6)  # the fast one waits 3.2 s of every 4 s
+    _, three = run(scenario(slowdowns=(1.0, 1.0, 5.0), join_timeout_s=1.0), Candidate("edit", "at_end", "none", 8),
+                   steps=32)
+    assert three.missed > 0 and three.blocked_frac[0] < 0.5
+
+
 def test_a_failure_costs_the_uncommitted_compute():
     scn = scenario()
     _, clean = run(scn, Candidate("edit", "at_end", "none", 8), steps=32)
@@ -327,3 +339,38 @@ def test_clusters_sharing_a_host_share_its_cores_while_they_compute():
     assert raw["host_cores"] == 2 and [c["slowdown"] for c in raw["clusters"]] == [1.0] * 4
     _, res = run(scenario_from_dict({**raw, "model": "tiny"}), Candidate("edit", "at_end", "none", 8), steps=32)
     assert res.buckets["compute"] == pytest.approx([32 * 0.2] * 4)
+
+
+# ------------------------------------------------------------------------------------------ conditions
+def test_calibration_conditions_say_in_one_line_whether_they_hold():
+    from edit_train.plan.conditions import Conditions, holds, stale
+
+    then = Conditions(0.3, 0.4, 2, 2, 10_000.0, "2026-11-01T10:00:00")
+    same = Conditions(0.6, 0.5, 2, 2, 9_500.0)
+    assert stale(then, same) is None and "hold" in holds(then, same)
+    for now, why in ((Conditions(5.2, 4.0, 2, 2, 4_100.0), "0.41x"), (Conditions(0.3, 0.3, 16, 16, 10_000.0), "16 cores"),
+                     (Conditions(2.0, 1.0, 2, 2, 10_000.0), "load 2.0 now, 0.3 then")):
+        line = stale(then, now)
+        assert line is not None and "\n" not in line and why in line and "no longer apply" in line
+    assert stale(None, same) is None
+
+
+def test_plan_and_plan_check_name_a_profile_taken_under_other_load(tmp_path, capsys):
+    """A profile whose recorded conditions differ from the host's now (far more load, a third of the speed)."""
+    from edit_train.cli.plan import run_check, run_plan
+    from edit_train.plan import conditions
+
+    now = conditions.measure()
+    prof = zero_profile()
+    prof.calibrated = True
+    prof.conditions = conditions.Conditions(now.load_1m + 8 * now.cores, now.load_5m, now.cpu_count, now.cores,
+                                            now.speed * 3, "2026-11-01T10:00:00").to_json()
+    path = prof.save(tmp_path / "profile.json")
+    assert run_check([str(path)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "calibration stale" in out[0] and "no longer apply" in out[0], out
+    run_plan([f"out={tmp_path}", "scenario=local_2x1", f"profile={path}", "quick=true", "top=3",
+              "scenario.candidates.algos=[edit]", "scenario.candidates.intervals=[8]"])
+    printed = capsys.readouterr().out
+    assert sum("calibration stale" in ln for ln in printed.splitlines()) >= 1
+    assert "calibration stale" in json.loads((tmp_path / "plan.json").read_text())["notes"][0]

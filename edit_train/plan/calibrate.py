@@ -101,6 +101,17 @@ def _cluster_steps(run: RunData, name: str) -> tuple[list[float], int]:
     return per, gap
 
 
+def _slowdown(cfg: dict[str, Any], name: str, index: int) -> float:
+    """A cluster's `slowdown` as `config.cluster_specs` reads it: from its `cluster.clusters` entry when the
+    clusters are listed (`cluster.slowdown` is then ignored), else `cluster.slowdown[index]`."""
+    cl = cfg.get("cluster") or {}
+    specs = [s for s in cl.get("clusters") or [] if isinstance(s, dict)]
+    if specs:
+        return float(next((s.get("slowdown", 1.0) for s in specs if s.get("name") == name), 1.0))
+    sl = cl.get("slowdown") or []
+    return float(sl[index]) if 0 <= index < len(sl) else 1.0
+
+
 def _link_s(cfg: dict[str, Any], nbytes: float, lanes: int) -> float:
     """Seconds of `nbytes` on the run's simulated link (latency + bytes / lanes / bandwidth)."""
     link = (cfg.get("cluster") or {}).get("link") or {}
@@ -151,14 +162,7 @@ def calibrate(run_dirs: list[str | Path], codec: dict[str, dict[str, list[float]
         for name, pc in summ["per_cluster"].items():
             t = pc.get("time") or {}
             per, gap = _cluster_steps(run, name)
-            ranks, slow = int(pc.get("ranks", 1)), 1.0
-            specs = (cfg.get("cluster") or {}).get("clusters") or []
-            for s in specs:
-                if isinstance(s, dict) and s.get("name") == name:
-                    slow = float(s.get("slowdown", 1.0))
-            sl = (cfg.get("cluster") or {}).get("slowdown") or []
-            if not specs and int(pc.get("index", -1)) in range(len(sl)):
-                slow = float(sl[int(pc["index"])])
+            ranks, slow = int(pc.get("ranks", 1)), _slowdown(cfg, name, int(pc.get("index", -1)))
             if len(per) >= 2:
                 mean = float(np.mean(per))
                 std = float(np.std(per, ddof=1)) * math.sqrt(max(gap, 1))
@@ -251,17 +255,12 @@ def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny", host_co
     `edit_train/sim/hosts.py`) instead of edit-train's simulated one."""
     cfg, summ = run.config, run.summary
     cl, fed, tr = cfg.get("cluster") or {}, cfg.get("federation") or {}, cfg["train"]
-    specs = {s["name"]: s for s in cl.get("clusters") or [] if isinstance(s, dict)}
     base = profile.rank_step
     if base is None:
         raise CalibrationError("scenario: the profile has no calibrated step time")
     clusters = []
     for name, pc in sorted(summ["per_cluster"].items(), key=lambda kv: int(kv[1].get("index", 0))):
-        slow = float(specs.get(name, {}).get("slowdown", 0) or 0)
-        sl = cl.get("slowdown") or []
-        if not slow:
-            idx = int(pc.get("index", 0))
-            slow = float(sl[idx]) if idx < len(sl) else 1.0
+        slow = _slowdown(cfg, name, int(pc.get("index", 0)))
         clusters.append({"name": name, "ranks": int(pc.get("ranks", 1)), "step_s": base.median_s,
                          "step_cv": base.sigma, "slowdown": max(slow, 1.0)})
     link = real_link or cl.get("link") or {}

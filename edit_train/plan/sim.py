@@ -11,8 +11,10 @@ installed here; pure Python, MIT) would run the same events as generator process
 cost per event and add a dependency for nothing the ~40 lines of loop below do not already express.
 
 Semantics followed (docs/architecture.md §3–4, `local_sgd/pacer.py`, `drivers.py`, `membership.py`):
-* a quorum is issued when every live cluster asked, or `join_timeout_s` after the first ask (with at least
-  `min_clusters`); a dead cluster counts as live until `heartbeat_timeout_s` after its death;
+* a quorum is issued as torchft's Lighthouse issues it (`_check`): at once when the previous quorum's members
+  all asked again; else with at least `min_clusters` and more than half of the heartbeating clusters, when all
+  of them asked or `join_timeout_s` after the first ask; a dead cluster heartbeats until
+  `heartbeat_timeout_s` after its death;
 * step schedules sync every `interval` steps with a blocking quorum and the lockstep step adoption (whoever
   is behind jumps to the federation's step); A-EDiT plans `H = ⌊τ / own s/step⌋` from its last interval (the
   first ends once τ is spent); with `overlap` its quorum forms in the background: it keeps stepping and the
@@ -67,6 +69,7 @@ class _State:
             self.planned = np.ceil(cand.sync_time_s / fed.mean_step).astype(int).clip(1)
         self.kills = list(opt.kills)
         self.asking: dict[int, float] = {}
+        self.prev: set[int] = set()  # the members of the last quorum issued
         self.qid = 0
         self.stopping = False
         self.heap: list[tuple[float, int, int, int]] = []
@@ -103,8 +106,8 @@ def run_local(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
         s.events += 1
         if kind == ASK:
             _ask(s, c, t)
-        elif kind == TIMEOUT and c == s.qid and len(s.asking) >= fed.scenario.min_clusters:
-            _issue(s, t)
+        elif kind == TIMEOUT and c == s.qid:
+            _check(s, t)
         elif kind == EXPIRE:
             _check(s, t)
         elif kind == DEATH:
@@ -209,18 +212,28 @@ def _ask(s: _State, c: int, t: float) -> None:
 
 
 def _check(s: _State, now: float) -> None:
-    """Issue the forming quorum once every live cluster has asked."""
-    if not s.asking or len(s.asking) < s.fed.scenario.min_clusters:
+    """Issue the forming quorum as torchft's Lighthouse does: at once when every member of the previous quorum
+    has asked again (its fast quorum); otherwise only with at least `min_clusters` and *more than half* of the
+    heartbeating clusters asking (its guard against a split brain: two clusters always wait for each other
+    while both heartbeat), then when every heartbeating cluster has asked or the grace window since the first
+    ask has passed."""
+    if not s.asking:
         return
-    live = np.nonzero(s.live(now))[0]
-    if all(int(c) in s.asking for c in live):
+    live = set(int(c) for c in np.nonzero(s.live(now))[0])
+    asking = set(s.asking) & live
+    if s.prev and s.prev <= asking:
+        _issue(s, now)
+        return
+    if len(asking) < s.fed.scenario.min_clusters or len(asking) <= len(live) // 2:
+        return
+    if live <= asking or now >= min(s.asking.values()) + s.fed.scenario.join_timeout_s - 1e-12:
         _issue(s, now)
 
 
 def _issue(s: _State, now: float) -> None:
     members = np.array(sorted(s.asking), dtype=int)
     ask = np.array([s.asking[int(c)] for c in members])
-    s.asking, s.qid = {}, s.qid + 1
+    s.asking, s.qid, s.prev = {}, s.qid + 1, set(int(c) for c in members)
     if len(s.issues) and s.issues[-1][0] < now and len(members) < int(s.live(now).sum()):
         s.missed += int(s.live(now).sum()) - len(members)
     total = s.opt.steps
