@@ -1,6 +1,7 @@
 """The first held-out numbers: the planner *as it was when the split was committed* (6341d1b) predicting the runs
-`plan_validation.py` made, calibrated as it was then (the three runs cal_edit_none, cal_edit_int8 and cal_ddp
-over the links they use). Run it with that commit's package first on the path:
+`plan_validation.py` made (run that first), calibrated as it was then (`_plan_sets.FIRST_CALIBRATION`: EDiT at
+100 Mbit/s with none and int8, ddp at 500 Mbit/s; run here if missing). Run it with that commit's package first
+on the path:
 
     git archive 6341d1b edit_train | tar -x -C /tmp/first
     PYTHONPATH=/tmp/first python benchmarks/_plan_first.py --out docs/plan_validation_first.json
@@ -27,9 +28,6 @@ from edit_train.plan.loss import default_model
 from edit_train.plan.planner import evaluate
 from edit_train.plan.spec import Candidate, scenario_from_dict
 
-OLD_CALIBRATION = ("cal_edit_none", "cal_edit_int8", "cal_ddp")
-
-
 def candidate(cfg: dict) -> Candidate:
     algo, sy = cfg["algo"], cfg["sync"]
     name = algo["name"]
@@ -39,13 +37,18 @@ def candidate(cfg: dict) -> Candidate:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "plan_validation")
+    ap.add_argument("--quick", action="store_true", help="the runs of plan_validation.py --quick")
+    ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("docs/plan_validation_first.json"))
     a = ap.parse_args()
+    a.workdir = a.workdir or (C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
     import edit_train
 
-    prof = calibrate([a.workdir / n for n in OLD_CALIBRATION])
-    out = {"planner": str(Path(edit_train.__file__).parent), "sets": {}}
+    cal = [C.run_job(n, a.workdir / n, [*o, *S.workload(a.quick)], timeout=1800, reuse=True)
+           for n, o in S.FIRST_CALIBRATION.items()]
+    prof = calibrate([j.run_dir for j in cal])
+    out = {"planner": str(Path(edit_train.__file__).parent), "quick": a.quick, "environment": C.environment(),
+           "sets": {}}
     for set_name, configs in (("fitting", S.FITTING), ("held_out", S.HELD_OUT)):
         rows = []
         for name in configs:

@@ -30,11 +30,27 @@ def _topk(density: float, bits: int, group: int = 1, unsent: str = "resend") -> 
             f"sync.topk_group={group}", f"sync.unsent={unsent}"]
 
 
+def workload(quick: bool, seed: int = 0) -> list[str]:
+    """The overrides every run shares: model=tiny, 160 steps of 8 x 128 (--quick: 48 of 4 x 64), no warm-up."""
+    steps, batch, seq, log_every = (48, 4, 64, 8) if quick else (160, 8, 128, 10)
+    return ["model=tiny", f"train.steps={steps}", f"train.batch_size={batch}", f"train.seq_len={seq}",
+            "train.eval_every=0", "train.eval_batches=2", f"train.log_every={log_every}", "algo.warmup_steps=0",
+            f"seed={seed}"]
+
+
 LINK = _link(100, 50)
 KILL_C1_20 = ["faults=[{kind:kill_cluster,cluster:c1,step:20}]", "run.max_restarts=1", "run.restart_delay_s=2"]
 KILL_C1_50 = ["faults=[{kind:kill_cluster,cluster:c1,step:50}]", "run.max_restarts=1", "run.restart_delay_s=2"]
 
 # --------------------------------------------------------------------------------------- fitting set
+# the calibration as it was when the split was committed (for _plan_first.py: the planner's first numbers)
+FIRST_CALIBRATION = {
+    "cal_edit_none": ["algo=edit", "cluster=local_2x1", "sync.mode=at_end", "sync.compression=none",
+                      "algo.interval=8", *LINK],
+    "cal_edit_int8": ["algo=edit", "cluster=local_2x1", "sync.mode=at_end", "sync.compression=int8",
+                      "algo.interval=8", *LINK],
+    "cal_ddp": ["algo=ddp", "cluster=local_2x1", *_link(500, 20)],
+}
 CALIBRATION = {  # the profile is fitted from these runs, and from nothing else
     # no simulated link: a sync's wait is its software alone (on a link, work shorter than the wire hides)
     "cal_edit_none_free": ["algo=edit", "cluster=local_2x1", "sync.mode=at_end", "sync.compression=none",
@@ -101,9 +117,9 @@ HELD_OUT = {
 }
 HOSTS = {"hosts_edit_at_end_2_100mbit": 100.0, "h_hosts_edit_layerwise_2_int8_50mbit": 50.0}  # name -> tbf rate (Mbit/s) of every host's link
 
-# --quick: 48-step runs of a subset (no 5x slowdowns, no hosts), a few minutes
-QUICK = {"ddp_2", "edit_at_end_3", "edit_overlap_2", "diloco_layerwise_3_int8", "h_edit_overlap_3_int8_hetero_20mbit",
-         "h_ddp_3", "h_post_local_sgd_at_end_3_fp8", "h_diloco_layerwise_3_kill", "h_edit_at_end_3_topk_20mbit",
-         "h_a_edit_layerwise_3_topk_g4_keep"}
+# --quick: 48-step runs of a subset (no 5x slowdowns), about 10 minutes on a quiet 2-core box
+QUICK = {"ddp_2", "edit_at_end_3", "edit_overlap_2", "diloco_layerwise_3_int8", "hosts_edit_at_end_2_100mbit",
+         "h_edit_overlap_3_int8_hetero_20mbit", "h_ddp_3", "h_post_local_sgd_at_end_3_fp8", "h_diloco_layerwise_3_kill",
+         "h_edit_at_end_3_topk_20mbit", "h_a_edit_layerwise_3_topk_g4_keep", "h_hosts_edit_layerwise_2_int8_50mbit"}
 
 assert not set(HELD_OUT) & (set(FITTING) | set(CALIBRATION)), "a configuration is in both sets"

@@ -43,9 +43,7 @@ SEEDS = 3  # simulator seeds per prediction (their mean)
 
 
 def common(a: argparse.Namespace) -> list[str]:
-    return ["model=tiny", f"train.steps={a.steps}", f"train.batch_size={a.batch}", f"train.seq_len={a.seq}",
-            "train.eval_every=0", "train.eval_batches=2", f"train.log_every={a.log_every}", "algo.warmup_steps=0",
-            f"seed={a.seed}"]
+    return S.workload(a.quick, a.seed)
 
 
 def run(name: str, overrides: list[str], a: argparse.Namespace) -> C.Job:
@@ -104,10 +102,26 @@ def predict(job: C.Job, prof, name: str, own_steps: bool = False) -> dict:
 def compare(name: str, job: C.Job, prof, own_steps: bool = False) -> dict[str, Any]:
     m, p = measured(job), predict(job, prof, name, own_steps)
     bm, bp = max(m["blocked_frac"].values()), max(p["blocked_frac"].values())
+    load = run_load(job)
+    during = conditions.Conditions.from_json(load.get("before"))
     return {"name": name, "candidate": p["candidate"], "real_link": name in S.HOSTS, "predicted": p, "measured": m,
             "tokens_per_s_err": p["tokens_per_s"] / m["tokens_per_s"] - 1,
             "blocked_err_points": 100 * (bp - bm), "goodput_err_points": 100 * (p["goodput"] - m["goodput"]),
-            "load": run_load(job), "run_wall_s": job.wall_s}
+            "load": load, "run_wall_s": job.wall_s,
+            # what `edit-train plan check` would have said when this run started
+            "calibration_stale": conditions.stale(prof.taken_under(), during) if during else None}
+
+
+def calibration_conditions(cal: list[C.Job]) -> conditions.Conditions:
+    """The host while the calibration runs ran: the mean of their recorded loads and probe speeds (what a
+    profile should carry), or the host now when they recorded none."""
+    recs = [conditions.Conditions.from_json(r) for j in cal for r in (run_load(j).get("before"), run_load(j).get("after"))]
+    recs = [r for r in recs if r is not None]
+    if not recs:
+        return conditions.measure()
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return conditions.Conditions(mean([r.load_1m for r in recs]), mean([r.load_5m for r in recs]), recs[0].cpu_count,
+                                 recs[0].cores, mean([r.speed for r in recs]), recs[0].taken_at)
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -115,7 +129,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     agree = sum((x["predicted"]["tokens_per_s"] > y["predicted"]["tokens_per_s"])
                 == (x["measured"]["tokens_per_s"] > y["measured"]["tokens_per_s"]) for x, y in pairs)
     med = lambda k: statistics.median(abs(r[k]) for r in rows) if rows else None  # noqa: E731
+    fresh = [r for r in rows if not r.get("calibration_stale")]
     return {"configurations": len(rows), "median_abs_tokens_per_s_err": med("tokens_per_s_err"),
+            "stale_calibration": len(rows) - len(fresh),
+            "median_abs_tokens_per_s_err_where_calibration_held": statistics.median(
+                abs(r["tokens_per_s_err"]) for r in fresh) if fresh else None,
             "median_abs_blocked_err_points": med("blocked_err_points"),
             "median_abs_goodput_err_points": med("goodput_err_points"),
             "ranking_pairs_correct": agree, "ranking_pairs": len(pairs),
@@ -153,14 +171,14 @@ def main() -> None:
     ap.add_argument("--own-steps", action="store_true", help="diagnostic: predict with each run's own measured "
                     "step times (separates the sync model from the host's load); not the validation")
     a = ap.parse_args()
-    a.steps, a.batch, a.seq, a.log_every = (48, 4, 64, 8) if a.quick else (160, 8, 128, 10)
     a.workdir = a.workdir or (C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
     a.fresh = set(a.fresh)
     t0 = time.perf_counter()
     start = conditions.measure()
     cal = [run(n, o, a) for n, o in S.CALIBRATION.items()]
     codec = time_codecs(codecs_to_time(cal))
-    prof = calibrate([j.run_dir for j in cal], codec=codec)  # the fitting set's calibration runs, nothing else
+    # the fitting set's calibration runs, nothing else; the host's conditions while they ran
+    prof = calibrate([j.run_dir for j in cal], codec=codec, conditions=calibration_conditions(cal))
     prof.save(a.workdir / "profile.json")
     print(f"calibrated: per_op {prof.per_op_s * 1e3:.1f} ms, sw {prof.sw_bytes_per_s / 1e6:.0f} MB/s, step "
           f"{prof.rank_step.median_s * 1e3:.0f} ms (log-σ {prof.rank_step.sigma:.2f}); codec timed for "
@@ -184,6 +202,8 @@ def main() -> None:
                 continue
             rows.append(compare(name, job, prof, a.own_steps))
             print(line(rows[-1]), flush=True)
+            if rows[-1]["calibration_stale"]:
+                print(f"    {rows[-1]['calibration_stale']}", flush=True)
         result["sets"][set_name] = summarize(rows)
     result["load_at_end"] = conditions.measure().to_json()
     result["wall_s"] = time.perf_counter() - t0

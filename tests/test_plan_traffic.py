@@ -74,3 +74,23 @@ def test_sync_events_count_the_modelled_bytes(monkeypatch: pytest.MonkeyPatch, t
         for codec in codecs:
             grew = [a - b for a, b in zip(per_sync(codec), dense)]
             assert grew == [traffic.sync_bytes(sizes, len(names), codec) - base] * 2, (len(names), codec)
+
+
+def test_the_codec_is_timed_per_call_and_value_and_charged_by_what_a_sync_codes() -> None:
+    from edit_train.cli.codec_cost import time_codecs
+    from edit_train.plan.profile import Profile
+
+    timed = time_codecs([Codec("none"), Codec("int8"), Codec("int8")])
+    assert set(timed) == {"int8"} and all(len(timed["int8"][k]) == 2 and min(timed["int8"][k]) >= 0
+                                          for k in ("encode", "decode"))
+    cost = {"encode": [1e-4, 1e-8], "decode": [0.0, 2e-8]}
+    prof = Profile(codec={"int8": cost, "topk(0.01,2b,g1)": {"encode": [0.0, 3e-9], "decode": [0.0, 1e-9]},
+                          "topk(0.1875,2b,g8,keep)": {"encode": [0.0, 9e-9], "decode": [0.0, 1e-9]}})
+    assert prof.codec_s(Codec("int8"), (2, 1000), (3, 2000)) == pytest.approx(2e-4 + 1e-5 + 4e-5)
+    assert prof.codec_s(Codec("none"), (2, 1000), (3, 2000)) == 0.0
+    # an untimed top-k setting costs what the nearest timed one did (density, bits, groups)
+    assert prof.codec_s(Codec("topk", density=0.02), (0, 1e6), (0, 0)) == pytest.approx(3e-3)
+    assert prof.codec_s(Codec("topk", density=0.25, group=8), (0, 1e6), (0, 0)) == pytest.approx(9e-3)
+    # a gather of P participants encodes its own contribution once and decodes the P - 1 others'
+    assert traffic.codec_values([1000, 24], 3, Codec("int8")) == (1024, 2048)
+    assert traffic.codec_values([1000], 3, Codec("none")) == (0.0, 0.0)

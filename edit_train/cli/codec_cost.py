@@ -19,12 +19,28 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
+def round_trips(x, cfg, reps: int) -> tuple[list[float], list[float], int]:  # noqa: ANN001 - torch, compress
+    """Seconds of `reps` encodes (`quantize_own`) and decodes (`dequantize`) of flat `x` under `cfg`, and the
+    payload's bytes."""
+    from edit_train.federation.compress import dequantize, quantize_own
+
+    enc, dec, n = [], [], x.numel()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        payload, _ = quantize_own(x, cfg)
+        t1 = time.perf_counter()
+        dequantize(payload, n, cfg)
+        dec.append(time.perf_counter() - t1)
+        enc.append(t1 - t0)
+    return enc, dec, int(payload.numel())
+
+
 def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -> dict[str, list[float]]:
     """{"encode": [s per call, s per value], "decode": [...]} of `codec` on one thread."""
     import torch
 
     from edit_train.federation import sparse
-    from edit_train.federation.compress import CompressionConfig, dequantize, quantize_own
+    from edit_train.federation.compress import CompressionConfig
 
     cfg = CompressionConfig(codec.scheme, codec.block_size, codec.scale_dtype, True, codec.density, codec.bits,
                             codec.unsent, codec.group)
@@ -37,16 +53,8 @@ def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -
         points = []
         for n in sizes:
             x = torch.randn(n, generator=torch.Generator().manual_seed(n))
-            payload, _ = quantize_own(x, cfg)
-            dequantize(payload, n, cfg)
-            enc, dec = [], []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                payload, _ = quantize_own(x, cfg)
-                t1 = time.perf_counter()
-                dequantize(payload, n, cfg)
-                dec.append(time.perf_counter() - t1)
-                enc.append(t1 - t0)
+            round_trips(x, cfg, 1)  # first use
+            enc, dec, _ = round_trips(x, cfg, reps)
             points.append((n, _median(enc), _median(dec)))
     finally:
         torch.set_num_threads(threads)

@@ -5,7 +5,7 @@ prediction runs on from finished runs.
     edit-train plan                                   # conf/plan/default.yaml + scenario=three_clusters
     edit-train plan scenario=local_2x1 profile=runs/profile.json out=runs/plan
     edit-train plan scenario.link.bandwidth_mbps=1000 'scenario.candidates.algos=[edit,a_edit]'
-    edit-train plan calibrate runs/a runs/b --out runs/profile.json
+    edit-train plan calibrate runs/a runs/b --out runs/profile.json  # --no-codec: leave the codec untimed (cost 0)
     edit-train plan check runs/profile.json          # one line: do its calibration conditions hold now?
 
 The config is Hydra's (its own tree, `conf/plan/`): overrides are `key=value`; every input mistake ends in
@@ -92,7 +92,7 @@ def run_calibrate(args: list[str]) -> Path:
     from edit_train.plan.calibrate import calibrate, codec_of_run, read_run
     from edit_train.plan.spec import CandidateSet, Scenario, TopK, topk_codec
 
-    out, dirs, i = Path("profile.json"), [], 0
+    out, dirs, i, time_codec = Path("profile.json"), [], 0, True
     while i < len(args):
         a = args[i]
         if a in ("--out", "-o"):
@@ -102,8 +102,10 @@ def run_calibrate(args: list[str]) -> Path:
             continue
         if a.startswith("--out="):
             out = Path(a.split("=", 1)[1])
+        elif a == "--no-codec":
+            time_codec = False
         elif a.startswith("-"):
-            raise ValueError(f"calibrate: unknown option {a!r} (usage: calibrate RUN_DIR... [--out FILE])")
+            raise ValueError(f"calibrate: unknown option {a!r} (usage: calibrate RUN_DIR... [--out FILE] [--no-codec])")
         else:
             dirs.append(a)
         i += 1
@@ -115,7 +117,7 @@ def run_calibrate(args: list[str]) -> Path:
     codecs += [codec_of_run({"sync": {**(runs[0].get("sync") or {}), "compression": c}}) for c in ("bf16", "int8", "fp8")]
     base = Scenario("codecs", [], block_size=codecs[0].block_size, scale_dtype=codecs[0].scale_dtype)
     codecs += [topk_codec(base, TopK(**t)) for t in CandidateSet().topk]
-    prof = calibrate(dirs, codec=time_codecs(codecs))
+    prof = calibrate(dirs, codec=time_codecs(codecs) if time_codec else None)
     path = prof.save(out)
     fit = prof.fit
     sync = fit.get("sync", {})

@@ -127,8 +127,9 @@ class Fed:
         per_unit = np.array([self.unit_bytes(int(c), world, paired, codec) for c in members])
         nbytes = per_unit.sum(axis=1)
         cpu = self.cpu_share(members)
-        work = cpu * (p.work_s(self.facts.total_params) + (p.probe_s if cand.algo in ("edit", "a_edit") else 0.0))
-        out: dict[str, np.ndarray | float] = {"bytes": nbytes, "work": work}
+        apply = cpu * p.work_s(self.facts.total_params)  # norms, outer steps, re-bases: between the units
+        probe = cpu * (p.probe_s if cand.algo in ("edit", "a_edit") else 0.0)  # the verified rule's own bucket
+        out: dict[str, np.ndarray | float] = {"bytes": nbytes, "work": apply + probe}
         if world <= 1:
             zero = np.zeros(world)
             return {**out, "exchange": 0.0, "vote": 0.0, "at_end": zero, "layerwise": zero, "background": 0.0}
@@ -139,7 +140,7 @@ class Fed:
         coded = np.array([self.codec_s(int(c), world, paired, codec) for c in members])
         wire_u = per_unit * (wire / np.maximum(nbytes, 1))[:, None]
         work_u = cpu * (p.per_op_s + per_unit / (p.sw_bytes_per_s or math.inf) + np.outer(coded, share))
-        apply_u = np.outer(np.ones(world), work * share)
+        apply_u = np.outer(np.ones(world), apply * share)
         out["background"] = float(pipeline.at_once(wire_u, work_u, lat, sim)[0])
         groups = np.array_split(np.arange(per_unit.shape[1]), min(MAX_GROUPS, per_unit.shape[1]))
         merge = lambda x: np.stack([x[:, g].sum(axis=1) for g in groups], axis=1)  # noqa: E731

@@ -20,7 +20,7 @@ from edit_train.plan import faults, hardware
 from edit_train.plan.costs import Fed, resolve
 from edit_train.plan.engine import simulate
 from edit_train.plan.loss import LossModel, default_model
-from edit_train.plan.profile import Profile
+from edit_train.plan.profile import Profile, nearest_timed
 from edit_train.plan.simbase import SimOptions, SimResult
 from edit_train.plan.spec import Candidate, Scenario, TopK
 
@@ -141,6 +141,11 @@ def make_plan(scn: Scenario, profile: Profile | None = None, loss: LossModel | N
     if not profile.calibrated:
         notes.append("uncalibrated: step times from FLOPs at the given MFU and default sync costs; run "
                      "`edit-train-plan calibrate RUN_DIR...` for measured ones")
+    sparse = {c.label: c for c in (r.cand.codec(scn) for r in rows) if c.sparse}
+    for label, codec in sorted(sparse.items()):
+        if profile.codec and label not in profile.codec:
+            near = nearest_timed(codec, profile.codec) or "no"
+            notes.append(f"the codec of {label} was not timed by the calibration: it costs what {near} did")
     if not any(r.fits for r in rows):
         notes.append("no candidate fits the accelerators' memory by the rough state estimate; check with "
                      "`edit-train-info ... --gpu-mem-gb`")
@@ -187,3 +192,4 @@ def summary_line(row: Row) -> str:
 
 def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+

@@ -82,7 +82,7 @@ class Profile:
         profile has no timing of it, or nothing is compressed)."""
         if not codec.lossy:
             return 0.0
-        cost = self.codec.get(codec.label) or self.codec.get(_nearest(codec, self.codec))
+        cost = self.codec.get(codec.label) or self.codec.get(nearest_timed(codec, self.codec))
         if not cost:
             return 0.0
         (ec, ev), (dc, dv) = cost["encode"], cost["decode"]
@@ -135,7 +135,7 @@ class Profile:
         return Profile.from_json(data, str(path))
 
 
-def _nearest(codec: Codec, timed: dict[str, Any]) -> str:
+def nearest_timed(codec: Codec, timed: dict[str, Any]) -> str:
     """The timed top-k label closest to `codec`'s settings (log₂ group, bits / 2, log₂ density)."""
     if not codec.sparse:
         return ""
