@@ -217,16 +217,16 @@ def _check(s: _State, now: float) -> None:
     heartbeating clusters asking (its guard against a split brain: two clusters always wait for each other
     while both heartbeat), then when every heartbeating cluster has asked or the grace window since the first
     ask has passed."""
-    if not s.asking:
+    n = len(s.asking)  # who asks is alive (a death takes its ask back), so heartbeating
+    if not n:
         return
-    live = set(int(c) for c in np.nonzero(s.live(now))[0])
-    asking = set(s.asking) & live
-    if s.prev and s.prev <= asking:
+    if s.prev and n >= len(s.prev) and s.prev.issubset(s.asking.keys()):
         _issue(s, now)
         return
-    if len(asking) < s.fed.scenario.min_clusters or len(asking) <= len(live) // 2:
+    live = int(s.live(now).sum())
+    if n < s.fed.scenario.min_clusters or n <= live // 2:
         return
-    if live <= asking or now >= min(s.asking.values()) + s.fed.scenario.join_timeout_s - 1e-12:
+    if n >= live or now >= min(s.asking.values()) + s.fed.scenario.join_timeout_s - 1e-12:
         _issue(s, now)
 
 
