@@ -3,8 +3,8 @@ runs, predict every configuration of the fitting and the held-out set (`_plan_se
 that keeps them apart: docs/planner.md), run them, and report predicted vs measured tokens/s, worst-cluster
 blocked fraction and goodput — and the pairs of configurations ranked right by tokens/s — for each set apart.
 
-    python benchmarks/plan_validation.py --out docs/plan_validation.json     # 31 runs, ~45 min on a quiet 2-core box
-    python benchmarks/plan_validation.py --quick --out /tmp/pv.json           # 48-step runs of a subset, ~8 min
+    python benchmarks/plan_validation.py --out docs/plan_validation.json     # 30 runs, ~45-50 min on a quiet 2-core box
+    python benchmarks/plan_validation.py --quick --out /tmp/pv.json           # 48-step runs of 12 + 3, ~10 min
     python benchmarks/plan_validation.py --sets held_out --only h_ddp_3 ...   # some of them (cached runs reused)
 
 Every run directory is kept under `--workdir` and reused when it finished with the same arguments, so a rerun is

@@ -411,3 +411,23 @@ def test_a_top_k_setting_the_plan_cannot_run_is_one_line():
     with pytest.raises(PlanError, match=r"candidates.topk\[0\]: sync.bits must be one of"):
         scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}],
                             "candidates": {"topk": [{"density": 0.1, "bits": 3}]}})
+
+
+def test_the_held_out_set_is_apart_and_covers_what_the_issue_asks():
+    """benchmarks/_plan_sets.py: calibration, fitting and held-out configurations never share a name; the
+    held-out set has >= 12 configurations covering every algorithm, sync mode and compression (top-k with its
+    settings and sync.unsent=keep), 2-4 clusters, a 5x slowdown, a 20 Mbit/s link, a kill and a real-TCP run."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import _plan_sets as S
+
+    assert not (set(S.HELD_OUT) & (set(S.FITTING) | set(S.CALIBRATION))) and len(S.HELD_OUT) >= 12
+    keys = [dict(o.split("=", 1) for o in over if "=" in o) for over in S.HELD_OUT.values()]
+    assert {k["algo"] for k in keys} == {"ddp", "post_local_sgd", "diloco", "edit", "a_edit"}
+    assert {k["sync.mode"] for k in keys if "sync.mode" in k} == {"layerwise", "at_end", "overlap"}
+    assert {k.get("sync.compression", "none") for k in keys} == {"none", "bf16", "int8", "fp8", "topk"}
+    assert {k.get("sync.topk_group") for k in keys} >= {"1", "4"} and any(k.get("sync.unsent") == "keep" for k in keys)
+    assert {k.get("cluster.groups", "2") for k in keys} == {"2", "3", "4"}
+    assert any("5" in k.get("cluster.slowdown", "") for k in keys)
+    assert min(float(k.get("cluster.link.bandwidth_mbps", 1e9)) for k in keys) <= 20
+    assert any("kill_cluster" in k.get("faults", "") for k in keys)
+    assert set(S.HOSTS) & set(S.HELD_OUT) and set(S.HOSTS) & set(S.FITTING)
