@@ -217,7 +217,8 @@ def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
     ran, are kept too). Per sync: one encode + P − 1 decodes per unit."""
     import torch
 
-    from edit_train.federation.compress import CompressionConfig, dequantize, quantize_own
+    from edit_train.cli.codec_cost import round_trips
+    from edit_train.federation.compress import CompressionConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(CODEC_THREADS)
@@ -241,17 +242,10 @@ def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
             per = []
             for unit, n in units:
                 x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 1e-3
-                enc, dec = [], []
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    payload, _own = quantize_own(x, cfg)
-                    t1 = time.perf_counter()
-                    dequantize(payload, n, cfg)
-                    enc.append(t1 - t0)
-                    dec.append(time.perf_counter() - t1)
+                enc, dec, nbytes = round_trips(x, cfg, reps)
                 per.append({"unit": unit, "params": n, "encode_us": 1e6 * min(enc), "decode_us": 1e6 * min(dec),
                             "encode_us_median": 1e6 * statistics.median(enc),
-                            "decode_us_median": 1e6 * statistics.median(dec), "bytes": int(payload.numel())})
+                            "decode_us_median": 1e6 * statistics.median(dec), "bytes": nbytes})
             out[name] = {"units": per, "threads": CODEC_THREADS,
                          "per_sync_s": sum(u["encode_us"] + PEERS * u["decode_us"] for u in per) / 1e6}
     finally:

@@ -159,9 +159,46 @@ def predictions(model: str, interval: int, compression: str) -> dict[str, float]
     prof = Profile.default()
     fed = resolve(scn, prof)
     cost = fed.sync_cost(np.array([0, 1]), Candidate("edit", "at_end", compression, interval=interval))
-    return {"planner_bytes": float(np.asarray(cost["bytes"])[0]), "planner_xfer_s": float(cost["xfer"]),
-            "planner_s": float(cost["exchange"]) + float(cost["xfer"]) + float(cost["vote"]),
+    xfer = float(np.asarray(cost["at_end"]).max())  # the units, one at a time (pipeline.py)
+    return {"planner_bytes": float(np.asarray(cost["bytes"])[0]), "planner_xfer_s": xfer,
+            "planner_s": float(cost["exchange"]) + xfer + float(cost["vote"]),
             "planner_quorum_s": prof.quorum_s}
+
+
+def start_lighthouse(net: Any, logs: Path, key: str, clusters: int) -> Any:
+    """`edit-train-lighthouse` on host lh (port 29510), once it serves; the caller kills host lh after."""
+    lh_log = logs / "lh.log"
+    house = net.popen("lh", ["edit-train-lighthouse", "--bind", f"{net.address('lh')}:29510",
+                             f"federation.key_file={key}", f"federation.min_clusters={clusters}"],
+                      stdout=open(lh_log, "w"), stderr=subprocess.STDOUT, env=env())  # noqa: SIM115
+    deadline = time.time() + 60
+    while "serving at" not in lh_log.read_text():
+        if house.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the Lighthouse did not start:\n{lh_log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    return house
+
+
+def run_clusters(net: Any, names: list[str], overrides: list[str], key: str, logs: Path, cwd: Path,
+                 timeout: float) -> float:
+    """One cluster job per host of `names` (`launchers/torchrun_multinode.sh`, 1 rank each, the Lighthouse on
+    lh), all with `overrides`; waits for them (raises naming the first that failed); returns the wall time."""
+    procs = {}
+    t0 = time.time()
+    for name in names:
+        e = env(CLUSTER=name, LIGHTHOUSE="lh:29510", NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
+                RDZV_ENDPOINT=f"{name}:29500", KEY_FILE=key, MAX_RESTARTS="0")
+        procs[name] = net.popen(name, ["bash", str(MULTINODE), *overrides], stdout=open(logs / f"{name}.log", "w"),  # noqa: SIM115
+                                stderr=subprocess.STDOUT, env=e, cwd=cwd)
+    try:
+        for name, p in procs.items():
+            rc = p.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+            if rc != 0:
+                raise RuntimeError(f"cluster {name} exited {rc}:\n{(logs / f'{name}.log').read_text()[-3000:]}")
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the federation did not finish within {timeout:.0f} s:\n"
+                           + (logs / f"{names[0]}.log").read_text()[-2000:]) from None
+    return time.time() - t0
 
 
 def federation(net: Any, work: Path, key: str, data: str, model: str, interval: int, syncs: int,
@@ -170,40 +207,19 @@ def federation(net: Any, work: Path, key: str, data: str, model: str, interval: 
     run_dir = work / f"run-{model}"
     logs = work / f"logs-{model}"
     logs.mkdir(parents=True, exist_ok=True)
-    lh_log = logs / "lh.log"
-    house = net.popen("lh", ["edit-train-lighthouse", "--bind", f"{net.address('lh')}:29510",
-                             f"federation.key_file={key}", "federation.min_clusters=2"],
-                      stdout=open(lh_log, "w"), stderr=subprocess.STDOUT, env=env())  # noqa: SIM115
-    deadline = time.time() + 60
-    while "serving at" not in lh_log.read_text():
-        if house.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"the Lighthouse did not start:\n{lh_log.read_text()[-2000:]}")
-        time.sleep(0.1)
+    start_lighthouse(net, logs, key, 2)
     steps = interval * syncs
     overrides = [*C.BASE_OVERRIDES, "algo=edit", f"algo.interval={interval}", "sync.mode=at_end",
                  f"sync.compression={compression}", f"model={model}", "train.seq_len=32", "train.batch_size=2",
                  "train.eval_every=0", "train.eval_batches=1", "train.log_every=4", "train.threads=1",
-                 f"train.steps={steps}", "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]",
+                 f"train.steps={steps}", "cluster=local", "cluster.link.bandwidth_mbps=0", "cluster.link.latency_ms=0",
+                 "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]",
                  "federation.min_clusters=2", "federation.heartbeat_timeout_s=5", "federation.join_timeout_s=30",
                  "federation.collective_timeout_s=120", f"data.source={data}", f"run.dir={run_dir}"]
-    procs = {}
-    t0 = time.time()
-    for name in ("a", "b"):
-        e = env(CLUSTER=name, LIGHTHOUSE="lh:29510", NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
-                RDZV_ENDPOINT=f"{name}:29500", KEY_FILE=key, MAX_RESTARTS="0")
-        procs[name] = net.popen(name, ["bash", str(MULTINODE), *overrides], stdout=open(logs / f"{name}.log", "w"),  # noqa: SIM115
-                                stderr=subprocess.STDOUT, env=e, cwd=work)
     try:
-        for name, p in procs.items():
-            rc = p.wait(timeout=max(1.0, timeout - (time.time() - t0)))
-            if rc != 0:
-                raise RuntimeError(f"cluster {name} exited {rc}:\n{(logs / f'{name}.log').read_text()[-3000:]}")
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"the federation ({model}) did not finish within {timeout:.0f} s:\n"
-                           + (logs / "a.log").read_text()[-2000:]) from None
+        wall = run_clusters(net, ["a", "b"], overrides, key, logs, work, timeout)
     finally:
         net.kill("lh")
-    wall = time.time() - t0
     events = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     return [e for e in events if e.get("event") == "sync" and sorted(e.get("participants", [])) == ["a", "b"]], wall
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edit_train.plan import hardware, traffic
@@ -50,17 +51,51 @@ def test_equal_clusters_free_link_never_block_and_add_up(algo):
     assert res.syncs == 4 and res.goodput == pytest.approx(1.0)
 
 
+def _prefetched(xfer: list[float], lat: float) -> float:
+    """Reference: units moved one at a time, the next one launched with it (`BlockingDriver`), on one link
+    queue; a unit is ready `lat` after its bytes left; the sync waits for each in turn."""
+    free = now = 0.0
+    ready: list[float] = []
+    for u in range(len(xfer)):
+        for v in (u, u + 1):
+            if v == len(ready) and v < len(xfer):
+                free = max(now, free) + xfer[v]
+                ready.append(free + lat)
+        now = max(now, ready[u])
+    return now
+
+
 def test_slow_link_costs_latency_plus_bytes_over_bandwidth():
     bw, lat = 100.0, 50.0
     fed, res = run(scenario(bw=bw, lat=lat), Candidate("edit", "at_end", "none", 16))
     units = hardware.model_facts("tiny").unit_sizes
     nbytes = sum(4 * n + traffic.TAG for n in units)  # 2 clusters gather: one copy of every unit to the peer
     assert res.bytes == pytest.approx([4 * nbytes] * 2)
-    # per sync: the norm exchange and the commit vote (one latency each) + the transfer (latency + bytes / bw)
-    per_sync = 3 * lat / 1e3 + nbytes / (bw * 1e6 / 8)
+    # per sync: the norm exchange and the commit vote (one latency each) + the units, one at a time, prefetched
+    xfer = [(4 * n + traffic.TAG) / (bw * 1e6 / 8) for n in units]
+    per_sync = 2 * lat / 1e3 + _prefetched(xfer, lat / 1e3)
+    assert per_sync > 3 * lat / 1e3 + nbytes / (bw * 1e6 / 8)  # small units expose their latency
     assert res.buckets["blocked"] == pytest.approx([4 * per_sync] * 2, rel=1e-9)
     assert res.wall_s == pytest.approx(64 * STEP + 4 * per_sync, rel=1e-9)
     assert res.tokens_per_s == pytest.approx(2 * 64 * BATCH * SEQ / (64 * STEP + 4 * per_sync), rel=1e-9)
+
+
+def test_simulated_link_hides_software_shorter_than_the_wire():
+    """edit-train's simulated link is a clock beside the real work (`Pending.wait` waits for both): software
+    shorter than a unit's wire time costs nothing there, and adds up on a real link."""
+    bw, lat = 100.0, 50.0
+    prof = zero_profile()
+    prof.per_op_s = 0.001  # far below any big unit's wire time at 100 Mbit/s
+    cand = Candidate("edit", "overlap", "none", 16)
+    costs = {}
+    for sim in (False, True):
+        fed = resolve(scenario(bw=bw, lat=lat, simulated_link=sim), prof)
+        costs[sim] = fed.sync_cost(np.array([0, 1]), cand)
+    units = hardware.model_facts("tiny").unit_sizes
+    wire = sum(4 * n + traffic.TAG for n in units) / (bw * 1e6 / 8)
+    assert costs[True]["background"] == pytest.approx(wire + lat / 1e3, rel=1e-9)
+    assert costs[False]["background"] == pytest.approx(wire + lat / 1e3 + len(units) * 0.001, rel=1e-9)
+    assert costs[True]["exchange"] == pytest.approx(lat / 1e3) and costs[False]["exchange"] == pytest.approx(0.051)
 
 
 def test_compression_shrinks_the_transfer_only():
@@ -68,7 +103,9 @@ def test_compression_shrinks_the_transfer_only():
     _, int8 = run(scenario(bw=100.0, lat=50.0), Candidate("edit", "at_end", "int8", 16))
     units = hardware.model_facts("tiny").unit_sizes
     assert int8.bytes[0] == pytest.approx(4 * sum(traffic.wire_bytes(n, "int8") + traffic.TAG for n in units))
-    saved = (none.bytes[0] - int8.bytes[0]) / (100e6 / 8)
+    pipe = {c: _prefetched([traffic.wire_bytes(n, c) / (100e6 / 8) + traffic.TAG / (100e6 / 8) for n in units], 0.05)
+            for c in ("none", "int8")}
+    saved = 4 * (pipe["none"] - pipe["int8"])
     assert none.buckets["blocked"][0] - int8.buckets["blocked"][0] == pytest.approx(saved, rel=1e-9)
 
 
@@ -82,6 +119,18 @@ def test_step_schedule_waits_for_the_straggler_a_edit_does_not():
     # A-EDiT: tau = 1 s -> the slow cluster plans floor(1 / 0.3) = 3 steps (0.9 s), the fast one 10 (1 s)
     assert aedit.blocked_frac[0] < 0.1 and aedit.blocked_frac[1] < 0.2
     assert aedit.tokens_per_s > 1.5 * edit.tokens_per_s
+
+
+def test_the_lighthouse_needs_more_than_half_of_the_heartbeating_clusters():
+    """torchft's quorum rule: with two clusters neither syncs alone however short the grace window (the fast
+    one waits for the 5x slower one every interval); with three, two fast ones go on without a straggler once
+    the grace window has passed."""
+    _, two = run(scenario(slowdowns=(1.0, 5.0), join_timeout_s=1.0), Candidate("edit", "at_end", "none", 8), steps=32)
+    assert two.syncs == 4 and two.missed == 0
+    assert two.blocked_frac[0] == pytest.approx(4 / 5, rel=1e-6)  # the fast one waits 3.2 s of every 4 s
+    _, three = run(scenario(slowdowns=(1.0, 1.0, 5.0), join_timeout_s=1.0), Candidate("edit", "at_end", "none", 8),
+                   steps=32)
+    assert three.missed > 0 and three.blocked_frac[0] < 0.5
 
 
 def test_a_failure_costs_the_uncommitted_compute():
@@ -116,20 +165,41 @@ def test_scenario_errors_name_the_field():
 
 
 # ------------------------------------------------------------------------------------------ calibration
-def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, compute: float) -> None:
-    """A run dir whose syncs cost what the simulator charges for a round exactly: three 20 ms latencies (the
-    exchange, the transfer, the vote; infinite bandwidth), (n_units + 2) * per_op and bytes / sw_bps."""
+def _waited(work: list[float], lat: float, between: list[float]) -> float:
+    """Reference: units one at a time, the next launched with it, each ready when both its software (one queue)
+    and the simulated link's latency are done; the training thread's `between` seconds after each."""
+    free = now = waited = 0.0
+    ready: list[float] = []
+    for u in range(len(work)):
+        for v in (u, u + 1):
+            if v == len(ready) and v < len(work):
+                free = max(now, free) + work[v]
+                ready.append(max(now + lat, free))
+        wait = max(ready[u] - now, 0.0)
+        waited, now = waited + wait, now + wait + between[u]
+    return waited
+
+
+def _synthetic_run(path: Path, per_op: float, sw_bps: float, scheme: str, compute: float, lat: float = 0.0,
+                   apply_s: float = 0.0) -> int:
+    """A run dir whose syncs cost what the simulator charges exactly: `lat` latency (infinite bandwidth), the
+    exchange and the vote (max(latency, an op) each), the units one at a time (an op + bytes / sw_bps each),
+    each applied (`apply_s` per sync by parameters) as it lands. Returns the bytes of one sync."""
     path.mkdir(parents=True)
     model = hardware.load_preset("tiny")
-    units = len(hardware.model_facts("tiny").units)
+    sizes = hardware.model_facts("tiny").unit_sizes
+    unit_bytes = [traffic.sync_bytes([n], 2, scheme) for n in sizes]
     cfg = {"model": model, "train": {"batch_size": BATCH, "seq_len": SEQ, "steps": 40, "eval_every": 0},
-           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": 20}, "clusters": [], "slowdown": []},
-           "federation": {}, "sync": {}}
+           "cluster": {"link": {"bandwidth_mbps": 0, "latency_ms": lat * 1e3}, "clusters": [], "slowdown": []},
+           "federation": {}, "sync": {"mode": "at_end", "compression": scheme}}
     (path / "config.json").write_text(json.dumps(cfg))
     per = {n: {"name": n, "index": i, "ranks": 1, "steps": 40, "tokens_per_step": BATCH * SEQ, "syncs_joined": 5,
-               "time": {"compute": 40 * compute, "sync": 5 * 0.01, "eval": 2 * 0.2, "startup": 1.5,
-                        "data": 0.4, "other": 0.0, "blocked": 1.0, "wall_s": 10.0}} for i, n in enumerate(["c0", "c1"])}
+               "time": {"compute": 40 * compute, "sync": 5 * apply_s, "probe": 5 * 0.003, "eval": 2 * 0.2,
+                        "startup": 1.5, "data": 0.4, "other": 0.0, "blocked": 1.0, "wall_s": 10.0}}
+           for i, n in enumerate(["c0", "c1"])}
     (path / "summary.json").write_text(json.dumps({"algo": "edit", "steps": 40, "per_cluster": per}))
+    apply = [apply_s * n / sum(sizes) for n in sizes]
+    cost = 2 * max(lat, per_op) + _waited([per_op + b / sw_bps for b in unit_bytes], lat, apply)
     lines = []
     for n in ("c0", "c1"):
         lines += [{"event": "eval", "cluster": n, "step": 0}, {"event": "eval", "cluster": n, "step": 40}]
@@ -137,22 +207,27 @@ def _synthetic_run(path: Path, per_op: float, sw_bps: float, nbytes: int, comput
             jitter = (-1) ** k * 0.001
             lines.append({"event": "train", "cluster": n, "step": step,
                           "time_s": {"compute": 8 * (compute + jitter), "slowdown": 0.0}})
-            cost = 3 * 0.020 + (units + 2) * per_op + nbytes / sw_bps
-            lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": nbytes,
+            lines.append({"event": "sync", "cluster": n, "sync": k + 1, "bytes": sum(unit_bytes),
                           "blocked_s": cost + (0.5 if n == "c1" else 0.0)})  # c1 also waited: min is taken
     (path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return sum(unit_bytes)
 
 
 def test_calibrate_recovers_known_costs_and_round_trips(tmp_path):
-    _synthetic_run(tmp_path / "a", 0.004, 50e6, 2_000_000, 0.05)
-    _synthetic_run(tmp_path / "b", 0.004, 50e6, 500_000, 0.05)
+    big = _synthetic_run(tmp_path / "a", 0.004, 50e6, "none", 0.05)
+    small = _synthetic_run(tmp_path / "b", 0.004, 50e6, "int8", 0.05)
     prof = calibrate([tmp_path / "a", tmp_path / "b"])
-    assert prof.per_op_s == pytest.approx(0.004, rel=1e-6)
-    assert prof.sw_bytes_per_s == pytest.approx(50e6, rel=1e-6)
-    assert prof.fit["sync"]["message_sizes"] == [500_000, 2_000_000]
+    assert prof.per_op_s == pytest.approx(0.004, rel=1e-3)
+    assert prof.sw_bytes_per_s == pytest.approx(50e6, rel=1e-3)
+    assert prof.fit["sync"]["message_sizes"] == [small, big]
     assert prof.clusters["c0"].mean_step_s == pytest.approx(0.05 + 0.001 / 5, rel=1e-6)  # 5 intervals, ±1 ms
     assert prof.eval_s == pytest.approx(0.2) and prof.startup_s == pytest.approx(1.5)
-    assert prof.other_step_s == pytest.approx(0.01) and prof.sync_work_s == pytest.approx(0.01)
+    assert prof.other_step_s == pytest.approx(0.01) and prof.sync_work_s == pytest.approx(0.0)
+    assert prof.probe_s == pytest.approx(0.003)
+    # a latency and the apply hide part of the software: the fit still reproduces every wait it was given
+    _synthetic_run(tmp_path / "c", 0.004, 50e6, "none", 0.05, lat=0.02, apply_s=0.01)
+    _synthetic_run(tmp_path / "d", 0.004, 50e6, "int8", 0.05, lat=0.02, apply_s=0.01)
+    assert calibrate([tmp_path / "c", tmp_path / "d"]).fit["sync"]["rms_residual_s"] < 1e-4
     back = Profile.load(prof.save(tmp_path / "p.json"))
     assert back.to_json() == prof.to_json()
     one = calibrate([tmp_path / "a"])  # one message size: the per-byte cost is not identifiable
@@ -189,7 +264,7 @@ def test_calibrate_a_real_run(tmp_path):
     back = Profile.load(prof.save(tmp_path / "profile.json"))
     assert back.to_json() == prof.to_json()
     out = subprocess.run([sys.executable, "-m", "edit_train.cli.plan", "calibrate", str(run_dir), "--out",
-                          str(tmp_path / "p2.json")], capture_output=True, text=True, timeout=120)
+                          str(tmp_path / "p2.json"), "--no-codec"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and (tmp_path / "p2.json").exists(), out.stderr
 
 
@@ -207,9 +282,13 @@ def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["scenario.nope=1"], "scenario.nope"),
     (["profile=/does/not/exist.json"], "cannot be read"),
     (["calibrate", "/does/not/exist"], "is not a directory"),
+    (["check", "/does/not/exist.json"], "cannot be read"),
+    (["check"], "check: give one profile"),
+    (["scenario.candidates.compressions=[zstd]"], "candidates.compressions"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, args, needle):
-    out = plan_cli(*args, f"out={tmp_path}" if args[0] != "calibrate" else "--out=x.json", cwd=tmp_path)
+    extra = {"calibrate": ["--out=x.json"], "check": []}.get(args[0], [f"out={tmp_path}"])
+    out = plan_cli(*args, *extra, cwd=tmp_path)
     assert out.returncode == 2
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], out.stderr
@@ -239,26 +318,116 @@ def test_plan_is_not_imported_by_the_core():
             assert "edit_train.plan" not in f.read_text(), f
 
 
-def test_clusters_sharing_a_host_stretch_by_their_core_demand():
-    """Local runs: every rank is a process on one host; more demand than cores stretches every step."""
+def test_clusters_sharing_a_host_share_its_cores_while_they_compute():
+    """Local runs: every rank a one-thread process on one host. Processor sharing: while D cores are wanted of
+    C, everyone runs at C / D; a rank slowed s× wants 1/s; whoever finishes (and waits at the sync) frees its
+    share; intervals already under way keep theirs until they end."""
+    from edit_train.plan.contention import shared
+
+    assert shared([[1.0, 1.0, 1.0]], [1, 1, 1], 2)[0] == pytest.approx([1.5] * 3)  # 3 on 2 cores
+    assert shared([[1.0, 3.0]], [1, 1 / 3], 2)[0] == pytest.approx([1.0, 3.0])  # 1 1/3 fits in 2
+    # demand 2 1/3: the fast two take 7/6 s; then the slow one has the cores to itself: 3 - 1 s of its work left
+    assert shared([[1.0, 1.0, 3.0]], [1, 1, 1 / 3], 2)[0] == pytest.approx([7 / 6, 7 / 6, 7 / 6 + 2.0])
+    # one core, another process computing for 0.5 s more: a quarter of the work at half speed, then the rest
+    assert shared([[1.0]], [1], 1, ghost_end=[0.5], ghost_q=[1])[0] == pytest.approx([1.25])
+    # a lockstep federation of 4 on 2 cores: every step twice as long; the scenario says so with host_cores
     from edit_train.plan.calibrate import RunData, scenario_of_run
     from edit_train.plan.dist import StepDist
-    from edit_train.plan.profile import Profile
 
-    prof = Profile()
-    prof.rank_step = StepDist(0.1, 0.05)
+    prof = zero_profile()
+    prof.rank_step = StepDist(0.1, 0.0)
+    per = {f"c{i}": {"index": i, "ranks": 1} for i in range(4)}
+    cfg = {"cluster": {"slowdown": []}, "federation": {}, "train": {"batch_size": 8, "seq_len": 64, "steps": 32,
+                                                                    "eval_every": 0}}
+    raw = scenario_of_run(RunData(Path("r"), cfg, {"per_cluster": per, "steps": 32}, []), prof, host_cores=2)
+    assert raw["host_cores"] == 2 and [c["slowdown"] for c in raw["clusters"]] == [1.0] * 4
+    _, res = run(scenario_from_dict({**raw, "model": "tiny"}), Candidate("edit", "at_end", "none", 8), steps=32)
+    assert res.buckets["compute"] == pytest.approx([32 * 0.2] * 4)
 
-    def run(slowdown: list[float]) -> RunData:
-        per = {f"c{i}": {"index": i, "ranks": 1} for i in range(len(slowdown))}
-        cfg = {"cluster": {"slowdown": slowdown}, "federation": {}, "train": {"batch_size": 8, "seq_len": 64,
-                                                                             "steps": 100, "eval_every": 0}}
-        return RunData(Path("r"), cfg, {"per_cluster": per, "steps": 100}, [])
 
-    def slow(s: list[float], cores: int) -> list[float]:
-        return [c["slowdown"] for c in scenario_of_run(run(s), prof, host_cores=cores)["clusters"]]
+# ------------------------------------------------------------------------------------------ conditions
+def test_calibration_conditions_say_in_one_line_whether_they_hold():
+    from edit_train.plan.conditions import Conditions, holds, stale
 
-    assert slow([1, 1, 1], 0) == [1, 1, 1]  # dedicated hardware: no stretch
-    assert slow([1, 1, 1], 2) == pytest.approx([1.5, 1.5, 1.5])  # 3 computing ranks on 2 cores
-    assert slow([1, 1, 1, 1], 2) == pytest.approx([2, 2, 2, 2])
-    assert slow([1, 3], 2) == pytest.approx([1, 3])  # 1 + 1/3 of a core's demand fits in 2
-    assert slow([1, 1, 3], 2) == pytest.approx([7 / 6, 7 / 6, 3 * 7 / 6])  # demand 2 1/3 on 2 cores
+    then = Conditions(0.3, 0.4, 2, 2, 10_000.0, "2026-11-01T10:00:00")
+    same = Conditions(0.6, 0.5, 2, 2, 9_500.0)
+    assert stale(then, same) is None and "hold" in holds(then, same)
+    for now, why in ((Conditions(5.2, 4.0, 2, 2, 4_100.0), "0.41x"), (Conditions(0.3, 0.3, 16, 16, 10_000.0), "16 cores"),
+                     (Conditions(2.0, 1.0, 2, 2, 10_000.0), "load 2.0 now, 0.3 then")):
+        line = stale(then, now)
+        assert line is not None and "\n" not in line and why in line and "no longer apply" in line
+    assert stale(None, same) is None
+
+
+def test_plan_and_plan_check_name_a_profile_taken_under_other_load(tmp_path, capsys):
+    """A profile whose recorded conditions differ from the host's now (far more load, a third of the speed)."""
+    from edit_train.cli.plan import run_check, run_plan
+    from edit_train.plan import conditions
+
+    now = conditions.measure()
+    prof = zero_profile()
+    prof.calibrated = True
+    prof.conditions = conditions.Conditions(now.load_1m + 8 * now.cores, now.load_5m, now.cpu_count, now.cores,
+                                            now.speed * 3, "2026-11-01T10:00:00").to_json()
+    path = prof.save(tmp_path / "profile.json")
+    assert run_check([str(path)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "calibration stale" in out[0] and "no longer apply" in out[0], out
+    run_plan([f"out={tmp_path}", "scenario=local_2x1", f"profile={path}", "quick=true", "top=3",
+              "scenario.candidates.algos=[edit]", "scenario.candidates.intervals=[8]"])
+    printed = capsys.readouterr().out
+    assert sum("calibration stale" in ln for ln in printed.splitlines()) >= 1
+    assert "calibration stale" in json.loads((tmp_path / "plan.json").read_text())["notes"][0]
+
+
+def test_top_k_is_planned_and_recommended_where_bytes_are_what_limits():
+    """A 5 Mbit/s link: the README's top-k pick (18.75 %, 2 bits, groups of 8, unsent=keep) beats int8 and
+    fp32 on ddp-equivalent tokens/s, and its overrides are a valid edit-train config."""
+    from edit_train.cli.common import compose
+    from edit_train.config import validate
+    from edit_train.plan.planner import make_plan
+
+    scn = scenario_from_dict({"name": "slow", "model": "tiny", "batch_size": 4, "seq_len": 64, "hours": 1,
+                              "clusters": [{"name": "c0", "ranks": 1, "step_s": 0.05}, {"name": "c1", "ranks": 1,
+                                                                                       "step_s": 0.05}],
+                              "link": {"bandwidth_mbps": 5, "latency_ms": 50}, "simulated_link": True,
+                              "candidates": {"algos": ["edit"], "modes": ["overlap"], "intervals": [8],
+                                             "compressions": ["none", "int8", "topk"]}})
+    plan = make_plan(scn, quick=True)
+    labels = {r.cand.label for r in plan.rows}
+    assert {"edit/overlap/topk(0.01,2b,g1)/H=8", "edit/overlap/topk(0.1875,2b,g8,keep)/H=8"} <= labels
+    best = plan.best.cand
+    assert best.compression == "topk" and best.topk.group == 8 and best.topk.unsent == "keep"
+    cfg = compose(plan.overrides)
+    validate(cfg)
+    assert (cfg.sync.compression, cfg.sync.topk_density, cfg.sync.bits, cfg.sync.topk_group, cfg.sync.unsent) == \
+        ("topk", 0.1875, 2, 8, "keep")
+    units = hardware.model_facts("tiny").unit_sizes
+    cost = resolve(scn, Profile.default()).sync_cost(np.array([0, 1]), best)
+    assert list(cost["bytes"]) == [traffic.sync_bytes(units, 2, best.codec(scn))] * 2
+
+
+def test_a_top_k_setting_the_plan_cannot_run_is_one_line():
+    with pytest.raises(PlanError, match=r"candidates.topk\[0\]: sync.bits must be one of"):
+        scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}],
+                            "candidates": {"topk": [{"density": 0.1, "bits": 3}]}})
+
+
+def test_the_held_out_set_is_apart_and_covers_what_the_issue_asks():
+    """benchmarks/_plan_sets.py: calibration, fitting and held-out configurations never share a name; the
+    held-out set has >= 12 configurations covering every algorithm, sync mode and compression (top-k with its
+    settings and sync.unsent=keep), 2-4 clusters, a 5x slowdown, a 20 Mbit/s link, a kill and a real-TCP run."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import _plan_sets as S
+
+    assert not (set(S.HELD_OUT) & (set(S.FITTING) | set(S.CALIBRATION))) and len(S.HELD_OUT) >= 12
+    keys = [dict(o.split("=", 1) for o in over if "=" in o) for over in S.HELD_OUT.values()]
+    assert {k["algo"] for k in keys} == {"ddp", "post_local_sgd", "diloco", "edit", "a_edit"}
+    assert {k["sync.mode"] for k in keys if "sync.mode" in k} == {"layerwise", "at_end", "overlap"}
+    assert {k.get("sync.compression", "none") for k in keys} == {"none", "bf16", "int8", "fp8", "topk"}
+    assert {k.get("sync.topk_group") for k in keys} >= {"1", "4"} and any(k.get("sync.unsent") == "keep" for k in keys)
+    assert {k.get("cluster.groups", "2") for k in keys} == {"2", "3", "4"}
+    assert any("5" in k.get("cluster.slowdown", "") for k in keys)
+    assert min(float(k.get("cluster.link.bandwidth_mbps", 1e9)) for k in keys) <= 20
+    assert any("kill_cluster" in k.get("faults", "") for k in keys)
+    assert set(S.HOSTS) & set(S.HELD_OUT) and set(S.HOSTS) & set(S.FITTING)

@@ -5,10 +5,12 @@ prediction runs on from finished runs.
     edit-train plan                                   # conf/plan/default.yaml + scenario=three_clusters
     edit-train plan scenario=local_2x1 profile=runs/profile.json out=runs/plan
     edit-train plan scenario.link.bandwidth_mbps=1000 'scenario.candidates.algos=[edit,a_edit]'
-    edit-train plan calibrate runs/a runs/b --out runs/profile.json
+    edit-train plan calibrate runs/a runs/b --out runs/profile.json  # --no-codec: leave the codec untimed (cost 0)
+    edit-train plan check runs/profile.json          # one line: do its calibration conditions hold now?
 
 The config is Hydra's (its own tree, `conf/plan/`): overrides are `key=value`; every input mistake ends in
-one `error: ...` line and exit code 2.
+one `error: ...` line and exit code 2. `check` exits 0 when the profile's conditions (load, cores, speed)
+hold on this host now, 1 when its predictions no longer apply.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def run_plan(overrides: list[str]) -> dict[str, Any]:
     cfg = compose_plan(overrides)
     scn = scenario_from_dict(dict(cfg["scenario"]))
     profile = Profile.load(cfg["profile"]) if cfg.get("profile") else None
+    stale = condition_line(profile)[1] if profile is not None else None
     plan = make_plan(scn, profile, seed=int(cfg["seed"]), quick=bool(cfg["quick"]))
+    if stale:
+        plan.notes.insert(0, stale)
     out = Path(str(cfg["out"]))
     js = report.write_json(plan, out / "plan.json")
     png = report.plot(plan, out / "plan.png")
@@ -53,15 +58,41 @@ def run_plan(overrides: list[str]) -> dict[str, Any]:
           f"{len(plan.rows)} candidates, {plan.events:,} events in {plan.elapsed_s:.1f} s "
           f"({plan.events_per_s:,.0f} events/s)")
     print(report.table(plan, top=int(cfg["top"])))
-    print(report.recommendation(plan))
+    print(report.recommendation(plan))  # a stale calibration is its first note
     print(f"wrote {js} and {png}")
     return report.to_json(plan)
 
 
-def run_calibrate(args: list[str]) -> Path:
-    from edit_train.plan.calibrate import calibrate
+def condition_line(profile) -> tuple[str, str | None]:  # noqa: ANN001 - plan.profile.Profile
+    """(the one line about `profile`'s calibration conditions now, the same line when they no longer hold)."""
+    from edit_train.plan import conditions
 
-    out, dirs, i = Path("profile.json"), [], 0
+    then = profile.taken_under()
+    if then is None:
+        return "the profile records no calibration conditions (calibrated before they were recorded)", None
+    now = conditions.measure()
+    why = conditions.stale(then, now)
+    return (why, why) if why else (conditions.holds(then, now), None)
+
+
+def run_check(args: list[str]) -> int:
+    """`plan check [PROFILE | profile=PROFILE]`: print one line; 0 when the conditions hold, 1 when not."""
+    from edit_train.plan.profile import Profile
+
+    paths = [a.split("=", 1)[1] if a.startswith("profile=") else a for a in args]
+    if len(paths) != 1 or not paths[0]:
+        raise ValueError("check: give one profile (usage: edit-train plan check PROFILE)")
+    line, stale = condition_line(Profile.load(paths[0]))
+    print(f"{paths[0]}: {line}")
+    return 1 if stale else 0
+
+
+def run_calibrate(args: list[str]) -> Path:
+    from edit_train.cli.codec_cost import time_codecs
+    from edit_train.plan.calibrate import calibrate, codec_of_run, read_run
+    from edit_train.plan.spec import CandidateSet, Scenario, TopK, topk_codec
+
+    out, dirs, i, time_codec = Path("profile.json"), [], 0, True
     while i < len(args):
         a = args[i]
         if a in ("--out", "-o"):
@@ -71,12 +102,22 @@ def run_calibrate(args: list[str]) -> Path:
             continue
         if a.startswith("--out="):
             out = Path(a.split("=", 1)[1])
+        elif a == "--no-codec":
+            time_codec = False
         elif a.startswith("-"):
-            raise ValueError(f"calibrate: unknown option {a!r} (usage: calibrate RUN_DIR... [--out FILE])")
+            raise ValueError(f"calibrate: unknown option {a!r} (usage: calibrate RUN_DIR... [--out FILE] [--no-codec])")
         else:
             dirs.append(a)
         i += 1
-    prof = calibrate(dirs)
+    if not dirs:
+        raise ValueError("calibrate: give at least one run directory")
+    # the codec of every compression the planner may propose (and the runs' own), timed on this host
+    runs = [read_run(d).config for d in dirs]
+    codecs = [codec_of_run(c) for c in runs]
+    codecs += [codec_of_run({"sync": {**(runs[0].get("sync") or {}), "compression": c}}) for c in ("bf16", "int8", "fp8")]
+    base = Scenario("codecs", [], block_size=codecs[0].block_size, scale_dtype=codecs[0].scale_dtype)
+    codecs += [topk_codec(base, TopK(**t)) for t in CandidateSet().topk]
+    prof = calibrate(dirs, codec=time_codecs(codecs) if time_codec else None)
     path = prof.save(out)
     fit = prof.fit
     sync = fit.get("sync", {})
@@ -85,7 +126,12 @@ def run_calibrate(args: list[str]) -> Path:
           f"{'link only' if not prof.sw_bytes_per_s else f'{prof.sw_bytes_per_s / 1e6:.0f} MB/s'} over "
           f"{len(sync.get('message_sizes', []))} message size(s), {sync.get('samples', 0)} syncs"
           f"{'' if 'note' not in sync else ' — ' + sync['note']}; eval {prof.eval_s:.2f} s, "
-          f"checkpoint {prof.checkpoint_s:.2f} s, start-up {prof.startup_s:.1f} s")
+          f"checkpoint {prof.checkpoint_s:.2f} s, start-up {prof.startup_s:.1f} s; codec timed for "
+          f"{', '.join(prof.codec) or 'none'}")
+    then = prof.taken_under()
+    if then is not None:
+        print(f"conditions: {then.describe()}, probe speed {then.speed:,.0f}/s (`edit-train plan check {path}` "
+              "compares them with the host's later)")
     print(f"wrote {path}")
     return path
 
@@ -101,10 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args[:1] == ["calibrate"]:
             run_calibrate(args[1:])
+        elif args[:1] == ["check"]:
+            sys.exit(run_check(args[1:]))
         else:
             bad = [a for a in args if "=" not in a]
             if bad:
-                raise ValueError(f"plan: {bad[0]!r} is not an override (key=value) nor `calibrate`; see "
+                raise ValueError(f"plan: {bad[0]!r} is not an override (key=value) nor `calibrate` / `check`; see "
                                  "`edit-train plan --help`")
             run_plan(args)
     except (PlanError, CalibrationError, ValueError, OSError) as exc:

@@ -5,13 +5,13 @@
   `train` events (`time_s` deltas ÷ steps); their mean is the cluster step (slowest rank), their spread,
   scaled by √(steps per log interval), its per-step standard deviation; `dist.fit_max` turns both into one
   rank's distribution for the cluster's rank count (so a plan can change the rank count);
-* **sync**: every sync event's cost — the *smaller* of the participants' `blocked_s` (the other one also
-  waited for the slower cluster) — minus what the run's link costs by the planner's own model (three
-  latencies: the exchange, the transfer, the vote; and bytes / (lanes · bandwidth) on edit-train's simulated
-  link), fitted by least squares as `(n_units + 2) · per_op_s + bytes / sw_bytes_per_s` (an op per unit,
-  one for the exchange and one for the vote, as `Fed.sync_cost` charges them); the fit needs at least two
-  distinct message sizes (different compression or model across the runs) and says so otherwise;
-* `sync_work_s`: the `sync` bucket ÷ syncs joined; `eval_s`: the `eval` bucket ÷ evaluations;
+* **sync**: every blocking sync's wait — the *smaller* of the participants' `blocked_s` (the other one also
+  waited for the slower cluster) — against the simulator's own model of it (`syncfit.py`: exchange, units
+  one at a time beside the run's simulated link, the codec's timed cost taken as given, apply between,
+  vote), least squares over `per_op_s` and `sw_bytes_per_s`; the fit needs at least two distinct message
+  sizes (different compression or model across the runs) and says so otherwise;
+* `sync_work_s`: the `sync` bucket ÷ syncs joined; `probe_s`: the verified rule's `probe` bucket ÷ syncs
+  joined; `eval_s`: the `eval` bucket ÷ evaluations;
   `checkpoint_s`: the `checkpoint` bucket ÷ checkpoints written (when any); `startup_s`: the `startup`
   bucket; `other_step_s`: (`data` + `other`) ÷ steps; `quorum_s`: the blocked time of ddp steps beyond the
   all-reduce, when a ddp run is among them (else the default).
@@ -27,9 +27,12 @@ from typing import Any
 
 import numpy as np
 
-from edit_train.plan import hardware, traffic
+from edit_train.plan import hardware, syncfit, traffic
+from edit_train.plan.conditions import Conditions, measure
+from edit_train.plan.costs import FWD_FRACTION
 from edit_train.plan.dist import fit_max
 from edit_train.plan.profile import ClusterProfile, Profile
+from edit_train.plan.spec import Candidate, TopK
 
 
 RESTART_START_S = 5.0  # seconds from a restarted cluster job's spawn to its first step on this 2-core host
@@ -98,41 +101,68 @@ def _cluster_steps(run: RunData, name: str) -> tuple[list[float], int]:
     return per, gap
 
 
+def _slowdown(cfg: dict[str, Any], name: str, index: int) -> float:
+    """A cluster's `slowdown` as `config.cluster_specs` reads it: from its `cluster.clusters` entry when the
+    clusters are listed (`cluster.slowdown` is then ignored), else `cluster.slowdown[index]`."""
+    cl = cfg.get("cluster") or {}
+    specs = [s for s in cl.get("clusters") or [] if isinstance(s, dict)]
+    if specs:
+        return float(next((s.get("slowdown", 1.0) for s in specs if s.get("name") == name), 1.0))
+    sl = cl.get("slowdown") or []
+    return float(sl[index]) if 0 <= index < len(sl) else 1.0
+
+
 def _link_s(cfg: dict[str, Any], nbytes: float, lanes: int) -> float:
+    """Seconds of `nbytes` on the run's simulated link (latency + bytes / lanes / bandwidth)."""
     link = (cfg.get("cluster") or {}).get("link") or {}
     bw, lat = float(link.get("bandwidth_mbps") or 0), float(link.get("latency_ms") or 0) / 1000.0
     return lat + (nbytes / max(lanes, 1) / (bw * 1e6 / 8) if bw > 0 else 0.0)
 
 
-def calibrate(run_dirs: list[str | Path]) -> Profile:
+def codec_of_run(cfg: dict[str, Any]) -> traffic.Codec:
+    """The wire format a run's `sync` section configured."""
+    sy = cfg.get("sync") or {}
+    return traffic.Codec(str(sy.get("compression", "none")), int(sy.get("block_size", 256)),
+                         str(sy.get("scale_dtype", "fp32")), float(sy.get("topk_density", 0.01)),
+                         int(sy.get("bits", 2)), int(sy.get("topk_group", 1)), str(sy.get("unsent", "resend")))
+
+
+def candidate_of_run(run: RunData) -> Candidate:
+    """The plan candidate a run ran: its algorithm, sync mode, compression (top-k settings), H or τ."""
+    cfg = run.config
+    algo, sy, c = cfg.get("algo") or {}, cfg.get("sync") or {}, codec_of_run(cfg)
+    name = str(algo.get("name", run.summary.get("algo", "edit")))
+    return Candidate(name, str(sy.get("mode", "layerwise")), c.scheme, int(algo.get("interval", 8)),
+                     float(algo.get("sync_time_s", 0.0)) if name == "a_edit" else 0.0,
+                     TopK(c.density, c.bits, c.group, c.unsent) if c.sparse else TopK())
+
+
+def calibrate(run_dirs: list[str | Path], codec: dict[str, dict[str, list[float]]] | None = None,
+              conditions: Conditions | None = None) -> Profile:
+    """A profile from finished runs; `codec`: the codec's timings on this host (`cli/codec_cost.py`), taken
+    off every sync before its software cost is fitted; `conditions`: the host's (None: measured now)."""
     if not run_dirs:
         raise CalibrationError("calibrate: give at least one run directory")
     runs = [read_run(p) for p in run_dirs]
-    prof = Profile()
+    prof = Profile(codec=dict(codec or {}))
+    prof.conditions = (conditions or measure()).to_json()
     prof.sources = [str(r.path) for r in runs]
     first = runs[0].config
     facts = _model(first)
     prof.model = ""  # a dict preset: matched by workload below, not by name
     prof.batch_size = int(first["train"]["batch_size"])
     prof.seq_len = int(first["train"]["seq_len"])
-    pooled, sync_x, sync_y = [], [], []
-    evals, eval_s, ckpt_s, ckpts, work, joined, startup, other, steps = ([] for _ in range(9))
+    pooled: list[Any] = []
+    samples: list[syncfit.SyncSample] = []
+    evals, eval_s, ckpt_s, ckpts, work, joined, startup, other, steps, probe, probed = ([] for _ in range(11))
     ddp_extra: list[float] = []
     for run in runs:
         cfg, summ = run.config, run.summary
         rf = _model(cfg)
-        units = len(rf.units)
         for name, pc in summ["per_cluster"].items():
             t = pc.get("time") or {}
             per, gap = _cluster_steps(run, name)
-            ranks, slow = int(pc.get("ranks", 1)), 1.0
-            specs = (cfg.get("cluster") or {}).get("clusters") or []
-            for s in specs:
-                if isinstance(s, dict) and s.get("name") == name:
-                    slow = float(s.get("slowdown", 1.0))
-            sl = (cfg.get("cluster") or {}).get("slowdown") or []
-            if not specs and int(pc.get("index", -1)) in range(len(sl)):
-                slow = float(sl[int(pc["index"])])
+            ranks, slow = int(pc.get("ranks", 1)), _slowdown(cfg, name, int(pc.get("index", -1)))
             if len(per) >= 2:
                 mean = float(np.mean(per))
                 std = float(np.std(per, ddof=1)) * math.sqrt(max(gap, 1))
@@ -150,28 +180,13 @@ def calibrate(run_dirs: list[str | Path]) -> Profile:
             n_sync = int(pc.get("syncs_joined", pc.get("syncs", 0)) or 0)
             if n_sync and t.get("sync") is not None:
                 work.append(float(t["sync"])), joined.append(n_sync)
+            if n_sync and t.get("probe"):  # the verified rule's usefulness probe, its own bucket
+                probe.append(float(t["probe"])), probed.append(n_sync)
             if t.get("startup") is not None:
                 startup.append(float(t["startup"]))
             if pc.get("steps"):
                 other.append(float(t.get("data", 0)) + float(t.get("other", 0))), steps.append(int(pc["steps"]))
-        syncs: dict[int, list[dict[str, Any]]] = {}
-        for e in run.events:
-            if e.get("event") == "sync" and e.get("bytes") is not None and e.get("blocked_s") is not None:
-                syncs.setdefault(int(e["sync"]), []).append(e)
-        ranks = {n: int(pc.get("ranks", 1)) for n, pc in summ["per_cluster"].items()}
-        paired = len(set(ranks.values())) <= 1
-        chunks = int((cfg.get("federation") or {}).get("chunks", 4) or 4)
-        for k, evs in syncs.items():
-            if k <= 1 or len(evs) < 2 or len(set(e.get("cluster") for e in evs)) < 2:
-                continue  # the first sync carries start-up skew
-            e = min(evs, key=lambda x: float(x["blocked_s"]))
-            nbytes = float(e["bytes"])
-            lanes = traffic.lanes(ranks.get(e.get("cluster"), 1), paired, chunks)
-            # the round as the simulator charges it (`Fed.sync_cost`): the exchange and the vote (a latency
-            # and an op each) around the transfer (a latency, the wire, an op per unit): what is left of the
-            # round's blocked time beyond the link is (units + 2) ops and the per-byte software cost
-            sync_x.append((units + 2, nbytes))
-            sync_y.append(float(e["blocked_s"]) - _link_s(cfg, nbytes, lanes) - 2 * _link_s(cfg, 0.0, 1))
+        samples += _sync_samples(run, rf, prof)
         if summ.get("algo") == "ddp" and summ.get("steps"):
             for name, pc in summ["per_cluster"].items():
                 per, _ = _cluster_steps(run, name)
@@ -186,27 +201,19 @@ def calibrate(run_dirs: list[str | Path]) -> Profile:
     fit: dict[str, Any] = {"clusters": {k: {"samples": c.samples, "mean_step_s": c.mean_step_s,
                                             "std_step_s": c.std_step_s, "sigma": c.dist.sigma}
                                         for k, c in prof.clusters.items()}}
-    sizes = sorted(set(round(b) for _, b in sync_x))
+    sizes = sorted(set(round(float(x.nbytes.sum())) for x in samples))
     if len(sizes) >= 2:
-        x = np.array(sync_x, dtype=float)
-        a = np.stack([x[:, 0], x[:, 1]], axis=1)
-        coef, *_ = np.linalg.lstsq(a, np.array(sync_y), rcond=None)
-        per_op, per_byte = float(coef[0]), float(coef[1])
-        if per_byte <= 0:  # bytes explained by the link alone: a per-op cost only
-            per_byte = 0.0
-            per_op = float(np.mean(np.array(sync_y) / x[:, 0]))
-        prof.per_op_s = max(per_op, 0.0)
+        prof.per_op_s, per_byte, fit["sync"] = syncfit.fit(samples)
         prof.sw_bytes_per_s = 1.0 / per_byte if per_byte > 0 else 0.0
-        pred = a @ np.array([prof.per_op_s, per_byte])
-        fit["sync"] = {"samples": len(sync_y), "message_sizes": sizes, "per_op_s": prof.per_op_s,
-                       "sw_bytes_per_s": prof.sw_bytes_per_s,
-                       "rms_residual_s": float(np.sqrt(np.mean((pred - np.array(sync_y)) ** 2)))}
+        fit["sync"].update({"message_sizes": sizes, "sw_bytes_per_s": prof.sw_bytes_per_s})
     else:
-        fit["sync"] = {"samples": len(sync_y), "message_sizes": sizes,
+        fit["sync"] = {"samples": len(samples), "message_sizes": sizes,
                        "note": "fewer than two message sizes: per-op/per-byte sync costs left at the defaults "
                                "(calibrate on runs with different sync.compression)"}
     if work:
         prof.sync_work_s = sum(work) / sum(joined)
+    if probe:
+        prof.probe_s = sum(probe) / sum(probed)
     if eval_s:
         prof.eval_s = sum(eval_s) / sum(evals)
     if ckpt_s:
@@ -218,7 +225,7 @@ def calibrate(run_dirs: list[str | Path]) -> Profile:
     if ddp_extra:
         prof.quorum_s = max(float(np.median(ddp_extra)), 0.0)
         fit["quorum"] = {"samples": len(ddp_extra), "quorum_s": prof.quorum_s}
-    fit.update({"eval_s": prof.eval_s, "checkpoint_s": prof.checkpoint_s, "startup_s": prof.startup_s,
+    fit.update({"probe_s": prof.probe_s, "eval_s": prof.eval_s, "checkpoint_s": prof.checkpoint_s, "startup_s": prof.startup_s,
                 "other_step_s": prof.other_step_s, "sync_work_s": prof.sync_work_s,
                 "model_params": facts.total_params})
     prof.fit = fit
@@ -235,34 +242,29 @@ def _pool(dists: list) -> Any:
     return StepDist(med, float(np.median([d.sigma for d in dists])))
 
 
-def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny", host_cores: int = 0) -> dict[str, Any]:
+def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny", host_cores: int = 0,
+                    real_link: dict[str, float] | None = None) -> dict[str, Any]:
     """A plan scenario (as a dict for `spec.scenario_from_dict`) describing the run in `run`: its clusters
     (ranks, slowdown; step time from `profile`'s pooled rank), link, workload, fed. knobs and fixed steps.
     `model` names the preset the run used (config.json holds the resolved fields, not the name).
 
     `host_cores` > 0: every rank of the run shared one host of that many cores (the local launcher), each
-    with one thread. Ranks that compute more than the cores can carry stretch every step by
-    demand / cores, where a rank slowed down `s`× (it sleeps the rest) demands 1/s of a core."""
+    with one thread: the simulator shares the cores among whoever computes (`contention.py`).
+
+    `real_link` ({bandwidth_mbps, latency_ms}): the clusters ran over a real link of that rate (namespace hosts,
+    `edit_train/sim/hosts.py`) instead of edit-train's simulated one."""
     cfg, summ = run.config, run.summary
     cl, fed, tr = cfg.get("cluster") or {}, cfg.get("federation") or {}, cfg["train"]
-    specs = {s["name"]: s for s in cl.get("clusters") or [] if isinstance(s, dict)}
     base = profile.rank_step
     if base is None:
         raise CalibrationError("scenario: the profile has no calibrated step time")
     clusters = []
     for name, pc in sorted(summ["per_cluster"].items(), key=lambda kv: int(kv[1].get("index", 0))):
-        slow = float(specs.get(name, {}).get("slowdown", 0) or 0)
-        sl = cl.get("slowdown") or []
-        if not slow:
-            idx = int(pc.get("index", 0))
-            slow = float(sl[idx]) if idx < len(sl) else 1.0
+        slow = _slowdown(cfg, name, int(pc.get("index", 0)))
         clusters.append({"name": name, "ranks": int(pc.get("ranks", 1)), "step_s": base.median_s,
                          "step_cv": base.sigma, "slowdown": max(slow, 1.0)})
-    if host_cores > 0:  # oversubscribed host: every computing rank gets cores / demand of a core
-        demand = sum(c["ranks"] / c["slowdown"] for c in clusters)
-        for c in clusters:
-            c["slowdown"] *= max(1.0, demand / host_cores)
-    link = cl.get("link") or {}
+    link = real_link or cl.get("link") or {}
+    sy = cfg.get("sync") or {}
     kills = [{"cluster": str(f.get("cluster")), "step": int(f.get("step", f.get("start", 0)))}
              for f in cfg.get("faults") or [] if isinstance(f, dict) and f.get("kind") == "kill_cluster"]
     # a killed cluster is back after the launcher's delay plus a process start (spawn, imports, rendezvous):
@@ -272,9 +274,54 @@ def scenario_of_run(run: RunData, profile: Profile, model: str = "tiny", host_co
             "seq_len": int(tr["seq_len"]), "steps": int(summ.get("steps") or tr["steps"]),
             "link": {"bandwidth_mbps": float(link.get("bandwidth_mbps") or 0),
                      "latency_ms": float(link.get("latency_ms") or 0)},
-            "simulated_link": True, "join_timeout_s": float(fed.get("join_timeout_s", 5.0)),
+            "simulated_link": real_link is None, "host_cores": max(int(host_cores), 0),
+            "join_timeout_s": float(fed.get("join_timeout_s", 5.0)),
             "heartbeat_timeout_s": float(fed.get("heartbeat_timeout_s", 5.0)),
             "min_clusters": int(fed.get("min_clusters", 1)), "chunks": int(fed.get("chunks", 4)),
-            "gather_max": int((cfg.get("sync") or {}).get("gather_max", 4)),
+            "gather_max": int(sy.get("gather_max", 4)), "block_size": int(sy.get("block_size", 256)),
+            "scale_dtype": str(sy.get("scale_dtype", "fp32")),
             "eval_every": int(tr.get("eval_every") or 0), "hours": 1.0,
             "failures": {"kills": kills, "restart_s": restart}}
+
+
+def _sync_samples(run: RunData, rf: hardware.ModelFacts, prof: Profile) -> list[syncfit.SyncSample]:
+    """Every blocking sync of `run` after the first (start-up skew) that two or more clusters joined, as the
+    simulator sees it: the cluster that waited least, its units' bytes, link and codec seconds, its apply (the
+    run's `sync` bucket per sync, by parameters) and under layer-wise its forward between the units."""
+    cfg, summ = run.config, run.summary
+    sy, mode = cfg.get("sync") or {}, str((cfg.get("sync") or {}).get("mode", "layerwise"))
+    if mode not in ("at_end", "layerwise") or summ.get("algo") == "ddp":
+        return []
+    link = (cfg.get("cluster") or {}).get("link") or {}
+    bw, lat = float(link.get("bandwidth_mbps") or 0) * 1e6 / 8, float(link.get("latency_ms") or 0) / 1e3
+    ranks = {n: int(pc.get("ranks", 1)) for n, pc in summ["per_cluster"].items()}
+    paired, chunks = len(set(ranks.values())) <= 1, int((cfg.get("federation") or {}).get("chunks", 4) or 4)
+    wire, gather_max = codec_of_run(cfg), int(sy.get("gather_max", 4))
+    share = np.asarray(rf.unit_sizes, dtype=float) / max(rf.total_params, 1)
+    layer = np.array([float(n) if u[0].startswith("layers") else 0.0 for u, n in zip(rf.units, rf.unit_sizes)])
+    syncs: dict[int, list[dict[str, Any]]] = {}
+    for e in run.events:
+        if e.get("event") == "sync" and e.get("bytes") is not None and e.get("blocked_s") is not None:
+            syncs.setdefault(int(e["sync"]), []).append(e)
+    out = []
+    for k, evs in syncs.items():
+        if k <= 1 or len(set(e.get("cluster") for e in evs)) < 2:
+            continue
+        e = min(evs, key=lambda x: float(x["blocked_s"]))
+        pc = summ["per_cluster"].get(e.get("cluster")) or {}
+        t, joined, r = pc.get("time") or {}, int(pc.get("syncs_joined", pc.get("syncs", 0)) or 0), ranks.get(e.get("cluster"), 1)
+        world = len(e.get("participants") or evs)
+        nbytes = np.array([traffic.sync_bytes([n], world, wire, ranks=r, paired=paired, chunks=chunks,
+                                              gather_max=gather_max) for n in rf.unit_sizes], dtype=float)
+        lanes = traffic.lanes(r, paired, chunks)
+        enc, dec = traffic.codec_values(rf.unit_sizes, world, wire, ranks=r, paired=paired, chunks=chunks,
+                                        gather_max=gather_max)
+        calls = len(rf.unit_sizes) * lanes
+        codec = prof.codec_s(wire, (calls, enc), ((world - 1) * calls, dec)) / lanes * share
+        between = float(t.get("sync", 0.0)) / max(joined, 1) * share
+        if mode == "layerwise":
+            per, _ = _cluster_steps(run, str(e.get("cluster")))
+            between = between + (float(np.mean(per)) if per else 0.0) * FWD_FRACTION * layer / max(layer.sum(), 1.0)
+        out.append(syncfit.SyncSample(nbytes, nbytes / lanes / bw if bw > 0 else np.zeros_like(nbytes), codec,
+                                      between, lat, True, float(e["blocked_s"])))
+    return out

@@ -1,24 +1,26 @@
 """A scenario resolved for simulation (`Fed`): per-cluster step-time tables, links, bytes; and the cost of a
 sync in each mode as edit-train runs it.
 
-* **at_end** — after the quorum: the norm exchange (one small all-gather), every unit's transfer at once,
-  the commit vote: the cluster is blocked for all of it.
+* **at_end** — after the quorum: the norm exchange (one small all-gather), then the units one at a time with
+  the next one prefetched, each applied (the `sync` bucket) as it lands — `BlockingDriver.flush` — then the
+  commit vote: the cluster waits for whatever its own apply does not cover (`pipeline.blocking`).
 * **layerwise** — the exchange blocks; unit u's reduction is launched when the next forward reaches unit u−1
-  (prefetch) and must have landed — from every participant — before unit u's forward runs: a unit-by-unit
-  recursion per cluster (`layerwise`), the link queueing transfers (latency paid after the queue).
-* **overlap** — nothing blocks but the quorum (step schedules) or nothing at all (A-EDiT); the round lands
-  in the background after exchange + transfers + vote, each phase advanced at a step boundary; a sync point
-  reached while the previous round is in flight waits for it (flush).
+  (prefetch) and must have landed — from every participant — before unit u's forward runs: the same
+  unit-by-unit pipeline with the forward's share between the units.
+* **overlap** — nothing blocks but the quorum (step schedules) or nothing at all (A-EDiT); every unit is
+  launched at once and the round lands in the background after exchange + transfers + vote, each phase
+  advanced at a step boundary; a sync point reached while the previous round is in flight waits for it.
 * **ddp** — a quorum and one fp32 gradient all-reduce every step.
 * **backward overlap** (`Scenario.backward_overlap`, off: edit-train reduces after the step) — a unit's
   reduction is launched the moment its backward is done (reverse unit order, PyTorch DDP's buckets; what the
   published simulations of DiLoCo-style training assume), the link queueing them; only what is still in
   flight when the step ends blocks (`after_backward`). Applies to ddp's every step and to an at_end sync.
 
-A transfer takes `latency + bytes / lanes / bandwidth` on the cluster's link (each lane its own queue, as
-edit-train's simulated link; a real site link is one lane) plus the calibrated software cost
-`n_ops · per_op_s + bytes / sw_bytes_per_s`; clusters behind a shared uplink divide its bandwidth. A
-collective completes when its slowest participant's transfer does.
+A unit's transfer takes `latency + bytes / lanes / bandwidth` on the cluster's link (each lane its own queue,
+as edit-train's simulated link; a real site link is one lane), and its software `per_op_s + bytes /
+sw_bytes_per_s` + the codec's measured time on the lanes' threads; on the simulated link the two run side by
+side (the link is a clock, `Pending.wait` waits for both), on a real one they add up (`pipeline.py`). Clusters
+behind a shared uplink divide its bandwidth. A collective completes when its slowest participant's part does.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from edit_train.plan import hardware, traffic
+from edit_train.plan import hardware, pipeline, traffic
 from edit_train.plan.dist import StepDist
 from edit_train.plan.profile import Profile
 from edit_train.plan.spec import Candidate, Scenario
@@ -56,10 +58,17 @@ class Fed:
     uplink_bw: list[float]
     mean_step: np.ndarray  # mean cluster step (slowest rank) + per-step overhead
     std_step: np.ndarray
+    demand: np.ndarray  # cores each cluster wants while it trains (ranks / slowdown; contention.py)
 
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def cpu_share(self, members: np.ndarray) -> float:
+        """How much slower CPU work inside a sync runs when every member's ranks do it at once on a shared host
+        (the norms, the codec, the tags, the apply): their ranks / the host's cores, at least 1."""
+        cores = self.scenario.host_cores
+        return max(1.0, float(self.ranks[members].sum()) / cores) if cores > 0 else 1.0
 
     # ------------------------------------------------------------------ steps
     def draw_sums(self, rng: np.random.Generator, idx: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -83,9 +92,21 @@ class Fed:
             return lk.lanes
         return traffic.lanes(int(self.ranks[c]), paired, self.scenario.chunks) if self.scenario.simulated_link else 1
 
-    def unit_bytes(self, c: int, world: int, paired: bool, scheme: str) -> np.ndarray:
-        return _unit_bytes(tuple(self.facts.unit_sizes), world, scheme, int(self.ranks[c]), paired,
+    def unit_bytes(self, c: int, world: int, paired: bool, codec: traffic.Codec) -> np.ndarray:
+        return _unit_bytes(tuple(self.facts.unit_sizes), world, codec, int(self.ranks[c]), paired,
                            self.scenario.chunks, self.scenario.gather_max)
+
+    def codec_s(self, c: int, world: int, paired: bool, codec: traffic.Codec) -> float:
+        """Seconds cluster `c`'s codec takes in one sync among `world`: its own contribution encoded, the
+        others' decoded (`traffic.codec_values`), at the profile's measured cost per call and per value."""
+        if not codec.lossy or world <= 1:
+            return 0.0
+        ranks = int(self.ranks[c])
+        enc, dec = traffic.codec_values(self.facts.unit_sizes, world, codec, ranks=ranks, paired=paired,
+                                        chunks=self.scenario.chunks, gather_max=self.scenario.gather_max)
+        lanes = traffic.lanes(ranks, paired, self.scenario.chunks)  # each on its own thread, side by side
+        calls = len(self.facts.unit_sizes) * lanes
+        return self.profile.codec_s(codec, (calls, enc), ((world - 1) * calls, dec)) / lanes
 
     def wire_s(self, members: np.ndarray, nbytes: np.ndarray, paired: bool) -> np.ndarray:
         """Link seconds of each member's `nbytes` (no latency), shared uplinks divided."""
@@ -99,26 +120,37 @@ class Fed:
 
     # ------------------------------------------------------------------ one sync
     def sync_cost(self, members: np.ndarray, cand: Candidate) -> dict[str, np.ndarray | float]:
-        """What a sync among `members` costs each of them (seconds, bytes), by mode."""
+        """What a sync among `members` costs each of them (seconds, bytes), by mode (`pipeline.py`)."""
         p = self.profile
         world, paired = len(members), self.paired(members)
-        per_unit = np.array([self.unit_bytes(int(c), world, paired, cand.compression) for c in members])
+        codec = cand.codec(self.scenario)
+        per_unit = np.array([self.unit_bytes(int(c), world, paired, codec) for c in members])
         nbytes = per_unit.sum(axis=1)
-        units = per_unit.shape[1]
-        lat = float(self.lat[members].max())
-        small = lat + p.per_op_s if world > 1 else 0.0  # the exchange, the vote
-        sw = np.array([p.sync_software_s(units, b) for b in nbytes])
+        cpu = self.cpu_share(members)
+        apply = cpu * p.work_s(self.facts.total_params)  # norms, outer steps, re-bases: between the units
+        probe = cpu * (p.probe_s if cand.algo in ("edit", "a_edit") else 0.0)  # the verified rule's own bucket
+        out: dict[str, np.ndarray | float] = {"bytes": nbytes, "work": apply + probe}
+        if world <= 1:
+            zero = np.zeros(world)
+            return {**out, "exchange": 0.0, "vote": 0.0, "at_end": zero, "layerwise": zero, "background": 0.0}
+        lat, sim = float(self.lat[members].max()), self.scenario.simulated_link
+        out["exchange"] = out["vote"] = pipeline.small(lat, cpu * p.per_op_s, sim)
         wire = self.wire_s(members, nbytes.astype(float), paired)
-        xfer = float((wire + sw).max()) + lat if world > 1 else 0.0
-        work = p.work_s(self.facts.total_params) + (p.probe_s if cand.algo in ("edit", "a_edit") else 0.0)
-        out: dict[str, np.ndarray | float] = {"bytes": nbytes, "exchange": small, "vote": small, "xfer": xfer,
-                                               "work": work}
-        # overlap: the per-unit software work (reductions, decoding, tags) runs on the lanes' own threads
-        # while the cluster trains, so only the wire and the latency delay the round's landing
-        out["xfer_background"] = float(wire.max()) + lat if world > 1 else 0.0
-        if cand.mode == "layerwise" and world > 1:
-            out["layerwise"] = self.layerwise(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
-        if self.scenario.backward_overlap and world > 1:
+        share = np.asarray(self.facts.unit_sizes, dtype=float) / max(self.facts.total_params, 1)
+        coded = np.array([self.codec_s(int(c), world, paired, codec) for c in members])
+        wire_u = per_unit * (wire / np.maximum(nbytes, 1))[:, None]
+        work_u = cpu * (p.per_op_s + per_unit / (p.sw_bytes_per_s or math.inf) + np.outer(coded, share))
+        apply_u = np.outer(np.ones(world), apply * share)
+        out["background"] = float(pipeline.at_once(wire_u, work_u, lat, sim)[0])
+        groups = np.array_split(np.arange(per_unit.shape[1]), min(MAX_GROUPS, per_unit.shape[1]))
+        merge = lambda x: np.stack([x[:, g].sum(axis=1) for g in groups], axis=1)  # noqa: E731
+        out["at_end"] = pipeline.blocking(merge(wire_u), merge(work_u), lat, merge(apply_u), sim)[0]
+        if cand.mode == "layerwise":
+            layer = np.array([self._layer_share(g) for g in groups], dtype=float)
+            fwd = np.outer(FWD_FRACTION * self.mean_step[members], layer / max(layer.sum(), 1.0))
+            out["layerwise"] = pipeline.blocking(merge(wire_u), merge(work_u), lat, merge(apply_u) + fwd, sim)[0]
+        if self.scenario.backward_overlap:
+            sw = np.array([p.sync_software_s(per_unit.shape[1], b) for b in nbytes]) + coded
             out["after_backward"] = self.after_backward(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
         return out
 
@@ -143,32 +175,6 @@ class Fed:
             free = np.maximum(done, free) + x[:, u]
         return np.maximum(free + lat - step, 0.0)
 
-    def layerwise(self, members: np.ndarray, per_unit: np.ndarray, s_per_byte: np.ndarray, sw: np.ndarray,
-                  lat: float) -> np.ndarray:
-        """Extra seconds the next forward of each member takes because units wait for their reduction."""
-        groups = np.array_split(np.arange(per_unit.shape[1]), min(MAX_GROUPS, per_unit.shape[1]))
-        gbytes = np.stack([per_unit[:, g].sum(axis=1) for g in groups], axis=1)
-        share = np.array([self._layer_share(g) for g in groups], dtype=float)
-        share = share / max(share.sum(), 1.0)
-        fwd = np.outer(FWD_FRACTION * self.mean_step[members], share)
-        x = gbytes * s_per_byte[:, None] + (sw / len(groups))[:, None]
-        now = np.zeros(len(members))
-        free = np.zeros(len(members))
-        ready = np.zeros(gbytes.shape)
-
-        def launch(g: int, at: np.ndarray) -> None:
-            nonlocal free
-            start = np.maximum(at, free)
-            free = start + x[:, g]
-            ready[:, g] = free + lat
-
-        launch(0, now)
-        for g in range(len(groups)):
-            if g + 1 < len(groups):
-                launch(g + 1, now)
-            now = np.maximum(now, ready[:, g].max()) + fwd[:, g]
-        return now - fwd.sum(axis=1)
-
     def ddp_step_comm(self, members: np.ndarray, scheme: str = "none") -> tuple[float, np.ndarray]:
         """(seconds every member waits for the gradient all-reduce after the quorum, bytes each sends);
         gradients in fp32 (edit-train's ddp) or `scheme`'s value width (bf16: the published settings)."""
@@ -178,13 +184,14 @@ class Fed:
         width = traffic.VALUE_BYTES.get(scheme, 4)
         nbytes = np.full(world, float(traffic.ddp_bytes(self.facts.total_params, world, width)))
         wire = self.wire_s(members, nbytes, self.paired(members))
-        sw = np.array([self.profile.sync_software_s(2, b) for b in nbytes])
+        sw = self.cpu_share(members) * np.array([self.profile.sync_software_s(2, b) for b in nbytes])
         lat = float(self.lat[members].max())
         if self.scenario.backward_overlap:
             per_unit = np.outer(nbytes, np.array(self.facts.unit_sizes, dtype=float) / self.facts.total_params)
             wait = self.after_backward(members, per_unit, wire / np.maximum(nbytes, 1), sw, lat)
             return self.profile.quorum_s + float(wait.max()), nbytes
-        return self.profile.quorum_s + float(lat + (wire + sw).max()), nbytes
+        landed = pipeline.at_once(wire[:, None], sw[:, None], lat, self.scenario.simulated_link)
+        return self.profile.quorum_s + float(landed.max()), nbytes
 
     def heal_s(self, healer: int) -> float:
         nbytes = traffic.heal_bytes(self.facts.total_params)
@@ -192,7 +199,7 @@ class Fed:
 
 
 @lru_cache(maxsize=4096)
-def _unit_bytes(units: tuple[int, ...], world: int, scheme: str, ranks: int, paired: bool, chunks: int,
+def _unit_bytes(units: tuple[int, ...], world: int, scheme: traffic.Codec, ranks: int, paired: bool, chunks: int,
                 gather_max: int) -> np.ndarray:
     return np.array([traffic.sync_bytes([u], world, scheme, ranks=ranks, paired=paired, chunks=chunks,
                                         gather_max=gather_max) for u in units], dtype=float)
@@ -214,9 +221,10 @@ def resolve(scn: Scenario, profile: Profile, facts: hardware.ModelFacts | None =
     ranks = np.array([c.ranks for c in scn.clusters])
     means = np.array([d.mean_max(int(r)) for d, r in zip(dists, ranks)]) + profile.other_step_s
     stds = np.array([d.std_max(int(r)) for d, r in zip(dists, ranks)])
+    demand = np.array([c.ranks / max(c.slowdown, 1.0) for c in scn.clusters])
     return Fed(scn, profile, facts, [c.name for c in scn.clusters], ranks, dists, np.array(tps, dtype=float),
                np.array(bw), np.array(lat), np.array(up), [u.bandwidth_mbps * 1e6 / 8 for u in scn.uplinks],
-               means, stds)
+               means, stds, demand)
 
 
 def rank_dist(c, profile: Profile, facts: hardware.ModelFacts, batch: int, seq_len: int) -> StepDist:

@@ -12,8 +12,9 @@ parallelism grows with M and with the interval and shrinks as the model grows):
   seeds is the error bar;
 * γ is the prior's (0.3: not identifiable from one model size), N₀, H₀ and M=2 are the runs';
 * A-EDiT has no convergence runs: it takes EDiT's κ (its time-based interval ≈ EDiT's H at equal speed);
-  compression multiplies by the tokens its measured loss ratio (`docs/compression.json`: bf16, int8; fp8
-  taken as int8's) costs on the ddp curve, never below 1, else 1.
+  compression multiplies by the tokens its measured loss ratio (`docs/compression.json`: int8 and top-k
+  settings; fp8 taken as int8's) costs on the ddp curve, never below 1; a dense scheme without a measurement
+  is 1, a top-k setting without one takes the worst top-k factor measured.
 
 With no convergence data every κ is the prior (0.05 ± 0.05) and the report says "prior". The quality side
 never enters a throughput figure: the planner shows tokens/s and this multiplier in separate columns and
@@ -54,8 +55,15 @@ class LossModel:
         k, sd = self.kappa.get(algo, self.kappa.get("edit", KAPPA_PRIOR))
         scale = (clusters - 1) / max(self.clusters0 - 1, 1) * math.log2(max(interval, 2)) / math.log2(
             max(self.interval0, 2)) * (max(params, 1) / max(self.params0, 1)) ** (-self.gamma)
-        comp = self.compression.get(compression, 1.0)
+        comp = self.compression.get(compression, self.unmeasured(compression))
         return (1.0 + k * scale) * comp, sd * scale * comp
+
+    def unmeasured(self, label: str) -> float:
+        """A compression without a measured loss ratio: 1 for the dense ones; a top-k setting takes the worst
+        top-k factor measured (its loss is unknown, so it is not credited with a good one)."""
+        if not label.startswith("topk"):
+            return 1.0
+        return max((v for k, v in self.compression.items() if k.startswith("topk")), default=1.0)
 
     def to_json(self) -> dict[str, Any]:
         return {"kappa": {k: list(v) for k, v in self.kappa.items()}, "compression": self.compression,
@@ -108,9 +116,8 @@ def fit(convergence: dict[str, Any], compression: dict[str, Any] | None = None, 
     if "edit" in model.kappa:
         model.kappa.setdefault("a_edit", model.kappa["edit"])
     if compression:
-        model.compression = {k: _token_factor(model.ddp_curve, float(compression.get("rows", [{}])[0].get(
-            "val_loss", 2.0)) if isinstance(compression.get("rows"), list) else 2.0, r)
-            for k, r in _compression_factors(compression).items()}
+        base, ratios = _compression_factors(compression)
+        model.compression = {k: _token_factor(model.ddp_curve, base, r) for k, r in ratios.items()}
     return model
 
 
@@ -131,22 +138,40 @@ def _per_seed(convergence: dict[str, Any]) -> dict[str, list[tuple[float, float]
     return out
 
 
-def _compression_factors(data: dict[str, Any]) -> dict[str, float]:
-    """Loss ratio to uncompressed, per scheme, from `benchmarks/compression.py`'s JSON (its summary rows)."""
+def _compression_factors(data: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """(val loss of the uncompressed run, loss ratio to it per compression label — `traffic.Codec.label`,
+    top-k with its settings) from `benchmarks/compression.py`'s JSON: its `schemes` (name -> overrides) and
+    `results.convergence.rows` (name -> loss_ratio)."""
     out: dict[str, float] = {}
-    rows = data.get("summary") or data.get("rows") or {}
-    items = rows.items() if isinstance(rows, dict) else ((r.get("scheme", r.get("name")), r) for r in rows)
-    for name, row in items:
-        if not isinstance(row, dict):
+    conv = (data.get("results") or {}).get("convergence") or {}
+    rows = conv.get("rows") if isinstance(conv, dict) else None
+    schemes = data.get("schemes") or {}
+    base = 2.0
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict) or not row.get("loss_ratio"):
             continue
-        ratio = row.get("loss_ratio_vs_none") or row.get("ratio_vs_none") or row.get("loss_ratio")
-        if isinstance(ratio, dict):
-            ratio = ratio.get("mean")
-        if ratio and str(name).split("+")[0] in ("bf16", "int8", "fp8", "none"):
-            out.setdefault(str(name).split("+")[0], float(ratio))
+        label = _label_of(schemes.get(row.get("scheme"), []))
+        if label == "none" and row.get("val_loss"):
+            base = float(row["val_loss"]) if "none" not in out else base
+        if label:
+            out.setdefault(label, float(row["loss_ratio"]))
     if "int8" in out:
         out.setdefault("fp8", out["int8"])
-    return out
+    return base, out
+
+
+def _label_of(overrides: list[str]) -> str:
+    """The compression label of a `benchmarks/compression.py` scheme's overrides ("" if it is not one)."""
+    from edit_train.plan.traffic import Codec
+
+    keys = dict(o.split("=", 1) for o in overrides if isinstance(o, str) and o.startswith("sync."))
+    try:
+        c = Codec(keys.get("sync.compression", "none"), density=float(keys.get("sync.topk_density", 0.01)),
+                  bits=int(keys.get("sync.bits", 2)), group=int(keys.get("sync.topk_group", 1)),
+                  unsent=keys.get("sync.unsent", "resend"))
+    except ValueError:
+        return ""
+    return c.label if c.error() is None else ""
 
 
 def default_model(params: int = 0) -> LossModel:

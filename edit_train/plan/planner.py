@@ -20,9 +20,9 @@ from edit_train.plan import faults, hardware
 from edit_train.plan.costs import Fed, resolve
 from edit_train.plan.engine import simulate
 from edit_train.plan.loss import LossModel, default_model
-from edit_train.plan.profile import Profile
+from edit_train.plan.profile import Profile, nearest_timed
 from edit_train.plan.simbase import SimOptions, SimResult
-from edit_train.plan.spec import Candidate, Scenario
+from edit_train.plan.spec import Candidate, Scenario, TopK
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Row:
         c = self.cand
         return {"label": c.label, "algo": c.algo, "mode": c.mode if c.local_sgd else None,
                 "compression": c.compression if c.local_sgd else None,
+                "topk": dict(vars(c.topk)) if c.local_sgd and c.compression == "topk" else None,
                 "interval": c.interval if c.local_sgd and not c.timed else None,
                 "sync_time_s": c.sync_time_s if c.timed else None, "tokens_per_s": self.tokens_per_s,
                 "blocked_frac": self.blocked, "bytes_per_token": self.bytes_per_token,
@@ -84,11 +85,12 @@ def candidates(scn: Scenario, fed: Fed) -> list[Candidate]:
             continue
         for mode in cs.modes:
             for comp in cs.compressions:
-                if algo == "a_edit":
-                    out += [Candidate(algo, mode, comp, cs.intervals[0] if cs.intervals else 16, float(t))
-                            for t in taus]
-                else:
-                    out += [Candidate(algo, mode, comp, int(h)) for h in cs.intervals]
+                for topk in [TopK(**t) for t in cs.topk] if comp == "topk" else [TopK()]:
+                    if algo == "a_edit":
+                        out += [Candidate(algo, mode, comp, cs.intervals[0] if cs.intervals else 16, float(t), topk)
+                                for t in taus]
+                    else:
+                        out += [Candidate(algo, mode, comp, int(h), topk=topk) for h in cs.intervals]
     return out
 
 
@@ -120,7 +122,7 @@ def evaluate(scn: Scenario, fed: Fed, cand: Candidate, loss: LossModel, seed: in
     h = cand.interval
     if cand.timed:  # A-EDiT's effective interval: the steps its clusters take per τ
         h = max(1.0, float(np.mean(cand.sync_time_s / fed.mean_step)))
-    mult, err = loss.multiplier(cand.algo, fed.n, h, fed.facts.total_params, cand.compression)
+    mult, err = loss.multiplier(cand.algo, fed.n, h, fed.facts.total_params, cand.compression_label)
     blocked = {name: float(x) for name, x in zip(fed.names, res.blocked_frac)}
     return Row(cand, res.tokens_per_s, blocked, res.bytes_per_token, res.bytes_per_s, res.goodput, mult, err,
                fits_memory(scn, fed, cand), n_int, res.extrapolated, res)
@@ -139,6 +141,11 @@ def make_plan(scn: Scenario, profile: Profile | None = None, loss: LossModel | N
     if not profile.calibrated:
         notes.append("uncalibrated: step times from FLOPs at the given MFU and default sync costs; run "
                      "`edit-train-plan calibrate RUN_DIR...` for measured ones")
+    sparse = {c.label: c for c in (r.cand.codec(scn) for r in rows) if c.sparse}
+    for label, codec in sorted(sparse.items()):
+        if profile.codec and label not in profile.codec:
+            near = nearest_timed(codec, profile.codec) or "no"
+            notes.append(f"the codec of {label} was not timed by the calibration: it costs what {near} did")
     if not any(r.fits for r in rows):
         notes.append("no candidate fits the accelerators' memory by the rough state estimate; check with "
                      "`edit-train-info ... --gpu-mem-gb`")
@@ -154,6 +161,12 @@ def overrides(scn: Scenario, cand: Candidate) -> list[str]:
            f"train.seq_len={scn.seq_len}"]
     if cand.local_sgd:
         out += [f"sync.mode={cand.mode}", f"sync.compression={cand.compression}"]
+        if cand.compression == "topk":
+            t = cand.topk
+            out += [f"sync.topk_density={t.density:g}", f"sync.bits={t.bits}", f"sync.topk_group={t.group}",
+                    f"sync.unsent={t.unsent}"]
+        if cand.compression in ("int8", "fp8", "topk") and (scn.block_size, scn.scale_dtype) != (256, "fp32"):
+            out += [f"sync.block_size={scn.block_size}", f"sync.scale_dtype={scn.scale_dtype}"]
         out.append(f"algo.sync_time_s={cand.sync_time_s:g}" if cand.timed else f"algo.interval={cand.interval}")
     specs = []
     for c in scn.clusters:
@@ -179,3 +192,4 @@ def summary_line(row: Row) -> str:
 
 def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+

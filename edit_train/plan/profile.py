@@ -9,6 +9,11 @@
   copies) and `probe_s` (the verified rule's usefulness probe per sync);
 * `eval_s`, `checkpoint_s`, `startup_s` (process start to first step), `other_step_s` (data loading and
   bookkeeping per step) — all seconds, all measured from `per_cluster.time` buckets and `train` events;
+* `codec`: per compression label (`traffic.Codec.label`), the codec's measured cost on this host —
+  `{"encode": [s per call, s per value], "decode": [...]}` (`edit-train plan calibrate` times the real codec,
+  `edit_train/cli/codec_cost.py`); a top-k setting that was not timed takes the nearest one that was;
+* `conditions`: the host's load, cores and a micro-benchmark's speed when the profile was taken
+  (`conditions.py`: a plan says in one line when they no longer hold);
 * `fit`: how well each part was determined (samples, residuals), printed next to every prediction.
 
 `Profile.default()` is what a plan uses with no calibration: GPU-scale guesses, marked uncalibrated.
@@ -22,7 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edit_train.plan.conditions import Conditions
 from edit_train.plan.dist import StepDist
+from edit_train.plan.traffic import Codec
 
 VERSION = 1
 
@@ -57,6 +64,8 @@ class Profile:
     seq_len: int = 0
     calibrated: bool = False
     sources: list[str] = field(default_factory=list)
+    codec: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # label -> encode/decode [call, value]
+    conditions: dict[str, Any] = field(default_factory=dict)  # conditions.Conditions.to_json() when taken
     fit: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
@@ -67,6 +76,20 @@ class Profile:
         """The fitted software cost of moving `nbytes` in `n_ops` collectives (without the link)."""
         bw = self.sw_bytes_per_s if self.sw_bytes_per_s > 0 else math.inf
         return n_ops * self.per_op_s + nbytes / bw
+
+    def codec_s(self, codec: Codec, enc: tuple[float, float], dec: tuple[float, float]) -> float:
+        """Seconds the codec of `codec` takes to encode `enc` = (calls, values) and decode `dec` (0 when the
+        profile has no timing of it, or nothing is compressed)."""
+        if not codec.lossy:
+            return 0.0
+        cost = self.codec.get(codec.label) or self.codec.get(nearest_timed(codec, self.codec))
+        if not cost:
+            return 0.0
+        (ec, ev), (dc, dv) = cost["encode"], cost["decode"]
+        return enc[0] * ec + enc[1] * ev + dec[0] * dc + dec[1] * dv
+
+    def taken_under(self) -> Conditions | None:
+        return Conditions.from_json(self.conditions)
 
     def work_s(self, params: int) -> float:
         """This cluster's own work per sync (norms, outer step, copies): measured, else ∝ parameters."""
@@ -110,3 +133,31 @@ class Profile:
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"profile {path}: cannot be read ({exc})") from None
         return Profile.from_json(data, str(path))
+
+
+def nearest_timed(codec: Codec, timed: dict[str, Any]) -> str:
+    """The timed top-k label closest to `codec`'s settings (log₂ group, bits / 2, log₂ density)."""
+    if not codec.sparse:
+        return ""
+    best, label = math.inf, ""
+    for key in timed:
+        other = _parse_topk(key)
+        if other is None:
+            continue
+        d, b, g = other
+        dist = ((math.log2(g) - math.log2(codec.group)) ** 2 + ((b - codec.bits) / 2) ** 2
+                + (math.log2(d) - math.log2(codec.density)) ** 2)
+        if dist < best:
+            best, label = dist, key
+    return label
+
+
+def _parse_topk(label: str) -> tuple[float, int, int] | None:
+    """(density, bits, group) of a `topk(d,Bb,gG[,keep])` label."""
+    if not (label.startswith("topk(") and label.endswith(")")):
+        return None
+    try:
+        parts = label[5:-1].split(",")
+        return float(parts[0]), int(parts[1].rstrip("b")), int(parts[2].lstrip("g"))
+    except (IndexError, ValueError):
+        return None

@@ -11,8 +11,10 @@ installed here; pure Python, MIT) would run the same events as generator process
 cost per event and add a dependency for nothing the ~40 lines of loop below do not already express.
 
 Semantics followed (docs/architecture.md §3–4, `local_sgd/pacer.py`, `drivers.py`, `membership.py`):
-* a quorum is issued when every live cluster asked, or `join_timeout_s` after the first ask (with at least
-  `min_clusters`); a dead cluster counts as live until `heartbeat_timeout_s` after its death;
+* a quorum is issued as torchft's Lighthouse issues it (`_check`): at once when the previous quorum's members
+  all asked again; else with at least `min_clusters` and more than half of the heartbeating clusters, when all
+  of them asked or `join_timeout_s` after the first ask; a dead cluster heartbeats until
+  `heartbeat_timeout_s` after its death;
 * step schedules sync every `interval` steps with a blocking quorum and the lockstep step adoption (whoever
   is behind jumps to the federation's step); A-EDiT plans `H = ⌊τ / own s/step⌋` from its last interval (the
   first ends once τ is spent); with `overlap` its quorum forms in the background: it keeps stepping and the
@@ -32,6 +34,7 @@ import math
 
 import numpy as np
 
+from edit_train.plan import contention
 from edit_train.plan.costs import Fed
 from edit_train.plan.simbase import BUCKETS, SimOptions, SimResult
 from edit_train.plan.spec import Candidate
@@ -58,12 +61,15 @@ class _State:
         self.dead_at = np.full(n, -math.inf)
         self.behind = np.zeros(n, dtype=bool)
         self.pending = np.full(n, -math.inf)  # overlap: when the round in flight lands
+        self.busy_until = np.full(n, -math.inf)  # when each cluster's compute scheduled so far ends
+        self.step_s = fed.mean_step.copy()  # each cluster's seconds per step in its last interval
         self.restarts = np.zeros(n, dtype=int)
         self.planned = np.full(n, max(cand.interval, 1))
         if cand.timed:
             self.planned = np.ceil(cand.sync_time_s / fed.mean_step).astype(int).clip(1)
         self.kills = list(opt.kills)
         self.asking: dict[int, float] = {}
+        self.prev: set[int] = set()  # the members of the last quorum issued
         self.qid = 0
         self.stopping = False
         self.heap: list[tuple[float, int, int, int]] = []
@@ -100,8 +106,8 @@ def run_local(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
         s.events += 1
         if kind == ASK:
             _ask(s, c, t)
-        elif kind == TIMEOUT and c == s.qid and len(s.asking) >= fed.scenario.min_clusters:
-            _issue(s, t)
+        elif kind == TIMEOUT and c == s.qid:
+            _check(s, t)
         elif kind == EXPIRE:
             _check(s, t)
         elif kind == DEATH:
@@ -133,6 +139,10 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     if opt.steps and not s.cand.timed:
         h = np.maximum(np.minimum(h, opt.steps - s.steps[idx]), 0).astype(int)
     dur = fed.draw_sums(s.rng, idx, h)
+    if fed.scenario.host_cores > 0:  # one shared host: the cores go to whoever computes (contention.py)
+        others = np.setdiff1d(np.nonzero(s.alive & (s.busy_until > s.t[idx].min()))[0], idx)
+        dur = contention.shared(dur[None, :], fed.demand[idx], fed.scenario.host_cores,
+                                s.busy_until[others] - s.t[idx].min(), fed.demand[others])[0]
     start, before = s.t[idx].copy(), s.steps[idx].copy()
     for i, c in enumerate(idx):
         killed = _kill_in(s, int(c), float(start[i]), float(before[i]), int(h[i]), float(dur[i]))
@@ -146,6 +156,8 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     idx, h, dur, before = idx[ok], h[ok], dur[ok], before[ok]
     s.steps_simulated += int(h.sum())
     s.spend("compute", idx, dur)
+    s.busy_until[idx] = s.t[idx]
+    s.step_s[idx] = np.where(h > 0, dur / np.maximum(h, 1), s.step_s[idx])
     s.trained[idx] += h
     s.steps[idx] += h
     s.uncommitted[idx] += dur
@@ -200,18 +212,28 @@ def _ask(s: _State, c: int, t: float) -> None:
 
 
 def _check(s: _State, now: float) -> None:
-    """Issue the forming quorum once every live cluster has asked."""
-    if not s.asking or len(s.asking) < s.fed.scenario.min_clusters:
+    """Issue the forming quorum as torchft's Lighthouse does: at once when every member of the previous quorum
+    has asked again (its fast quorum); otherwise only with at least `min_clusters` and *more than half* of the
+    heartbeating clusters asking (its guard against a split brain: two clusters always wait for each other
+    while both heartbeat), then when every heartbeating cluster has asked or the grace window since the first
+    ask has passed."""
+    n = len(s.asking)  # who asks is alive (a death takes its ask back), so heartbeating
+    if not n:
         return
-    live = np.nonzero(s.live(now))[0]
-    if all(int(c) in s.asking for c in live):
+    if s.prev and n >= len(s.prev) and s.prev.issubset(s.asking.keys()):
+        _issue(s, now)
+        return
+    live = int(s.live(now).sum())
+    if n < s.fed.scenario.min_clusters or n <= live // 2:
+        return
+    if n >= live or now >= min(s.asking.values()) + s.fed.scenario.join_timeout_s - 1e-12:
         _issue(s, now)
 
 
 def _issue(s: _State, now: float) -> None:
     members = np.array(sorted(s.asking), dtype=int)
     ask = np.array([s.asking[int(c)] for c in members])
-    s.asking, s.qid = {}, s.qid + 1
+    s.asking, s.qid, s.prev = {}, s.qid + 1, set(int(c) for c in members)
     if len(s.issues) and s.issues[-1][0] < now and len(members) < int(s.live(now).sum()):
         s.missed += int(s.live(now).sum()) - len(members)
     total = s.opt.steps
@@ -238,18 +260,19 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
     mode = "at_end" if final else cand.mode
     if mode == "overlap":
         if cand.timed and not final:  # background quorum: keep stepping until the first boundary after the issue
-            more = np.ceil(np.maximum(issue - ask, 0.0) / fed.mean_step[members] + s.rng.random(len(members)) - 0.5)
+            step = s.step_s[members]
+            more = np.ceil(np.maximum(issue - ask, 0.0) / step + s.rng.random(len(members)) - 0.5)
             more = more.clip(0)
-            s.spend("compute", members, more * fed.mean_step[members])
-            s.uncommitted[members] += more * fed.mean_step[members]
+            s.spend("compute", members, more * step)
+            s.uncommitted[members] += more * step
             s.steps_simulated += int(more.sum())
             s.trained[members] += more
             s.steps[members] += more
         else:
             s.spend("blocked", members, issue - ask)
         s.spend("blocked", members, prof.quorum_s)
-        polls = 1.5 * fed.mean_step[members]  # exchange, reductions, vote: each advanced at a step boundary
-        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["xfer_background"]) \
+        polls = 1.5 * s.step_s[members]  # exchange, reductions, vote: each advanced at a step boundary
+        s.pending[members] = s.t[members] + float(cost["exchange"]) + heal + float(cost["background"]) \
             + float(cost["vote"]) + polls
     else:
         if mode == "layerwise" and "layerwise" in cost:
@@ -257,7 +280,7 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
         elif mode == "at_end" and "after_backward" in cost:  # launched during the last step's backward
             body = np.asarray(cost["after_backward"])
         else:
-            body = float(cost["xfer"])
+            body = np.asarray(cost["at_end"])
         s.spend("blocked", members, issue - ask + prof.quorum_s + float(cost["exchange"]) + heal + body
                 + float(cost["vote"]))
     s.spend("sync", members, work)
@@ -272,6 +295,7 @@ def _sync(s: _State, members: np.ndarray, ask: np.ndarray, issue: float, final: 
 def _death(s: _State, c: int, t: float) -> None:
     fed = s.fed
     s.alive[c], s.dead_at[c] = False, t
+    s.busy_until[c] = -math.inf
     s.uncommitted[c] = 0.0  # nothing since the last commit survives
     s.pending[c] = -math.inf
     s.restarts[c] += 1

@@ -3,7 +3,8 @@
 Every step waits for the slowest rank of the slowest cluster (the order statistic of all ranks of the
 federation), then for the all-reduce. Steps are drawn in blocks of up to `CHUNK` per cluster (a matrix:
 steps × clusters, the row maximum is the step); a kill splits a block, the dead cluster is waited for until
-its heartbeat expires (or the grace window, whichever is shorter), the others go on without it, and it
+its heartbeat expires (or the grace window, whichever is shorter, when the others are more than half of the
+heartbeating clusters: torchft's guard against a split brain), the others go on without it, and it
 rejoins after its restart by copying the replica from a peer (a heal) and adopting the step.
 """
 
@@ -13,6 +14,7 @@ import math
 
 import numpy as np
 
+from edit_train.plan import contention
 from edit_train.plan.costs import Fed
 from edit_train.plan.simbase import BUCKETS, SimOptions, SimResult
 from edit_train.plan.spec import Candidate
@@ -53,6 +55,8 @@ def run_ddp(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
         if k > 0 and len(members):
             draws = np.stack([fed.dists[c].sample_max(rng, int(fed.ranks[c]), k) for c in members], axis=1)
             draws += prof.other_step_s
+            if scn.host_cores > 0:  # one shared host: the members' steps share its cores (contention.py)
+                draws = contention.shared(draws, fed.demand[members], scn.host_cores)
             row = draws.max(axis=1)
             comm, sent = fed.ddp_step_comm(members, cand.compression)
             b["compute"][members] += draws.sum(axis=0)
@@ -75,7 +79,10 @@ def run_ddp(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
                 restarts[c] += 1
                 back_at[c] = t + opt.restart_s
                 b["down"][c] += opt.restart_s
-                wait = min(scn.join_timeout_s, scn.heartbeat_timeout_s)  # the next quorum waits for it
+                # the next quorum waits for it: until its heartbeat expires, or the grace window when the others
+                # are more than half of the heartbeating clusters (torchft's guard against a split brain)
+                majority = int(alive.sum()) > (int(alive.sum()) + 1) // 2
+                wait = min(scn.join_timeout_s, scn.heartbeat_timeout_s) if majority else scn.heartbeat_timeout_s
                 b["blocked"][alive] += wait
                 t += wait
         if not len(members) and not alive.any():

@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from edit_train.plan.traffic import COMPRESSIONS, Codec
+
 ALGOS = ("ddp", "post_local_sgd", "diloco", "edit", "a_edit")
 MODES = ("layerwise", "at_end", "overlap")
 
@@ -58,7 +60,11 @@ class FailurePlan:
 class CandidateSet:
     algos: list[str] = field(default_factory=lambda: list(ALGOS))
     modes: list[str] = field(default_factory=lambda: list(MODES))
-    compressions: list[str] = field(default_factory=lambda: ["none", "bf16", "int8", "fp8"])
+    compressions: list[str] = field(default_factory=lambda: list(COMPRESSIONS))
+    # the top-k settings a `topk` compression is tried at: the product's default, and the README's pick
+    topk: list[dict[str, Any]] = field(default_factory=lambda: [
+        {"density": 0.01, "bits": 2, "group": 1, "unsent": "resend"},
+        {"density": 0.1875, "bits": 2, "group": 8, "unsent": "keep"}])
     intervals: list[int] = field(default_factory=lambda: [16, 64, 256])
     sync_times_s: list[float] = field(default_factory=list)  # A-EDiT τ (empty: interval × the median step)
 
@@ -84,6 +90,9 @@ class Scenario:
     min_clusters: int = 1
     gather_max: int = 4
     chunks: int = 4
+    host_cores: int = 0  # > 0: every rank a one-thread process on one host of this many cores (contention.py)
+    block_size: int = 256  # sync.block_size: values per scale (int8 / fp8), per top-k chunk
+    scale_dtype: str = "fp32"  # sync.scale_dtype
     eval_every: int = 0
     checkpoint_every: int = 0
     min_steps: int = 1
@@ -167,13 +176,24 @@ def check(s: Scenario) -> None:
     for m in s.candidates.modes:
         need(m in MODES, "candidates.modes", f"{m!r} is not one of {', '.join(MODES)}")
     for c in s.candidates.compressions:
-        need(c in ("none", "bf16", "int8", "fp8"), "candidates.compressions", f"{c!r} is not none/bf16/int8/fp8")
+        need(c in COMPRESSIONS, "candidates.compressions", f"{c!r} is not one of {', '.join(COMPRESSIONS)}")
+    for i, t in enumerate(s.candidates.topk):
+        where = f"candidates.topk[{i}]"
+        need(isinstance(t, dict) and set(t) <= {"density", "bits", "group", "unsent"}, where,
+             "give {density, bits, group, unsent} (the sync.topk_density, sync.bits, sync.topk_group, sync.unsent)")
+        why = topk_codec(s, TopK(**t)).error()
+        need(why is None, where, str(why))
+    need(bool(s.candidates.topk) or "topk" not in s.candidates.compressions, "candidates.topk",
+         "list at least one top-k setting when candidates.compressions has topk")
+    why = Codec("int8", s.block_size, s.scale_dtype).error("scenario")
+    need(why is None, "block_size/scale_dtype", str(why))
     need(all(h >= 1 for h in s.candidates.intervals), "candidates.intervals", "local steps must be >= 1")
     need(all(t > 0 for t in s.candidates.sync_times_s), "candidates.sync_times_s", "seconds must be > 0")
     need(s.batch_size >= 1 and s.seq_len >= 2, "batch_size/seq_len", "must be >= 1 / >= 2")
     need(s.hours > 0 or s.steps > 0, "hours", "a plan needs a horizon (hours > 0) or a number of steps")
     need(s.join_timeout_s > 0 and s.heartbeat_timeout_s > 0, "join_timeout_s", "timeouts must be > 0")
     need(s.min_clusters >= 1, "min_clusters", "must be >= 1")
+    need(s.host_cores >= 0, "host_cores", "must be >= 0 (0: every cluster on its own hardware)")
     f = s.failures
     need(f.mtbf_h_per_accelerator >= 0 and f.mtbf_h_per_cluster >= 0 and f.restart_s >= 0, "failures",
          "mtbf_h_* and restart_s must be >= 0")
@@ -186,14 +206,42 @@ def check(s: Scenario) -> None:
 
 
 @dataclass(frozen=True)
+class TopK:
+    """The top-k settings of a `topk` candidate (`sync.topk_density`, `sync.bits`, `sync.topk_group`, `sync.unsent`)."""
+
+    density: float = 0.01
+    bits: int = 2
+    group: int = 1
+    unsent: str = "resend"
+
+
+def topk_codec(s: Scenario, t: TopK) -> Codec:
+    return Codec("topk", s.block_size, s.scale_dtype, t.density, t.bits, t.group, t.unsent)
+
+
+@dataclass(frozen=True)
 class Candidate:
-    """One configuration to simulate: an algorithm, its sync mode and compression, H or τ."""
+    """One configuration to simulate: an algorithm, its sync mode and compression (top-k: with its settings),
+    H or τ."""
 
     algo: str
     mode: str = "at_end"
     compression: str = "none"
     interval: int = 32
     sync_time_s: float = 0.0
+    topk: TopK = TopK()
+
+    def codec(self, s: Scenario) -> Codec:
+        """The wire format this candidate sends in scenario `s` (its block size and scale type)."""
+        if self.compression == "topk":
+            return topk_codec(s, self.topk)
+        return Codec(self.compression, s.block_size, s.scale_dtype)
+
+    @property
+    def compression_label(self) -> str:
+        t = self.topk
+        return Codec("topk", density=t.density, bits=t.bits, group=t.group, unsent=t.unsent).label \
+            if self.compression == "topk" else self.compression
 
     @property
     def local_sgd(self) -> bool:
@@ -208,4 +256,4 @@ class Candidate:
         if self.algo == "ddp":
             return "ddp"
         knob = f"tau={self.sync_time_s:g}s" if self.timed else f"H={self.interval}"
-        return f"{self.algo}/{self.mode}/{self.compression}/{knob}"
+        return f"{self.algo}/{self.mode}/{self.compression_label}/{knob}"

@@ -1,34 +1,101 @@
 """Bytes on the cross-cluster link, per cluster, exactly as `federation` counts them (no torch needed).
 
 * a local-SGD sync moves every sync unit's pseudo-gradient: with at most `sync.gather_max` participants every
-  cluster sends its contribution to each of the others (`gather`: (P−1) · wire bytes, + one 16-byte tag per
+  cluster sends its contribution to each of the others (`gather`: (P−1) · payload bytes, + one 16-byte tag per
   piece and peer); above it, a SUM (`compressed_reduce.plan`: a ring all-reduce of fp32, 2(P−1)/P · 4n; a
-  compressed all-gather or reduce-scatter + all-gather, whichever moves less);
+  compressed all-gather or reduce-scatter + all-gather, whichever moves less); a top-k payload is always
+  gathered (a sum of sparse payloads is not sparse), tags included;
 * ddp all-reduces the fp32 gradients every step: 2(P−1)/P · 4n per cluster;
 * pieces: clusters of equal size pair rank r with rank r (one piece per rank and unit), otherwise each unit is
   cut into `federation.chunks` pieces spread over the ranks.
 
-`wire_bytes(n) = n · value bytes + ⌈n / block⌉ · scale bytes` (`federation/compress.py`). The test suite
-checks these figures against `federation.compressed_reduce.sent_bytes`.
+A payload of n values (`Codec.payload`): `n · value bytes + ⌈n / block⌉ · scale bytes` for none / bf16 / int8 /
+fp8 (`federation/compress.py`), and the top-k format's header + scales + packed codes + packed indices
+(`federation/sparse_format.py`, the module the codec itself takes its layout from). `sync.unsent` changes where
+top-k's residual goes (resent, or kept in the cluster's own parameters), not a byte on the wire. The test
+suite checks these figures against the real codec's payloads and `federation.compressed_reduce.sent_bytes`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
+from edit_train.federation.sparse_format import SCALE_BYTES, SparseFormat, format_error, sparse_bytes  # torch-free
 
 TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
 VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}
-SCALE_BYTES = {"none": 0, "bf16": 0, "int8": 4, "fp8": 4}
-COMPRESSIONS = tuple(VALUE_BYTES)
+BLOCKWISE = ("int8", "fp8")
+COMPRESSIONS = ("none", "bf16", "int8", "fp8", "topk")
+UNSENT = ("resend", "keep")
 
 
-def wire_bytes(numel: int, scheme: str, block: int = 256) -> int:
-    if scheme not in VALUE_BYTES:
-        raise ValueError(f"sync.compression: {scheme!r} is not one of {', '.join(COMPRESSIONS)}")
-    return numel * VALUE_BYTES[scheme] + math.ceil(numel / block) * SCALE_BYTES[scheme]
+@dataclass(frozen=True)
+class Codec:
+    """`sync.compression` and the keys that shape its wire format (`sync.block_size`, `sync.scale_dtype`, and
+    for top-k `sync.topk_density`, `sync.bits`, `sync.topk_group`, `sync.unsent`)."""
+
+    scheme: str = "none"
+    block_size: int = 256
+    scale_dtype: str = "fp32"
+    density: float = 0.01
+    bits: int = 2
+    group: int = 1
+    unsent: str = "resend"
+
+    def error(self, prefix: str = "sync") -> str | None:
+        """What is wrong with these settings (one line naming the key), or None."""
+        if self.scheme not in COMPRESSIONS:
+            return f"{prefix}.compression: {self.scheme!r} is not one of {', '.join(COMPRESSIONS)}"
+        if self.block_size < 1:
+            return f"{prefix}.block_size must be >= 1, got {self.block_size}"
+        if self.scale_dtype not in SCALE_BYTES:
+            return f"{prefix}.scale_dtype must be one of {', '.join(SCALE_BYTES)}, got {self.scale_dtype!r}"
+        if self.unsent not in UNSENT or (self.unsent == "keep" and not self.sparse):
+            return f"{prefix}.unsent must be one of {', '.join(UNSENT)} (keep: top-k only), got {self.unsent!r}"
+        return format_error(self.density, self.bits, self.block_size, self.group, prefix) if self.sparse else None
+
+    @property
+    def sparse(self) -> bool:
+        return self.scheme == "topk"
+
+    @property
+    def lossy(self) -> bool:
+        return self.scheme != "none"
+
+    @property
+    def format(self) -> SparseFormat:
+        return SparseFormat.of(self.block_size, float(self.density), int(self.bits), self.scale_dtype, int(self.group))
+
+    def payload(self, numel: int) -> int:
+        """Exact bytes of one payload of `numel` values."""
+        if self.sparse:
+            return sparse_bytes(numel, self.format)
+        if self.scheme not in VALUE_BYTES:
+            raise ValueError(self.error() or f"sync.compression: {self.scheme!r}")
+        scales = math.ceil(numel / self.block_size) * SCALE_BYTES[self.scale_dtype] if self.scheme in BLOCKWISE else 0
+        return numel * VALUE_BYTES[self.scheme] + scales
+
+    @property
+    def label(self) -> str:
+        if not self.sparse:
+            return self.scheme
+        keep = ",keep" if self.unsent == "keep" else ""
+        return f"topk({self.density:g},{self.bits}b,g{self.group}{keep})"
+
+
+def codec(c: Codec | str, block: int = 256) -> Codec:
+    return c if isinstance(c, Codec) else Codec(c, block)
+
+
+def wire_bytes(numel: int, scheme: Codec | str, block: int = 256) -> int:
+    c = codec(scheme, block)
+    why = c.error()
+    if why is not None:
+        raise ValueError(why)
+    return c.payload(numel)
 
 
 def _bounds(numel: int, world: int, block: int) -> list[int]:
@@ -37,18 +104,30 @@ def _bounds(numel: int, world: int, block: int) -> list[int]:
             for j in range(world)]
 
 
-def sum_bytes(numel: int, world: int, scheme: str, block: int = 256, rank: int = 0) -> int:
+def sum_method(numel: int, world: int, scheme: Codec | str, block: int = 256) -> str:
+    """How a SUM of `numel` values moves (`compressed_reduce.plan`): all_reduce, all_gather or rs_ag."""
+    c = codec(scheme, block)
+    if not c.lossy:
+        return "all_reduce"
+    if c.sparse:
+        return "all_gather"
+    sizes = [c.payload(n) for n in _bounds(numel, world, c.block_size)]
+    rs = (world - 1) * sum(sizes) + world * (world - 1) * max(sizes)
+    return "rs_ag" if rs < world * (world - 1) * c.payload(numel) else "all_gather"
+
+
+def sum_bytes(numel: int, world: int, scheme: Codec | str, block: int = 256, rank: int = 0) -> int:
     """What one participant puts on the wire for a SUM of `numel` values (`compressed_reduce.sent_bytes`)."""
     if world <= 1:
         return 0
-    if scheme == "none":
+    c = codec(scheme, block)
+    method = sum_method(numel, world, c)
+    if method == "all_reduce":
         return 2 * (world - 1) * 4 * numel // world
-    gather = (world - 1) * wire_bytes(numel, scheme, block)
-    sizes = [wire_bytes(n, scheme, block) for n in _bounds(numel, world, block)]
-    ag_total, rs_total = world * gather, (world - 1) * sum(sizes) + world * (world - 1) * max(sizes)
-    if rs_total < ag_total:
-        return sum(b for j, b in enumerate(sizes) if j != rank) + (world - 1) * max(sizes)
-    return gather
+    if method == "all_gather":
+        return (world - 1) * c.payload(numel)
+    sizes = [c.payload(n) for n in _bounds(numel, world, c.block_size)]
+    return sum(b for j, b in enumerate(sizes) if j != rank) + (world - 1) * max(sizes)
 
 
 def pieces(numel: int, parts: int) -> list[int]:
@@ -57,23 +136,45 @@ def pieces(numel: int, parts: int) -> list[int]:
     return [q + (1 if j < r else 0) for j in range(parts)]
 
 
-def sync_bytes(units: Sequence[int], world: int, scheme: str, *, ranks: int = 1, paired: bool = True,
+def unit_pieces(numel: int, ranks: int, paired: bool, chunks: int) -> list[int]:
+    """The lane pieces of one unit this cluster sends (paired: one per rank; else `chunks` pieces)."""
+    return [p for p in (pieces(numel, ranks) if paired else pieces(numel, chunks)) if p > 0]
+
+
+def sync_bytes(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: int = 1, paired: bool = True,
                chunks: int = 4, gather_max: int = 4, block: int = 256) -> int:
-    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload only)."""
+    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload and tags)."""
     if world <= 1:
         return 0
-    gather = world <= gather_max
+    c = codec(scheme, block)
+    gather = world <= gather_max or c.sparse
     total = 0
     for n in units:
-        parts = pieces(n, ranks) if paired else pieces(n, chunks)
-        for piece in parts:
-            if piece == 0:
-                continue
+        for piece in unit_pieces(n, ranks, paired, chunks):
             if gather:
-                total += (world - 1) * (wire_bytes(piece, scheme, block) + TAG)
+                total += (world - 1) * (c.payload(piece) + TAG)
             else:
-                total += sum_bytes(piece, world, scheme, block)
+                total += sum_bytes(piece, world, c)
     return total
+
+
+def codec_values(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: int = 1, paired: bool = True,
+                 chunks: int = 4, gather_max: int = 4, block: int = 256) -> tuple[float, float]:
+    """(values this cluster encodes, values it decodes) in one sync: a gather encodes its own contribution once
+    and decodes the P − 1 others'; a compressed SUM as its method does (rs_ag: every part, then its own
+    chunk's sum again; decodes P − 1 parts of its chunk, its own, and every chunk of the sum); none: neither."""
+    c = codec(scheme, block)
+    if world <= 1 or not c.lossy:
+        return 0.0, 0.0
+    enc = dec = 0.0
+    for n in units:
+        for piece in unit_pieces(n, ranks, paired, chunks):
+            if world <= gather_max or sum_method(piece, world, c) == "all_gather":
+                enc, dec = enc + piece, dec + (world - 1) * piece
+            else:  # rs_ag
+                mine = piece / world
+                enc, dec = enc + piece + mine, dec + world * mine + piece
+    return enc, dec
 
 
 def ddp_bytes(total_params: int, world: int, width: int = 4) -> int:

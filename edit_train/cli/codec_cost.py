@@ -1,0 +1,78 @@
+"""The codec's cost on this host, for `edit-train plan calibrate`: the real encoder and decoder of each
+compression (`federation/compress.py`, top-k through `federation/sparse.py`'s fused CPU codec where numba is
+installed) timed on one thread at two tensor sizes; a line through the two medians gives seconds per call and
+per value. The planner (numpy only) cannot run torch, so this lives beside the CLI and hands it plain numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from edit_train.plan.traffic import Codec
+
+SIZES = (1 << 16, 1 << 19)  # values: both take the kernels a model's big units take (sparse_fused.SPECIALIZE_MIN)
+REPS = 5
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def round_trips(x, cfg, reps: int) -> tuple[list[float], list[float], int]:  # noqa: ANN001 - torch, compress
+    """Seconds of `reps` encodes (`quantize_own`) and decodes (`dequantize`) of flat `x` under `cfg`, and the
+    payload's bytes."""
+    from edit_train.federation.compress import dequantize, quantize_own
+
+    enc, dec, n = [], [], x.numel()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        payload, _ = quantize_own(x, cfg)
+        t1 = time.perf_counter()
+        dequantize(payload, n, cfg)
+        dec.append(time.perf_counter() - t1)
+        enc.append(t1 - t0)
+    return enc, dec, int(payload.numel())
+
+
+def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -> dict[str, list[float]]:
+    """{"encode": [s per call, s per value], "decode": [...]} of `codec` on one thread."""
+    import torch
+
+    from edit_train.federation import sparse
+    from edit_train.federation.compress import CompressionConfig
+
+    cfg = CompressionConfig(codec.scheme, codec.block_size, codec.scale_dtype, True, codec.density, codec.bits,
+                            codec.unsent, codec.group)
+    cfg.validate()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if cfg.sparse:
+            sparse.warm(cfg.format)  # compiles the format's kernels once (numba caches them on disk)
+        points = []
+        for n in sizes:
+            x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+            round_trips(x, cfg, 1)  # first use
+            enc, dec, _ = round_trips(x, cfg, reps)
+            points.append((n, _median(enc), _median(dec)))
+    finally:
+        torch.set_num_threads(threads)
+    (n0, e0, d0), (n1, e1, d1) = points
+    out = {}
+    for key, a, b in (("encode", e0, e1), ("decode", d0, d1)):
+        per_value = max((b - a) / (n1 - n0), 0.0)
+        out[key] = [max(a - per_value * n0, 0.0), per_value]
+    return out
+
+
+def time_codecs(codecs: Iterable[Codec]) -> dict[str, dict[str, list[float]]]:
+    """`time_codec` for every lossy codec (by label); fp8 only where this torch build has float8."""
+    from edit_train.federation.compress import fp8_supported
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for c in codecs:
+        if not c.lossy or c.label in out or (c.scheme == "fp8" and not fp8_supported()):
+            continue
+        out[c.label] = time_codec(c)
+    return out
