@@ -37,23 +37,28 @@ def test_a_payload_is_the_real_codecs_bytes(codec: Codec) -> None:
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: f"{c.label}-{c.block_size}-{c.scale_dtype}")
 @pytest.mark.parametrize("world", [2, 3, 5, 6])
-def test_a_sync_sends_what_the_federation_sends(codec: Codec, world: int) -> None:
-    """Per unit and lane piece: a gather (<= gather_max participants) or a sparse payload carries its tag to
-    each peer; a SUM sends what `compressed_reduce.sent_bytes` says (ring, all-gather or rs_ag)."""
+@pytest.mark.parametrize("needs", ["sum", "measurements"])
+def test_a_sync_sends_what_the_federation_sends(codec: Codec, world: int, needs: str) -> None:
+    """Per unit and lane piece: a gather (a rule that needs measurements, <= gather_max participants) or a
+    sparse payload carries its tag to each peer; a SUM sends what `compressed_reduce.sent_bytes` says (ring,
+    all-gather or rs_ag); a sketched SUM adds its proofs, two float64 sketches per unit to each peer."""
     cfg = cfg_of(codec)
     units = [128, 40_960, 196_864, 5]
     for ranks, paired in ((1, True), (2, True), (3, False)):
         want = 0
         for n in units:
             for piece in traffic.unit_pieces(n, ranks, paired, 4):
-                gathered = world <= 4 or codec.sparse
+                gathered = (needs != "sum" and world <= 4) or codec.sparse
                 want += sent_bytes("gather" if gathered else "sum", piece, world, 0, cfg if codec.lossy else
                                    CompressionConfig()) + ((world - 1) * TAG if gathered else 0)
-        assert traffic.sync_bytes(units, world, codec, ranks=ranks, paired=paired) == want, (ranks, paired)
+            if needs != "sum" and world > 4 and not codec.sparse:
+                want += (world - 1) * 16 * traffic.SKETCH_DIM
+        got = traffic.sync_bytes(units, world, codec, ranks=ranks, paired=paired, needs=needs)
+        assert got == want, (ranks, paired)
 
 
 def test_sync_events_count_the_modelled_bytes(monkeypatch: pytest.MonkeyPatch, torch_one_thread: None) -> None:
-    """Real syncs (the in-process federation, at_end, 3 clusters gathered and 5 summed): what a sync's `bytes`
+    """Real syncs (the in-process federation, at_end, the uniform rule's SUM at 3 and 5 clusters): what a sync's `bytes`
     grows by over an fp32 sync of the same exchanges is what the traffic model's bytes grow by. (The eager
     top-k codec: the same bytes as the fused one, test_sparse_fused.py, without compiling a kernel per format.)"""
     from edit_train.federation import sparse
@@ -70,10 +75,10 @@ def test_sync_events_count_the_modelled_bytes(monkeypatch: pytest.MonkeyPatch, t
             events = run_inproc(names, cfg, **kw)["c0"].events
             return [e["bytes"] for e in events if e["event"] == "sync"]
 
-        dense, base = per_sync(None), traffic.sync_bytes(sizes, len(names), Codec("none"))
+        dense, base = per_sync(None), traffic.sync_bytes(sizes, len(names), Codec("none"), needs="sum")
         for codec in codecs:
             grew = [a - b for a, b in zip(per_sync(codec), dense)]
-            assert grew == [traffic.sync_bytes(sizes, len(names), codec) - base] * 2, (len(names), codec)
+            assert grew == [traffic.sync_bytes(sizes, len(names), codec, needs="sum") - base] * 2, (len(names), codec)
 
 
 def test_the_codec_is_timed_per_call_and_value_and_charged_by_what_a_sync_codes() -> None:

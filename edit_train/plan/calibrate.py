@@ -297,6 +297,7 @@ def _sync_samples(run: RunData, rf: hardware.ModelFacts, prof: Profile) -> list[
     ranks = {n: int(pc.get("ranks", 1)) for n, pc in summ["per_cluster"].items()}
     paired, chunks = len(set(ranks.values())) <= 1, int((cfg.get("federation") or {}).get("chunks", 4) or 4)
     wire, gather_max = codec_of_run(cfg), int(sy.get("gather_max", 4))
+    needs = traffic.needs_of_rule(str(((cfg.get("algo") or {}).get("penalty") or {}).get("rule", "verified")))
     share = np.asarray(rf.unit_sizes, dtype=float) / max(rf.total_params, 1)
     layer = np.array([float(n) if u[0].startswith("layers") else 0.0 for u, n in zip(rf.units, rf.unit_sizes)])
     syncs: dict[int, list[dict[str, Any]]] = {}
@@ -312,10 +313,10 @@ def _sync_samples(run: RunData, rf: hardware.ModelFacts, prof: Profile) -> list[
         t, joined, r = pc.get("time") or {}, int(pc.get("syncs_joined", pc.get("syncs", 0)) or 0), ranks.get(e.get("cluster"), 1)
         world = len(e.get("participants") or evs)
         nbytes = np.array([traffic.sync_bytes([n], world, wire, ranks=r, paired=paired, chunks=chunks,
-                                              gather_max=gather_max) for n in rf.unit_sizes], dtype=float)
+                                              gather_max=gather_max, needs=needs) for n in rf.unit_sizes], dtype=float)
         lanes = traffic.lanes(r, paired, chunks)
         enc, dec = traffic.codec_values(rf.unit_sizes, world, wire, ranks=r, paired=paired, chunks=chunks,
-                                        gather_max=gather_max)
+                                        gather_max=gather_max, needs=needs)
         calls = len(rf.unit_sizes) * lanes
         codec = prof.codec_s(wire, (calls, enc), ((world - 1) * calls, dec)) / lanes * share
         between = float(t.get("sync", 0.0)) / max(joined, 1) * share

@@ -92,18 +92,18 @@ class Fed:
             return lk.lanes
         return traffic.lanes(int(self.ranks[c]), paired, self.scenario.chunks) if self.scenario.simulated_link else 1
 
-    def unit_bytes(self, c: int, world: int, paired: bool, codec: traffic.Codec) -> np.ndarray:
+    def unit_bytes(self, c: int, world: int, paired: bool, codec: traffic.Codec, needs: str) -> np.ndarray:
         return _unit_bytes(tuple(self.facts.unit_sizes), world, codec, int(self.ranks[c]), paired,
-                           self.scenario.chunks, self.scenario.gather_max)
+                           self.scenario.chunks, self.scenario.gather_max, needs)
 
-    def codec_s(self, c: int, world: int, paired: bool, codec: traffic.Codec) -> float:
+    def codec_s(self, c: int, world: int, paired: bool, codec: traffic.Codec, needs: str) -> float:
         """Seconds cluster `c`'s codec takes in one sync among `world`: its own contribution encoded, the
         others' decoded (`traffic.codec_values`), at the profile's measured cost per call and per value."""
         if not codec.lossy or world <= 1:
             return 0.0
         ranks = int(self.ranks[c])
         enc, dec = traffic.codec_values(self.facts.unit_sizes, world, codec, ranks=ranks, paired=paired,
-                                        chunks=self.scenario.chunks, gather_max=self.scenario.gather_max)
+                                        chunks=self.scenario.chunks, gather_max=self.scenario.gather_max, needs=needs)
         lanes = traffic.lanes(ranks, paired, self.scenario.chunks)  # each on its own thread, side by side
         calls = len(self.facts.unit_sizes) * lanes
         return self.profile.codec_s(codec, (calls, enc), ((world - 1) * calls, dec)) / lanes
@@ -124,7 +124,8 @@ class Fed:
         p = self.profile
         world, paired = len(members), self.paired(members)
         codec = cand.codec(self.scenario)
-        per_unit = np.array([self.unit_bytes(int(c), world, paired, codec) for c in members])
+        needs = traffic.NEEDS.get(cand.algo, "measurements")
+        per_unit = np.array([self.unit_bytes(int(c), world, paired, codec, needs) for c in members])
         nbytes = per_unit.sum(axis=1)
         cpu = self.cpu_share(members)
         apply = cpu * p.work_s(self.facts.total_params)  # norms, outer steps, re-bases: between the units
@@ -137,7 +138,7 @@ class Fed:
         out["exchange"] = out["vote"] = pipeline.small(lat, cpu * p.per_op_s, sim)
         wire = self.wire_s(members, nbytes.astype(float), paired)
         share = np.asarray(self.facts.unit_sizes, dtype=float) / max(self.facts.total_params, 1)
-        coded = np.array([self.codec_s(int(c), world, paired, codec) for c in members])
+        coded = np.array([self.codec_s(int(c), world, paired, codec, needs) for c in members])
         wire_u = per_unit * (wire / np.maximum(nbytes, 1))[:, None]
         work_u = cpu * (p.per_op_s + per_unit / (p.sw_bytes_per_s or math.inf) + np.outer(coded, share))
         apply_u = np.outer(np.ones(world), apply * share)
@@ -200,9 +201,9 @@ class Fed:
 
 @lru_cache(maxsize=4096)
 def _unit_bytes(units: tuple[int, ...], world: int, scheme: traffic.Codec, ranks: int, paired: bool, chunks: int,
-                gather_max: int) -> np.ndarray:
+                gather_max: int, needs: str) -> np.ndarray:
     return np.array([traffic.sync_bytes([u], world, scheme, ranks=ranks, paired=paired, chunks=chunks,
-                                        gather_max=gather_max) for u in units], dtype=float)
+                                        gather_max=gather_max, needs=needs) for u in units], dtype=float)
 
 
 def resolve(scn: Scenario, profile: Profile, facts: hardware.ModelFacts | None = None) -> Fed:

@@ -1,10 +1,13 @@
 """Bytes on the cross-cluster link, per cluster, exactly as `federation` counts them (no torch needed).
 
-* a local-SGD sync moves every sync unit's pseudo-gradient: with at most `sync.gather_max` participants every
-  cluster sends its contribution to each of the others (`gather`: (P−1) · payload bytes, + one 16-byte tag per
-  piece and peer); above it, a SUM (`compressed_reduce.plan`: a ring all-reduce of fp32, 2(P−1)/P · 4n; a
-  compressed all-gather or reduce-scatter + all-gather, whichever moves less); a top-k payload is always
-  gathered (a sum of sparse payloads is not sparse), tags included;
+* a local-SGD sync moves every sync unit's pseudo-gradient as its rule needs (`aggregation`, the same decision
+  as `local_sgd.round.SyncCore.mode`; docs/sync_math.md): a rule that needs a SUM (`uniform`, `edit_norm`:
+  diloco, post-local SGD) sums at any count (`compressed_reduce.plan`: a ring all-reduce of fp32,
+  2(P−1)/P · 4n; a compressed all-gather or reduce-scatter + all-gather, whichever moves less); the `verified`
+  rule (edit, a_edit) gathers up to `sync.gather_max` participants (every cluster sends its contribution to
+  each of the others: (P−1) · payload bytes, + one 16-byte tag per piece and peer) and above it sums and proves
+  the sum with two count sketches per unit in the vote ((P−1) · 16 · `sketch_dim` bytes per unit); a top-k
+  payload is always gathered (a sum of sparse payloads is not sparse), tags included;
 * ddp all-reduces the fp32 gradients every step: 2(P−1)/P · 4n per cluster;
 * pieces: clusters of equal size pair rank r with rank r (one piece per rank and unit), otherwise each unit is
   cut into `federation.chunks` pieces spread over the ranks.
@@ -26,6 +29,27 @@ from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
 from edit_train.federation.sparse_format import SCALE_BYTES, SparseFormat, format_error, sparse_bytes  # torch-free
 
 TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
+SKETCH_DIM = 1024  # algo.penalty.verified.sketch_dim: buckets of each count sketch a sketched sync's vote carries
+# what each algorithm's default rule needs moved (local_sgd/aggregator.Needs)
+NEEDS = {"ddp": "sum", "post_local_sgd": "sum", "diloco": "sum", "edit": "measurements", "a_edit": "measurements"}
+
+
+def needs_of_rule(rule: str) -> str:
+    """What a rule named in `algo.penalty.rule` needs: the built-ins' answer; a rule of one's own is assumed to
+    need measurements (the planner cannot import it)."""
+    return "sum" if rule in ("uniform", "edit_norm") else "measurements"
+
+
+def aggregation(world: int, needs: str, gather_max: int, sparse: bool) -> str:
+    """How a sync among `world` clusters moves the contributions, as bytes go: sum | gathered | sketched (a SUM
+    of sparse payloads is a gather of tagged pieces, whatever the rule needs)."""
+    if world > 1 and sparse:
+        return "gathered"
+    if world <= 1 or needs == "sum":
+        return "sum"
+    if needs == "contributions" or world <= gather_max or sparse:
+        return "gathered"
+    return "sketched"
 VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}
 BLOCKWISE = ("int8", "fp8")
 COMPRESSIONS = ("none", "bf16", "int8", "fp8", "topk")
@@ -142,24 +166,29 @@ def unit_pieces(numel: int, ranks: int, paired: bool, chunks: int) -> list[int]:
 
 
 def sync_bytes(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: int = 1, paired: bool = True,
-               chunks: int = 4, gather_max: int = 4, block: int = 256) -> int:
-    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload and tags)."""
+               chunks: int = 4, gather_max: int = 4, block: int = 256, needs: str = "measurements",
+               sketch_dim: int = SKETCH_DIM) -> int:
+    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload, tags, and the
+    sketched sync's proofs; not the small norm exchange)."""
     if world <= 1:
         return 0
     c = codec(scheme, block)
-    gather = world <= gather_max or c.sparse
+    how = aggregation(world, needs, gather_max, c.sparse)
     total = 0
     for n in units:
         for piece in unit_pieces(n, ranks, paired, chunks):
-            if gather:
+            if how == "gathered":
                 total += (world - 1) * (c.payload(piece) + TAG)
             else:
                 total += sum_bytes(piece, world, c)
+        if how == "sketched":
+            total += (world - 1) * 16 * sketch_dim  # s and u, float64, in the leader's vote
     return total
 
 
 def codec_values(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: int = 1, paired: bool = True,
-                 chunks: int = 4, gather_max: int = 4, block: int = 256) -> tuple[float, float]:
+                 chunks: int = 4, gather_max: int = 4, block: int = 256,
+                 needs: str = "measurements") -> tuple[float, float]:
     """(values this cluster encodes, values it decodes) in one sync: a gather encodes its own contribution once
     and decodes the P − 1 others'; a compressed SUM as its method does (rs_ag: every part, then its own
     chunk's sum again; decodes P − 1 parts of its chunk, its own, and every chunk of the sum); none: neither."""
@@ -169,7 +198,8 @@ def codec_values(units: Sequence[int], world: int, scheme: Codec | str, *, ranks
     enc = dec = 0.0
     for n in units:
         for piece in unit_pieces(n, ranks, paired, chunks):
-            if world <= gather_max or sum_method(piece, world, c) == "all_gather":
+            if aggregation(world, needs, gather_max, c.sparse) == "gathered" or \
+                    sum_method(piece, world, c) == "all_gather":
                 enc, dec = enc + piece, dec + (world - 1) * piece
             else:  # rs_ag
                 mine = piece / world
