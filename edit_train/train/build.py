@@ -32,6 +32,7 @@ def fingerprint(cfg: Config) -> str:
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     keep["model"].pop("init_from", None)
+    keep["model"].pop("loss_chunk", None)  # how the loss is computed, not what: clusters may differ
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
