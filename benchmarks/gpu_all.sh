@@ -36,10 +36,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...
 }
 
 ROWS=(--models ling_lite_slice ling_1b --modes compiled eager --experts grouped --out-dir "$OUT")
-stage step "${LIMIT_STEP:-210}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing none
-stage profile "${LIMIT_PROFILE:-75}" "$PY" benchmarks/gpu_profile.py --out-dir "$OUT"
+stage step "${LIMIT_STEP:-180}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing none
+stage profile "${LIMIT_PROFILE:-60}" "$PY" benchmarks/gpu_profile.py --out-dir "$OUT"
 stage tests "${LIMIT_TESTS:-120}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
-stage ckpt "${LIMIT_CKPT:-120}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing full --append
+stage ckpt "${LIMIT_CKPT:-100}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing full --append
 
 echo "== summary"
 "$PY" - "$OUT" <<'PY'

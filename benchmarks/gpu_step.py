@@ -8,7 +8,8 @@ its fused AdamW, bf16 autocast, the presets' fused head loss `model.loss_chunk`)
 first (they absorb compilation: `warmup_s`), then `--iters` timed steps. Peak memory is
 `torch.cuda.max_memory_allocated` over the timed steps; `plan_gib` is what `edit-train-info` plans for the same
 launch (edit_train/memplan.py) and `peak_over_plan` their ratio; `graph_breaks` counts torch.compile's graph
-breaks (a compiled row should have none). MFU = tokens/s x FLOPs/token
+breaks (a compiled row should have none) and `compiled_graphs` the graphs it built (the layers share one; the
+head loss's kernel is another: more means recompiles). MFU = tokens/s x FLOPs/token
 (edit_train/train/mfu.py) / the device's peak bf16 FLOP/s (table or --peak-flops). Rows are written to the JSON as
 they finish (a run cut short keeps what it measured); an out-of-memory or failing variant is a row with its
 `status` and the run goes on.
@@ -82,6 +83,7 @@ def run_variant(v: Variant, device: torch.device, iters: int, warmup: int, peak:
         row.update(status="ok", step_s=seconds, tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(tps, fpt, peak, 1),
                    peak_gib=peak_gib, peak_over_plan=peak_gib / plan["total_gib"] if peak_gib else None,
                    experts_ran=sorted(i for i in impls if i), graph_breaks=sum(breaks.values()),
+                   compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],  # > 2-3: recompiles
                    graph_break_reasons=[k.splitlines()[0][:200] for k in list(breaks)[:3]])
     except torch.cuda.OutOfMemoryError:
         row.update(status="oom", tokens_per_s=None, mfu=None, peak_gib=None)
