@@ -1,16 +1,23 @@
-"""One GPU, one training step: tokens/s, MFU and peak memory of `model=small` and `model=ling_1b` for
-eager vs `torch.compile` (per decoder layer), activation checkpointing none vs full, and grouped vs sorted
+"""One GPU, one training step: tokens/s, MFU and peak memory of `model=ling_lite_slice` (Ling-Lite's layer
+widths — hidden 2048, 64 experts of 1408 top-6 + 2 shared, 126k vocabulary — with as many layers as one GPU holds),
+`ling_1b` and `small`, for eager vs `torch.compile`, activation checkpointing none vs full, and grouped vs sorted
 experts — the options `train.compile`, `train.activation_checkpointing` and `model.expert_impl` set.
 
-Each variant builds the model on the device, applies the options exactly as the trainer does
-(`edit_train.train.parallel.apply_layer_options`), and times forward + backward + AdamW step under bf16
-autocast (the unsharded `train.precision=bf16` path) on random tokens, after warm-up steps (which also absorb
-compilation). Peak memory is `torch.cuda.max_memory_allocated` over the timed steps; `plan_gib` is what
-`edit-train-info` plans for the same launch (edit_train/memplan.py), to check the plan against the device.
-MFU = tokens/s x FLOPs/token (edit_train/train/mfu.py) / the device's peak bf16 FLOP/s (table or --peak-flops).
+Each variant builds the model on the device and runs the trainer's step (benchmarks/_gpu.py: its layer options,
+its fused AdamW, bf16 autocast, the presets' fused head loss `model.loss_chunk`) on random tokens: warm-up steps
+first (they absorb compilation: `warmup_s`), then `--iters` timed steps. Peak memory is
+`torch.cuda.max_memory_allocated` over the timed steps; `plan_gib` is what `edit-train-info` plans for the same
+launch (edit_train/memplan.py) and `peak_over_plan` their ratio; `graph_breaks` counts torch.compile's graph
+breaks (a compiled row should have none) and `compiled_graphs` the graphs it built (the layers share one; the
+head loss's kernel is another: more means recompiles). MFU = tokens/s x FLOPs/token
+(edit_train/train/mfu.py) / the device's peak bf16 FLOP/s (table or --peak-flops). Rows are written to the JSON as
+they finish (a run cut short keeps what it measured); an out-of-memory or failing variant is a row with its
+`status` and the run goes on.
 
-    python benchmarks/gpu_step.py [--models small ling_1b] [--batch 4] [--seq 2048] [--iters 10] [--out FILE]
-    python benchmarks/gpu_step.py --quick     # on a machine without a GPU: a CPU smoke run, CPU-only figures
+    python benchmarks/gpu_step.py                     # every row -> docs/gpu_step_<device>.json (e.g. _h100)
+    python benchmarks/gpu_step.py --models ling_lite_slice --modes compiled --checkpointing none --experts grouped
+    python benchmarks/gpu_step.py ... --out-dir DIR --append   # add rows to DIR/gpu_step_<device>.json
+    python benchmarks/gpu_step.py --quick             # without a GPU: a CPU smoke run (tiny shapes, no MFU)
 
 Without a CUDA device and without --quick it refuses with one line.
 """
@@ -18,80 +25,76 @@ Without a CUDA device and without --quick it refuses with one line.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import itertools
 import json
-import platform
-import sys
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from _gpu import (Variant, add_output_args, add_shape_args, build_step, default_shape, device_and_output,
+                  device_slug, sync)
 from edit_train.memplan import GIB, memory_plan
-from edit_train.model import CausalLM, count_params
-from edit_train.model.presets import load_preset
+from edit_train.model import count_params
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
-from edit_train.train.parallel import apply_layer_options
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_step.json"
-HEADER = "| model | device | compile | checkpointing | experts | tokens/s | MFU | peak GiB | plan GiB |"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+HEADER = ("| model | layers | batch x seq | compile | checkpointing | experts | tokens/s | MFU | peak GiB | plan GiB |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
+KEY = ("model", "compile", "checkpointing", "experts", "batch", "seq", "layers", "loss_chunk")
 
 
-def run_variant(model_name: str, device: torch.device, batch: int, seq: int, iters: int, warmup: int,
-                compile: bool, checkpointing: str, experts: str, peak: float | None) -> dict[str, Any]:
-    cfg = dataclasses.replace(load_preset(model_name), expert_impl=experts)
-    row: dict[str, Any] = {"model": model_name, "compile": compile, "checkpointing": checkpointing,
-                           "experts": experts, "batch": batch, "seq": seq}
-    plan = memory_plan(cfg, shard_size=1, batch_size=batch, seq_len=seq, precision="bf16",
-                       checkpointing=checkpointing)
+def run_variant(v: Variant, device: torch.device, iters: int, warmup: int, peak: float | None) -> dict[str, Any]:
+    cfg = v.config()
+    counts = count_params(cfg)
+    row: dict[str, Any] = {"model": v.model, "compile": v.compile, "checkpointing": v.checkpointing,
+                           "experts": v.experts, "batch": v.batch, "seq": v.seq, "layers": cfg.num_hidden_layers,
+                           "loss_chunk": cfg.loss_chunk, **counts}
+    plan = memory_plan(cfg, shard_size=1, batch_size=v.batch, seq_len=v.seq, precision="bf16",
+                       checkpointing=v.checkpointing)
     row["plan_gib"] = plan["total_gib"]
     torch._dynamo.reset()
-    torch.manual_seed(0)
+    torch._dynamo.utils.counters.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    step = None
     try:
-        model = CausalLM(cfg).to(device)
-        apply_layer_options(model, checkpointing, compile)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
-        x, y = ids[:, :-1], ids[:, 1:]
-
-        def step() -> None:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = model(x, y)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = build_step(v, device)
+        t0 = time.perf_counter()
         for _ in range(warmup):
-            step()
-        _sync(device)
+            step.run()
+        sync(device)
+        row["warmup_s"] = time.perf_counter() - t0
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         for _ in range(iters):
-            step()
-        _sync(device)
+            step.run()
+        sync(device)
         seconds = (time.perf_counter() - t0) / iters
+        tps = v.batch * v.seq / seconds
+        fpt = flops_per_token(cfg, v.seq, counts["active_params"])
+        peak_gib = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+        impls = {b.experts.last_impl for b in step.model.moe_blocks()}
+        breaks = torch._dynamo.utils.counters["graph_break"]  # a compiled row that fell back to eager shows here
+        row.update(status="ok", step_s=seconds, tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(tps, fpt, peak, 1),
+                   peak_gib=peak_gib, peak_over_plan=peak_gib / plan["total_gib"] if peak_gib else None,
+                   experts_ran=sorted(i for i in impls if i), graph_breaks=sum(breaks.values()),
+                   compiled_graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],  # > 2-3: recompiles
+                   graph_break_reasons=[k.splitlines()[0][:200] for k in list(breaks)[:3]])
     except torch.cuda.OutOfMemoryError:
         row.update(status="oom", tokens_per_s=None, mfu=None, peak_gib=None)
-        return row
-    tps = batch * seq / seconds
-    fpt = flops_per_token(cfg, seq, count_params(cfg)["active_params"])
-    impls = {b.experts.last_impl for b in model.moe_blocks()}
-    row.update(status="ok", step_s=seconds, tokens_per_s=tps, flops_per_token=fpt, mfu=mfu(tps, fpt, peak, 1),
-               peak_gib=(torch.cuda.max_memory_allocated(device) / GIB) if device.type == "cuda" else None,
-               experts_ran=sorted(i for i in impls if i))
-    del model, opt
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not cost the other rows
+        row.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+                   tokens_per_s=None, mfu=None, peak_gib=None)
+    finally:
+        del step
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return row
 
 
@@ -99,54 +102,79 @@ def _fmt(v: Any, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
 
+def table_line(r: dict[str, Any]) -> str:
+    speed = _fmt(r.get("tokens_per_s"), ",.0f") if r["status"] == "ok" else r["status"]
+    return (f"| {r['model']} | {r['layers']} | {r['batch']} x {r['seq']} | {'compile' if r['compile'] else 'eager'} | "
+            f"{r['checkpointing']} | {r['experts']} | {speed} | {_fmt(r.get('mfu'), '.1%')} | "
+            f"{_fmt(r.get('peak_gib'), '.2f')} | {r['plan_gib']:.2f} |")
+
+
+def _variants(args: argparse.Namespace) -> list[Variant]:
+    out = []
+    modes = [m == "compiled" for m in args.modes]
+    for model, comp, ckpt, experts in itertools.product(args.models, modes, args.checkpointing, args.experts):
+        if model == "ling_lite_slice" and experts == "sorted" and not args.sorted_slice:
+            continue  # a per-expert loop over 64 experts at these widths measures nothing worth its minutes
+        batch, seq = default_shape(model, args.batch, args.seq)
+        layers = args.layers if model == "ling_lite_slice" else None
+        out.append(Variant(model, comp, ckpt, experts, batch, seq, layers, args.loss_chunk))
+    return out
+
+
+def _write(path: Path, result: dict[str, Any], append: bool) -> None:
+    rows = result["rows"]
+    if append and path.is_file():
+        old = json.loads(path.read_text())
+        keep = [r for r in old.get("rows", []) if tuple(r.get(k) for k in KEY) not in
+                {tuple(n.get(k) for k in KEY) for n in rows}]
+        result = {**result, "rows": keep + rows}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["small", "ling_1b"])
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--models", nargs="+", default=["ling_lite_slice", "ling_1b", "small"])
+    ap.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
+    ap.add_argument("--no-compile", action="store_true", help="eager only (same as --modes eager)")
+    ap.add_argument("--checkpointing", nargs="+", choices=["none", "full", "moe"], default=["none", "full"])
+    ap.add_argument("--experts", nargs="+", choices=["grouped", "sorted"], default=["grouped", "sorted"])
+    ap.add_argument("--sorted-slice", action="store_true", help="also sorted experts for ling_lite_slice")
+    add_shape_args(ap)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per-device peak FLOP/s (default: table)")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
-    ap.add_argument("--quick", action="store_true", help="small shapes; on a machine without a GPU, a CPU smoke")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    add_output_args(ap, "gpu_step", ".json")
+    ap.add_argument("--append", action="store_true", help="keep the file's other rows (same variant: replaced)")
     args = ap.parse_args(argv)
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu and not args.quick:
-        print("gpu_step: no CUDA device here; run it on a GPU machine (or --quick for a CPU-only smoke run)",
-              file=sys.stderr)
+    picked = device_and_output(args, "gpu_step", "gpu_step", ".json")
+    if picked is None:
         return 2
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    compiles = [False] if args.no_compile else [False, True]
-    models = args.models
+    device, name, out = picked
+    on_gpu = device.type == "cuda"
+    if args.no_compile:
+        args.modes = ["eager"]
     if args.quick:
         args.batch, args.seq, args.iters, args.warmup = 1, 64, 2, 1
         if not on_gpu:
-            torch.set_num_threads(1)
-            models, compiles = ["small"], [False]  # compiling on 2 CPU cores takes minutes and measures nothing
+            # compiling on 2 CPU cores takes minutes and measures nothing; the 126k-vocabulary models do not fit
+            args.models, args.modes = ["tiny"], ["eager"]
     peak = device_peak_flops(device, args.peak_flops)
-    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()})"
-    rows = []
-    print(HEADER)
-    print("|---|---|---|---|---|---|---|---|---|")
-    for model_name, comp, ckpt, experts in itertools.product(models, compiles, ("none", "full"),
-                                                             ("grouped", "sorted")):
-        row = run_variant(model_name, device, args.batch, args.seq, args.iters, args.warmup, comp, ckpt,
-                          experts, peak)
-        row["device"] = name
-        rows.append(row)
-        print(f"| {model_name} | {name} | {'compile' if comp else 'eager'} | {ckpt} | {experts} | "
-              f"{_fmt(row['tokens_per_s'], ',.0f')} | {_fmt(row['mfu'], '.1%')} | {_fmt(row['peak_gib'], '.2f')} | "
-              f"{row['plan_gib']:.2f} |", flush=True)
     note = None if on_gpu else "CPU-only figures (no GPU on this machine): not GPU throughput, no MFU, no peak memory"
+    result: dict[str, Any] = {"device": name, "device_slug": device_slug(name), "torch": torch.__version__,
+                              "peak_flops": peak, "iters": args.iters, "warmup": args.warmup, "quick": args.quick,
+                              "note": note, "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(), "rows": []}
+    print(HEADER)
+    for v in _variants(args):
+        row = run_variant(v, device, args.iters, args.warmup, peak)
+        row["device"] = name
+        result["rows"].append(row)
+        _write(out, result, args.append)
+        print(table_line(row) + (f"  {row['error']}" if row.get("error") else ""), flush=True)
     if note:
         print(note)
-    result = {"device": name, "torch": torch.__version__, "peak_flops": peak, "batch": args.batch, "seq": args.seq,
-              "iters": args.iters, "quick": args.quick, "note": note, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

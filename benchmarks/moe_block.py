@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _memory import CPU_PEAK_METHOD, cpu_peak_bytes
 from edit_train.model.config import ModelConfig
 from edit_train.model.moe import DenseMLP, MoEBlock
 from edit_train.model.presets import load_preset
@@ -165,25 +166,9 @@ def peak_memory(block: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> tuple[in
         fwd_bwd(block, x, dy)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base, "cuda max_memory_allocated - baseline"
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     block.zero_grad(set_to_none=True)
     x.grad = None
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fwd_bwd(block, x, dy)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    events = sorted((e["ts"], e["args"]["Bytes"]) for e in trace.get("traceEvents", [])
-                    if e.get("name") == "[memory]" and "Bytes" in e.get("args", {}))
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak, "cpu allocator peak live bytes above baseline during fwd+bwd (torch profiler [memory] events)"
+    return cpu_peak_bytes(lambda: fwd_bwd(block, x, dy)), CPU_PEAK_METHOD + " during fwd+bwd"
 
 
 def bench_config(name: str, cfg: ModelConfig, device: torch.device, batch: int, seq: int,

@@ -35,7 +35,10 @@ ACTIVATION_FORMULA = (
     "bytes per token; c = compute-dtype bytes, r = residual-stream bytes (4 under autocast/fp32, 2 under FSDP "
     "bf16), q/kv = query/kv heads x head_dim. Attention A_att = (r+4)H + c(H + 4q + 4kv + q) + 4 n_heads; "
     "MoE A_moe = (r+4)H + 4H + 8E + c(k(2H + 3I) + H + 3 I_shared); dense MLP A_mlp = (r+4)H + c(H + 3 I_dense); "
-    "embedding + head A_out = 2rH + cV + 8V (logits, fp32 logits, their gradient). "
+    "embedding + head A_out = 2rH + cV + 8V (logits, fp32 logits, their gradient); with model.loss_chunk = C > 0 "
+    "(the fused head loss) A_out = 2rH + rH per token (the head's input and its gradient) plus, once, "
+    "4VH (the head's fp32 weight gradient) + min(C, t) V (2c + 4) (one chunk's logits, fp32 buffer, gradient; "
+    "4 bytes in fp32, where they are one tensor). "
     "none: t(sum_l A_l + A_out); full: t(L rH + max_l A_l + A_out); "
     "moe: t(sum_l (A_att + (rH if MoE else A_mlp)) + A_moe + A_out); t = batch_size x seq_len"
 )
@@ -67,7 +70,14 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
              + c * (cfg.num_experts_per_tok * (2 * h + 3 * cfg.moe_intermediate_size) + h
                     + 3 * cfg.num_shared_experts * cfg.moe_intermediate_size))
     a_mlp = (r + 4) * h + c * (h + 3 * cfg.intermediate_size)
-    a_head = r * h + c * cfg.vocab_size + 8 * cfg.vocab_size
+    v = cfg.vocab_size
+    head_once = 0
+    if cfg.loss_chunk > 0:
+        a_head = 2 * r * h
+        chunk_bytes = 4 if c == 4 else 2 * c + 4  # fp32: logits, buffer and gradient are one tensor
+        head_once = 4 * v * h + min(cfg.loss_chunk, tokens) * v * chunk_bytes
+    else:
+        a_head = r * h + c * v + 8 * v
     is_moe = [cfg.num_experts > 0 and i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
     per_layer = [a_att + (a_moe if m else a_mlp) for m in is_moe]
     if checkpointing == "full":
@@ -77,7 +87,7 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
                    + (a_moe if any(is_moe) else 0))
     else:
         per_tok = sum(per_layer)
-    return int(tokens * (per_tok + r * h + a_head))
+    return int(tokens * (per_tok + r * h + a_head) + head_once)
 
 
 def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len: int, precision: str = "fp32",

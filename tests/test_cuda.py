@@ -1,5 +1,6 @@
 """GPU paths: bf16 (autocast and FSDP2 mixed precision), activation checkpointing and grouped experts in a
-real training run, and a federation of one CUDA cluster and one CPU cluster. Every test is marked `cuda`
+real training run, and a federation of one CUDA cluster and one CPU cluster; the fused head loss, SDPA's flash
+kernel, the compiled block and fused AdamW on the GPU (issue 40). Every test is marked `cuda`
 and skipped without a CUDA device (run them with `pytest -m cuda` on a GPU machine).
 
 The multi-process tests start the ranks themselves (env:// rendezvous on 127.0.0.1) and build a `Trainer`
@@ -124,3 +125,93 @@ def test_mixed_devices_one_cuda_cluster_one_cpu_cluster(tmp_path, small_corpus) 
     assert summary["per_cluster"]["gpu"]["device"].startswith("cuda")
     assert summary["per_cluster"]["cpu"]["device"] == "cpu"
     assert same(anchors(run, "gpu"), anchors(run, "cpu")) <= 1e-6  # the outer step runs on each device (FMA)
+
+
+# ---------------------------------------------------------------------- issue 40: what makes the step fast
+def test_fused_head_loss_on_cuda_matches_plain_with_less_memory() -> None:
+    """bf16 autocast on the GPU: the fused chunked loss (eager and compiled kernel) gives the plain loss and
+    gradients, and its peak memory is below the plain path's (the [tokens, vocab] logits never exist)."""
+    from edit_train.model.lm_loss import ChunkedCrossEntropy
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n, h, v = 4096, 512, 32768
+    hidden = (torch.randn(n, h, generator=g) / h ** 0.5).to(dev).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.02).to(dev).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g).to(dev)
+    eager, compiled = ChunkedCrossEntropy(1024), ChunkedCrossEntropy(1024)
+    compiled.compile()
+
+    def run(fn):  # type: ignore[no-untyped-def]
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), hidden.grad.clone(), weight.grad.clone(), torch.cuda.max_memory_allocated() - base
+
+    plain = run(lambda: torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight).float(), labels))
+    for fused in (run(lambda: eager(hidden, weight, labels)), run(lambda: compiled(hidden, weight, labels))):
+        torch.testing.assert_close(fused[0], plain[0], rtol=1e-4, atol=1e-4)
+        for a, b in zip(fused[1:3], plain[1:3]):
+            torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-4)
+        assert fused[3] < plain[3], (fused[3], plain[3])
+
+
+def test_attention_on_the_flash_kernel_on_cuda() -> None:
+    """Only SDPA's flash backend allowed: bf16 with our layout and grouped-query heads runs on it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from edit_train.model.config import ModelConfig
+    from edit_train.model.transformer import Attention
+
+    cfg = ModelConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    attn = Attention(cfg).cuda()
+    x = torch.randn(2, 512, cfg.hidden_size, device="cuda", requires_grad=True)
+    outs = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        x.grad = None
+        with sdpa_kernel([backend]), torch.autocast("cuda", dtype=torch.bfloat16):
+            y = attn(x)
+        y.float().square().sum().backward()
+        outs[backend] = (y.float(), x.grad.clone())
+    for a, b in zip(outs[SDPBackend.FLASH_ATTENTION], outs[SDPBackend.MATH]):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+def test_compiled_block_on_cuda_has_no_graph_break() -> None:
+    """Dynamo's trace of the decoder block on the GPU (bf16, grouped experts, fused head loss, full
+    checkpointing): no graph break — the CUDA-only branches (compute capability lookup) included."""
+    import dataclasses
+
+    from edit_train.model import CausalLM
+    from edit_train.model.config import ModelConfig
+    from edit_train.train.parallel import apply_compile, apply_layer_options
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cfg = dataclasses.replace(ModelConfig(), expert_impl="auto", first_k_dense_replace=0, loss_chunk=32)
+    model = CausalLM(cfg).cuda()
+    apply_layer_options(model, "full", False, torch.device("cuda"), torch.bfloat16)  # checks experts, checkpoints
+    apply_compile(model, backend="eager")  # dynamo's trace only: seconds, not inductor's minutes
+    ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(ids, ids)
+    out.loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert {b.experts.last_impl for b in model.moe_blocks()} == {"grouped"}
+
+
+def test_trainer_uses_fused_adamw_on_cuda_and_resumes(tmp_path, small_corpus) -> None:
+    """AdamW fused on the GPU; a resumed run puts its step counters back on the device (where fused reads them)."""
+    run = tmp_path / "run"
+    first = _trainer(tiny_overrides(run, small_corpus, "train.device=cuda", "train.steps=2", "checkpoint.every=2"))
+    assert first.optimizer.defaults["fused"] is True
+    first.run()
+    second = _trainer(tiny_overrides(run, small_corpus, "train.device=cuda", "train.steps=4", "resume=auto"))
+    steps = [st["step"] for st in second.optimizer.state.values()]
+    assert steps and all(s.is_cuda for s in steps)
+    assert second.run()["completed"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -91,7 +92,29 @@ def test_checkpointing_shrinks_activations() -> None:
     cfg = load_preset("ling_1b")
     none, moe, full = (activation_bytes(cfg, 4096, m, 2, 4) for m in ("none", "moe", "full"))
     assert full < moe < none
-    assert activation_bytes(cfg, 8192, "none", 2, 4) == 2 * none  # linear in tokens
+    plain = dataclasses.replace(cfg, loss_chunk=0)  # full logits: linear in tokens
+    assert activation_bytes(plain, 8192, "none", 2, 4) == 2 * activation_bytes(plain, 4096, "none", 2, 4)
+    # the fused head loss: one chunk and the head's weight gradient, whatever the tokens
+    once = 4 * cfg.vocab_size * cfg.hidden_size + cfg.loss_chunk * cfg.vocab_size * (2 * 2 + 4)
+    assert activation_bytes(cfg, 8192, "none", 2, 4) - once == 2 * (none - once)
+
+
+def test_ling_lite_slice_is_ling_lite_layers_on_one_gpu(capsys) -> None:
+    """Ling-Lite's layer widths exactly, as many layers as an 80 GB GPU holds with fp32 AdamW state at the
+    benchmark's 2 x 4096 tokens (bf16, no checkpointing) — one more does not fit; edit-train-info reports it."""
+    from edit_train.cli.info import main
+
+    lite, piece = load_preset("ling_lite"), load_preset("ling_lite_slice")
+    assert dataclasses.replace(piece, num_hidden_layers=lite.num_hidden_layers) == lite
+    shape = {"shard_size": 1, "batch_size": 2, "seq_len": 4096, "precision": "bf16", "gpu_mem_gb": 80}
+    assert memory_plan(piece, **shape)["fits"]
+    assert not memory_plan(dataclasses.replace(piece, num_hidden_layers=piece.num_hidden_layers + 1), **shape)["fits"]
+    main(["model=ling_lite_slice", "train.precision=bf16", "train.batch_size=2", "train.seq_len=4096",
+          "model.num_hidden_layers=3", "--gpu-mem-gb", "80"])  # the depth is an ordinary override
+    info = json.loads(capsys.readouterr().out.strip())
+    per_layer = (count_params(lite)["total_params"] - 2 * lite.vocab_size * lite.hidden_size - lite.hidden_size) // 28
+    assert info["total_params"] == 3 * per_layer + 2 * lite.vocab_size * lite.hidden_size + lite.hidden_size
+    assert info["memory_plan"]["fits"] and info["memory_plan"]["tokens_per_microbatch"] == 8192
 
 
 def test_info_prints_memory_plan(monkeypatch, capsys) -> None:

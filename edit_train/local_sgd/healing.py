@@ -214,6 +214,13 @@ def adopt_outer(replica: Replica, outer: OuterState, tensors: dict[str, Tensor],
         rebase(u.live(), outer.anchors[u.name], old[u.name])
 
 
+def step_device(optimizer: torch.optim.Optimizer, param: Tensor) -> torch.device:
+    """Where torch keeps an optimizer's ``step`` counter: on the parameter's device for a fused or capturable
+    optimizer (its kernels read it there), else on the CPU."""
+    fast = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return param.device if fast else torch.device("cpu")
+
+
 @torch.no_grad()
 def adopt_replica(replica: Replica, tensors: dict[str, Tensor]) -> None:
     """A healer during ddp / warm-up copies the replica and its inner optimizer."""
@@ -227,6 +234,6 @@ def adopt_replica(replica: Replica, tensors: dict[str, Tensor]) -> None:
                 continue
             st = replica.optimizer.state[params[name]]
             if field == "step":
-                st[field] = v.to(torch.float32).clone()
+                st[field] = v.to(device=step_device(replica.optimizer, params[name]), dtype=torch.float32).clone()
             elif field in st:
                 _local(st[field]).copy_(v)

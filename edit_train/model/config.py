@@ -32,6 +32,7 @@ class ModelConfig:
     routing_warmup_steps: int = 0  # stochastic routing warmup W (Ling eq. 3); 0 = off
     init_from: str | None = None  # HF-style directory to initialise weights from (later issue)
     expert_impl: str = "auto"  # routed experts: auto | grouped (torch._grouped_mm) | sorted (per-expert loop)
+    loss_chunk: int = 0  # > 0: LM head + cross-entropy fused, this many tokens at a time (lm_loss.py); 0 = full logits
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -52,5 +53,8 @@ class ModelConfig:
             bad("first_k_dense_replace", f"must be in [0, num_hidden_layers], got {self.first_k_dense_replace}")
         if self.expert_impl not in ("auto", "grouped", "sorted"):
             bad("expert_impl", f"must be auto, grouped or sorted, got {self.expert_impl!r}")
+        if self.loss_chunk < 0:
+            bad("loss_chunk", f"must be >= 0 (0 = full logits, N = the fused head loss over N tokens at a time), "
+                f"got {self.loss_chunk}")
         if self.routing_warmup_steps < 0:
             bad("routing_warmup_steps", "must be >= 0")

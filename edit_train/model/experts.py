@@ -20,6 +20,10 @@ What torch 2.13 requires of ``torch._grouped_mm`` (read from its meta registrati
   int32 cumulative ends of the groups, and rows past ``offs[-1]`` are not written.
 * 2-D x 3-D layout: ``out[offs[e-1]:offs[e]] = a[offs[e-1]:offs[e]] @ b[e]`` with ``b`` of shape
   ``[E, K, N]`` — our ``[E, out, in]`` weights are passed transposed (a view, no copy).
+
+The token permutation around the GEMMs moves data by gathers only, forward and backward (``_Dispatch``,
+``_Unsort``): autograd's backward of ``index_select`` is ``index_add_``, a scatter with atomics — slow and
+non-deterministic on CUDA in bf16 — where the inverse permutation turns it into a gather.
 """
 
 from __future__ import annotations
@@ -33,6 +37,16 @@ log = logging.getLogger(__name__)
 
 EXPERT_IMPLS = ("auto", "grouped", "sorted")
 _warned: set[str] = set()
+_capability: dict[int | None, tuple[int, int]] = {}  # CUDA device index -> compute capability
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, cached: under ``torch.compile`` the lookup is a dict read (a guarded
+    constant), not a CUDA call. ``train/parallel.py`` fills the cache before compiling."""
+    if device.index not in _capability:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _capability[device.index] = _capability[index] = torch.cuda.get_device_capability(index)
+    return _capability[device.index]
 
 
 def grouped_mm_available() -> bool:
@@ -57,7 +71,7 @@ def grouped_supported(device: torch.device, dtype: torch.dtype, dims: tuple[int,
     if device.type == "cuda":
         if dtype != torch.bfloat16:
             return False, f"CUDA grouped GEMM takes bf16 only, compute dtype is {dtype}"
-        major, _ = torch.cuda.get_device_capability(device)
+        major, _ = cuda_capability(device)
         if major < 8:
             return False, f"compute capability {major}.x < 8.0"
         return True, "cuda"
@@ -109,11 +123,41 @@ def grouped_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat_idx, torch.ones_like(flat_idx))
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x.index_select(0, order // k)  # [N*k, H], expert-sorted
+    inv_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    xs = _Dispatch.apply(x, order // k, inv_order)  # [N*k, H], expert-sorted
     g = torch._grouped_mm(xs, gate_proj.transpose(-2, -1), offs=offs)
     u = torch._grouped_mm(xs, up_proj.transpose(-2, -1), offs=offs)
     out = torch._grouped_mm(F.silu(g) * u, down_proj.transpose(-2, -1), offs=offs)  # [N*k, H]
-    inv_order = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    slots = out.index_select(0, inv_order).view(n, k, -1)  # back to (token, slot) order: gathers only
+    slots = _Unsort.apply(out, inv_order, order).view(n, k, -1)  # back to (token, slot) order
     y = torch.einsum("nkh,nk->nh", slots, topk_weight.to(slots.dtype))
     return y, counts
+
+
+class _Dispatch(torch.autograd.Function):
+    """``xs = x[token_idx]`` (each token once per routing slot, expert-sorted); backward by gathers:
+    ``dx[n] = sum_j dxs[inv_order[n k + j]]`` (the k sorted positions of token n)."""
+
+    @staticmethod
+    def forward(ctx, x, token_idx, inv_order):  # type: ignore[override]
+        ctx.save_for_backward(inv_order)
+        ctx.n = x.shape[0]
+        return x.index_select(0, token_idx)
+
+    @staticmethod
+    def backward(ctx, dxs):  # type: ignore[override]
+        (inv_order,) = ctx.saved_tensors
+        return dxs.index_select(0, inv_order).view(ctx.n, -1, dxs.shape[-1]).sum(1), None, None
+
+
+class _Unsort(torch.autograd.Function):
+    """``slots = out[inv_order]``, a permutation: its backward is the gather by the inverse, ``order``."""
+
+    @staticmethod
+    def forward(ctx, out, inv_order, order):  # type: ignore[override]
+        ctx.save_for_backward(order)
+        return out.index_select(0, inv_order)
+
+    @staticmethod
+    def backward(ctx, dslots):  # type: ignore[override]
+        (order,) = ctx.saved_tensors
+        return dslots.index_select(0, order), None, None

@@ -11,8 +11,6 @@ Pure torch; nothing here knows about distribution.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -231,19 +229,6 @@ def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
     return coef * torch.logsumexp(logits.to(dtype), dim=-1).square().mean()
 
 
-_counting = [True]  # routed_counting(False) turns the tally off (a checkpointed forward recomputed in backward)
-
-
-@contextmanager
-def routed_counting(enabled: bool) -> Iterator[None]:
-    """Whether training forwards inside add their routed tokens to ``MoEBlock.routed_tokens`` (default on)."""
-    before, _counting[0] = _counting[0], enabled
-    try:
-        yield
-    finally:
-        _counting[0] = before
-
-
 class MoEBlock(nn.Module):
     """Routed experts + optional shared experts, with balance / z losses and stochastic routing warmup.
 
@@ -343,9 +328,8 @@ class MoEBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         logits, probs, topk_idx, topk_weight = self.route(x)
         y, counts = self.experts(x, topk_idx, topk_weight)
-        self.last_expert_load = counts.detach()
-        if self.training and _counting[0]:
-            self.routed_tokens += self.last_expert_load  # on the device: no host sync
+        self.last_expert_load = counts.detach()  # CausalLM.forward adds it to routed_tokens (outside any
+        # checkpointed or compiled region: an in-place update there would break the recompute)
         self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef)
         self.z_loss = z_loss(logits, self.z_coef)
         if self.shared_experts is not None:

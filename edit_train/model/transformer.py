@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edit_train.model.config import ModelConfig
+from edit_train.model.lm_loss import IGNORE_INDEX, ChunkedCrossEntropy
 from edit_train.model.moe import DenseMLP, MoEBlock, RoutedExperts
-
-IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
@@ -122,13 +121,15 @@ class DecoderLayer(nn.Module):
 class NormHead(nn.Module):
     """LM head whose weight columns are L2-normalised (over the vocab dim) with a *detached* norm.
 
-    ``logits = h @ (W / (||W||_col + 1e-7)).T`` where ``||W||_col`` has shape ``[1, hidden]``.
+    ``logits = h @ (W / (||W||_col + 1e-7)).T`` where ``||W||_col`` has shape ``[1, hidden]``. Called with
+    ``labels`` it returns the mean cross-entropy instead, never materialising the logits (``lm_loss.py``).
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-7) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float = 1e-7, loss_chunk: int = 0) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.loss = ChunkedCrossEntropy(loss_chunk)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.weight, mean=0.0, std=std)
@@ -137,13 +138,28 @@ class NormHead(nn.Module):
         norm = self.weight.detach().norm(p=2, dim=0, keepdim=True)
         return self.weight / (norm + self.eps)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is not None:
+            return self.loss(hidden_states, self.normalized_weight(), labels)
         return F.linear(hidden_states, self.normalized_weight())
+
+
+class LinearHead(nn.Linear):
+    """The plain (bias-free) LM head; with ``labels``, the fused cross-entropy like ``NormHead``."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, loss_chunk: int = 0) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.loss = ChunkedCrossEntropy(loss_chunk)
+
+    def forward(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is not None:
+            return self.loss(hidden_states, self.weight, labels)
+        return super().forward(hidden_states)
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when the loss came from the fused head (model.loss_chunk > 0)
     loss: torch.Tensor | None = None
     ce_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
@@ -155,7 +171,8 @@ class CausalLM(nn.Module):
 
     ``forward(input_ids, labels=None)``: ``labels`` are already shifted (label ``t`` is the target of
     position ``t``), ``-100`` is ignored. ``loss = ce_loss + aux_loss + z_loss`` (the router losses summed
-    over MoE layers, coefficients from the config).
+    over MoE layers, coefficients from the config). With ``labels`` and ``model.loss_chunk > 0`` the head
+    computes the cross-entropy itself, ``loss_chunk`` tokens at a time, and ``logits`` is None.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -166,9 +183,9 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.norm_head:
-            self.lm_head: nn.Module = NormHead(cfg.hidden_size, cfg.vocab_size)
+            self.lm_head: nn.Module = NormHead(cfg.hidden_size, cfg.vocab_size, loss_chunk=cfg.loss_chunk)
         else:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = LinearHead(cfg.hidden_size, cfg.vocab_size, loss_chunk=cfg.loss_chunk)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.word_embeddings.weight
         self.reset_parameters()
@@ -238,12 +255,16 @@ class CausalLM(nn.Module):
             if isinstance(layer.mlp, MoEBlock):
                 aux_losses.append(layer.mlp.aux_loss)
                 z_losses.append(layer.mlp.z_loss)
+                if self.training:  # once per forward (a checkpointed layer's recompute never comes back here)
+                    layer.mlp.routed_tokens += layer.mlp.last_expert_load  # on the device: no host sync
         h = self.norm(h)
-        logits = self.lm_head(h)
-
-        zero = torch.zeros((), device=logits.device, dtype=torch.float32)
+        zero = torch.zeros((), device=h.device, dtype=torch.float32)
         aux = torch.stack(aux_losses).sum() if aux_losses else zero
         zl = torch.stack(z_losses).sum() if z_losses else zero
+        if labels is not None and self.config.loss_chunk > 0:
+            ce = self.lm_head(h, labels)  # the fused head + loss: no [tokens, vocab] logits
+            return CausalLMOutput(logits=None, loss=ce + aux + zl, ce_loss=ce, aux_loss=aux, z_loss=zl)
+        logits = self.lm_head(h)
         if labels is None:
             return CausalLMOutput(logits=logits, aux_loss=aux, z_loss=zl)
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),

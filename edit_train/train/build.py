@@ -37,6 +37,7 @@ def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     keep["model"].pop("init_from", None)
+    keep["model"].pop("loss_chunk", None)  # how the loss is computed, not what: clusters may differ
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
     return f"model/algo/sync={digest} tokenizer={tokenizer_id(tokenizer or cfg.data.tokenizer)}"
 

@@ -62,21 +62,13 @@ def precision_policy(precision: str, device: torch.device, sharded: bool) -> Pre
 
 def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` recomputed in backward (non-reentrant; the RNG state is replayed, so routing noise matches). The
-    recompute does not count its routed tokens again (``MoEBlock.routed_tokens``: the forward did)."""
-    from edit_train.model.moe import routed_counting
+    routed-token tally is taken in `CausalLM.forward`, outside: the recompute does not count again."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)  # eval: nothing to save, nothing to recompute
-        calls = [0]
-
-        def counted_once(*a: Any, **k: Any) -> Any:
-            calls[0] += 1
-            with routed_counting(False) if calls[0] > 1 else contextlib.nullcontext():
-                return fn(*a, **k)
-
-        return checkpoint(counted_once, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     return run
 
@@ -115,11 +107,21 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
 def apply_compile(model: nn.Module, **compile_kwargs: Any) -> int:
     """``torch.compile`` each decoder layer's forward (after checkpointing, so the recompute is compiled
-    too). The FSDP and sync hooks stay eager around it. Returns the number of layers compiled."""
+    too) and, with ``model.loss_chunk > 0``, the per-chunk work of the fused head loss. The FSDP and sync
+    hooks stay eager around them. Returns the number of layers compiled."""
+    from edit_train.model.lm_loss import ChunkedCrossEntropy
+
+    # The MoE block keeps its router losses and expert load on the module (side effects). Inside a checkpointed
+    # region dynamo refuses them — the whole layer fell back to eager, silently — unless told that the recompute
+    # need not replay them (it need not: the forward's values are the ones the loss and the logs read).
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     layers = decoder_layers(model)
     for layer in layers:
         fn = layer.forward  # the instance (checkpointed) forward if any, else the bound class forward
         _set_forward(layer, torch.compile(fn, **compile_kwargs))
+    head_loss = getattr(getattr(model, "lm_head", None), "loss", None)
+    if isinstance(head_loss, ChunkedCrossEntropy) and head_loss.chunk > 0:
+        head_loss.compile(**compile_kwargs)
     return len(layers)
 
 

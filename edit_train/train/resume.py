@@ -60,7 +60,8 @@ def find_resume(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Loaded |
     tensors, saved = ckpt.load(path)
     was = saved.get("config", {}).get("model", {})
     now = to_container(cfg)["model"]
-    changed = sorted(k for k in now if k not in ("init_from", "expert_impl") and k in was and was[k] != now[k])
+    how = ("init_from", "expert_impl", "loss_chunk")  # how the model is loaded or computed, not which model
+    changed = sorted(k for k in now if k not in how and k in was and was[k] != now[k])
     if changed:
         raise CheckpointError(f"{path}: written for a different model (model.{changed[0]}: {was[changed[0]]!r} "
                               f"there, {now[changed[0]]!r} now); resume with the same model or use a new run.dir")

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from edit_train.cluster.group import local_tensor
+from edit_train.local_sgd.healing import step_device
 from edit_train.train.checkpoint import CheckpointError
 
 
@@ -65,7 +66,7 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, model: nn.Module,
         restored: dict[str, Any] = {}
         for field, value in st.items():
             if field == "step":
-                restored[field] = value.to(torch.float32)
+                restored[field] = value.to(device=step_device(optimizer, p), dtype=torch.float32)
             elif hasattr(p, "to_local") and value.shape == local_tensor(p).shape:
                 from torch.distributed.tensor import DTensor
 

@@ -36,6 +36,7 @@ from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import LrSchedule
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
+from edit_train.train.optim import build_optimizer
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, reshard
 from edit_train.train.spike import SpikeGuard
@@ -110,8 +111,7 @@ class Trainer:
         parallelize(self.model, topo, self.precision.fsdp_param_dtype)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len, counts["active_params"])
         self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                           eps=t.eps, weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(self.model.parameters(), t, topo.device)  # fused on CUDA
         self.faults = FaultInjector(cfg.faults, topo.index, cfg.model.vocab_size, run_dir=self.run_dir,
                                     is_leader=topo.is_leader, cluster=topo.name, rank=topo.rank)
         self.slowdown = Slowdown(topo.index, [s.slowdown for s in self.specs],

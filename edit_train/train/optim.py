@@ -1,0 +1,20 @@
+"""The inner optimizer: AdamW from ``train.*``, fused into one kernel per step on CUDA.
+
+``fused=True`` (one multi-tensor CUDA kernel, no per-parameter temporaries) on CUDA only: on the CPU the
+default (foreach) implementation keeps the CPU numerics every benchmark and test was pinned with. Its
+``step`` counters live on the parameters' device, as torch itself places them when it loads a state dict
+(``local_sgd.healing.step_device``: checkpoint resume and healing put them back there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from edit_train.config import TrainConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
+                             fused=device.type == "cuda" or None)
