@@ -147,3 +147,35 @@ def test_topk_unsent_part_is_resent_or_kept_and_nothing_is_lost(mode: str, unsen
     for n in NAMES[:2]:  # the end: every cluster on θ̄, the same one
         assert all(torch.equal(x, a) for x, a in zip(results[n].params, [a for u in results[n].anchors for a in u]))
         assert max_diff(results[n].anchors, results["c0"].anchors) == 0.0
+
+
+def test_a_cluster_that_missed_a_newcomer_heals_from_one_that_knows_it() -> None:
+    """c2 joins while c1 is cut off: c0 and c2's rule statistics then hold a row for c2, c1's do not. When c1
+    comes back it heals from a cluster that knows one more cluster than it does — the rule's statistics are
+    the rule's to check (their shape follows the clusters it has met), not refused as the wrong shape — and
+    syncs again. (Seen on a real overlap run: c1 skipped every sync for the rest of the run.)"""
+    hub = InProcessFederation(min_clusters=1, join_timeout_s=0.3, timeout_s=30.0)
+    cfg = config("layerwise", "verified", syncs=40)
+    outs = {n: Outcome() for n in NAMES}
+    transports = {n: hub.transport(n, RankGroup()) for n in NAMES[:2]}
+    threads = [threading.Thread(target=train_cluster, args=(i, transports[n], cfg), kwargs={"out": outs[n]})
+               for i, n in enumerate(NAMES[:2])]
+    for t in threads:
+        t.start()
+    while sum(e["event"] == "sync" for e in outs["c0"].events) < 2:
+        time.sleep(0.001)
+    hub.partitioned_until["c1"] = time.monotonic() + 600.0  # c1 is away while c2 joins ...
+    late = threading.Thread(target=train_cluster, args=(2, hub.transport("c2", RankGroup()), cfg),
+                            kwargs={"out": outs["c2"]})
+    late.start()
+    while sum(e["event"] == "sync" for e in outs["c2"].events) < 2:  # c2 contributes from its second sync
+        time.sleep(0.001)
+    hub.partitioned_until["c1"] = 0.0  # ... and back once c0 and c2 have synced together
+    for t in [*threads, late]:
+        t.join(120)
+    assert outs["c1"].algo is not None and outs["c1"].algo.membership.healed_from
+    synced = [e for e in outs["c1"].events if e["event"] == "sync"]
+    assert synced and synced[-1]["participants"] == NAMES  # back among all three
+    assert any(e["event"] == "missed" for e in outs["c1"].events)  # it was away
+    for n in NAMES[1:]:
+        assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n

@@ -94,7 +94,7 @@ class Healer:
         check_payload(meta, tensors, local, f"cluster {src}")
         mine: dict[str, Tensor] = {}
         for k, t in tensors.items():
-            like = local.get(k, (None, None))[0]
+            like = local.get(k, (None, None))[0] if not k.startswith("penalty/") else None  # rule state: whole
             try:
                 mine[k] = c.shard(t, like) if like is not None else t
             except ValueError as exc:
@@ -142,10 +142,12 @@ def check_payload(meta: dict[str, Any], tensors: dict[str, Tensor], local: Local
         if kind is int and isinstance(v, int) and not 0 <= v < 1 << 62:
             raise HealError(f"healing payload from {peer}: {k} = {v} is out of range")
     for key, t in tensors.items():
+        if key.startswith("penalty/"):  # the rule's statistics: their shapes follow the clusters the rule has met
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # (the source may know more than we
+                raise HealError(f"healing payload from {peer}: {key!r} is not finite")  # do), so the rule's
+            continue  # own load() checks them against the roster that comes with them
         entry = local.get(key)
         if entry is None:  # optimizer state the receiver does not hold yet: shaped like its parameter
-            if key.startswith("penalty/"):
-                continue  # the rule's statistics: checked by the rule when it loads them
             owner = _owner(key, local)
             if owner is None or (t.dim() > 0 and tuple(t.shape) != _full_shape(owner)):
                 raise HealError(f"healing payload from {peer}: unexpected tensor {key!r} {tuple(t.shape)}")
