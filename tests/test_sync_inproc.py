@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch
 from edit_train.cluster.group import RankGroup
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.inproc import InProcessFederation
+from edit_train.local_sgd.algorithms import LocalSGDConfig
 from toy_federation import H, Outcome, config, max_diff, reference, run_inproc, train_cluster
 
 NAMES = ["c0", "c1", "c2"]
@@ -95,21 +98,8 @@ def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
     """c2 starts once c0 and c1 have synced twice: it heals from the source (anchor, outer momentum, rule
     statistics), adopts the federation's step, takes part with weight 0 until it has local steps, and every
     cluster ends on one anchor."""
-    hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
-    cfg = config("layerwise", "edit_norm", syncs=40)
-    outs = {n: Outcome() for n in NAMES}
-    transports = {n: hub.transport(n, RankGroup()) for n in NAMES[:2]}
-    threads = [threading.Thread(target=train_cluster, args=(i, transports[n], cfg), kwargs={"out": outs[n]})
-               for i, n in enumerate(NAMES[:2])]
-    for t in threads:
-        t.start()
-    while sum(e["event"] == "sync" for e in outs["c0"].events) < 2:
-        time.sleep(0.001)
-    late = threading.Thread(target=train_cluster, args=(2, hub.transport("c2", RankGroup()), cfg),
-                            kwargs={"out": outs["c2"]})
-    late.start()
-    for t in [*threads, late]:
-        t.join(60)
+    outs = late_federation(InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0),
+                           config("layerwise", "edit_norm", syncs=40))
     assert outs["c2"].algo is not None and outs["c2"].algo.membership.healed_from
     assert all(o.steps == 40 * H for o in outs.values())
     joined = [e for e in outs["c2"].events if e["event"] == "sync"]
@@ -155,7 +145,26 @@ def test_a_cluster_that_missed_a_newcomer_heals_from_one_that_knows_it() -> None
     the rule's to check (their shape follows the clusters it has met), not refused as the wrong shape — and
     syncs again. (Seen on a real overlap run: c1 skipped every sync for the rest of the run.)"""
     hub = InProcessFederation(min_clusters=1, join_timeout_s=0.3, timeout_s=30.0)
-    cfg = config("layerwise", "verified", syncs=40)
+
+    def away(outs: dict[str, Outcome]) -> Iterator[None]:  # c1 is away while c2 joins, back once c2 contributed
+        hub.partitioned_until["c1"] = time.monotonic() + 600.0
+        yield
+        while sum(e["event"] == "sync" for e in outs["c2"].events) < 2:  # c2 contributes from its 2nd sync
+            time.sleep(0.001)
+        hub.partitioned_until["c1"] = 0.0
+
+    outs = late_federation(hub, config("layerwise", "verified", syncs=40), away)
+    assert outs["c1"].algo is not None and outs["c1"].algo.membership.healed_from
+    synced = [e for e in outs["c1"].events if e["event"] == "sync"]
+    assert synced and synced[-1]["participants"] == NAMES  # back among all three
+    assert any(e["event"] == "missed" for e in outs["c1"].events)  # it was away
+    for n in NAMES[1:]:
+        assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
+
+
+def late_federation(hub: InProcessFederation, cfg: LocalSGDConfig, around_join: Any = None) -> dict[str, Outcome]:
+    """c0 and c1 train; once they have synced twice c2 starts (`around_join(outs)`: a generator run before c2
+    starts and, after its first yield, while it trains); every thread joined."""
     outs = {n: Outcome() for n in NAMES}
     transports = {n: hub.transport(n, RankGroup()) for n in NAMES[:2]}
     threads = [threading.Thread(target=train_cluster, args=(i, transports[n], cfg), kwargs={"out": outs[n]})
@@ -164,18 +173,12 @@ def test_a_cluster_that_missed_a_newcomer_heals_from_one_that_knows_it() -> None
         t.start()
     while sum(e["event"] == "sync" for e in outs["c0"].events) < 2:
         time.sleep(0.001)
-    hub.partitioned_until["c1"] = time.monotonic() + 600.0  # c1 is away while c2 joins ...
+    steps = around_join(outs) if around_join is not None else iter(())
+    next(steps, None)
     late = threading.Thread(target=train_cluster, args=(2, hub.transport("c2", RankGroup()), cfg),
                             kwargs={"out": outs["c2"]})
     late.start()
-    while sum(e["event"] == "sync" for e in outs["c2"].events) < 2:  # c2 contributes from its second sync
-        time.sleep(0.001)
-    hub.partitioned_until["c1"] = 0.0  # ... and back once c0 and c2 have synced together
+    next(steps, None)
     for t in [*threads, late]:
         t.join(120)
-    assert outs["c1"].algo is not None and outs["c1"].algo.membership.healed_from
-    synced = [e for e in outs["c1"].events if e["event"] == "sync"]
-    assert synced and synced[-1]["participants"] == NAMES  # back among all three
-    assert any(e["event"] == "missed" for e in outs["c1"].events)  # it was away
-    for n in NAMES[1:]:
-        assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
+    return outs

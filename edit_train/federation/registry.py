@@ -12,13 +12,13 @@ A factory registered with `@register_transport("name")` is selectable by that na
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edit_train.federation import auth
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
+from edit_train.importpath import load
 from edit_train.local_sgd.protocols import ClusterGroup, Transport
 
 __all__ = ["TransportRequest", "register_transport", "make_transport", "transport_names"]
@@ -63,14 +63,7 @@ def resolve(spec: str) -> Factory:
     """The factory `spec` names (a registered name or "module:attr"); ValueError in one line otherwise."""
     if spec in _TRANSPORTS:
         return _TRANSPORTS[spec]
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"sync.transport: unknown transport {spec!r}; choose one of {transport_names()} or name "
-                         "your own factory as 'package.module:factory'")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"sync.transport: cannot load {spec!r} ({exc}); is its module on PYTHONPATH?") from None
+    factory = load(spec, "sync.transport", "transport", transport_names())
     if not callable(factory):
         raise ValueError(f"sync.transport: {spec!r} is not a factory (a callable taking a TransportRequest)")
     return factory

@@ -21,7 +21,6 @@ hands them over as JSON + tensors for checkpoints and healing.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from edit_train.importpath import load
 from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of, nobody, spread
 from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per_step
 from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
@@ -115,16 +115,7 @@ def make_rule(cfg: PenaltyConfig) -> Aggregator:
     if cfg.rule in _RULES:
         rule = _RULES[cfg.rule](cfg)
     else:
-        module, sep, attr = cfg.rule.partition(":")
-        if not sep or not module or not attr:
-            raise ValueError(f"algo.penalty.rule: unknown rule {cfg.rule!r}; choose one of {rule_names()} or name "
-                             "your own class as 'package.module:Class'")
-        try:
-            factory = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"algo.penalty.rule: cannot load {cfg.rule!r} ({exc}); is its module on PYTHONPATH?") \
-                from None
-        rule = _with_options(factory, cfg.options, cfg.rule)
+        rule = _with_options(load(cfg.rule, "algo.penalty.rule", "rule", rule_names()), cfg.options, cfg.rule)
     if not isinstance(rule, Aggregator):
         raise ValueError(f"algo.penalty.rule: {cfg.rule!r} does not build a rule (needs decide, state and load)")
     try:
