@@ -27,7 +27,8 @@ def _run(mode: str, retract: bool, lr1: float, syncs: int = 2) -> dict[str, Outc
     inner lr `lr1` (far above the others' LR: an update that hurts c0's probe slice)."""
     hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     cfg = config(mode, "verified", syncs=syncs, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
-    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, retract=retract, probe_tokens=8))
+    verified = dataclasses.replace(cfg.penalty.verified, retract=retract, probe_tokens=8)
+    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified))
     outs = {n: Outcome() for n in NAMES}
     threads = [threading.Thread(target=train_cluster, args=(i, hub.transport(n, RankGroup()), cfg),
                                 kwargs={"out": outs[n], "probe": True, "lr": (LR, lr1)[i], "snapshot_at": (H - 1,),
