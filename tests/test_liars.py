@@ -56,6 +56,20 @@ def _honest_unharmed(outs: dict[str, Outcome], clean: dict[str, float]) -> None:
     assert max_diff(outs["c0"].anchors, outs["c1"].anchors) == 0.0
 
 
+def _beside(run: GateRun, act: Callable[[], object], caplog: pytest.LogCaptureFixture,
+            clean: dict[str, float], close: Callable[[], None] = lambda: None) -> Liar:
+    """The honest clusters train over `run`'s gate while a liar keeps doing `act`; they are unharmed."""
+    try:
+        with caplog.at_level(logging.WARNING), Liar(act) as lying:
+            outs = run.train()
+    finally:
+        close()
+        run.close()
+    assert lying.tries > 0
+    _honest_unharmed(outs, clean)
+    return lying
+
+
 def _one_line_naming(records: list[logging.LogRecord], *needles: str) -> str:
     lines = [r.getMessage() for r in records if all(s in r.getMessage() for s in needles)]
     assert lines and all("\n" not in x for x in lines), [r.getMessage() for r in records][-20:]
@@ -73,14 +87,8 @@ def test_a_lying_claim_leaves_the_liar_out_alone(tmp_path: Path, clean: dict[str
     run = GateRun(tmp_path, NAMES).start()
     liar = run.client("c2")
     s, d = claims(sync, **data)
-    try:
-        with caplog.at_level(logging.WARNING), Liar(lambda: liar.request(s, 1, "127.0.0.1:9", d, 1)) as lying:
-            outs = run.train()
-    finally:
-        liar.close()
-        run.close()
+    lying = _beside(run, lambda: liar.request(s, 1, "127.0.0.1:9", d, 1), caplog, clean, liar.close)
     assert lying.answered > 0  # the gate let it in: it is on the roster, its lies are signed
-    _honest_unharmed(outs, clean)
     line = _one_line_naming(caplog.records, "cluster c2 left out of the sync")
     assert needle in line, line
 
@@ -97,13 +105,7 @@ def test_a_taken_name_is_absent(tmp_path: Path, clean: dict[str, float], caplog:
         gate.call(run.address, {"kind": "heartbeat", "name": "c0"}, KEY, 5, run.creds["c2"])
         return gate.call(run.address, body, KEY, 10, run.creds["c2"])
 
-    try:
-        with caplog.at_level(logging.WARNING), Liar(act) as lying:
-            outs = run.train()
-    finally:
-        run.close()
-    assert lying.tries > 0 and lying.answered == 0
-    _honest_unharmed(outs, clean)
+    assert _beside(run, act, caplog, clean).answered == 0
     _one_line_naming(caplog.records, "name 'c0'", "not signed by cluster c0's roster key")
 
 
@@ -149,13 +151,7 @@ def test_a_request_replayed_across_a_gate_restart_is_refused(tmp_path: Path, cle
         body = gate.unpack(got, KEY, "gate/response") if got else {}
         return body if body.get("kind") not in ("stale", None) else None
 
-    try:
-        with caplog.at_level(logging.WARNING), Liar(replay) as lying:
-            outs = run.train()
-    finally:
-        run.close()
-    assert lying.tries > 0 and lying.answered == 0
-    _honest_unharmed(outs, clean)
+    assert _beside(run, replay, caplog, clean).answered == 0
     _one_line_naming(caplog.records, "name 'c0'", "before this gate started")
 
 
@@ -172,13 +168,7 @@ def test_a_nan_or_infinite_timestamp_is_refused(tmp_path: Path, clean: dict[str,
         frame = struct.pack(">I", auth.TAG_BYTES + len(raw)) + auth.tag(KEY, "gate/request", raw) + raw
         return _answered(_send(run.address, frame))
 
-    try:
-        with caplog.at_level(logging.WARNING), Liar(act) as lying:
-            outs = run.train()
-    finally:
-        run.close()
-    assert lying.tries > 0 and lying.answered == 0
-    _honest_unharmed(outs, clean)
+    assert _beside(run, act, caplog, clean).answered == 0
     _one_line_naming(caplog.records, "name 'c2'", "ignored")
 
 

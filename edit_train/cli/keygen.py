@@ -6,13 +6,15 @@
                                                    operator signs (what the federation runs comes from the
                                                    edit-train config the OVERRIDES compose, as for edit-train)
     edit-train-keygen add DIR NAME                 cluster NAME joins: its identity and the next roster version
+    edit-train-keygen remove DIR NAME              cluster NAME leaves: the next roster version without it
 
 Where the files go (docs/architecture.md, "Security model"): `federation.key` and `roster.json` to the
 Lighthouse and every cluster; `gate.identity` to the Lighthouse's host only; `<cluster>.identity` to that
 cluster's nodes only; `operator.key` nowhere (it signs rosters: keep it with the operator). Copy them over a
 channel you trust (scp, your secrets manager). Nothing is ever overwritten: rotating a key is a new file, then
 a restart of the federation with it; adding a cluster mid-run is `add`, then copying the new roster.json to
-the Lighthouse's host (its gate rereads the file and hands the new version to every cluster).
+the Lighthouse's host (its gate rereads the file and hands the new version to every cluster); removing one
+(a leaked identity, a member that misbehaves) is `remove`, the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "federation":
         return federation(args[1:])
-    if args and args[0] == "add":
-        return add(args[1:])
+    if args and args[0] in ("add", "remove"):
+        return change(args[0], args[1:])
     p = argparse.ArgumentParser(prog="edit-train-keygen", description="Make a federation key (mode 0600); "
                                 "`edit-train-keygen federation DIR` makes identities and a roster too.")
     p.add_argument("path", help="where to write the key (refused if the file exists)")
@@ -82,9 +84,9 @@ def federation(argv: list[str]) -> None:
           f"{cfg.train.steps}, configuration {fingerprint(cfg)}")
 
 
-def add(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="edit-train-keygen add", description="Add cluster NAME to the roster in DIR "
-                                "(signed with DIR/operator.key).")
+def change(act: str, argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog=f"edit-train-keygen {act}", description=f"{act.capitalize()} cluster NAME "
+                                "to/from the roster in DIR (the next version, signed with DIR/operator.key).")
     p.add_argument("dir")
     p.add_argument("name")
     args = p.parse_args(argv)
@@ -94,11 +96,12 @@ def add(argv: list[str]) -> None:
     if not valid_name(args.name):
         fail(f"{args.name!r} is not a cluster name (letters, digits, '-', '_', '.'; at most 64)")
     try:
-        path = enrol.add(args.dir, args.name)
+        path = enrol.add(args.dir, args.name) if act == "add" else enrol.remove(args.dir, args.name)
     except (ValueError, OSError) as exc:
         fail(one_line(exc))
-    print(f"edit-train-keygen: cluster {args.name} added ({path}, to its nodes only); copy {Path(args.dir) / 'roster.json'} "
-          "to the Lighthouse's host: its gate picks the new version up and hands it to every cluster")
+    done = f"added ({path}, to its nodes only)" if act == "add" else "removed"
+    print(f"edit-train-keygen: cluster {args.name} {done}; copy {Path(args.dir) / 'roster.json'} to the Lighthouse's "
+          "host: its gate picks the new version up and hands it to every cluster")
 
 
 if __name__ == "__main__":

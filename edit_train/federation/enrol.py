@@ -56,6 +56,19 @@ def add(directory: str | Path, name: str) -> Path:
     return identity_path(d, name)
 
 
+def remove(directory: str | Path, name: str) -> Path:
+    """Cluster `name` leaves (a lost node, a leaked identity, a member that misbehaves): the next roster version
+    without it. The gate refuses it from the moment it reads the file; every cluster drops its records once it
+    holds that version. Returns the roster's path (its identity file is left for the operator to delete)."""
+    d = Path(directory)
+    operator, roster = _operator(d)
+    if roster.key(name) is None:
+        raise ValueError(f"cluster {name!r} is not on the roster {d / ROSTER} (version {roster.version})")
+    clusters = {n: k for n, k in roster.clusters.items() if n != name}
+    return save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, roster.fingerprint,
+                                               roster.total_steps, roster.algorithm, roster.version + 1))
+
+
 def ensure(directory: str | Path, names: list[str], terms: tuple[str, int, str]) -> Path:
     """A local run's federation (`edit-train` makes it per run): made when absent, a cluster not yet on it
     added, the terms restated when the run's configuration changed (a resume with other train.steps)."""

@@ -15,7 +15,6 @@ is never valid as another.
 from __future__ import annotations
 
 import json
-import os
 import stat
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from edit_train.federation.auth import KeyFileError, canonical
+from edit_train.federation.auth import KeyFileError, canonical, write_private
 
 KIND = "edit-train-identity"
 ROLES = ("cluster", "gate", "operator")
@@ -88,42 +87,40 @@ def new_identity(path: str | Path, name: str, role: str, operator: bytes | None 
     key = Ed25519PrivateKey.generate()
     ident = Identity(name, role, key, operator if operator is not None else raw(key.public_key()))
     doc = {"kind": KIND, "name": name, "role": role, "key": key.private_bytes_raw().hex(), "operator": ident.operator.hex()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise IdentityError(f"{path} already exists: an identity is never overwritten (delete it first, or pick "
-                            "another path)") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(doc, indent=1) + "\n")
+        write_private(path, json.dumps(doc, indent=1) + "\n", "an identity")
+    except KeyFileError as exc:
+        raise IdentityError(str(exc)) from None
     return ident
 
 
-def read_private(path: Path, field: str, what: str) -> str:
-    """The text of a file only its owner may read (IdentityError naming `field` and the fix otherwise)."""
+def read_file(path: Path, field: str, what: str, max_bytes: int, private: bool) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` that others may not read (`private`) or not write
+    (IdentityError naming `field` and the fix otherwise)."""
     try:
         mode = path.stat().st_mode
         if not stat.S_ISREG(mode):
             raise IdentityError(f"{field}: {path} is not a regular file")
         with open(path, "rb") as f:
-            data = f.read(MAX_FILE + 1)
+            data = f.read(max_bytes + 1)
     except OSError as exc:
         raise IdentityError(f"{field}: cannot read {path} ({exc.strerror}); {what}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if private and mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise IdentityError(f"{field}: {path} is open to others (mode {oct(mode & 0o777)}); run `chmod 600 {path}`")
-    if len(data) > MAX_FILE:
-        raise IdentityError(f"{field}: {path} is larger than an identity ({MAX_FILE} bytes)")
-    return data.decode("utf-8", "replace")
+    if not private and mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise IdentityError(f"{field}: {path} is writable by others (mode {oct(mode & 0o777)}); run `chmod 644 {path}`")
+    if len(data) > max_bytes:
+        raise IdentityError(f"{field}: {path} is larger than {max_bytes} bytes: not an edit-train file")
+    return data
 
 
 def load_identity(path: str | Path, field: str = "federation.identity_file", role: str | None = None) -> Identity:
     """The identity in `path` (IdentityError, one line naming `field`, otherwise)."""
     path = Path(path)
     make = "make one with `edit-train-keygen federation DIR` (or ask the federation's operator)"
-    text = read_private(path, field, make)
+    text = read_file(path, field, make, MAX_FILE, private=True)
     try:
-        doc = json.loads(text)
+        doc = json.loads(text.decode("utf-8", "replace"))
         ok = isinstance(doc, dict) and doc.get("kind") == KIND and doc.get("role") in ROLES \
             and isinstance(doc.get("name"), str) and 0 < len(doc["name"]) <= 64
         key = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(doc["key"])) if ok else None

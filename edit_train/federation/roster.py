@@ -20,12 +20,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edit_train.federation.identity import Identity, IdentityError, verify
+from edit_train.federation.identity import Identity, IdentityError, read_file, verify
 
 log = logging.getLogger(__name__)
 
@@ -97,16 +96,7 @@ def load_roster(path: str | Path, pin: bytes, field: str = "federation.roster_fi
     """The roster in `path`, checked against `pin` (one line naming `field` otherwise)."""
     path = Path(path)
     make = "the operator makes it with `edit-train-keygen federation DIR`"
-    try:
-        mode = path.stat().st_mode
-        if not stat.S_ISREG(mode):
-            raise IdentityError(f"{field}: {path} is not a regular file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_ROSTER + 1)
-    except OSError as exc:
-        raise IdentityError(f"{field}: cannot read {path} ({exc.strerror}); {make}") from None
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise IdentityError(f"{field}: {path} is writable by others (mode {oct(mode & 0o777)}); run `chmod 644 {path}`")
+    data = read_file(path, field, make, MAX_ROSTER, private=False)
     try:
         doc = json.loads(data[:MAX_ROSTER].decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
