@@ -137,3 +137,31 @@ def test_a_healer_refuses_a_source_whose_anchor_is_not_the_agreed_one_and_says_s
     healer.t = _HostileTransport(good)  # type: ignore[assignment]
     assert healer.run(q, 64) == "c2" and healer.refused == []
     assert applied[0]["total_steps"] == 40  # the others' claim (here the source's: the only other)
+
+
+def test_a_sharded_healer_takes_its_shard_of_state_it_does_not_hold_yet() -> None:
+    """A 2-rank cluster that heals before its first outer step has no outer momentum yet: it takes its shard
+    of the source's, like the anchor's (it once kept the whole tensor and failed at its next outer step)."""
+    from edit_train.cluster.group import RankGroup
+
+    class Sharded(_HostileTransport):
+        cluster = RankGroup(rank=0, size=2)  # the leader of two ranks (no process group: collectives are local)
+
+    local = {"outer/l0/anchor/0": (torch.zeros(2, 3), torch.zeros(4, 3))}  # this rank's half of a 4x3 anchor
+    state = {"outer/l0/anchor/0": torch.arange(12.0).reshape(4, 3), "outer/l0/momentum/0": torch.ones(4, 3)}
+    applied: list = []
+    healer = Healer(Sharded(encode({"sync_index": 5, "local_phase": True}, state)), lambda: ({}, local),  # type: ignore[arg-type]
+                    lambda m, t: applied.append(t), encode, decode)
+    q = Quorum(1, "q", [Member("c0", 5, 1, "", {"anchor": anchor_digest(state)}), Member("c1", 0, 2, "", {})], 1)
+    assert healer.run(q, 64) == "c0"
+    assert applied[0]["outer/l0/momentum/0"].shape == (2, 3)
+    assert torch.equal(applied[0]["outer/l0/anchor/0"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_a_cluster_whose_own_claims_are_out_of_bounds_trains_alone_rather_than_stop() -> None:
+    """Under a time schedule a cluster may pass train.steps by an interval (the bound is twice it); a cluster
+    past even that leaves the others out, as they leave it out, and never refuses itself."""
+    q = _q((3, D, {"total_steps": 150}), (3, D), me=0)
+    assert vet(q, Terms("a", 100, slack=2))[0].names == ["c0", "c1"]
+    kept, why = vet(q, Terms("a", 100))
+    assert kept.names == ["c0"] and "whose own claims are out of bounds" in why["c1"]

@@ -40,6 +40,16 @@ class Terms:
     total_steps: int = 0
     authoritative: bool = False  # from the operator's signed roster (checked at start), not this cluster's view
     source: str = "this cluster's configuration"  # where the terms come from, for the refusal lines
+    slack: int = 1  # a time schedule's clusters may pass total_steps by an interval before the stop: 2
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps (and syncs) a member may claim; 0: no bound."""
+        return self.total_steps * self.slack
+
+    def bound(self) -> str:
+        whose = f"{self.total_steps} steps of the federation ({self.source})"
+        return f"the {whose}" if self.slack == 1 else f"{self.max_steps}, {self.slack} times the {whose}"
 
 
 def wrong(m: Member, terms: Terms) -> str | None:
@@ -48,8 +58,8 @@ def wrong(m: Member, terms: Terms) -> str | None:
     for k, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             return f"claims {k} = {v!r}, not a count"
-        if terms.total_steps > 0 and v > terms.total_steps:
-            return f"claims {k} = {v}, more than the {terms.total_steps} steps of the federation ({terms.source})"
+        if terms.max_steps > 0 and v > terms.max_steps:
+            return f"claims {k} = {v}, more than {terms.bound()}"
     digest = m.data.get("anchor", "")
     if not isinstance(digest, str) or (digest and not DIGEST_RE.fullmatch(digest)):
         return "claims an anchor digest that is not 32 hex digits"
@@ -58,8 +68,9 @@ def wrong(m: Member, terms: Terms) -> str | None:
 
 def vet(q: Quorum, terms: Terms) -> tuple[Quorum, dict[str, str]]:
     """The members of `q` whose claims can be the federation's, and why each other one was left out.
-    FederationRefused when this cluster itself is the odd one (never when it runs the terms it was given,
-    unless those are its own view and a strict majority of the others runs one other configuration)."""
+    FederationRefused only when the terms are this cluster's own view and a strict majority of the others runs
+    one other configuration. A cluster whose own claims are out of bounds (which the honest never are) keeps
+    training alone: it leaves everyone out, as they leave it out."""
     me = q.members[q.me]
     why = {m.name: w for m in q.members if (w := wrong(m, terms)) is not None}
     rest = [m for m in q.members if m.name not in why]
@@ -74,10 +85,11 @@ def vet(q: Quorum, terms: Terms) -> tuple[Quorum, dict[str, str]]:
         if fp != terms.fingerprint:
             why[m.name] = (f"runs another configuration (fingerprint {fp[:16]!r}; the federation's, from "
                            f"{terms.source}, is {terms.fingerprint!r})")
-    if me.name in why:
-        raise FederationRefused(f"cluster {me.name} {why[me.name]}")
     if not why:
         return q, {}
+    if me.name in why:
+        why = {m.name: f"is not followed by cluster {me.name}, whose own claims are out of bounds: it {why[me.name]}"
+               for m in q.members if m.name != me.name}
     keep = [m for m in q.members if m.name not in why]
     return Quorum(q.quorum_id, nonce_of(q.nonce, keep), keep, keep.index(me), [*q.left_out, *sorted(why)]), why
 

@@ -107,8 +107,9 @@ class Healer:
         check_payload(meta, tensors, local, f"cluster {src}", Expect(sync, max_steps, digest))
         meta = {**meta, "total_steps": agreed_steps(q)}  # what the others claim, not what the source says
         mine: dict[str, Tensor] = {}
-        for k, t in tensors.items():
-            like = local.get(k, (None, None))[0]
+        for k, t in tensors.items():  # optimizer state this rank does not hold yet is sharded like its owner
+            entry = local.get(k) or _owner(k, local)
+            like = entry[0] if entry is not None and t.dim() > 0 else None
             try:
                 mine[k] = c.shard(t, like) if like is not None else t
             except ValueError as exc:

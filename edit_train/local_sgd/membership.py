@@ -72,8 +72,10 @@ class Membership:
 
     @property
     def terms(self) -> claims.Terms:
+        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a cluster may pass
+        train.steps by up to an interval before the agreed stop reaches it: claims are bounded at twice it."""
         return claims.Terms(self.cfg.fingerprint, self.pacer.cfg.total_steps, self.cfg.authoritative,
-                            self.cfg.terms_source)
+                            self.cfg.terms_source, slack=1 if self.pacer.lockstep else 2)
 
     def vet(self, q: Quorum) -> Quorum:
         """The issued quorum less the members whose claims cannot be the federation's (each one line, once per
@@ -99,7 +101,7 @@ class Membership:
         """A vetted quorum: heal whoever is not at the agreed anchor, adopt the agreed step."""
         if q is None:
             return None
-        healed = self.healer.run(q, self.pacer.cfg.total_steps)
+        healed = self.healer.run(q, self.terms.max_steps)
         if healed is not None:
             self.healed_from.append(healed)
         if self.lockstep_sgd:
