@@ -165,6 +165,9 @@ def test_the_local_launcher_makes_a_roster_per_run_and_restates_it(tmp_path: Pat
     r2 = load_roster(roster, r1.operator)
     assert r2.version == 2 and r2.total_steps == 60 and sorted(r2.clusters) == ["c0", "c1", "c7"]
     assert r2.clusters["c0"] == r1.clusters["c0"]  # identities are kept
+    cfg.federation.lighthouse = "10.0.0.5:29510"  # joining a Lighthouse this run did not start: no roster made
+    assert local_roster(cfg, tmp_path / "other") == ""
+    assert local_roster(cfg, tmp_path) == str(roster)  # ... unless its own run made one (a late cluster, locally)
     cfg.federation.insecure = True
     assert local_roster(cfg, tmp_path / "other") == ""
 
@@ -202,3 +205,20 @@ def test_a_checkpoint_of_another_float_dtype_is_refused_for_the_model() -> None:
     half = {f"param/{n}": p.detach().to(torch.float16) for n, p in model.named_parameters()}
     with pytest.raises(CheckpointError, match="checkpoint dtype torch.float16 != the model's torch.float32"):
         load_model_tensors(model, half)
+
+
+def test_a_gate_without_the_roster_is_one_line_for_a_cluster_with_it(fed: Path) -> None:
+    """The operator gave the clusters a roster but started the gate without it: its answers carry no gate
+    signature, and the cluster stops (after the bounded wait for refusals) with one line saying what to fix."""
+    from edit_train.federation.quorum import check_key
+    from edit_train.local_sgd.errors import FederationRefused
+
+    g = gate.Gate("127.0.0.1:0", KEY, 1, 0.5, 5.0)
+    try:
+        c0 = load_credentials(str(fed / "c0.identity"), str(fed / "roster.json"), "c0")
+        with pytest.raises(FederationRefused) as err:
+            check_key(g.address, "c0", KEY, "federation.key_file=k", refuse_after_s=1.5, credentials=c0)
+        assert "answered without the signature of the gate this cluster's roster names" in str(err.value)
+        assert "\n" not in str(err.value)
+    finally:
+        g.shutdown()

@@ -228,7 +228,8 @@ def local_roster(cfg: Any, run_dir: Path) -> str:
     """The roster the jobs started here use: federation.roster_file (or $EDIT_TRAIN_ROSTER_FILE), else one
     made per run in run.dir/federation/ with an identity per cluster (the operator's key stays there: adding a
     cluster that joins later, or restating train.steps on a resume, is this launcher's signed act); "" when the
-    federation runs insecure."""
+    federation runs insecure, or at a Lighthouse this run did not start (federation.lighthouse, and no roster in
+    run.dir: that Lighthouse's operator gives the roster, if any, with federation.roster_file)."""
     from edit_train.federation import enrol
     from edit_train.federation.roster import ROSTER_ENV
     from edit_train.train.build import fingerprint
@@ -237,6 +238,8 @@ def local_roster(cfg: Any, run_dir: Path) -> str:
     given = f.roster_file or os.environ.get(ROSTER_ENV, "")
     if given or f.insecure:
         return given
+    if f.lighthouse and not (run_dir / "federation" / enrol.ROSTER).exists():
+        return ""
     names = [s.name for s in cluster_specs(cfg)]
     names += [cfg.cluster.only] if cfg.cluster.only and cfg.cluster.only not in names else []
     terms = (fingerprint(cfg), cfg.train.steps, cfg.algo.name)

@@ -66,6 +66,13 @@ class IdentityRefused(KeyRefused):
     what = "identity"
 
 
+class GateUnsigned(KeyRefused):
+    """The gate's answer verifies with the federation key but is not signed by the gate this cluster's roster
+    names (a gate started without the roster, or someone else answering)."""
+
+    what = "roster (its answers are not signed by the roster's gate)"
+
+
 # ----------------------------------------------------------------------------------- the gate
 class Gate:
     """torchft's Lighthouse on 127.0.0.1, and the authenticating front on `bind` (host:port)."""
@@ -295,7 +302,7 @@ def _call_once(address: str, body: dict[str, Any], key: bytes, timeout_s: float,
     if answer.get("re") != body["nonce"]:
         raise FederationError(f"the Lighthouse gate at {address} answered another request")
     if credentials is not None and not credentials.answer_ok(answer):
-        raise FederationError(f"the Lighthouse gate at {address} answered without the gate's signature (roster)")
+        raise GateUnsigned(f"the Lighthouse gate at {address} answered without the signature of the roster's gate")
     now = answer.get("now")
     if isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now):
         _OFFSETS[address] = now - time.time()

@@ -98,7 +98,7 @@ class QuorumClient:
                 answer = gate.call(self.lighthouse, body, self.key, timeout_s + 30.0, self.credentials)
                 break
             except gate.KeyRefused as exc:
-                self.refusals.refused(what=exc.what)
+                self.refusals.refused(kind=type(exc))
             except FederationError as exc:
                 raise FederationError(f"cluster {self.name}: {exc}") from None
         self.refusals.verified()
@@ -152,29 +152,33 @@ class KeyRefusals:
     def verified(self) -> None:
         self.since = None
 
-    def refused(self, count: bool = True, what: str = "federation key") -> None:
+    def refused(self, count: bool = True, kind: type[gate.KeyRefused] = gate.KeyRefused) -> None:
         """One more refusal (or, `count=False`, no answer after one): FederationRefused once refusals have
-        lasted refuse_after_s with nothing verified, else wait a second. `what` the gate refused: the
-        federation key, or (with a roster) this cluster's identity."""
+        lasted refuse_after_s with nothing verified, else wait a second. `kind`: what the gate refused — the
+        federation key, this cluster's identity, or (an unsigned answer) the roster this cluster holds."""
         now = time.monotonic()
         if self.since is None and count:
             self.since = now
+            source = self.key_source if kind is gate.KeyRefused else "federation.identity_file, federation.roster_file"
             log.warning("cluster %s: the Lighthouse at %s does not accept this cluster's %s (%s); asking again for "
-                        "up to %.0fs", self.name, self.lighthouse, what,
-                        self.key_source if what == "federation key" else "federation.identity_file",
-                        self.refuse_after_s)
+                        "up to %.0fs", self.name, self.lighthouse, kind.what, source, self.refuse_after_s)
         if self.since is not None and now - self.since >= self.refuse_after_s:
-            if what != "federation key":
-                raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} does not accept "
-                                        f"this cluster's identity (federation.identity_file) for "
-                                        f"{self.refuse_after_s:.0f}s: is {self.name!r} on the roster the gate reads "
-                                        "(federation.roster_file; the operator adds it with `edit-train-keygen "
-                                        "add`)?") from None
-            raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} holds another "
-                                    f"federation key than this cluster's ({self.key_source}, key id "
-                                    f"{auth.fingerprint(self.key)}): every request for {self.refuse_after_s:.0f}s "
-                                    "was refused; give every cluster and the Lighthouse the same key file") from None
+            raise FederationRefused(self._final(kind)) from None
         time.sleep(1.0)
+
+    def _final(self, kind: type[gate.KeyRefused]) -> str:
+        head, after = f"cluster {self.name}: the Lighthouse at {self.lighthouse}", f"{self.refuse_after_s:.0f}s"
+        if kind is gate.IdentityRefused:
+            return (f"{head} does not accept this cluster's identity (federation.identity_file) for {after}: is "
+                    f"{self.name!r} on the roster the gate reads (federation.roster_file; the operator adds it with "
+                    "`edit-train-keygen add`)?")
+        if kind is gate.GateUnsigned:
+            return (f"{head} answered without the signature of the gate this cluster's roster names for {after}: "
+                    "start it with that roster and its gate.identity (federation.roster_file, "
+                    "federation.identity_file)")
+        return (f"{head} holds another federation key than this cluster's ({self.key_source}, key id "
+                f"{auth.fingerprint(self.key)}): every request for {after} was refused; give every cluster and the "
+                "Lighthouse the same key file")
 
 
 def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_after_s: float,
@@ -189,7 +193,7 @@ def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_af
             gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s, credentials)
             return True
         except gate.KeyRefused as exc:
-            refusals.refused(what=exc.what)
+            refusals.refused(kind=type(exc))
         except FederationError as exc:
             if refusals.since is None:
                 log.debug("key check: %s", exc)
