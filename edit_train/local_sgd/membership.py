@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edit_train.local_sgd import claims
-from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
+from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError, SyncAborted
 from edit_train.local_sgd.healing import Healer
 from edit_train.local_sgd.pacer import Pacer
 from edit_train.local_sgd.protocols import Quorum, Transport
@@ -125,7 +125,8 @@ class Membership:
                     log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
                                 self.t.name, exc)
                     return None
-                log.info("cluster %s: joining: %s; trying again", self.t.name, exc)
+                level = logging.WARNING if isinstance(exc, HealError) else logging.INFO  # a refused heal: said
+                log.log(level, "cluster %s: joining: %s; trying again", self.t.name, exc)
                 continue
             total_steps = self.pacer.total_steps
             missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
