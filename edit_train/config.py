@@ -133,6 +133,8 @@ class FederationConfig:
     host: str = "127.0.0.1"  # address this rank binds cross-cluster traffic to (env EDIT_TRAIN_HOST overrides)
     key_file: str = ""  # the federation key (env EDIT_TRAIN_FEDERATION_KEY_FILE); a local run makes one per run
     insecure: bool = False  # run a federation across hosts without a key (anyone who reaches it can join)
+    identity_file: str = ""  # this cluster's (or the gate's) Ed25519 identity, mode 0600 (env EDIT_TRAIN_IDENTITY_FILE)
+    roster_file: str = ""  # the operator-signed roster (env EDIT_TRAIN_ROSTER_FILE); a local run makes both per run
 
 
 @dataclass

@@ -18,6 +18,11 @@
 #   KEY_FILE        the federation key (edit-train-keygen PATH; the same file for every cluster and the
 #                   Lighthouse; passed to the workers as EDIT_TRAIN_FEDERATION_KEY_FILE) (required unless
 #                   LIGHTHOUSE is this host's loopback or federation.insecure=true is given)
+#   ROSTER_FILE     the federation's roster, signed by its operator (edit-train-keygen federation DIR makes
+#                   DIR/roster.json; the same file for every cluster and the Lighthouse; passed to the
+#                   workers as EDIT_TRAIN_ROSTER_FILE)                        (optional, with IDENTITY_FILE)
+#   IDENTITY_FILE   this cluster's identity (DIR/$CLUSTER.identity, mode 0600; on this cluster's nodes
+#                   only; passed to the workers as EDIT_TRAIN_IDENTITY_FILE)  (optional, with ROSTER_FILE)
 #   HOST_ADDR       this node's address as the other clusters reach it; its cross-cluster traffic (the
 #                   leader's lane store, the gloo lanes) binds to it (EDIT_TRAIN_HOST). Default: the
 #                   source address the kernel picks for a route to the Lighthouse (a UDP connect, no
@@ -78,6 +83,7 @@ for a in "${overrides[@]}"; do
         run.dir=* | +run.dir=* | ++run.dir=*) has_run_dir=1 ;;
         federation.lighthouse=* | cluster.only=*) die "$a: set LIGHTHOUSE / CLUSTER instead (this script passes them)" ;;
         federation.key_file=*) die "$a: set KEY_FILE instead (this script passes it)" ;;
+        federation.identity_file=* | federation.roster_file=*) die "$a: set IDENTITY_FILE / ROSTER_FILE instead (this script passes them)" ;;
         federation.insecure=true | federation.insecure=True) insecure=1 ;;
     esac
 done
@@ -92,6 +98,17 @@ if [[ -n $KEY_FILE ]]; then
 elif ((insecure == 0 && lh_loopback == 0)); then
     die "KEY_FILE is not set: a federation across hosts needs a key so that only its members can join, steer or read it (make one with edit-train-keygen PATH, give every cluster and the Lighthouse the same file), or pass federation.insecure=true"
 fi
+IDENTITY_FILE=${IDENTITY_FILE:-${EDIT_TRAIN_IDENTITY_FILE:-}}
+ROSTER_FILE=${ROSTER_FILE:-${EDIT_TRAIN_ROSTER_FILE:-}}
+if [[ -n $IDENTITY_FILE || -n $ROSTER_FILE ]]; then
+    [[ -n $IDENTITY_FILE && -n $ROSTER_FILE ]] ||
+        die "set both IDENTITY_FILE (this cluster's, DIR/$CLUSTER.identity) and ROSTER_FILE (DIR/roster.json), or neither"
+    [[ -r $IDENTITY_FILE ]] || die "IDENTITY_FILE=$IDENTITY_FILE cannot be read on this node (copy this cluster's identity here, mode 0600)"
+    [[ -r $ROSTER_FILE ]] || die "ROSTER_FILE=$ROSTER_FILE cannot be read on this node (copy the federation's roster.json here)"
+fi
+trust_env=()
+if [[ -n $KEY_FILE ]]; then trust_env+=(EDIT_TRAIN_FEDERATION_KEY_FILE="$KEY_FILE"); fi
+if [[ -n $ROSTER_FILE ]]; then trust_env+=(EDIT_TRAIN_ROSTER_FILE="$ROSTER_FILE" EDIT_TRAIN_IDENTITY_FILE="$IDENTITY_FILE"); fi
 ((has_run_dir)) || overrides+=("run.dir=runs/edit-train")
 overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
@@ -163,13 +180,12 @@ PY
     echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: cluster ranks $((NODE_RANK * NPROC_PER_NODE))..$(((NODE_RANK + 1) * NPROC_PER_NODE - 1)) of $ranks, Lighthouse $LIGHTHOUSE, cross-cluster address $HOST_ADDR" >&2
 fi
 
-# Does the Lighthouse hold this cluster's key? A signed hello, before any rank starts: a job holding another
-# key stops here with one line (after federation.join_timeout_s + 20 s of refusals) instead of being
-# restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
+# Does the Lighthouse hold this cluster's key (and accept its identity)? A signed hello, before any rank
+# starts: a job holding another key, or an identity / roster that is missing, too open or not this cluster's,
+# stops here with one line (a refusing gate: after federation.join_timeout_s + 20 s of refusals) instead of
+# being restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
 if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
-    key_env=()
-    if [[ -n $KEY_FILE ]]; then key_env=(EDIT_TRAIN_FEDERATION_KEY_FILE="$KEY_FILE"); fi
-    env EDIT_TRAIN_CLUSTER="$CLUSTER" "${key_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
+    env EDIT_TRAIN_CLUSTER="$CLUSTER" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
 if command -v torchrun >/dev/null 2>&1; then
@@ -188,8 +204,7 @@ else
     cmd+=(--rdzv-conf="is_host=$host${RDZV_CONF:+,$RDZV_CONF}")
 fi
 cmd+=(-m edit_train.cli.train "${overrides[@]}")
-envs=(EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_HOST="$HOST_ADDR")
-if [[ -n $KEY_FILE ]]; then envs+=(EDIT_TRAIN_FEDERATION_KEY_FILE="$KEY_FILE"); fi
+envs=(EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_HOST="$HOST_ADDR" "${trust_env[@]}")
 
 if [[ ${EDIT_DRY_RUN:-0} == 1 ]]; then
     printf '%q ' env "${envs[@]}" "${cmd[@]}" | sed 's/ $//'

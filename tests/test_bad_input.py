@@ -1,8 +1,8 @@
 """The rest of issue 21's bad-input table as tests (the others live in test_stranger.py, test_tamper.py,
 test_parsers.py and test_launchers.py): heal payloads that are well-framed but wrong — NaN or text where a
 sync index goes, a NaN anchor, an int8 optimizer state, unknown keys — are a one-line `HealError` (the
-healer stays out and retries at the next sync; nobody exits), and a misconfigured cluster that is ahead
-refuses itself without stopping the others."""
+healer stays out and retries at the next sync; nobody exits), and a misconfigured cluster is left out alone
+(tests/test_claims.py has the rest of the claims rules)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from edit_train.federation.heal import HealError, decode, encode
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.healing import Healer
-from edit_train.local_sgd.membership import federation_fingerprint
+from edit_train.local_sgd.claims import Terms, vet
 from edit_train.local_sgd.protocols import Member, Quorum
 from test_heal import _HostileTransport  # delivers what the peer sent (well framed: a key holder's bug)
 
@@ -33,7 +33,8 @@ def _heal(meta: dict, tensors: dict) -> list:
 
 def test_a_good_payload_is_adopted() -> None:
     (meta,) = _heal({"sync_index": 9, "total_steps": 72}, GOOD)
-    assert meta["sync_index"] == 9 and meta["total_steps"] == 72
+    assert meta["sync_index"] == 9
+    assert meta["total_steps"] == 0  # the step a healer adopts is the others' claim (none here), not the source's
 
 
 @pytest.mark.parametrize(("meta", "tensors", "needle"), [
@@ -59,23 +60,11 @@ def _quorum(fps: list[str], syncs: list[int], me: int) -> Quorum:
     return Quorum(1, "q", [Member(f"c{i}", s, 1, "", {"fp": f}) for i, (f, s) in enumerate(zip(fps, syncs))], me)
 
 
-def test_the_federation_runs_the_configuration_most_members_run() -> None:
-    assert federation_fingerprint(_quorum(["a", "a", "b"], [3, 3, 10**9], 0)) == "a"  # b is ahead, alone
-    assert federation_fingerprint(_quorum(["a", "b"], [3, 5], 0)) == "b"  # a tie: the source's
-
-
-def test_a_misconfigured_cluster_ahead_refuses_itself_and_the_others_skip_one_sync() -> None:
-    from edit_train.local_sgd.membership import Membership, MembershipConfig
-
-    def admit(me: int) -> None:
-        m = Membership.__new__(Membership)
-        m.cfg = MembershipConfig(fingerprint=["a", "a", "b"][me])
-        m.t = type("T", (), {"name": f"c{me}"})()
-        m.admit(_quorum(["a", "a", "b"], [3, 3, 10**9], me))
-
+def test_a_misconfigured_cluster_ahead_is_left_out_and_refuses_itself() -> None:
+    """c2 runs another configuration and claims the newest sync: c0 and c1 leave it out (whichever sync it
+    claims), it refuses itself (two of three run the other one)."""
     for honest in (0, 1):
-        with pytest.raises(FederationError) as err:
-            admit(honest)
-        assert not isinstance(err.value, FederationRefused) and "c2 runs another configuration" in str(err.value)
-    with pytest.raises(FederationRefused):
-        admit(2)
+        kept, why = vet(_quorum(["a", "a", "b"], [3, 3, 10**9], honest), Terms("a"))
+        assert kept.names == ["c0", "c1"] and set(why) == {"c2"} and "another configuration" in why["c2"]
+    with pytest.raises(FederationRefused, match="cluster c2 runs another configuration"):
+        vet(_quorum(["a", "a", "b"], [3, 3, 10**9], 2), Terms("b"))

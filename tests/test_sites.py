@@ -18,7 +18,7 @@ from edit_train.data import DataError, ensure_dataset, eval_batches, tokenizer_i
 from edit_train.data import families as fam
 from edit_train.data.corpus import plan_pieces, planned_sides
 from edit_train.local_sgd.errors import FederationError, FederationRefused
-from edit_train.local_sgd.membership import Membership, MembershipConfig
+from edit_train.local_sgd.claims import Terms, vet
 from edit_train.local_sgd.protocols import Member, Quorum
 from edit_train.train.build import fingerprint
 from edit_train.train.site_data import check_tokenizers, site_data
@@ -202,17 +202,11 @@ def test_across_hosts_the_cluster_with_another_tokenizer_refuses_itself(tmp_path
     fps = [fingerprint(cfg), fingerprint(cfg), fingerprint(cfg, tok)]
     assert fps[0] == fingerprint(cfg, "byte") != fps[2]
     q = [Member(f"c{i}", 3, 1, "", {"fp": f, "local_steps": 8}) for i, f in enumerate(fps)]
-
-    def admit(me: int) -> None:
-        m = Membership.__new__(Membership)
-        m.cfg, m.lockstep_sgd, m.healed_from = MembershipConfig(fingerprint=fps[me]), False, []
-        m.t = type("T", (), {"name": f"c{me}"})()
-        m.healer = type("H", (), {"run": staticmethod(lambda _q: None)})()
-        m.admit(Quorum(1, "q", q, me))
-
-    admit(0)
-    admit(1)
+    for me in (0, 1):
+        kept, why = vet(Quorum(1, "q", q, me), Terms(fps[me]))
+        assert kept.names == ["c0", "c1"] and "tokenizer: hf-" in why["c2"], why
     with pytest.raises(FederationRefused) as err:
-        admit(2)
+        vet(Quorum(1, "q", q, 2), Terms(fps[2]))
     assert isinstance(err.value, FederationError)
+    assert f"tokenizer: {tokenizer_id(tok)} here, byte in the federation" in str(err.value), str(err.value)
     assert f"tokenizer: {tokenizer_id(tok)} here, byte in the federation" in str(err.value), str(err.value)

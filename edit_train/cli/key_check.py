@@ -1,5 +1,7 @@
-"""`python -m edit_train.cli.key_check OVERRIDES…`: before a cluster job starts its ranks, ask the federation's
-gate whether it holds this cluster's key (a signed hello the Lighthouse never sees).
+"""`python -m edit_train.cli.key_check OVERRIDES…`: before a cluster job starts its ranks, check its identity and
+roster files (missing, unreadable, too open, not this cluster's, another configuration than the roster's: one
+line, exit 2) and ask the federation's gate whether it holds this cluster's key and accepts its identity (a
+signed hello the Lighthouse never sees).
 
 `launchers/torchrun_multinode.sh` runs it on every node. A gate that refuses the key for
 `federation.join_timeout_s` + 20 s stops the job here with one line (exit 2) — before torchrun, which would
@@ -23,7 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     from edit_train.federation import auth
     from edit_train.federation.quorum import check_key
     from edit_train.local_sgd.errors import FederationRefused
-    from edit_train.train.build import key_refused_after_s, key_source
+    from edit_train.config import ConfigError
+    from edit_train.train.build import credentials, key_refused_after_s, key_source
 
     f = cfg.federation
     name = os.environ.get("EDIT_TRAIN_CLUSTER", "") or cfg.cluster.only
@@ -31,8 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         fail("federation.lighthouse is not set")
     try:
         key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
-        check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f))
-    except (auth.KeyFileError, FederationRefused) as exc:
+        creds = credentials(cfg, name)
+        check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f), credentials=creds)
+    except (auth.KeyFileError, ConfigError, FederationRefused) as exc:
         fail(one_line(exc))
 
 

@@ -53,9 +53,11 @@ class ClusterJob:
 
 
 class LocalFederation:
-    def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "", key_file: str = "") -> None:
+    def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "", key_file: str = "",
+                 roster_file: str = "") -> None:
         self.cfg = cfg
         self.key_file = key_file  # every cluster job started here reads the federation key from it
+        self.roster_file = roster_file  # ... the roster, and its identity from the roster's directory
         self.cfg_path = cfg_path
         self.lighthouse = lighthouse
         specs = cluster_specs(cfg)
@@ -73,6 +75,12 @@ class LocalFederation:
         env = dict(os.environ)
         if self.key_file:
             env["EDIT_TRAIN_FEDERATION_KEY_FILE"] = self.key_file
+        if self.roster_file:
+            from edit_train.federation.enrol import identity_path
+
+            env["EDIT_TRAIN_ROSTER_FILE"] = self.roster_file
+            env["EDIT_TRAIN_IDENTITY_FILE"] = self.cfg.federation.identity_file or \
+                str(identity_path(Path(self.roster_file).parent, job.spec.name))
         env.update({"EDIT_TRAIN_CLUSTER": job.spec.name, "EDIT_TRAIN_LIGHTHOUSE": self.lighthouse,
                     "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(job.spec.ranks),
                     "LOCAL_WORLD_SIZE": str(job.spec.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -216,10 +224,34 @@ class Bars:
         self.progress.close()
 
 
+def local_roster(cfg: Any, run_dir: Path) -> str:
+    """The roster the jobs started here use: federation.roster_file (or $EDIT_TRAIN_ROSTER_FILE), else one
+    made per run in run.dir/federation/ with an identity per cluster (the operator's key stays there: adding a
+    cluster that joins later, or restating train.steps on a resume, is this launcher's signed act); "" when the
+    federation runs insecure, or at a Lighthouse this run did not start (federation.lighthouse, and no roster in
+    run.dir: that Lighthouse's operator gives the roster, if any, with federation.roster_file)."""
+    from edit_train.federation import enrol
+    from edit_train.federation.roster import ROSTER_ENV
+    from edit_train.train.build import fingerprint
+
+    f = cfg.federation
+    given = f.roster_file or os.environ.get(ROSTER_ENV, "")
+    if given or f.insecure:
+        return given
+    if f.lighthouse and not (run_dir / "federation" / enrol.ROSTER).exists():
+        return ""
+    names = [s.name for s in cluster_specs(cfg)]
+    names += [cfg.cluster.only] if cfg.cluster.only and cfg.cluster.only not in names else []
+    terms = (fingerprint(cfg), cfg.train.steps, cfg.algo.name)
+    return str(enrol.ensure(run_dir / "federation", names, terms))
+
+
 def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
     """Start the Lighthouse (unless federation.lighthouse names one) and the clusters; supervise them."""
     from edit_train.federation import auth
+    from edit_train.federation.enrol import GATE
     from edit_train.federation.quorum import Lighthouse
+    from edit_train.federation.signed import load_credentials
 
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,12 +265,17 @@ def run_local(cfg: Any) -> tuple[Path, list[ClusterJob]]:
         key_file = str(run_dir / "federation.key")
         if not Path(key_file).exists():
             auth.new_key(key_file)
+    roster_file = local_roster(cfg, run_dir)
     if not lighthouse:
         key = auth.load_key(key_file) if key_file else auth.INSECURE
-        house = Lighthouse(f"{f.host}:0", key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+        creds = load_credentials(str(Path(roster_file).parent / GATE), roster_file, "gate", role="gate") \
+            if roster_file else None
+        house = Lighthouse(f"{f.host}:0", key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s, creds,
+                           roster_file)
         lighthouse = house.address
         (run_dir / "federation.json").write_text(json.dumps({"lighthouse": lighthouse}) + "\n")
-    fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only, key_file=key_file)
+    fed = LocalFederation(cfg, cfg_path, lighthouse, only=cfg.cluster.only, key_file=key_file,
+                          roster_file=roster_file)
     bars = Bars(run_dir / "metrics.jsonl", fed.jobs, cfg.train.steps, cfg.train.progress, cfg.algo.name)
     if bars.shown:  # nothing else may write between the bars
         fed.say, fed.relay = bars.write, bars.relay

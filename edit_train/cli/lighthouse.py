@@ -5,7 +5,12 @@ Start one per federation on a host every cluster can reach, on an address you na
 launchers, `federation.lighthouse=host:port` for `edit-train`):
 
     edit-train-lighthouse --bind 10.0.0.5:29510 federation.key_file=/secrets/fed.key \
+        federation.roster_file=/secrets/roster.json federation.identity_file=/secrets/gate.identity \
         federation.min_clusters=2 federation.join_timeout_s=30
+
+With a roster (`edit-train-keygen federation DIR` makes the files) the gate forwards a request only when the
+cluster it names is on the roster and signed it, and signs its answers with the gate's identity; it rereads
+the roster file when it changes (the operator's `edit-train-keygen add`) and hands the new version on.
 
 Only requests signed with the key reach torchft's Lighthouse, which listens on 127.0.0.1 of this host only,
 with its dashboard (and the dashboard's unauthenticated kill endpoint): reach those with an SSH tunnel, never
@@ -18,6 +23,7 @@ rules come from the keys the clusters read (`federation.min_clusters`, `join_tim
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -49,14 +55,25 @@ def main(argv: list[str] | None = None) -> None:
         fail(one_line(exc))
     from edit_train.federation import auth
     from edit_train.federation.quorum import Lighthouse
+    from edit_train.federation.roster import ROSTER_ENV
+    from edit_train.federation.signed import load_credentials
 
     f = cfg.federation
     try:
         key = auth.resolve(f.key_file, f.insecure, [args.bind])
-        house = Lighthouse(args.bind, key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s)
+        creds = load_credentials(f.identity_file, f.roster_file, "gate", role="gate")
+    except auth.KeyFileError as exc:
+        fail(one_line(exc))
+    try:
+        house = Lighthouse(args.bind, key, f.min_clusters, f.join_timeout_s, f.heartbeat_timeout_s, creds,
+                           f.roster_file or os.environ.get(ROSTER_ENV, ""))
     except Exception as exc:  # noqa: BLE001 - e.g. the port is taken
         fail(f"cannot start the Lighthouse on {args.bind}: {one_line(exc)}")
     kind = "insecure: no key" if key == auth.INSECURE else f"key id {auth.fingerprint(key)}"
+    if creds is not None:
+        kind += f", roster version {creds.roster.version} of {len(creds.roster.clusters)} clusters"
+    elif key != auth.INSECURE:
+        kind += ", no roster: any key holder may speak for any cluster"
     print(f"edit-train-lighthouse: serving at {house.address} ({kind}; min_clusters={f.min_clusters}, "
           f"join_timeout_s={f.join_timeout_s:g}, heartbeat_timeout_s={f.heartbeat_timeout_s:g})", flush=True)
     print(f"edit-train-lighthouse: torchft's dashboard (no authentication) on loopback only: {house.dashboard} "

@@ -40,15 +40,20 @@ class KeyFileError(ValueError):
 
 def new_key(path: str | Path) -> Path:
     """Write a fresh key to `path` (mode 0600); refuses to overwrite an existing file."""
+    return write_private(path, secrets.token_hex(32) + "\n", "a federation key")
+
+
+def write_private(path: str | Path, text: str, what: str) -> Path:
+    """Create `path` with `text`, readable by its owner only (0600); never overwrites (KeyFileError)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise KeyFileError(f"{path} already exists: a federation key is never overwritten (delete it first, or "
-                        "pick another path)") from None
+        raise KeyFileError(f"{path} already exists: {what} is never overwritten (delete it first, or pick another "
+                           "path)") from None
     with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        f.write(text)
     return path
 
 

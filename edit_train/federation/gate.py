@@ -10,6 +10,13 @@ not verify never reaches the Lighthouse: it is absent (logged once per name and 
 refuse, stop, heal or send state, never counted in a quorum, never waited for. torchft's dashboard and its
 `POST /replica/:id/kill` are on the loopback interface with the Lighthouse.
 
+With a roster (`signed.py`) the gate also knows who is speaking: a request is forwarded only when the name
+it claims is on the operator's roster and that name's Ed25519 key signed it (a name cannot be taken; a name
+not on the roster is a stranger), and the gate signs its answers with its own identity. Freshness binds a
+request to this gate's lifetime: a timestamp before the gate started (a request recorded before a restart,
+replayed) or not a finite number is refused, and within the lifetime a nonce is accepted once. Clients track
+the gate's clock from its answers, so a host whose clock lags is told "stale" once and asks again.
+
 Wire format (both ways): 4-byte big-endian length ‖ 32-byte tag ‖ the body's canonical JSON, at most
 `MAX_FRAME` bytes; the tag is HMAC-SHA256 (auth.tag) over exactly those JSON bytes, with the context
 "gate/request" or "gate/response", and is checked before anything is parsed. Every field of a body is
@@ -18,117 +25,52 @@ checked (type, range, size) before use.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
+import math
 import secrets
 import socket
 import socketserver
-import struct
 import threading
 import time
 from typing import Any
 
 from edit_train.federation import auth
+# the wire format lives in frames.py; its names stay reachable as gate.X (quorum.py, tests)
+from edit_train.federation.frames import (DATA_KEYS, MAX_FRAME, NAME_RE, UNKNOWN_IDENTITY_FRAME, UNKNOWN_KEY,  # noqa: F401
+                                          UNKNOWN_KEY_FRAME, FrameError, TagError, check_member, claimed_name, pack,
+                                          read_frame, unpack, valid_name)
+from edit_train.federation.roster import RosterFile
+from edit_train.federation.signed import Credentials
 from edit_train.local_sgd.errors import FederationError
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME = 64 * 1024
 MAX_WARNED = 1024  # distinct (name, host) pairs of unauthenticated records logged one by one
 MAX_SKEW_S = 300.0  # a request more than this far from the gate's clock is stale (or from the future)
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*")  # fullmatch; no "..", at most 64
-DATA_KEYS = {"local_steps": int, "incarnation": str, "fp": str, "total_steps": int}
-# The gate's answer to a request whose tag does not verify: untagged (the gate cannot sign for a key it does
-# not hold) and always the same bytes, so a stranger learns only what a closed connection already told it
-# (this is a gate, and its key is not theirs). A cluster holding another key can then say so instead of
-# training alone; since anyone on the path could forge these bytes, a cluster acts on them only after a
-# bounded wait in which nothing verified arrived (quorum.QuorumClient).
-UNKNOWN_KEY = b'{"kind":"unknown_key"}'
-UNKNOWN_KEY_FRAME = struct.pack(">I", auth.TAG_BYTES + len(UNKNOWN_KEY)) + bytes(auth.TAG_BYTES) + UNKNOWN_KEY
+_OFFSETS: dict[str, float] = {}  # gate address -> its clock minus ours (from its verified answers)
 
 
-class FrameError(ValueError):
-    """Bytes that are not a well-formed, bounded frame (the message says why)."""
-
-
-class TagError(FrameError):
-    """A frame whose tag does not verify: signed with another key, or altered."""
+class Stale(FrameError):
+    """A verified request whose timestamp is outside this gate's window (answered with the gate's clock)."""
 
 
 class KeyRefused(FederationError):
     """The gate answered that this request's tag does not verify: it holds another federation key."""
 
-
-# ----------------------------------------------------------------------------------- frames
-def pack(body: dict[str, Any], key: bytes, context: str) -> bytes:
-    raw = auth.canonical(body)
-    if len(raw) + auth.TAG_BYTES > MAX_FRAME:
-        raise FrameError(f"frame of {len(raw) + auth.TAG_BYTES} bytes exceeds {MAX_FRAME}")
-    return struct.pack(">I", auth.TAG_BYTES + len(raw)) + auth.tag(key, context, raw) + raw
+    what = "federation key"
 
 
-def read_frame(sock: socket.socket) -> bytes:
-    head = _read(sock, 4)
-    (n,) = struct.unpack(">I", head)
-    if n > MAX_FRAME:
-        raise FrameError(f"frame length {n} exceeds {MAX_FRAME}")
-    return _read(sock, n)
+class IdentityRefused(KeyRefused):
+    """The gate answered that this request is not signed by a cluster on its roster."""
+
+    what = "identity"
 
 
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            raise FrameError(f"connection closed after {len(out)} of {n} bytes")
-        out += chunk
-    return bytes(out)
+class GateUnsigned(KeyRefused):
+    """The gate's answer verifies with the federation key but is not signed by the gate this cluster's roster
+    names (a gate started without the roster, or someone else answering)."""
 
-
-def unpack(frame: bytes, key: bytes, context: str) -> dict[str, Any]:
-    """The verified body of a frame (tag ‖ JSON), or FrameError. The tag is checked over the exact bytes
-    first: nothing unauthenticated is parsed, and no byte can change without the tag failing."""
-    mac, raw = frame[:auth.TAG_BYTES], frame[auth.TAG_BYTES:]
-    if not auth.valid(key, context, mac, raw):
-        raise TagError("tag does not verify (another key, or altered)")
-    if raw.count(b"[") + raw.count(b"{") > 256:
-        raise FrameError("too deeply nested")
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise FrameError("not JSON") from None
-    if not isinstance(body, dict):
-        raise FrameError("not a JSON object")
-    return body
-
-
-def check_member(d: Any) -> dict[str, Any]:
-    """A member record as a cluster sends it: name, anchor version, ranks, store address, data."""
-    if not isinstance(d, dict):
-        raise FrameError("member record is not an object")
-    name, sync, size, store, data = d.get("name"), d.get("sync"), d.get("size"), d.get("store"), d.get("data")
-    if not (isinstance(name, str) and valid_name(name)):
-        raise FrameError("bad cluster name")
-    if not (_int(sync) and 0 <= sync < 1 << 53 and _int(size) and 1 <= size <= 1 << 20):
-        raise FrameError("bad sync or size")
-    if not (isinstance(store, str) and len(store) <= 256):
-        raise FrameError("bad store address")
-    if not isinstance(data, dict) or set(data) - set(DATA_KEYS):
-        raise FrameError("bad data")
-    for k, v in data.items():
-        if not isinstance(v, DATA_KEYS[k]) or isinstance(v, bool) or (isinstance(v, int) and not 0 <= v < 1 << 53) \
-                or (isinstance(v, str) and len(v) > 128):
-            raise FrameError(f"bad data.{k}")
-    return {"name": name, "sync": sync, "size": size, "store": store, "data": data}
-
-
-def valid_name(v: Any) -> bool:
-    return isinstance(v, str) and len(v) <= 64 and NAME_RE.fullmatch(v) is not None
-
-
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    what = "roster (its answers are not signed by the roster's gate)"
 
 
 # ----------------------------------------------------------------------------------- the gate
@@ -136,10 +78,13 @@ class Gate:
     """torchft's Lighthouse on 127.0.0.1, and the authenticating front on `bind` (host:port)."""
 
     def __init__(self, bind: str, key: bytes, min_clusters: int, join_timeout_s: float,
-                 heartbeat_timeout_s: float) -> None:
+                 heartbeat_timeout_s: float, credentials: Credentials | None = None, roster_file: str = "") -> None:
         from torchft.coordination import LighthouseClient, LighthouseServer
 
-        self.key = key
+        self.key, self.credentials = key, credentials  # credentials: the gate's identity and the roster
+        self.roster_file = RosterFile(roster_file, credentials.identity.operator) if credentials and roster_file \
+            else None
+        self.started = time.time()  # a request signed before this is a replay across a restart
         self._inner = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters,
                                        join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=50,
                                        heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
@@ -199,13 +144,26 @@ class Gate:
         elif flood:
             log.warning("more than %d unauthenticated names/hosts: no longer logging each", MAX_WARNED - 1)
 
+    def who(self, body: dict[str, Any]) -> str | None:
+        """Why a request is not from the cluster it names (None: it is, or this gate has no roster)."""
+        if self.credentials is None:
+            return None
+        newer = self.roster_file.newer() if self.roster_file is not None else None
+        if newer is not None and self.credentials.adopt(newer.doc):
+            log.warning("gate: roster version %d in use (clusters %s)", newer.version, sorted(newer.clusters))
+        return self.credentials.request_why(body)
+
     def fresh(self, body: dict[str, Any]) -> None:
         ts, nonce, name = body.get("ts"), body.get("nonce"), body.get("name")
-        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or abs(time.time() - ts) > MAX_SKEW_S:
-            raise FrameError("stale or future timestamp")
         if not (isinstance(nonce, str) and 16 <= len(nonce) <= 64):
             raise FrameError("bad nonce")
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts):
+            raise FrameError(f"timestamp {ts!r} is not a finite number")
         now = time.time()
+        if ts < self.started:
+            raise Stale("timestamp before this gate started (a request recorded before a restart, replayed?)")
+        if abs(now - ts) > MAX_SKEW_S:
+            raise Stale(f"timestamp {now - ts:+.0f} s off this gate's clock")
         with self._lock:
             self._seen = {k: t for k, t in self._seen.items() if now - t < 2 * MAX_SKEW_S}
             if (str(name), nonce) in self._seen:
@@ -259,6 +217,14 @@ class Gate:
                 "members": members}
 
 
+    def answer(self, answer: dict[str, Any], body: dict[str, Any]) -> bytes:
+        """An answer to `body` as a frame: with this gate's clock, signed by its identity when it has one."""
+        answer = {**answer, "now": time.time()}
+        if self.credentials is not None:
+            answer = self.credentials.sign_answer(answer, body.get("roster"))
+        return pack(answer, self.key, "gate/response")
+
+
 class _Server(socketserver.ThreadingTCPServer):
     """The gate's listening socket. SO_REUSEADDR: a Lighthouse restarted where it was rebinds its port at
     once instead of failing for the minute its old connections spend in TIME-WAIT."""
@@ -282,9 +248,17 @@ class _Handler(socketserver.BaseRequestHandler):
             except TagError:
                 sock.sendall(UNKNOWN_KEY_FRAME)
                 raise
-            self.gate.fresh(body)
+            why = self.gate.who(body)
+            if why is not None:
+                sock.sendall(UNKNOWN_IDENTITY_FRAME)
+                raise FrameError(why)
+            try:
+                self.gate.fresh(body)
+            except Stale:
+                sock.sendall(self.gate.answer({"kind": "stale", "re": body["nonce"]}, body))
+                raise
             sock.settimeout(None)
-            sock.sendall(pack(self.gate.serve(body), self.gate.key, "gate/response"))
+            sock.sendall(self.gate.answer(self.gate.serve(body), body))
         except FrameError as exc:
             if str(exc).startswith("connection closed after 0 "):  # a reachability probe, or nothing at all
                 log.debug("connection from %s closed without a request", peer)
@@ -294,23 +268,24 @@ class _Handler(socketserver.BaseRequestHandler):
             self.gate.absent(peer, str(exc), name)
 
 
-def claimed_name(frame: bytes) -> str:
-    """The name an unverified (bounded) frame claims, for the log only; "?" when there is none."""
-    raw = frame[auth.TAG_BYTES:]
-    if raw.count(b"[") + raw.count(b"{") > 256:
-        return "?"
-    try:
-        body = json.loads(raw.decode("utf-8"))
-        name = body.get("name") if isinstance(body, dict) else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return "?"
-    return name[:64] if isinstance(name, str) else "?"
-
-
 # ----------------------------------------------------------------------------------- clients
-def call(address: str, body: dict[str, Any], key: bytes, timeout_s: float) -> dict[str, Any]:
-    """One signed request to the gate and its verified answer (FederationError otherwise)."""
-    body = {**body, "ts": time.time(), "nonce": secrets.token_hex(16)}
+def call(address: str, body: dict[str, Any], key: bytes, timeout_s: float,
+         credentials: Credentials | None = None) -> dict[str, Any]:
+    """One signed request to the gate and its verified answer (FederationError otherwise). A "stale" answer
+    (this host's clock is off the gate's, or the gate restarted) sets the clock offset and asks once more."""
+    for _ in range(2):
+        answer = _call_once(address, body, key, timeout_s, credentials)
+        if answer.get("kind") != "stale":
+            return answer
+    raise FederationError(f"the Lighthouse gate at {address} calls every request of this cluster stale: is this "
+                          "host's clock jumping?")
+
+
+def _call_once(address: str, body: dict[str, Any], key: bytes, timeout_s: float,
+               credentials: Credentials | None) -> dict[str, Any]:
+    body = {**body, "ts": time.time() + _OFFSETS.get(address, 0.0), "nonce": secrets.token_hex(16)}
+    if credentials is not None:
+        body = credentials.sign_request(body)
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout_s, 10.0)) as sock:
@@ -319,9 +294,16 @@ def call(address: str, body: dict[str, Any], key: bytes, timeout_s: float) -> di
             frame = read_frame(sock)
             if frame == UNKNOWN_KEY_FRAME[4:]:
                 raise KeyRefused(f"the Lighthouse gate at {address} does not accept this cluster's federation key")
+            if frame == UNKNOWN_IDENTITY_FRAME[4:]:
+                raise IdentityRefused(f"the Lighthouse gate at {address} does not accept this cluster's identity")
             answer = unpack(frame, key, "gate/response")
     except (OSError, ValueError) as exc:
         raise FederationError(f"the Lighthouse gate at {address}: {exc}") from None
     if answer.get("re") != body["nonce"]:
         raise FederationError(f"the Lighthouse gate at {address} answered another request")
+    if credentials is not None and not credentials.answer_ok(answer):
+        raise GateUnsigned(f"the Lighthouse gate at {address} answered without the signature of the roster's gate")
+    now = answer.get("now")
+    if isinstance(now, (int, float)) and not isinstance(now, bool) and math.isfinite(now):
+        _OFFSETS[address] = now - time.time()
     return answer

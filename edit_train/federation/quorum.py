@@ -5,13 +5,16 @@ Each cluster's leader (its rank 0) keeps a signed heartbeat going and, at every 
 Lighthouse issues one when at least `min_clusters` clusters have asked and every cluster that is
 heartbeating has asked too, or when the join timeout (our grace window) has passed since the first one
 asked. A cluster that died stops heartbeating and is left out after the heartbeat timeout; a cluster that is
-merely late is waited for at most the join timeout. Only clusters holding the federation key get in.
+merely late is waited for at most the join timeout. Only clusters holding the federation key get in, and
+with a roster only under their own name (`signed.py`).
 
 What each member tells the others rides in the request: its anchor version (`sync`), its rank count, where
 its leader's store listens, and a small dict (`data`: config fingerprint, local steps, incarnation, total
-steps), each field checked on both sides. The answer is signed by the gate and bound to the request it
-answers; its `nonce` is fresh per quorum and unguessable, and namespaces (and authenticates) everything of
-that quorum. Nothing is pickled.
+steps, anchor digest, and with a roster the record's signature), each field checked on both sides. The
+answer is tagged (and with a roster signed) by the gate and bound to the request it answers; its `nonce` is
+fresh per quorum and unguessable, and namespaces (and authenticates) everything of that quorum. With a roster
+each member record of the answer is checked against its cluster's key: one that does not verify is left out.
+Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from typing import Any
 
 from edit_train.federation import auth, gate
+from edit_train.federation.signed import Credentials
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
 
@@ -38,10 +42,11 @@ class QuorumClient:
 
     def __init__(self, lighthouse: str, name: str, key: bytes, connect_timeout_s: float = 10.0,
                  heartbeat_interval_s: float = 0.5, key_source: str = "federation.key_file",
-                 refuse_after_s: float = 25.0) -> None:
-        self.lighthouse, self.name, self.key = lighthouse, name, key
+                 refuse_after_s: float = 25.0, credentials: Credentials | None = None) -> None:
+        self.lighthouse, self.name, self.key, self.credentials = lighthouse, name, key, credentials
         self._timeout = connect_timeout_s
         self.refusals = KeyRefusals(lighthouse, name, key, key_source, refuse_after_s)
+        self._warned: set[tuple[str, str]] = set()
         _check_reachable(lighthouse, connect_timeout_s)
         self._partitioned_until = 0.0
         self._stop = threading.Event()
@@ -69,7 +74,8 @@ class QuorumClient:
             if self.partitioned:
                 continue
             try:
-                gate.call(self.lighthouse, {"kind": "heartbeat", "name": self.name}, self.key, self._timeout)
+                gate.call(self.lighthouse, {"kind": "heartbeat", "name": self.name}, self.key, self._timeout,
+                          self.credentials)
                 self.refusals.verified()
             except FederationError as exc:  # keep beating; the quorum call reports for real
                 log.debug("heartbeat to %s failed: %s", self.lighthouse, exc)
@@ -84,13 +90,15 @@ class QuorumClient:
             return None
         self.start_heartbeat()
         member = {"name": self.name, "sync": sync, "size": size, "store": store, "data": data}
+        if self.credentials is not None:
+            member = self.credentials.sign_member(member)
         body = {"kind": "quorum", "name": self.name, "member": member, "timeout_s": timeout_s}
         while True:
             try:
-                answer = gate.call(self.lighthouse, body, self.key, timeout_s + 30.0)
+                answer = gate.call(self.lighthouse, body, self.key, timeout_s + 30.0, self.credentials)
                 break
-            except gate.KeyRefused:
-                self.refusals.refused()
+            except gate.KeyRefused as exc:
+                self.refusals.refused(kind=type(exc))
             except FederationError as exc:
                 raise FederationError(f"cluster {self.name}: {exc}") from None
         self.refusals.verified()
@@ -105,10 +113,12 @@ class QuorumClient:
 
     def _quorum(self, answer: dict[str, Any], data: dict[str, Any]) -> Quorum:
         try:
-            members = [Member.from_json(gate.check_member(m)) for m in answer.get("members", [])]
+            records = [gate.check_member(m) for m in answer.get("members", [])]
             qid, nonce = int(answer["quorum_id"]), str(answer["nonce"])
         except (gate.FrameError, KeyError, TypeError, ValueError) as exc:
             raise FederationError(f"cluster {self.name}: a malformed quorum from {self.lighthouse}: {exc}") from None
+        left_out = [r["name"] for r in records if self._left_out(r)]
+        members = [Member.from_json(r) for r in records if r["name"] not in left_out]
         members.sort(key=lambda m: m.name)
         me = next((i for i, m in enumerate(members) if m.name == self.name), -1)
         if me < 0:
@@ -117,7 +127,15 @@ class QuorumClient:
             # only key holders get in: another cluster with the key really runs under this name
             raise FederationRefused(f"two clusters are named {self.name!r}: cluster names must be unique "
                                     "(set a different EDIT_TRAIN_CLUSTER / cluster.only)")
-        return Quorum(qid, nonce, members, me)
+        return Quorum(qid, nonce, members, me, sorted(left_out))
+
+    def _left_out(self, record: dict[str, Any]) -> bool:
+        """A member record that is not its cluster's (with a roster): left out, one line per cluster and reason."""
+        why = self.credentials.member_why(record) if self.credentials is not None else None
+        if why is not None and (record["name"], why) not in self._warned:
+            self._warned.add((record["name"], why))
+            log.warning("cluster %s: cluster %s left out of the sync: it %s", self.name, record["name"], why)
+        return why is not None
 
 
 class KeyRefusals:
@@ -134,25 +152,37 @@ class KeyRefusals:
     def verified(self) -> None:
         self.since = None
 
-    def refused(self, count: bool = True) -> None:
+    def refused(self, count: bool = True, kind: type[gate.KeyRefused] = gate.KeyRefused) -> None:
         """One more refusal (or, `count=False`, no answer after one): FederationRefused once refusals have
-        lasted refuse_after_s with nothing verified, else wait a second."""
+        lasted refuse_after_s with nothing verified, else wait a second. `kind`: what the gate refused — the
+        federation key, this cluster's identity, or (an unsigned answer) the roster this cluster holds."""
         now = time.monotonic()
         if self.since is None and count:
             self.since = now
-            log.warning("cluster %s: the Lighthouse at %s does not accept this cluster's federation key (%s); "
-                        "asking again for up to %.0fs", self.name, self.lighthouse, self.key_source,
-                        self.refuse_after_s)
+            source = self.key_source if kind is gate.KeyRefused else "federation.identity_file, federation.roster_file"
+            log.warning("cluster %s: the Lighthouse at %s does not accept this cluster's %s (%s); asking again for "
+                        "up to %.0fs", self.name, self.lighthouse, kind.what, source, self.refuse_after_s)
         if self.since is not None and now - self.since >= self.refuse_after_s:
-            raise FederationRefused(f"cluster {self.name}: the Lighthouse at {self.lighthouse} holds another "
-                                    f"federation key than this cluster's ({self.key_source}, key id "
-                                    f"{auth.fingerprint(self.key)}): every request for {self.refuse_after_s:.0f}s "
-                                    "was refused; give every cluster and the Lighthouse the same key file") from None
+            raise FederationRefused(self._final(kind)) from None
         time.sleep(1.0)
+
+    def _final(self, kind: type[gate.KeyRefused]) -> str:
+        head, after = f"cluster {self.name}: the Lighthouse at {self.lighthouse}", f"{self.refuse_after_s:.0f}s"
+        if kind is gate.IdentityRefused:
+            return (f"{head} does not accept this cluster's identity (federation.identity_file) for {after}: is "
+                    f"{self.name!r} on the roster the gate reads (federation.roster_file; the operator adds it with "
+                    "`edit-train-keygen add`)?")
+        if kind is gate.GateUnsigned:
+            return (f"{head} answered without the signature of the gate this cluster's roster names for {after}: "
+                    "start it with that roster and its gate.identity (federation.roster_file, "
+                    "federation.identity_file)")
+        return (f"{head} holds another federation key than this cluster's ({self.key_source}, key id "
+                f"{auth.fingerprint(self.key)}): every request for {after} was refused; give every cluster and the "
+                "Lighthouse the same key file")
 
 
 def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_after_s: float,
-              timeout_s: float = 10.0) -> bool:
+              timeout_s: float = 10.0, credentials: Credentials | None = None) -> bool:
     """Before a cluster job starts its ranks: does the gate at `lighthouse` hold our key? True when it
     answered a signed hello, False when it could not be reached (the job starts and waits for it as usual);
     FederationRefused when it refused the key for `refuse_after_s` (then no rank starts, and no launcher
@@ -160,10 +190,10 @@ def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_af
     refusals = KeyRefusals(lighthouse, name, key, key_source, refuse_after_s)
     while True:
         try:
-            gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s)
+            gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s, credentials)
             return True
-        except gate.KeyRefused:
-            refusals.refused()
+        except gate.KeyRefused as exc:
+            refusals.refused(kind=type(exc))
         except FederationError as exc:
             if refusals.since is None:
                 log.debug("key check: %s", exc)

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from edit_train.federation import auth
 from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
 from edit_train.importpath import load
 from edit_train.local_sgd.protocols import ClusterGroup, Transport
+
+if TYPE_CHECKING:
+    from edit_train.federation.signed import Credentials
 
 __all__ = ["TransportRequest", "register_transport", "make_transport", "transport_names"]
 
@@ -41,6 +45,7 @@ class TransportRequest:
     key: bytes = auth.INSECURE
     key_source: str = "federation.key_file"
     refuse_after_s: float = 25.0
+    credentials: Credentials | None = None  # this cluster's identity and the roster (None: no roster)
 
 
 Factory = Callable[[TransportRequest], Transport]
@@ -79,7 +84,8 @@ def _lighthouse(r: TransportRequest) -> Transport:
 
     return lighthouse_transport(r.name, r.cluster, r.lighthouse if r.federated else None, r.host, r.chunks, r.link,
                                 r.quorum_timeout_s, r.collective_timeout_s, r.compression, r.key,
-                                key_source=r.key_source, refuse_after_s=r.refuse_after_s)
+                                key_source=r.key_source, refuse_after_s=r.refuse_after_s,
+                                credentials=r.credentials)
 
 
 @register_transport("inproc")

@@ -15,7 +15,7 @@ import datetime
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,6 +30,9 @@ from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkClock, LinkModel, Pending
 from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
+
+if TYPE_CHECKING:
+    from edit_train.federation.signed import Credentials
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,15 +117,16 @@ class LaneTransport:
             self.service.partition(seconds)
 
     # ---------------------------------------------------------------- quorum
-    def form_start(self, sync: int, data: dict[str, Any]) -> None:
-        """Start forming this sync's quorum on background threads (`form_poll` collects it)."""
+    def form_start(self, sync: int, data: dict[str, Any], vet: Callable[[Quorum], Quorum] | None = None) -> None:
+        """Start forming this sync's quorum on background threads (`form_poll` collects it); the leader passes
+        the issued quorum through `vet` (members left out, or FederationRefused) before any lane connects."""
         assert self._forming is None, "a quorum is already being formed"
         self.lanes.abort()
         self._quorum = None
         if not self.federated:
             self._quorum = Quorum.solo(self.name, sync, self.cluster.size, data)
             return
-        ask = (lambda: self._ask(sync, data)) if self.cluster.rank == 0 else None
+        ask = (lambda: self._ask(sync, data, vet)) if self.cluster.rank == 0 else None
         # every wait has an end: the gate answers within quorum_timeout_s (+ its own connect), lanes connect
         # within connect_timeout_s; past those, the sync is skipped with a line that says what never came
         self._forming = Forming(self.cluster, self.clock, ask, self._connect, self.lanes.abort,
@@ -147,11 +151,13 @@ class LaneTransport:
                 self._seal = Seal(self.key, self._quorum.nonce)
         return done, self._quorum
 
-    def _ask(self, sync: int, data: dict[str, Any]) -> dict[str, Any]:
+    def _ask(self, sync: int, data: dict[str, Any], vet: Callable[[Quorum], Quorum] | None) -> dict[str, Any]:
         """The leader's quorum request (a background thread): {"ok", "m" | "error"} as JSON."""
         assert self.service is not None
         try:
             q = self.service.request(sync, self.cluster.size, self.store_addr, data, self.quorum_timeout_s)
+            if q is not None and vet is not None:
+                q = vet(q)
             return {"ok": True, "m": q.to_json() if q is not None else None}
         except FederationError as exc:  # the leader's answer reaches its cluster as JSON: keep the kind
             return {"ok": False, "error": str(exc), "refused": isinstance(exc, FederationRefused)}
@@ -291,11 +297,12 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
                          chunks: int = 4, link: LinkModel | None = None, quorum_timeout_s: float = 300.0,
                          collective_timeout_s: float = 30.0, compression: CompressionConfig | None = None,
                          key: bytes = auth.INSECURE, key_source: str = "federation.key_file",
-                         refuse_after_s: float = 25.0) -> LaneTransport:
+                         refuse_after_s: float = 25.0, credentials: Credentials | None = None) -> LaneTransport:
     """A cluster's transport across hosts: the federation's gate at `lighthouse` (None: a lone cluster) and
     gloo lanes bound to `host`; the leader serves the lanes' rendezvous from a store on `host`. `key`
     authenticates the membership and everything the lanes carry but a plain SUM; a gate that refuses it for
-    `refuse_after_s` stops this cluster with a line naming `key_source`."""
+    `refuse_after_s` stops this cluster with a line naming `key_source`. `credentials` (`signed.Credentials`:
+    this cluster's identity and the roster) sign its membership records and check everyone else's."""
     from edit_train.cluster.mesh import bound_store
     from edit_train.federation.lanes import BoundGloo
     from edit_train.federation.quorum import QuorumClient
@@ -304,7 +311,8 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
     store, service = None, None
     if lighthouse is not None and cluster.rank == 0:
         store = bound_store(host, 0, 1, True, timeout)
-        service = QuorumClient(lighthouse, name, key, key_source=key_source, refuse_after_s=refuse_after_s)
+        service = QuorumClient(lighthouse, name, key, key_source=key_source, refuse_after_s=refuse_after_s,
+                               credentials=credentials)
     return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
                          f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
                          compression, store=store, key=key, connect_timeout_s=collective_timeout_s)

@@ -84,7 +84,8 @@ class LocalSGD:
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
-        self.membership = Membership(cfg.membership, transport, healer, self.pacer)
+        self.membership = Membership(cfg.membership, transport, healer, self.pacer,
+                                     digest=lambda: self.state.anchor_digest())
         self.state = SyncState(self.replica, self.rule, self.pacer, self.membership, self.records, transport, outer,
                                self.start_local_phase)
         self.grads = GradientExchange(transport, self.membership)
@@ -110,7 +111,7 @@ class LocalSGD:
             return None
         q = self.membership.meet()
         if q is not None and not any(m.contributes for m in q.members):
-            self.membership.sync_index = q.max_sync
+            self.membership.sync_index = q.agreed_sync
             self.t.abort()
         elif q is not None and self.driver is None:  # ddp / warm-up: the others are averaging gradients
             self.grads.join(q, self.replica.model, int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0))
@@ -211,7 +212,7 @@ class LocalSGD:
     def _run_sync(self, q: Quorum, final: bool = False) -> None:
         assert self.driver is not None
         contributors = any(m.contributes for m in q.members)
-        self.membership.sync_index = q.max_sync + (1 if contributors else 0)
+        self.membership.sync_index = q.agreed_sync + (1 if contributors else 0)
         self.records.step = self.pacer.total_steps
         extra, local_steps = self.pacer.extra() + self.probe.row(q.names), self.pacer.local_steps
         self.pacer.synced()

@@ -1,8 +1,11 @@
-"""Healing inside a sync: members behind the newest anchor copy the federation's state from a live peer.
+"""Healing inside a sync: members not at the agreed anchor copy the federation's state from a live peer.
 
-The source (the first member holding the newest anchor) gathers full tensors over its fast links, its
-leader sends one payload (safetensors + JSON, `federation.heal`) to each healer's leader, and every rank of a
-healer takes its own FSDP shard of each tensor. A failed transfer changes nothing.
+The source (a member holding the agreed state: the (sync, anchor digest) most members hold, `Quorum.agreed`)
+gathers full tensors over its fast links, its leader sends one payload (safetensors + JSON, `federation.heal`)
+to each healer's leader, and every rank of a healer takes its own FSDP shard of each tensor. Before anything
+is adopted the payload is checked whole (`check_payload`): every value finite and of this model's shapes and
+dtypes, the sync index the agreed one, the steps within the federation's, and the anchor's digest the one the
+source and the members agreeing with it claimed. A failed or refused transfer changes nothing.
 
 What is copied: in the local-SGD phase the outer state (anchor, momentum) and the aggregation rule's
 statistics, and the healer re-bases θ ← θ̄_new + (θ − θ̄_old) (its local progress is kept); during ddp or
@@ -11,8 +14,10 @@ the synchronous warm-up, the replica itself and its inner optimizer.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from edit_train.local_sgd.claims import agreed_steps
 from edit_train.local_sgd.errors import FederationError, HealError
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.protocols import Quorum, Residuals, Transport
@@ -45,19 +51,25 @@ class Healer:
                  apply: Callable[[dict[str, Any], dict[str, Tensor]], None], encode: Encode, decode: Decode) -> None:
         self.t, self.collect, self.apply = transport, collect, apply
         self.encode, self.decode = encode, decode
+        self.refused: list[str] = []  # sources whose payload this cluster refused (it says so when it asks again)
 
-    def run(self, q: Quorum) -> str | None:
-        """Heal whoever is behind in `q`. Returns the source's name if this cluster healed."""
-        behind = q.behind()
-        if not behind:
+    def run(self, q: Quorum, max_steps: int = 0) -> str | None:
+        """Heal whoever is behind in `q` (`max_steps`: the federation's steps, 0 = no bound). Returns the
+        source's name if this cluster healed."""
+        sources = {i: q.source_for(i) for i in q.behind()}
+        mine = [i for i, s in sources.items() if s == q.me]
+        if mine:
+            self._send(q, mine)
+        if q.me not in sources:
             return None
-        if q.me == q.source:
-            self._send(q, behind)
-            return None
-        if q.me in behind:
-            self._receive(q)
-            return q.members[q.source].name
-        return None
+        src = q.members[sources[q.me]].name
+        try:
+            self._receive(q, sources[q.me], max_steps)
+        except HealError:
+            self.refused = [*[n for n in self.refused if n != src], src][-4:]
+            raise
+        self.refused = []
+        return src
 
     def _send(self, q: Quorum, behind: list[int]) -> None:
         c = self.t.cluster
@@ -72,18 +84,18 @@ class Healer:
                 except FederationError as exc:
                     log.warning("cluster %s: healing %s failed: %s", self.t.name, q.members[dst].name, exc)
                     ok = False
-            log.info("cluster %s: sent state of sync %d (%.1f MB) to %s", self.t.name, q.max_sync,
+            log.info("cluster %s: sent state of sync %d (%.1f MB) to %s", self.t.name, q.agreed_sync,
                      len(payload) / 1e6, [q.members[d].name for d in behind])
         if not c.agree(ok):
             raise FederationError("healing a peer failed")
 
-    def _receive(self, q: Quorum) -> None:
-        c, src = self.t.cluster, q.members[q.source].name
+    def _receive(self, q: Quorum, source: int, max_steps: int) -> None:
+        c, src = self.t.cluster, q.members[source].name
         _, local = self.collect()
         payload: bytes | None = None
         if c.rank == 0:
             try:  # refused before anything is allocated if it is larger than this model's state can be
-                payload = self.t.recv_bytes(q.source, max_bytes=payload_cap(local))
+                payload = self.t.recv_bytes(source, max_bytes=payload_cap(local))
             except FederationError as exc:
                 log.warning("cluster %s: healing from %s failed: %s", self.t.name, src, exc)
                 payload = b""
@@ -91,10 +103,13 @@ class Healer:
         if not payload:
             raise FederationError(f"healing from {src} failed")
         meta, tensors = self.decode(payload, f"cluster {src}")
-        check_payload(meta, tensors, local, f"cluster {src}")
+        sync, digest = q.agreed
+        check_payload(meta, tensors, local, f"cluster {src}", Expect(sync, max_steps, digest))
+        meta = {**meta, "total_steps": agreed_steps(q)}  # what the others claim, not what the source says
         mine: dict[str, Tensor] = {}
-        for k, t in tensors.items():
-            like = local.get(k, (None, None))[0] if not k.startswith("penalty/") else None  # rule state: whole
+        for k, t in tensors.items():  # optimizer state this rank does not hold yet is sharded like its owner
+            entry = None if k.startswith("penalty/") else local.get(k) or _owner(k, local)  # rule state: whole
+            like = entry[0] if entry is not None and t.dim() > 0 else None
             try:
                 mine[k] = c.shard(t, like) if like is not None else t
             except ValueError as exc:
@@ -120,6 +135,29 @@ def payload_cap(local: LocalState) -> int:
 
 
 _META = {"sync_index": int, "total_steps": int, "global_step": int, "local_phase": bool, "rule": dict, "from": str}
+DIGEST_S = [0.0]  # seconds this process spent hashing anchors (with the signatures: the summary's trust_s)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a heal payload must match: the agreed sync index, the federation's steps (0: no bound) and the
+    agreed anchor digest ("" when the members claimed none)."""
+
+    sync: int | None = None
+    max_steps: int = 0
+    digest: str = ""
+
+
+def anchor_digest(tensors: dict[str, Tensor]) -> str:
+    """SHA-256 (128 bits shown) over every anchor tensor of a state, whole: its key, dtype, shape and bytes."""
+    t0 = time.perf_counter()
+    h = hashlib.sha256()
+    for key in sorted(k for k in tensors if "/anchor/" in k):
+        t = tensors[key].detach().to("cpu").contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")
+    DIGEST_S[0] += time.perf_counter() - t0
+    return h.hexdigest()[:32]
 
 
 def _owner(key: str, local: LocalState) -> tuple[Tensor, Tensor | None] | None:
@@ -132,36 +170,54 @@ def _owner(key: str, local: LocalState) -> tuple[Tensor, Tensor | None] | None:
     return None
 
 
-def check_payload(meta: dict[str, Any], tensors: dict[str, Tensor], local: LocalState, peer: str) -> None:
-    """Everything of a heal payload before any of it is adopted: the metadata's fields and types, and every
-    tensor's key (known to this model), shape, dtype and finiteness (HealError naming the first problem)."""
+def check_payload(meta: dict[str, Any], tensors: dict[str, Tensor], local: LocalState, peer: str,
+                  expect: Expect = Expect()) -> None:
+    """Everything of a heal payload before any of it is adopted: the metadata's fields, types and ranges (the
+    agreed sync index, steps within the federation's), every tensor's key (known to this model), shape, dtype
+    and values (finite; counts within range), and the anchor's digest (HealError naming the first problem)."""
     for k, kind in _META.items():
         v = meta.get(k)
         if k in meta and not (isinstance(v, kind) and (kind is not int or not isinstance(v, bool))):
             raise HealError(f"healing payload from {peer}: {k} is {type(v).__name__}, not {kind.__name__}")
         if kind is int and isinstance(v, int) and not 0 <= v < 1 << 62:
             raise HealError(f"healing payload from {peer}: {k} = {v} is out of range")
+        if k != "sync_index" and kind is int and isinstance(v, int) and 0 < expect.max_steps < v:
+            raise HealError(f"healing payload from {peer}: {k} = {v} is more than the federation's "
+                            f"{expect.max_steps} steps")
+    if expect.sync is not None and meta.get("sync_index", expect.sync) != expect.sync:
+        raise HealError(f"healing payload from {peer}: sync_index = {meta.get('sync_index')}, the state agreed "
+                        f"on is sync {expect.sync}")
     for key, t in tensors.items():
-        if key.startswith("penalty/"):  # the rule's statistics: their shapes follow the clusters the rule has met
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # (the source may know more than we
-                raise HealError(f"healing payload from {peer}: {key!r} is not finite")  # do), so the rule's
-            continue  # own load() checks them against the roster that comes with them
-        entry = local.get(key)
-        if entry is None:  # optimizer state the receiver does not hold yet: shaped like its parameter
-            owner = _owner(key, local)
-            if owner is None or (t.dim() > 0 and tuple(t.shape) != _full_shape(owner)):
-                raise HealError(f"healing payload from {peer}: unexpected tensor {key!r} {tuple(t.shape)}")
-            if not t.is_floating_point():  # optimizer moments and step counts are floats here
-                raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype}, not a floating-point state")
-        elif tuple(t.shape) != _full_shape(entry) or t.dtype != entry[0].dtype:
-            raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype} {tuple(t.shape)}, this model has "
-                            f"{entry[0].dtype} {_full_shape(entry)}")
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise HealError(f"healing payload from {peer}: {key!r} is not finite")
+        _check_tensor(key, t, local, peer)
     if meta.get("local_phase"):
         missing = [k for k in local if "/anchor/" in k and k not in tensors]
         if missing:
             raise HealError(f"healing payload from {peer}: no {missing[0]!r}")
+    if expect.digest and meta.get("local_phase") and anchor_digest(tensors) != expect.digest:
+        raise HealError(f"healing payload from {peer}: its anchor does not match the digest {expect.digest} of "
+                        "the state agreed on: refused, nothing adopted")
+
+
+def _check_tensor(key: str, t: Tensor, local: LocalState, peer: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise HealError(f"healing payload from {peer}: {key!r} is not finite")
+    if not t.is_floating_point():  # the rule's counts (int64) are the only other state a heal carries
+        if t.dtype not in (torch.int64, torch.int32):
+            raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype}, not a floating-point state or a count")
+        if t.numel() and not (bool((t >= 0).all()) and bool((t < 1 << 53).all())):
+            raise HealError(f"healing payload from {peer}: {key!r} holds counts out of range")
+    if key.startswith("penalty/"):  # the rule's statistics: their shapes follow the clusters the rule has met (the
+        return  # source may know more than we do), so the rule's own load() checks them against their roster
+    entry = local.get(key)
+    if entry is None:  # optimizer state the receiver does not hold yet: shaped like its parameter
+        owner = _owner(key, local)
+        if owner is None or (t.dim() > 0 and tuple(t.shape) != _full_shape(owner)):
+            raise HealError(f"healing payload from {peer}: unexpected tensor {key!r} {tuple(t.shape)}")
+        if not t.is_floating_point():  # optimizer moments and step counts are floats here
+            raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype}, not a floating-point state")
+    elif tuple(t.shape) != _full_shape(entry) or t.dtype != entry[0].dtype:
+        raise HealError(f"healing payload from {peer}: {key!r} is {t.dtype} {tuple(t.shape)}, this model has "
+                        f"{entry[0].dtype} {_full_shape(entry)}")
 
 
 # ------------------------------------------------------------ what a heal copies

@@ -1,17 +1,17 @@
 """This cluster's place in the federation: a quorum per sync (admission, healing, step adoption) and the
 meeting before the first step.
 
-A quorum is admitted when our configuration fingerprint is the one most members run (else
-`FederationRefused`: retrying cannot help; a lone misconfigured member refuses itself, never the others)
-and the source runs it too (else the sync is skipped); then whoever is behind heals from the source
-(`healing.py`). Under a step schedule
-every cluster ends at `train.steps`, so a cluster that fell behind (joined late, lost a quorum race)
-adopts the federation's step rather than syncing one interval late forever.
+A quorum is vetted before its lanes connect (`claims.vet`: a member whose claims cannot be the federation's is
+left out alone; this cluster refuses itself only when it is the odd one, `FederationRefused`: retrying cannot
+help); then whoever is not at the agreed anchor heals from a member holding it (`Quorum.agreed`, `healing.py`).
+Under a step schedule every cluster ends at `train.steps`, so a cluster that fell behind (joined late, lost a
+quorum race) adopts the federation's step — the lower median of the others' claims — rather than syncing one
+interval late forever.
 
 Joining (`meet`): a fresh federation starts together (ask again until every configured cluster is in the
-quorum, bounded by `start_timeout_s`); a resumed one regroups within the grace window `regroup_s`, so the
-first cluster back does not sync alone; a cluster restarting while the others run finds them within that
-window, or heals at its next sync.
+quorum or was left out of it, bounded by `start_timeout_s`); a resumed one regroups within the grace window
+`regroup_s`, so the first cluster back does not sync alone; a cluster restarting while the others run finds
+them within that window, or heals at its next sync.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
+from edit_train.local_sgd import claims
+from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError, SyncAborted
 from edit_train.local_sgd.healing import Healer
 from edit_train.local_sgd.pacer import Pacer
 from edit_train.local_sgd.protocols import Quorum, Transport
@@ -33,15 +33,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MembershipConfig:
-    fingerprint: str = ""  # what must agree across clusters: `part=value` words (train/build.py) or one hash
+    fingerprint: str = ""  # hash of what must agree across clusters (model, algorithm, chunks)
     expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
     start_timeout_s: float = 60.0
     regroup_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume
+    authoritative: bool = False  # fingerprint and steps are the operator's roster's (this cluster was checked
+    terms_source: str = "this cluster's configuration"  # against it at start): a member that differs is left out
 
 
 class Membership:
-    def __init__(self, cfg: MembershipConfig, transport: Transport, healer: Healer, pacer: Pacer) -> None:
+    def __init__(self, cfg: MembershipConfig, transport: Transport, healer: Healer, pacer: Pacer,
+                 digest: Callable[[], str] = lambda: "") -> None:
         self.cfg, self.t, self.healer, self.pacer = cfg, transport, healer, pacer
+        self.digest = digest  # of this cluster's anchor ("" before the local-SGD phase): what it claims to hold
+        self._warned: set[tuple[str, str]] = set()
         # a step-scheduled local-SGD run: every cluster ends at train.steps
         self.lockstep_sgd = pacer.lockstep and pacer.cfg.local_sgd
         self.incarnation = uuid.uuid4().hex[:12]
@@ -52,8 +57,36 @@ class Membership:
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
         data = {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
-                "total_steps": self.pacer.total_steps}
-        self.t.form_start(self.sync_index, data)
+                "total_steps": self.pacer.total_steps, "anchor": self.digest() if self.t.federated else "",
+                "refused": self._refused()}
+        self.t.form_start(self.sync_index, data, vet=self.vet)
+
+    def _refused(self) -> str:
+        """The heal sources this cluster refused lately, newest kept (at most 128 characters on the wire)."""
+        out = ""
+        for name in reversed(self.healer.refused):
+            if len(out) + len(name) + 1 > 128:
+                break
+            out = f"{name},{out}" if out else name
+        return out
+
+    @property
+    def terms(self) -> claims.Terms:
+        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a cluster may pass
+        train.steps by up to an interval before the agreed stop reaches it: claims are bounded at twice it."""
+        return claims.Terms(self.cfg.fingerprint, self.pacer.cfg.total_steps, self.cfg.authoritative,
+                            self.cfg.terms_source, slack=1 if self.pacer.lockstep else 2)
+
+    def vet(self, q: Quorum) -> Quorum:
+        """The issued quorum less the members whose claims cannot be the federation's (each one line, once per
+        cluster and reason); FederationRefused when this cluster is the odd one. On the leader, before the
+        lanes connect."""
+        kept, why = claims.vet(q, self.terms)
+        for name, reason in why.items():
+            if (name, reason) not in self._warned:
+                self._warned.add((name, reason))
+                log.warning("cluster %s: cluster %s left out of the sync: it %s", self.t.name, name, reason)
+        return kept
 
     def poll(self, block: bool = False) -> tuple[bool, Quorum | None]:
         """(done, admitted quorum or None when cut off)."""
@@ -65,25 +98,16 @@ class Membership:
         return self.poll(block=True)[1]
 
     def admit(self, q: Quorum | None) -> Quorum | None:
-        """An issued quorum: check the configurations agree, heal whoever is behind, adopt the step."""
+        """A vetted quorum: heal whoever is not at the agreed anchor, adopt the agreed step."""
         if q is None:
             return None
-        src = q.members[q.source]
-        agreed = federation_fingerprint(q)
-        if self.cfg.fingerprint != agreed:
-            raise FederationRefused(f"cluster {self.t.name} runs another configuration than the federation "
-                                    f"({differences(self.cfg.fingerprint, agreed)}); start it with the federation's "
-                                    "config")
-        if src.data.get("fp") != agreed:  # the one ahead is the misconfigured one: it leaves, nobody heals from it
-            raise FederationError(f"cluster {src.name} runs another configuration than the federation "
-                                  f"({differences(str(src.data.get('fp', '')), agreed)}): this sync is skipped")
-        healed = self.healer.run(q)
+        healed = self.healer.run(q, self.terms.max_steps)
         if healed is not None:
             self.healed_from.append(healed)
         if self.lockstep_sgd:
-            top = max(int(m.data.get("total_steps", 0)) for m in q.members)
-            if top > self.pacer.total_steps:
-                self.adopt_step = self.pacer.total_steps = top
+            agreed = claims.agreed_steps(q)
+            if agreed > self.pacer.total_steps:
+                self.adopt_step = self.pacer.total_steps = agreed
         return q
 
     def meet(self) -> Quorum | None:
@@ -101,12 +125,13 @@ class Membership:
                     log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
                                 self.t.name, exc)
                     return None
-                log.info("cluster %s: joining: %s; trying again", self.t.name, exc)
+                level = logging.WARNING if isinstance(exc, HealError) else logging.INFO  # a refused heal: said
+                log.log(level, "cluster %s: joining: %s; trying again", self.t.name, exc)
                 continue
             total_steps = self.pacer.total_steps
-            missing = q is not None and not set(self.cfg.expected) <= set(q.names)
-            fresh = q is not None and q.max_sync == 0 and total_steps == 0 and time.time() < deadline
-            resumed = q is not None and total_steps > 0 and q.max_sync <= self.sync_index \
+            missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
+            fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and time.time() < deadline
+            resumed = q is not None and total_steps > 0 and q.agreed_sync <= self.sync_index \
                 and time.time() < regroup
             if missing and (fresh or resumed):
                 self.t.abort()
@@ -119,21 +144,3 @@ class Membership:
         step, self.adopt_step = self.adopt_step, None
         return step
 
-
-def differences(mine: str, agreed: str) -> str:
-    """The parts of two fingerprints that differ, each with both values (`tokenizer: hf-1a2b here, byte in the
-    federation`); a fingerprint that is one opaque word: what it covers."""
-    if not all("=" in w for w in (mine + " " + agreed).split()):
-        return "model, algorithm or federation.chunks differ"
-    ours, theirs = (dict(w.partition("=")[::2] for w in fp.split()) for fp in (mine, agreed))
-    return "; ".join(f"{k}: {ours.get(k, '-')} here, {theirs.get(k, '-')} in the federation"
-                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
-
-
-def federation_fingerprint(q: Quorum) -> str:
-    """The configuration most members of `q` run (a tie: the heal source's, if it is among the most
-    common): a single misconfigured member refuses itself instead of stopping everyone else."""
-    counts = Counter(str(m.data.get("fp", "")) for m in q.members)
-    top = max(counts.values())
-    src = str(q.members[q.source].data.get("fp", ""))
-    return src if counts[src] == top else min(f for f, c in counts.items() if c == top)

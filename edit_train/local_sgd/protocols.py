@@ -16,6 +16,9 @@ in `blocked_s`.
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -36,7 +39,7 @@ class Member:
     sync: int  # anchor version this cluster holds
     size: int  # ranks
     store: str  # host:port of the member leader's store (lanes rendezvous there)
-    data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fingerprint, total_steps
+    data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fp, total_steps, anchor (digest)
 
     @property
     def contributes(self) -> bool:
@@ -60,6 +63,7 @@ class Quorum:
     nonce: str  # unique per issued quorum: namespaces the process groups configured for it
     members: list[Member]
     me: int  # my position in `members`
+    left_out: list[str] = field(default_factory=list)  # in the issued quorum, refused by this one's members
 
     @staticmethod
     def solo(name: str, sync: int, size: int, data: dict[str, Any]) -> Quorum:
@@ -75,17 +79,39 @@ class Quorum:
         """More than one cluster: collectives cross clusters and a sync must be voted on."""
         return len(self.members) > 1
 
-    @property
-    def max_sync(self) -> int:
-        return max(m.sync for m in self.members)
+    def claim(self, i: int) -> tuple[int, str]:
+        """What member `i` says it holds: its anchor version and the digest of its anchor ("" for none)."""
+        m = self.members[i]
+        return m.sync, str(m.data.get("anchor", ""))
 
     @property
-    def source(self) -> int:
-        """Position of the member healers copy from: the first holding the newest anchor."""
-        return next(i for i, m in enumerate(self.members) if m.sync == self.max_sync)
+    def agreed(self) -> tuple[int, str]:
+        """The state the federation continues from: the (sync, anchor digest) most members hold; a tie goes
+        to the newest, then the smallest digest. What one member claims alone never outweighs what two hold
+        (a liar, or a corrupted cluster, claiming the newest sync is not followed where others' view exists)."""
+        counts = Counter(self.claim(i) for i in range(len(self.members)))
+        return min(counts, key=lambda c: (-counts[c], -c[0], c[1]))
+
+    @property
+    def agreed_sync(self) -> int:
+        return self.agreed[0]
+
+    def source_for(self, healer: int) -> int:
+        """Position of the member `healer` copies from: one holding the agreed state, not one whose payload the
+        healer said it refused (`data["refused"]`, its own claim), chosen by the quorum's nonce among the rest."""
+        agreed = self.agreed
+        holders = [i for i in range(len(self.members)) if self.claim(i) == agreed]
+        refused = str(self.members[healer].data.get("refused", "")).split(",")
+        holders = [i for i in holders if self.members[i].name not in refused] or holders
+        turn = int.from_bytes(hashlib.sha256(f"{self.nonce}/{healer}".encode()).digest()[:4], "big")
+        return holders[turn % len(holders)]
 
     def behind(self) -> list[int]:
-        return [i for i, m in enumerate(self.members) if m.sync < self.max_sync]
+        """Members at another anchor version than the agreed one (older, or ahead of what the others hold):
+        they heal from the source. A member at the agreed version with another digest (a cluster on another
+        device rounds differently) is not healed."""
+        sync = self.agreed_sync
+        return [i for i, m in enumerate(self.members) if m.sync != sync]
 
     @property
     def paired(self) -> bool:
@@ -94,11 +120,12 @@ class Quorum:
 
     def to_json(self) -> dict[str, Any]:
         return {"quorum_id": self.quorum_id, "nonce": self.nonce, "me": self.me,
-                "members": [m.to_json() for m in self.members]}
+                "members": [m.to_json() for m in self.members], "left_out": list(self.left_out)}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Quorum:
-        return Quorum(int(d["quorum_id"]), str(d["nonce"]), [Member.from_json(m) for m in d["members"]], int(d["me"]))
+        return Quorum(int(d["quorum_id"]), str(d["nonce"]), [Member.from_json(m) for m in d["members"]], int(d["me"]),
+                      [str(n) for n in d.get("left_out", [])])
 
 
 @dataclass
@@ -189,7 +216,8 @@ class Transport(Protocol):
 
     def waiting(self) -> AbstractContextManager[None]: ...  # count the time inside as blocked
 
-    def form_start(self, sync: int, data: dict[str, Any]) -> None: ...
+    # vet: the leader's check of the issued quorum before any lane connects (may leave members out, or refuse)
+    def form_start(self, sync: int, data: dict[str, Any], vet: Callable[[Quorum], Quorum] | None = None) -> None: ...
 
     def form_poll(self, block: bool = False) -> tuple[bool, Quorum | None]: ...  # None: cut off
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from torch import Tensor
 
-from edit_train.local_sgd.healing import LocalState, Replica, adopt_outer, adopt_replica, collect_state, prefixed
+from edit_train.local_sgd.healing import (LocalState, Replica, adopt_outer, adopt_replica, anchor_digest,
+                                          collect_state, prefixed)
 from edit_train.local_sgd.membership import Membership
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.pacer import Pacer
@@ -31,6 +32,17 @@ class SyncState:
         meta = {"sync_index": self.membership.sync_index, "total_steps": self.pacer.total_steps,
                 "global_step": self.pacer.global_step, "rule": rule_meta, "local_phase": outer is not None}
         return meta, collect_state(self.replica, outer, rule_tensors)
+
+    def anchor_digest(self) -> str:
+        """The digest of this cluster's whole anchor (what it claims to hold in a quorum request; "" before the
+        local-SGD phase). Every rank takes part (a sharded anchor is gathered); the leader's is the one sent."""
+        outer = self.outer()
+        if outer is None:
+            return ""
+        c = self.t.cluster
+        local = collect_state(self.replica, outer, {})
+        full = {k: c.full(t, like) for k, (t, like) in local.items() if "/anchor/" in k}
+        return anchor_digest(full) if c.rank == 0 else ""
 
     def heal_in(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         """A healer takes what it received (keeping its local progress in the local-SGD phase)."""

@@ -1,12 +1,18 @@
 """A cluster whose contributions go wrong on the way out: its transport, wrapped. Everything else (quorum,
 exchanges, votes, heal) passes through untouched, so it takes part in the sync like an honest cluster and
 reports the norms of its true pseudo-gradient; only the tensors it hands to `gather` / `reduce_` change.
+
+A lying member (`lie_steps`, `lie_config`, `lie_heal`, sim/faults.py) changes what it claims when it asks for a
+quorum instead (its own identity signs the lie), vets nothing, and with `lie_heal` sends a finite but wrong
+anchor to whoever heals from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+LIE_SCALE = 1e30  # lie_heal: the anchor it sends, times its own
 
 import torch
 from torch import Tensor
@@ -31,6 +37,17 @@ def corrupt(kind: str, tensors: list[Tensor], gen: torch.Generator) -> list[Tens
     raise ValueError(f"unknown payload fault {kind!r}")
 
 
+def lie(kind: str, sync: int, data: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """What a lying member claims instead of (`sync`, `data`)."""
+    if kind == "lie_steps":
+        return sync, {**data, "total_steps": 2**53 - 1}
+    if kind == "lie_config":
+        return 2**40, {**data, "fp": "another-configuration"}
+    if kind == "lie_heal":
+        return sync + 1, {**data, "anchor": "f" * 32}
+    raise ValueError(f"unknown claim fault {kind!r}")
+
+
 class ByzantineTransport:
     """`inner`, except that a module's contribution is corrupted while a payload fault is active at the
     trainer's current step (`step()`)."""
@@ -45,6 +62,22 @@ class ByzantineTransport:
     def _out(self, tensors: list[Tensor], key: str) -> list[Tensor]:
         kind = self.faults.payload_fault(self.step()) if key else None
         return corrupt(kind, tensors, self._gen) if kind else tensors
+
+    def form_start(self, sync: int, data: dict[str, Any], vet: Any = None) -> None:
+        kind = self.faults.claim_fault(self.step())
+        if kind is None:
+            return self.inner.form_start(sync, data, vet)
+        sync, data = lie(kind, sync, data)
+        return self.inner.form_start(sync, data)
+
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        if self.faults.claim_fault(self.step()) == "lie_heal":
+            from edit_train.federation import heal
+
+            meta, tensors = heal.decode(payload)
+            meta = {k: v for k, v in meta.items() if k not in ("kind", "version")}
+            payload = heal.encode(meta, {k: v * LIE_SCALE if "/anchor/" in k else v for k, v in tensors.items()})
+        self.inner.send_bytes(payload, dst)
 
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Any:
         return self.inner.gather(self._out(tensors, key), params, key)

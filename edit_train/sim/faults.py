@@ -18,6 +18,14 @@ transport); its own training is healthy and it reports its true norms:
 * `random_direction` — it sends a random vector with Δ's norm (module by module);
 * `lie_norm`         — it reports Δ's norm and sends 10 Δ;
 * `nan_payload`      — it reports finite norms and sends NaN.
+
+Lying members (issue 37) lie in what they claim when they ask for a quorum, signed with their own identity
+(the gate lets them in: they are on the roster); they vet nothing themselves:
+* `lie_steps`  — it claims 2^53 − 1 steps (once this made every cluster jump to the end of the run);
+* `lie_config` — it claims another configuration fingerprint and sync 2^40 (once this made the honest refuse
+                 themselves);
+* `lie_heal`   — it claims the sync after the true one with a made-up anchor digest, and a heal payload it sends
+                 carries 1e30 times its anchor (once it became everyone's heal source).
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ import torch
 from torch import nn
 
 PAYLOAD_KINDS = ("sign_flip", "random_direction", "lie_norm", "nan_payload")
-KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition", *PAYLOAD_KINDS)
+CLAIM_KINDS = ("lie_steps", "lie_config", "lie_heal")
+KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition", *PAYLOAD_KINDS, *CLAIM_KINDS)
 
 
 class FaultError(ValueError):
@@ -127,9 +136,14 @@ class FaultInjector:
         active = [f.kind for f in self.faults if f.kind in PAYLOAD_KINDS and f.active(step, self.group)]
         return active[0] if active else None
 
+    def claim_fault(self, step: int) -> str | None:
+        """The lie this cluster tells in its quorum requests at `step`, if any."""
+        active = [f.kind for f in self.faults if f.kind in CLAIM_KINDS and f.active(step, self.group)]
+        return active[0] if active else None
+
     @property
     def byzantine(self) -> bool:
-        return any(f.kind in PAYLOAD_KINDS for f in self.faults)
+        return any(f.kind in (*PAYLOAD_KINDS, *CLAIM_KINDS) for f in self.faults)
 
     def lr_scale(self, step: int) -> float:
         scale = 1.0

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import zlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,12 +29,17 @@ from edit_train.sim.byzantine import ByzantineTransport
 from edit_train.sim.faults import FaultInjector
 from edit_train.train.metrics import MetricsLogger
 
+if TYPE_CHECKING:
+    from edit_train.federation.signed import Credentials
+
+log = logging.getLogger(__name__)
+
 
 def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
     """What every cluster of a federation must agree on, as `part=value` words the refusal can name: the model,
     algorithm core, sync mode and chunking (one hash), and the content of this cluster's tokenizer (default
     data.tokenizer; its data source is its own). A cluster whose fingerprint differs from the majority's refuses
-    itself (local_sgd/membership.py), so a site with another tokenizer stops, not the others."""
+    itself (local_sgd/claims.py), so a site with another tokenizer stops, not the others."""
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     keep["model"].pop("init_from", None)
@@ -58,15 +64,23 @@ def my_cluster(cfg: Config, specs: list[ClusterSpec]) -> ClusterSpec:
     return ClusterSpec(name, ranks, zlib.crc32(name.encode()) % max(len(specs), 1), 1.0)
 
 
-def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | None = None) -> LocalSGDConfig:
-    """The core's config; `tokenizer`: this cluster's own (cluster.clusters[i].data.tokenizer), if it has one."""
+def own_tokenizer(cfg: Config, name: str) -> str | None:
+    """Cluster `name`'s own tokenizer (cluster.clusters[i].data.tokenizer), None when it uses data.tokenizer."""
+    return next((s.tokenizer for s in cluster_specs(cfg) if s.name == name), "") or None
+
+
+def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | None = None,
+                     roster: str = "") -> LocalSGDConfig:
+    """The core's config; `tokenizer`: this cluster's own (cluster.clusters[i].data.tokenizer), if it has one;
+    `roster`: where the federation's terms came from (this cluster's config was checked against it)."""
     a = cfg.algo
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
     membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
                                   expected=tuple(s.name for s in cluster_specs(cfg)),
                                   start_timeout_s=cfg.federation.quorum_timeout_s,
-                                  regroup_s=cfg.federation.join_timeout_s)
+                                  regroup_s=cfg.federation.join_timeout_s, authoritative=bool(roster),
+                                  terms_source=roster or "this cluster's configuration")
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
@@ -91,9 +105,30 @@ def key_source(key_file: str) -> str:
     return f"{auth.KEY_ENV}={env}" if env else "no key file: the insecure public key"
 
 
-def build_transport(cfg: Config, topo: Topology, federated: bool) -> Transport:
+def credentials(cfg: Config, name: str) -> Credentials | None:
+    """This cluster's identity and the federation's roster (None: no roster configured), with this cluster's
+    configuration checked against what the roster says the federation is (one line at start otherwise)."""
+    from edit_train.federation.signed import load_credentials
+
+    f = cfg.federation
+    try:
+        creds = load_credentials(f.identity_file, f.roster_file, name)
+    except auth.KeyFileError as exc:
+        raise ConfigError(str(exc)) from None
+    if creds is None:
+        return None
+    r, mine = creds.roster, (fingerprint(cfg, own_tokenizer(cfg, name)), cfg.train.steps, cfg.algo.name)
+    for what, theirs, ours in zip(("configuration fingerprint", "train.steps", "algo"),
+                                  (r.fingerprint, r.total_steps, r.algorithm), mine):
+        if theirs != ours:
+            raise ConfigError(f"cluster {name}: the roster (federation.roster_file) says the federation runs "
+                              f"{what} {theirs!r}, this cluster {ours!r}: start it with the federation's config")
+    return creds
+
+
+def build_transport(cfg: Config, topo: Topology, federated: bool, creds: Credentials | None = None) -> Transport:
     """This rank's cross-cluster transport, the one `sync.transport` names (default: torchft's Lighthouse and gloo
-    lanes bound to this host's address)."""
+    lanes bound to this host's address); `creds`: this cluster's identity and the roster."""
     f = cfg.federation
     lighthouse = f.lighthouse or os.environ.get("EDIT_TRAIN_LIGHTHOUSE") or None
     if federated and lighthouse is None and cfg.sync.transport == "lighthouse":
@@ -104,10 +139,13 @@ def build_transport(cfg: Config, topo: Topology, federated: bool) -> Transport:
         key = auth.resolve(f.key_file, f.insecure, [lighthouse or "", host]) if federated else auth.INSECURE
     except auth.KeyFileError as exc:
         raise ConfigError(str(exc)) from None
+    if federated and creds is None and key != auth.INSECURE:
+        log.warning("cluster %s: no roster (federation.roster_file): any holder of the federation key can speak "
+                    "for any cluster; `edit-train-keygen federation DIR` makes a roster and identities", topo.name)
     request = TransportRequest(topo.name, topo.group, federated, lighthouse, host, f.chunks,
                                LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
                                f.quorum_timeout_s, f.collective_timeout_s, CompressionConfig.of(cfg.sync), key,
-                               key_source(f.key_file), key_refused_after_s(f))
+                               key_source(f.key_file), key_refused_after_s(f), creds)
     try:
         return make_transport(cfg.sync.transport, request)
     except ValueError as exc:
@@ -121,10 +159,12 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     faults: tuple[FaultInjector, Callable[[], int]] | None = None) -> LocalSGD:
     """The algorithm of this rank: its transport (wrapped by a Byzantine fault if one is configured for this
     cluster), the probe of each update's usefulness, the core's config."""
-    transport: Any = build_transport(cfg, topo, federated)
+    creds = credentials(cfg, topo.name) if federated else None
+    transport: Any = build_transport(cfg, topo, federated, creds)
     if faults is not None and faults[0].byzantine:
         transport = ByzantineTransport(transport, faults[0], faults[1], seed=cfg.seed + topo.index)
-    own = next((s.tokenizer for s in cluster_specs(cfg) if s.name == topo.name), "")
-    return LocalSGD(local_sgd_config(cfg, tokens_per_step, own or None), model, fsdp_units(model), transport,
+    roster = f"the roster (federation.roster_file, version {creds.roster.version})" if creds is not None else ""
+    return LocalSGD(local_sgd_config(cfg, tokens_per_step, own_tokenizer(cfg, topo.name), roster), model,
+                    fsdp_units(model), transport,
                     (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
                     optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss)

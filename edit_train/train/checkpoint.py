@@ -10,6 +10,12 @@ What is read back is parsed totally: the manifest and the state JSON are read wi
 parsing and a bounded nesting depth, the manifest must have the writer's schema, and every file it names
 must be a plain name that (symlinks resolved) stays inside its checkpoint directory, which stays inside the
 root. Any violation is one `CheckpointError` line naming the file; `latest_valid()` skips that checkpoint.
+
+What is loaded is checked too (`check_tensors`): every floating-point value finite, and every tensor of a dtype
+its part holds (floating point for model, optimizer, outer state and residuals; counts for the aggregation
+rule's statistics and the requeued batches; bytes for the RNG) — a checkpoint holding NaN, or an int8 or bool
+tensor where a weight goes, is one line naming the file and tensor, not a run that trains on it. For forensics
+(loading a diverged run to look at it) set `EDIT_TRAIN_CHECKPOINT_UNCHECKED=1`: the checks then only warn.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ MAX_MANIFEST_BYTES = 16 << 20  # read no more of a manifest than this (a real on
 MAX_STATE_BYTES = 64 << 20  # nor of a rank's state JSON (a real one is a few KiB)
 MAX_FILES = 100_000
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+UNCHECKED_ENV = "EDIT_TRAIN_CHECKPOINT_UNCHECKED"  # =1: load non-finite values / unexpected dtypes (forensics)
+_COUNTS = (torch.int64, torch.int32)
+_PART_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"rng": (torch.uint8,), "requeue": _COUNTS, "penalty": _COUNTS}
+_FLOAT_PARTS = ("model", "optim", "outer", "residual", "penalty")  # penalty: floats or counts
 
 
 class CheckpointError(RuntimeError):
@@ -133,6 +143,27 @@ def parse_manifest(doc: Any, where: str | Path) -> dict[str, Any]:
         if not (isinstance(info["sha256"], str) and _SHA256.fullmatch(info["sha256"])):
             raise bad(f"{name}: sha256 is not 64 lowercase hex digits")
     return doc
+
+
+def check_tensors(part: str, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Every value of a loaded part finite and of a dtype the part holds (CheckpointError, one line naming the
+    file and the tensor; with EDIT_TRAIN_CHECKPOINT_UNCHECKED=1 a warning instead)."""
+    allowed = _PART_DTYPES.get(part, ())
+    for key, t in tensors.items():
+        why = None
+        if part in _FLOAT_PARTS and not t.is_floating_point() and t.dtype not in allowed:
+            why = f"is {t.dtype}, where this part holds floating-point values"
+        elif part in _PART_DTYPES and part not in _FLOAT_PARTS and t.dtype not in allowed:
+            why = f"is {t.dtype}, where this part holds {', '.join(str(d) for d in allowed)}"
+        elif t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            why = f"holds {int((~torch.isfinite(t)).sum())} non-finite value(s)"
+        if why is not None:
+            msg = f"{where}: tensor {key!r} {why}"
+            if os.environ.get(UNCHECKED_ENV) == "1":
+                log.warning("%s (loaded anyway: %s=1)", msg, UNCHECKED_ENV)
+                continue
+            raise CheckpointError(f"{msg}: refused (resume from an older checkpoint, or set {UNCHECKED_ENV}=1 to "
+                                  "load it for forensics)")
 
 
 def sha256_file(path: Path) -> str:
@@ -284,11 +315,13 @@ class CheckpointManager:
                 continue
             if name.endswith(".safetensors"):
                 f = self.member(path, name)
+                part = name[len(prefix):-len(".safetensors")]
                 try:
-                    tensors[name[len(prefix):-len(".safetensors")]] = load_file(str(f))
+                    tensors[part] = load_file(str(f))
                 except Exception as exc:  # noqa: BLE001 - safetensors refuses anything else (no unpickling)
                     raise CheckpointError(f"{f}: not a valid safetensors file ({_why(exc)}); delete this "
                                           f"checkpoint or resume from an older one") from None
+                check_tensors(part, tensors[part], f)
             elif not name.endswith("-state.json"):
                 raise CheckpointError(f"{path / name}: unexpected file type; only safetensors and JSON are loaded")
         state = read_json(self.member(path, f"{prefix}state.json"), MAX_STATE_BYTES, "state")

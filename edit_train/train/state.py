@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from edit_train.cluster.group import local_tensor
 from edit_train.local_sgd.healing import step_device
-from edit_train.train.checkpoint import CheckpointError
+from edit_train.train.checkpoint import UNCHECKED_ENV, CheckpointError
 
 
 def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -31,6 +32,9 @@ def load_model_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
         if dst.shape != tensors[key].shape:
             raise CheckpointError(f"parameter {name!r}: checkpoint shape {tuple(tensors[key].shape)} "
                              f"!= model shard shape {tuple(dst.shape)} (different model or world layout?)")
+        if dst.dtype != tensors[key].dtype and os.environ.get(UNCHECKED_ENV) != "1":
+            raise CheckpointError(f"parameter {name!r}: checkpoint dtype {tensors[key].dtype} != the model's "
+                                  f"{dst.dtype} (a different model.dtype? {UNCHECKED_ENV}=1 loads it anyway)")
         dst.copy_(tensors[key])
     for name, b in model.named_buffers():
         key = f"buffer/{name}"

@@ -79,10 +79,11 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
                    time_split: dict[str, float]) -> dict[str, Any]:
     """This cluster's record for the summary (every rank takes part: its bytes and blocked time count)."""
     wall = state.wall()
-    from edit_train.federation.auth import SPENT
+    from edit_train.federation import auth, identity
+    from edit_train.local_sgd.healing import DIGEST_S
 
     ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"],
-                                   "auth_s": SPENT[0]})
+                                   "auth_s": auth.SPENT[0], "trust_s": identity.SPENT[0] + DIGEST_S[0]})
     c = state.carried
     blocked = max(r["blocked_s"] for r in ranks)
     return {
@@ -101,4 +102,5 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "total_params": param_counts["total_params"], "active_params": param_counts["active_params"],
         "mfu": sum(state.mfu) / len(state.mfu) if state.mfu else None, "time": time_split,
         "auth_s": max(r["auth_s"] for r in ranks),  # computing and checking tags (part of sync/blocked time)
+        "trust_s": max(r["trust_s"] for r in ranks),  # Ed25519 signatures and anchor digests (ditto)
     }

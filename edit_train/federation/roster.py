@@ -1,0 +1,145 @@
+"""The federation's roster: who its clusters are (name -> Ed25519 public key), who its gate is, and what the
+federation is (configuration fingerprint, total steps, algorithm) — signed by the operator.
+
+    {"kind": "edit-train-roster",
+     "body": {"version": 1, "operator": "<hex>", "gate": "<hex>",
+              "federation": {"fingerprint": "...", "total_steps": 1000, "algorithm": "a_edit"},
+              "clusters": {"c0": "<hex>", "c1": "<hex>"}},
+     "sig": "<hex: the operator's signature of body>"}
+
+A roster is accepted only when its body names the operator whose public key the reader holds (the pin in the
+reader's identity file) and that key signed it. It is public (mode 0644 is fine) but may not be writable by
+others. The gate and every cluster accept a record under a name only with that name's signature; a name not
+on the roster is a stranger. Adding a cluster is the operator's act: a new version signed with the operator's
+key (`edit-train-keygen add`); the gate rereads its roster file when it changes and hands a newer version to
+every cluster in its answers (each checks the operator's signature before adopting it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edit_train.federation.identity import Identity, IdentityError, read_file, verify
+
+log = logging.getLogger(__name__)
+
+KIND = "edit-train-roster"
+ROSTER_ENV = "EDIT_TRAIN_ROSTER_FILE"
+MAX_ROSTER = 1 << 20
+CONTEXT = "roster"
+
+
+@dataclass(frozen=True)
+class Roster:
+    version: int
+    fingerprint: str
+    total_steps: int
+    algorithm: str
+    clusters: dict[str, bytes]
+    gate: bytes | None
+    operator: bytes
+    doc: dict[str, Any]  # the signed document, as it travels
+
+    def key(self, name: str) -> bytes | None:
+        return self.clusters.get(name)
+
+    @staticmethod
+    def make(operator: Identity, clusters: dict[str, bytes], gate: bytes | None, fingerprint: str,
+             total_steps: int, algorithm: str, version: int = 1) -> Roster:
+        assert operator.role == "operator"
+        body = {"version": version, "operator": operator.public.hex(), "gate": gate.hex() if gate else "",
+                "federation": {"fingerprint": fingerprint, "total_steps": total_steps, "algorithm": algorithm},
+                "clusters": {n: k.hex() for n, k in sorted(clusters.items())}}
+        return parse({"kind": KIND, "body": body, "sig": operator.sign(CONTEXT, body)}, operator.public)
+
+    def add(self, operator: Identity, name: str, public: bytes) -> Roster:
+        """The next version, with cluster `name` (signed by the operator)."""
+        return Roster.make(operator, {**self.clusters, name: public}, self.gate, self.fingerprint, self.total_steps,
+                           self.algorithm, self.version + 1)
+
+
+def parse(doc: Any, pin: bytes, where: str = "the roster") -> Roster:
+    """A roster document checked against the operator key `pin` (IdentityError naming `where` otherwise)."""
+    def bad(why: str) -> IdentityError:
+        return IdentityError(f"{where}: {why}")
+
+    if not isinstance(doc, dict) or doc.get("kind") != KIND or not isinstance(doc.get("body"), dict):
+        raise bad("not an edit-train roster")
+    body = doc["body"]
+    if body.get("operator") != pin.hex():
+        raise bad("signed for another operator than the one this identity trusts")
+    if not verify(pin, CONTEXT, body, doc.get("sig")):
+        raise bad("the operator's signature does not verify (altered, or not the operator's)")
+    fed, clusters = body.get("federation"), body.get("clusters")
+    try:
+        out = Roster(int(body["version"]), str(fed["fingerprint"]), int(fed["total_steps"]), str(fed["algorithm"]),
+                     {str(n): _key(k) for n, k in clusters.items()}, _key(body["gate"]) if body["gate"] else None,
+                     pin, doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise bad(f"malformed ({exc})") from None
+    return out
+
+
+def _key(h: Any) -> bytes:
+    b = bytes.fromhex(h)
+    if len(b) != 32:
+        raise ValueError("a public key is 32 bytes")
+    return b
+
+
+def load_roster(path: str | Path, pin: bytes, field: str = "federation.roster_file") -> Roster:
+    """The roster in `path`, checked against `pin` (one line naming `field` otherwise)."""
+    path = Path(path)
+    make = "the operator makes it with `edit-train-keygen federation DIR`"
+    data = read_file(path, field, make, MAX_ROSTER, private=False)
+    try:
+        doc = json.loads(data[:MAX_ROSTER].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise IdentityError(f"{field}: {path} is not JSON; {make}") from None
+    return parse(doc, pin, f"{field}: {path}")
+
+
+def save_roster(path: str | Path, roster: Roster) -> Path:
+    """Write `roster` to `path` atomically (mode 0644: public, writable by its owner only)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(roster.doc, indent=1) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return path
+
+
+class RosterFile:
+    """A roster file the gate rereads when it changes (one stat per request): the operator adds a cluster by
+    writing a newer version there. A file that does not check out is one line, and the roster in use stays."""
+
+    def __init__(self, path: str | Path, pin: bytes) -> None:
+        self.path, self.pin = Path(path), pin
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int]:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return (0, 0, 0)
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def newer(self) -> Roster | None:
+        """The file's roster when it changed since the last look (None otherwise, or when it is unusable)."""
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return None
+        self._stamp = stamp
+        try:
+            return load_roster(self.path, self.pin)
+        except IdentityError as exc:
+            log.warning("the gate's roster file changed but cannot be used: %s; keeping the roster in use", exc)
+            return None

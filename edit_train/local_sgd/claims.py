@@ -1,0 +1,120 @@
+"""What one cluster may claim in a quorum, and what the federation takes from the claims of many.
+
+Every member of an issued quorum described itself when it asked (`Member`: its anchor version, its steps so
+far, its configuration fingerprint, the digest of its anchor). No claim one member makes is adopted where the
+others' view exists:
+
+* `vet` runs on the issued quorum before any lane connects: a member whose claims cannot be the federation's
+  — another configuration, more steps or syncs than the federation runs, a malformed value — is left out,
+  alone, with one line naming it and what was wrong. Every honest member leaves out the same members (the
+  same records, the same rules), and the others connect among themselves under a nonce derived from who is
+  left (`nonce_of`), so the one left out cannot join their lanes. A refusal never makes an honest cluster
+  refuse itself: what the federation is comes from the operator's roster (`Terms.authoritative`), which each
+  cluster checked its own configuration against at start. Without a roster, a cluster refuses itself only
+  when a strict majority of the others runs one other configuration; in a tie each side leaves the other out.
+* `Quorum.agreed` (protocols.py) is the state everyone continues from, and the heal source holds it: the
+  (sync, anchor digest) most members hold.
+* `agreed_steps`: the step a cluster that is behind adopts is the lower median of the others' claims (a liar
+  can hold a joiner back, never send it to the end of the run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from edit_train.local_sgd.errors import FederationRefused
+from edit_train.local_sgd.protocols import Member, Quorum
+
+DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+_COUNTS = ("sync", "local_steps", "total_steps")
+
+
+@dataclass(frozen=True)
+class Terms:
+    """What the federation is: the configuration every member runs and the steps it runs for (0: no bound)."""
+
+    fingerprint: str
+    total_steps: int = 0
+    authoritative: bool = False  # from the operator's signed roster (checked at start), not this cluster's view
+    source: str = "this cluster's configuration"  # where the terms come from, for the refusal lines
+    slack: int = 1  # a time schedule's clusters may pass total_steps by an interval before the stop: 2
+
+    @property
+    def max_steps(self) -> int:
+        """The most steps (and syncs) a member may claim; 0: no bound."""
+        return self.total_steps * self.slack
+
+    def bound(self) -> str:
+        whose = f"{self.total_steps} steps of the federation ({self.source})"
+        return f"the {whose}" if self.slack == 1 else f"{self.max_steps}, {self.slack} times the {whose}"
+
+
+def wrong(m: Member, terms: Terms) -> str | None:
+    """Why member `m`'s claims cannot be the federation's (None when they can), configuration aside."""
+    values = {"sync": m.sync, **{k: m.data.get(k, 0) for k in _COUNTS[1:]}}
+    for k, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"claims {k} = {v!r}, not a count"
+        if terms.max_steps > 0 and v > terms.max_steps:
+            return f"claims {k} = {v}, more than {terms.bound()}"
+    digest = m.data.get("anchor", "")
+    if not isinstance(digest, str) or (digest and not DIGEST_RE.fullmatch(digest)):
+        return "claims an anchor digest that is not 32 hex digits"
+    return None
+
+
+def vet(q: Quorum, terms: Terms) -> tuple[Quorum, dict[str, str]]:
+    """The members of `q` whose claims can be the federation's, and why each other one was left out.
+    FederationRefused only when the terms are this cluster's own view and a strict majority of the others runs
+    one other configuration. A cluster whose own claims are out of bounds (which the honest never are) keeps
+    training alone: it leaves everyone out, as they leave it out."""
+    me = q.members[q.me]
+    why = {m.name: w for m in q.members if (w := wrong(m, terms)) is not None}
+    rest = [m for m in q.members if m.name not in why]
+    fps = Counter(str(m.data.get("fp", "")) for m in rest if m.name != me.name)
+    top, count = fps.most_common(1)[0] if fps else ("", 0)
+    if not terms.authoritative and top != terms.fingerprint and 2 * count > len(rest):
+        raise FederationRefused(f"cluster {me.name} runs another configuration than the federation ({count} of "
+                                f"{len(rest)} clusters differ: {differences(terms.fingerprint, top)}): start it "
+                                "with the federation's config")
+    for m in rest:
+        fp = str(m.data.get("fp", ""))
+        if fp != terms.fingerprint:
+            why[m.name] = (f"runs another configuration ({differences(fp, terms.fingerprint, 'there')}; the "
+                           f"federation's is from {terms.source})")
+    if not why:
+        return q, {}
+    if me.name in why:
+        why = {m.name: f"is not followed by cluster {me.name}, whose own claims are out of bounds: it {why[me.name]}"
+               for m in q.members if m.name != me.name}
+    keep = [m for m in q.members if m.name not in why]
+    return Quorum(q.quorum_id, nonce_of(q.nonce, keep), keep, keep.index(me), [*q.left_out, *sorted(why)]), why
+
+
+def differences(mine: str, agreed: str, here: str = "here") -> str:
+    """The parts of two fingerprints (`part=value` words, train/build.py) that differ, each with both values
+    (`tokenizer: hf-1a2b here, byte in the federation`); a fingerprint that is one opaque word: what it covers."""
+    words = (mine + " " + agreed).split()
+    if not words or not all("=" in w for w in words):
+        return "model, algorithm, sync.mode or federation.chunks differ"
+    ours, theirs = (dict(w.partition("=")[::2] for w in fp.split()) for fp in (mine, agreed))
+    return "; ".join(f"{k}: {str(ours.get(k, '-'))[:24]} {here}, {str(theirs.get(k, '-'))[:24]} in the federation"
+                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k))
+
+
+def nonce_of(nonce: str, members: list[Member]) -> str:
+    """The nonce of what is left of a quorum: the same for every member that left out the same others, and
+    another namespace for the lanes than the issued quorum's (the one left out never meets them there)."""
+    names = ",".join(m.name for m in members)
+    return hashlib.sha256(f"{nonce}|{names}".encode()).hexdigest()[:32]
+
+
+def agreed_steps(q: Quorum) -> int:
+    """The steps a member behind takes from the others: the lower median of their claims (its own if alone)."""
+    others = sorted(int(m.data.get("total_steps", 0)) for i, m in enumerate(q.members) if i != q.me)
+    if not others:
+        return int(q.members[q.me].data.get("total_steps", 0))
+    return others[(len(others) - 1) // 2]
