@@ -75,6 +75,11 @@ class PenaltyConfig:
         """The clip threshold φ, or None when clipping is off."""
         return self.clip_threshold if self.clip else None
 
+    @property
+    def expert_min_tokens(self) -> int:
+        """Below this many routed tokens a cluster does not send an expert's rows (the verified rule's option)."""
+        return self.verified.expert_min_tokens if self.rule == "verified" else 0
+
     def validate(self) -> None:
         check_fields(self.clip_threshold > 0, "clip_threshold", f"must be > 0, got {self.clip_threshold}")
         self.verified.validate()

@@ -58,13 +58,15 @@ def pieces(numel: int, parts: int) -> list[int]:
 
 
 def sync_bytes(units: Sequence[int], world: int, scheme: str, *, ranks: int = 1, paired: bool = True,
-               chunks: int = 4, gather_max: int = 4, block: int = 256) -> int:
-    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload only)."""
+               chunks: int = 4, gather_max: int = 4, block: int = 256, unsent: Sequence[int] | None = None) -> int:
+    """Bytes one cluster sends in one local-SGD sync among `world` participants (payload only). `unsent`: per
+    unit, the elements it leaves out (rows of experts it — gathered — or nobody — a SUM — routed tokens to; the
+    `unsent_params` of its `sync` event; exact for one rank per cluster or the chunked layout)."""
     if world <= 1:
         return 0
     gather = world <= gather_max
     total = 0
-    for n in units:
+    for n in (u - s for u, s in zip(units, unsent)) if unsent is not None else units:
         parts = pieces(n, ranks) if paired else pieces(n, chunks)
         for piece in parts:
             if piece == 0:
