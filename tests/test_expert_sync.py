@@ -47,7 +47,7 @@ def _routed(takes: list[int] | None = None) -> object:
             if takes is not None:
                 takes.append(index)
                 k = takes.count(index)
-            return (COUNTS[index] * k).to(torch.int64)[None]
+            return (COUNTS[index % 3] * k).to(torch.int64)[None]
         return RoutedCounts(take, _pieces)
     return make
 
@@ -164,6 +164,17 @@ def test_three_clusters_land_on_the_closed_form_anchor(mode: str, rule: str) -> 
     sync = [e for e in results["c0"].events if e["event"] == "sync"]
     assert sync[0]["aggregation"] == ("gathered" if rule == "verified" else "sum")
     assert sync[0]["expert_weights"]["2"] == pytest.approx([0.75, 0.25, 0.0, 0.0], abs=1e-8)
+
+
+def test_above_gather_max_a_rule_that_weighs_experts_gathers() -> None:
+    """Five clusters (sync.gather_max 4): the sketch check holds one weight per cluster, so a round whose provisional
+    decision weighs experts is gathered instead (the config refuses this for the verified rule at start)."""
+    names = [f"c{i}" for i in range(5)]
+    results = run_inproc(names, _cfg("at_end"), routed=_routed())
+    for n in names:
+        (e,) = [e for e in results[n].events if e["event"] == "sync"]
+        assert e["aggregation"] == "gathered" and len(e["expert_weights"]["2"]) == E
+        assert max_diff(results[n].anchors, results["c0"].anchors) == 0.0
 
 
 def _unit_sizes() -> list[int]:
