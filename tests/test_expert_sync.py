@@ -164,6 +164,8 @@ def test_three_clusters_land_on_the_closed_form_anchor(mode: str, rule: str) -> 
     sync = [e for e in results["c0"].events if e["event"] == "sync"]
     assert sync[0]["aggregation"] == ("gathered" if rule == "verified" else "sum")
     assert sync[0]["expert_weights"]["2"] == pytest.approx([0.75, 0.25, 0.0, 0.0], abs=1e-8)
+    # its coefficient in the merged update, by size: unit "2" is all experts (4 x 150 of its 600 values)
+    assert sync[0]["weight"] == pytest.approx((168 / 3 + 600 * (0.75 + 0.25) / 4 + 75 / 3) / 843, abs=1e-8)
 
 
 def test_above_gather_max_a_rule_that_weighs_experts_gathers() -> None:

@@ -141,18 +141,20 @@ class UnitExperts:
 class Experts:
     """The experts of every unit, the counts of the round in flight, and the sending threshold (`min_tokens`: a
     cluster that routed fewer tokens to an expert does not send its rows and is no contribution to it; 0 sends
-    every row)."""
+    every row). `weighs`: the rule may weigh experts (a gathered round then measures each expert's Gram matrix
+    for the clip norm; the verified rule with `expert_weights=none` never does)."""
 
     def __init__(self, routed: RoutedCounts, units: Sequence[tuple[str, nn.Module, list[nn.Parameter]]],
-                 min_tokens: int = 0) -> None:
-        self.hook, self.min_tokens = routed.take, min_tokens
+                 min_tokens: int = 0, weighs: bool = True) -> None:
+        self.hook, self.min_tokens, self.weighs = routed.take, min_tokens, weighs
         self.units: dict[str, UnitExperts] = {}
-        self.sizes: dict[str, list[int]] = {}
+        self.shares: dict[str, list[float]] = {}  # unit -> each expert's share of its elements
         for name, module, params in units:
             found = routed.pieces(name, module, params)
             if found is not None:
                 self.units[name] = UnitExperts.of(found[0], found[1], params)
-                self.sizes[name] = self.units[name].sizes(params)
+                total = sum(math.prod(p.shape) for p in params)
+                self.shares[name] = [n / total for n in self.units[name].sizes(params)]
         self.pending: Tensor | None = None  # counts taken for the round in flight (float64 [L, E])
 
     def take(self) -> list[float]:

@@ -77,7 +77,7 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
         # this cluster's coefficient in the merged update (its weight per module — per expert on an expert's rows
         # —, by size): 0 when it was left out of every module; a sync's weights sum to the accepted share of the tokens
-        "weight": sum(_coefficient(d, me, n, report.expert_sizes.get(d.module, []))
+        "weight": sum(_coefficient(d, me, n, report.expert_shares.get(d.module, []))
                       for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
         "anomalous_modules": anomalous,
@@ -97,11 +97,13 @@ def summarize(report: SyncReport) -> dict[str, Any]:
     }
 
 
-def _coefficient(d: Decision, me: int, numel: int, experts: list[int]) -> float:
-    """Cluster `me`'s weight in unit `d` times the unit's size (its experts' rows at their own weights)."""
-    if d.expert_weights is None or not experts:
+def _coefficient(d: Decision, me: int, numel: int, shares: list[float]) -> float:
+    """Cluster `me`'s weight in unit `d` times the unit's size (its experts' rows, `shares` of it, at their own
+    weights)."""
+    if d.expert_weights is None or not shares:
         return d.weights[me] * numel
-    return d.weights[me] * (numel - sum(experts)) + sum(row[me] * n for row, n in zip(d.expert_weights, experts))
+    rest = d.weights[me] * (1.0 - sum(shares))
+    return numel * (rest + sum(row[me] * f for row, f in zip(d.expert_weights, shares)))
 
 
 def anomaly_details(decisions: Mapping[str, Decision], cluster: int) -> dict[str, dict[str, Any]]:

@@ -169,7 +169,7 @@ class SyncReport:
     mode: str = "sum"  # how the contributions moved: sum | gathered | sketched
     regathered: str = ""  # sketched, then gathered: why the sketches did not check out
     unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
-    expert_sizes: dict[str, list[int]] = field(default_factory=dict)  # unit -> elements of each of its experts
+    expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
 
 
 class SyncRound:
@@ -184,7 +184,7 @@ class SyncRound:
         assert q is not None, "a round needs an issued quorum"
         self.core, self.eager, self.shared, self.nonce = core, eager, q.shared, q.nonce
         self.report = SyncReport(sync, local_steps, q.names, q.me, sizes={u: core.outer.numel(u) for u in core.index},
-                                 mode=core.mode(q), expert_sizes=dict(core.experts.sizes) if core.experts else {})
+                                 mode=core.mode(q), expert_shares=dict(core.experts.shares) if core.experts else {})
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.todo = [u.name for u in core.units]  # in unit order
         self.snap: dict[str, list[Tensor]] = {}
@@ -361,7 +361,7 @@ class SyncRound:
         cluster."""
         c, ue, params = self.core, self.core.unit_experts(name), self.core.unit(name).params
         groups: Groups | None = None
-        if ue is not None:
+        if ue is not None and c.experts is not None and c.experts.weighs:
             groups = lambda whole: (ue.grams(params, *_where(c), whole), ue.count)  # noqa: E731
         m = measure(got, c.transport.cluster, lambda whole: c.hashed(name, whole), c.sketch_dim, groups)
         measured = {"gram": m.gram, "finite": torch.tensor(m.finite), "exact": torch.tensor(c.transport.exact)}
