@@ -15,8 +15,8 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
 Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
 validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
 the final validation loss (`train.eval_batches`, default 32 batches = 32,768 tokens, on the shared validation),
-the bytes of every `sync` event against the formula of docs/sync_math.md ("Experts") over what the event says
-was left out (`unsent_params`), and the share of the model left out. Per setting (model, clusters, data): each
+the bytes of every `sync` event (every cluster's) against the formula of docs/sync_math.md ("Experts") over what
+the event says was left out (`unsent_params`), their mean, and the mean share of the model left out. Per setting (model, clusters, data): each
 arm's loss per seed, its gain over `default` (default − arm, per seed: mean, sample std, min) and whether it is
 ≤ default on every seed.
 
@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
     ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
+    ap.add_argument("--plot-only", action="store_true", help="draw --plot from the summary in --out, run nothing")
     a = ap.parse_args(argv)
     a.models = a.models or ["tiny"] if a.quick else a.models or ["tiny", "small"]
     a.clusters = a.clusters or ([2] if a.quick else [2, 4])
@@ -131,7 +132,7 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     mine = [e for e in syncs if e.get("cluster") == "c0"]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
-            "syncs": len(mine), "bytes_per_sync": statistics.fmean(e["bytes"] for e in mine) if mine else None,
+            "syncs": len(mine), "bytes_per_sync": statistics.fmean(e["bytes"] for e in syncs) if syncs else None,
             "formula_per_sync_full": formula(shape, groups, 0),
             "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
             if syncs else None,
@@ -179,24 +180,32 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
             if gains:
                 ax.errorbar([x], [statistics.fmean(gains)], yerr=[statistics.stdev(gains) if len(gains) > 1 else 0],
                             color=f"C{k + 1}", fmt="_", markersize=14, capsize=4)
-            b, d = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"]
+            b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
             if b and d:
-                bx.bar(x, b["mean"] / d["mean"], width=0.28, color=f"C{k + 1}", label=arm if i == 0 else None)
+                bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=0.28, color=f"C{k + 1}",
+                       label=f"{arm}: bytes saved" if i == 0 else None)
+            if u:
+                bx.scatter([x], [100 * u["mean"]], color="k", marker="x", s=30,
+                           label="share of the model left out" if i == 0 and k == 1 else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("val loss gain over default (default − arm)")
     ax.set_title("per seed (dots), mean ± std")
     ax.legend(fontsize=8)
-    bx.axhline(1, color="k", lw=0.8)
+    bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(rows)), labels, fontsize=8)
-    bx.set_ylabel("bytes per sync / default's")
-    bx.set_title("cross-cluster bytes per sync")
+    bx.set_ylabel("% of default's bytes per sync")
+    bx.set_title("bytes saved per sync, and the untouched rows' share")
     bx.legend(fontsize=8)
     return C.save_fig(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.plot_only:
+        saved = json.loads(a.out.read_text())
+        print(f"wrote {plot(saved['summary'], saved['setup']['arms'], a.plot)}")
+        return 0
     t0, start_load = time.perf_counter(), C.load()
     plan = [(m, g, d, s, arm) for m in a.models for g in a.clusters for d in a.data for s in a.seeds for arm in a.arms]
     print(f"{len(plan)} runs: models {a.models}, clusters {a.clusters}, data {a.data}, seeds {a.seeds}, arms {a.arms}")
