@@ -242,6 +242,20 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=schema)
 
 
+def _check_experts(cfg: Config) -> None:
+    """Expert-aware merging (`algo.penalty.verified.expert_weights=tokens`, local_sgd/experts.py): what a sync
+    can carry with it."""
+    v, s, clusters = cfg.algo.penalty.verified, cfg.sync, len(cluster_specs(cfg))
+    if cfg.algo.penalty.rule != "verified" or v.expert_weights == "none":
+        return
+    _need(clusters <= s.gather_max, "algo.penalty.verified.expert_weights",
+          f"tokens: above sync.gather_max={s.gather_max} clusters a sync is a SUM checked by sketches, which cannot "
+          f"check weights per expert; raise sync.gather_max to {clusters} or set expert_weights=none")
+    _need(v.expert_min_tokens == 0 or s.compression == "none", "algo.penalty.verified.expert_min_tokens",
+          f"rows a cluster does not send cannot go compressed (error feedback needs every row): set "
+          f"sync.compression=none (now {s.compression}) or expert_min_tokens=0")
+
+
 def validate(cfg: Config) -> None:
     """Check cross-field rules; raise ConfigError naming the field and what to do."""
     cfg.model.validate()
@@ -274,6 +288,7 @@ def validate(cfg: Config) -> None:
         why = refuse_mode(rule, a.penalty.rule, len(cluster_specs(cfg)), cfg.sync.gather_max,
                           cfg.sync.unsent == "keep" and cfg.sync.compression == "topk")
         _need(not why, "algo.penalty.rule", why)
+        _check_experts(cfg)
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
     _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")

@@ -88,13 +88,13 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
                   snapshot_at: tuple[int, ...] = (), after_at: tuple[int, ...] = (), out: Outcome | None = None,
                   wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
                   shared_task: bool = False, lr: float = LR, probe: bool = False,
-                  ascent: tuple[int, int] = (0, 0)) -> Outcome:
+                  ascent: tuple[int, int] = (0, 0), routed: Callable[[int], Any] | None = None) -> Outcome:
     """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
     forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
     its transport (a Byzantine fault); in the `ascent` window of steps it climbs its loss instead (a wrong
     update it reports, sketches and sends consistently). `snapshot_at` steps are captured before their `after_step`, `after_at`
     steps after it (and its flush). `probe`: the usefulness probe scores updates on a batch of this cluster's
-    own task that it never trains on."""
+    own task that it never trains on. `routed(index)`: the cluster's `RoutedCounts` (tests/test_expert_sync.py)."""
     torch.set_num_threads(1)
     out = out if out is not None else Outcome()
     current = [0]
@@ -111,7 +111,8 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
     held_out = batch(index, 10_000, shared_task)
     probe_loss = (lambda: float(nn.functional.mse_loss(model(held_out[0]), held_out[1]))) if probe else None
     algo = LocalSGD(cfg, model, units_of(model), transport, (heal.encode, heal.decode), emit=emit,
-                    cluster_index=index, optimizer=opt, probe_loss=probe_loss)
+                    cluster_index=index, optimizer=opt, probe_loss=probe_loss,
+                    routed_counts=routed(index) if routed is not None else None)
     out.algo = algo
     try:
         adopted = algo.join()

@@ -147,6 +147,19 @@ def _all_gather(pg: Any, t: Tensor, world: int) -> list[Tensor]:
     return outs
 
 
+def _all_gather_v(pg: Any, t: Tensor, sizes: Sequence[int], me: int) -> list[Tensor]:
+    """Every rank's `t` when their lengths differ (`sizes[r]` elements from rank r): an all-to-all in which each
+    rank sends its own to each of the others (the bytes of an all-gather of its own piece)."""
+    world = len(sizes)
+    out_splits = [0 if j == me else int(sizes[j]) for j in range(world)]
+    in_splits = [0 if j == me else t.numel() for j in range(world)]
+    out = torch.empty(sum(out_splits), dtype=t.dtype)
+    inp = torch.cat([t] * (world - 1)) if world > 1 else t[:0]
+    pg.alltoall_base(out, inp, out_splits, in_splits, AllToAllOptions()).wait()
+    got = list(torch.split(out, out_splits))
+    return [t if j == me else got[j] for j in range(world)]
+
+
 def _sender(x: Tensor, cfg: CompressionConfig, fb: ErrorFeedback | None, key: str) -> Tensor:
     return fb.compensate(key, x) if fb is not None else x
 
@@ -232,23 +245,32 @@ def _rs_ag(send: Tensor, pg: Any, cfg: CompressionConfig, fb: ErrorFeedback | No
 def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
                       key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
                       unseal: Callable[[int, Tensor], Tensor | None] | None = None,
-                      names: Sequence[str] | None = None) -> tuple[list[Tensor] | None, int]:
+                      names: Sequence[str] | None = None,
+                      sizes: Sequence[int] | None = None) -> tuple[list[Tensor] | None, int]:
     """Every rank's flat fp32 ``x`` as the others receive it (dequantized payloads, in rank order; this rank's
     own too, decoded from its own payload, so every rank holds the bit-identical set) -> (the P tensors, bytes
     this rank handed over). Lossy schemes compress with this rank's error feedback for ``key``; ``none`` moves
     fp32. ``seal`` appends a tag to this rank's payload and ``unseal(rank, payload)`` checks one (None: the
     whole result is None). A payload that does not decode raises :class:`PayloadError` naming its sender
-    (``names[rank]``)."""
+    (``names[rank]``). ``sizes``: every rank's number of values when they differ (fp32 only)."""
     if x.dim() != 1:
         raise ValueError(f"compressed_gather takes a flat tensor, got shape {tuple(x.shape)}")
     x = x.float().contiguous()
     me, world = group_rank_size(pg)
     pg = _default(pg)
+    uneven = sizes is not None and len(set(sizes)) > 1
+    if uneven and cfg.lossy:
+        raise ValueError("compressed_gather: pieces of different sizes go uncompressed only")
     if not cfg.lossy:
-        if seal is None or unseal is None:
-            return _all_gather(pg, x, world), 4 * x.numel()
-        sent, plain = seal(x), []
-        for i, got in enumerate(_all_gather(pg, sent, world)):
+        sealed = seal is not None and unseal is not None
+        sent = seal(x) if seal is not None and sealed else x
+        extra = sent.numel() - x.numel()  # the tag's values
+        gathered = _all_gather_v(pg, sent, [n + extra for n in sizes], me) if uneven and sizes is not None \
+            else _all_gather(pg, sent, world)
+        if unseal is None or not sealed:
+            return gathered, 4 * x.numel()
+        plain = []
+        for i, got in enumerate(gathered):
             body = x if i == me else unseal(i, got)  # this rank's own piece needs no check
             if body is None:
                 return None, sent.numel() * sent.element_size()
@@ -322,11 +344,14 @@ class BackgroundReducer:
     def submit_gather(self, x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: ErrorFeedback | None = None,
                       key: str = "", seal: Callable[[Tensor], Tensor] | None = None,
                       unseal: Callable[[int, Tensor], Tensor | None] | None = None,
-                      names: Sequence[str] | None = None, summed: bool = False) -> Future[Any]:
-        """Start the gather of a snapshot of ``x`` (``summed``: :func:`gathered_sum`, the pieces added)."""
+                      names: Sequence[str] | None = None, summed: bool = False,
+                      sizes: Sequence[int] | None = None) -> Future[Any]:
+        """Start the gather of a snapshot of ``x`` (``summed``: :func:`gathered_sum`, the pieces added; ``sizes``:
+        every rank's number of values when they differ)."""
         fn = gathered_sum if summed else compressed_gather
+        kw = {"sizes": sizes} if sizes is not None else {}
         return self._pool.submit(fn, x.detach().clone(), pg, cfg, feedback=feedback, key=key, seal=seal,
-                                 unseal=unseal, names=names)
+                                 unseal=unseal, names=names, **kw)
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait)

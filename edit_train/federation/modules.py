@@ -6,6 +6,11 @@ resharding); otherwise the module's full flat Δ is cut into the federation's `c
 travels on lane j, owned by the cluster's rank `j % size` (chunked), and the pieces are put back together
 over the cluster's fast links. A gathered piece carries its tag (`seal.py`): a piece that does not verify
 fails the whole move on every rank of the cluster (the sync is rolled back; nothing forged is judged).
+
+Rows (expert-aware sync): a move may carry only some dim-0 rows of each whole parameter — the same ones from
+every participant for a SUM, each participant's own for a gather (every participant knows all of them). Only
+those elements go on the wire (a gather of unequal pieces is an all-to-all of each one's own); the rest comes
+back as 0.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from edit_train.federation.compressed_reduce import BackgroundReducer, sent_byte
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkClock, Pending
 from edit_train.federation.seal import TAG, Seal
+from edit_train.local_sgd.evidence import shard_range
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 
 
@@ -49,6 +55,33 @@ def _sum_opts() -> AllreduceOptions:
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM
     return opts
+
+
+class _Done:
+    """A lane with nothing to move (every participant's piece is empty)."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+def _kept(c: ClusterGroup, fulls: list[Tensor], likes: list[Tensor | None], rows: list[Tensor | None],
+          paired: bool) -> Tensor | None:
+    """bool over the flat of `fulls` (this rank's shards when paired, the whole tensors when chunked): the elements
+    in the dim-0 `rows` of each whole parameter (None for a tensor: all of it; None overall: everything)."""
+    if all(r is None for r in rows):
+        return None
+    parts = []
+    for t, like, r in zip(fulls, likes, rows):
+        if r is None or t.dim() == 0:
+            parts.append(torch.ones(t.numel(), dtype=torch.bool))
+            continue
+        if paired and like is not None:
+            r = r[slice(*shard_range(like, c.rank, c.size))]
+        parts.append(r.repeat_interleave(t.numel() // t.shape[0]) if t.shape[0] else r)
+    return torch.cat(parts)
 
 
 def _bounds(total: int, chunks: int) -> list[int]:
@@ -87,14 +120,20 @@ class ModuleMover:
         self.reducers.clear()
 
     def _lane(self, q: Quorum, seal: Seal, context: str, lane: int, flat: Tensor, key: str,
-              gather: bool) -> tuple[Any, Callable[[], list[Tensor] | None], int]:
+              gather: bool, sizes: list[int] | None = None) -> tuple[Any, Callable[[], list[Tensor] | None], int]:
         """Start a SUM (in place) or a gather of `flat` over one lane: (work, its result — the sum, or every
         participant's piece in quorum order, None when a piece's tag does not verify —, bytes this rank puts
         on the wire). Pseudo-gradients (`key` given) go compressed under a lossy scheme; a sparse one is
-        gathered even for a SUM (every receiver adds the authenticated pieces in quorum order)."""
+        gathered even for a SUM (every receiver adds the authenticated pieces in quorum order). `sizes`: every
+        participant's piece on this lane when they differ (a gather of rows)."""
         pg, world, me = self.lanes.groups[lane], len(q.members), q.me
+        if sizes is not None and not any(sizes):  # rows: nobody has anything on this lane
+            return _Done(), lambda: [flat[:0].clone() for _ in range(world)], 0
         lossy = bool(key) and self.compression.lossy
         cfg = self.compression if lossy else CompressionConfig()
+        if sizes is not None and lossy:
+            raise ValueError("rows of a contribution cannot go compressed (error feedback needs every row); "
+                             "use sync.compression=none with algo.penalty.verified.expert_min_tokens")
         summed = not gather and cfg.sparse
         nbytes = sent_bytes("gather" if gather or summed else "sum", flat.numel(), world, me, cfg)
         ctx = f"{context}/lane{lane}"
@@ -112,7 +151,7 @@ class ModuleMover:
         future = reducer.submit_gather(flat, pg, cfg, feedback=self.feedback.pinned(), key=f"{key}#{lane}",
                                        seal=lambda payload: seal.wrap(payload, ctx, me),
                                        unseal=lambda i, got: seal.unwrap(got, ctx, i),
-                                       names=[m.name for m in q.members], summed=summed)
+                                       names=[m.name for m in q.members], summed=summed, sizes=sizes)
         if summed:  # the sum lands in `flat` (wait); None: a piece did not verify
             return _FutureWork(future, flat), lambda: None if future.result()[0] is None else [flat], nbytes
         return _FutureWork(future, None), lambda: future.result()[0], nbytes
@@ -140,39 +179,59 @@ class ModuleMover:
         return _unflatten(c, c.sum_(flat.to(c.device)).cpu(), tensors, shapes, False)
 
     def move(self, q: Quorum, seal: Seal, tensors: list[Tensor], params: list[Tensor] | None, key: str,
-             gather: bool) -> Pending[Any]:
-        """The SUM of `tensors` (in place) over the quorum, or every participant's contribution."""
+             gather: bool, rows: list[list[Tensor | None]] | None = None) -> Pending[Any]:
+        """The SUM of `tensors` (in place) over the quorum, or every participant's contribution. `rows`: the
+        dim-0 rows of each whole parameter that go — one list for a SUM, one per participant for a gather."""
         c, n = self.cluster, len(q.members)
         context = seal.context(f"module/{key}")
         likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
         fulls = tensors if q.paired else [c.full(t, p) for t, p in zip(tensors, likes)]
         flat = torch.cat([f.detach().reshape(-1).to("cpu", torch.float32) for f in fulls])
-        pieces = [flat] if q.paired else list(torch.tensor_split(flat, self.chunks))
+        masks = [_kept(c, fulls, likes, r, q.paired) for r in rows] if rows is not None else []
+        if all(m is None for m in masks):
+            masks = []
+        masks = [m if m is not None else torch.ones(flat.numel(), dtype=torch.bool) for m in masks]
+        lens = [int(m.sum()) for m in masks] if masks else [flat.numel()] * (n if gather else 1)
+        send = flat[masks[q.me if gather else 0]] if masks else flat
+        pieces = [send] if q.paired else list(torch.tensor_split(send, self.chunks))
         mine = [c.rank] if q.paired else [j for j in range(self.chunks) if j % c.size == c.rank]
-        started = [self._lane(q, seal, context, j, pieces[0] if q.paired else pieces[j], key, gather) for j in mine]
+
+        def sizes(j: int) -> list[int] | None:  # every participant's piece on lane j, when a gather's differ
+            if not (gather and masks and len(set(lens)) > 1):
+                return None
+            return lens if q.paired else [(b := _bounds(m, self.chunks))[j + 1] - b[j] for m in lens]
+
+        started = [self._lane(q, seal, context, j, pieces[0] if q.paired else pieces[j], key, gather, sizes(j))
+                   for j in mine]
         ready_at = self.clock.account(sum(b for _, _, b in started)) if started else 0.0
         out: list[list[Tensor]] = []
         whole: list[Tensor] = []  # chunked: every participant's whole flat Δ (the same on every rank)
         local: list[Tensor] = []  # paired: every participant's flat shard as this rank holds it
 
         def settle(ok: bool) -> bool | str:
-            rows = [got() for _, got, _ in started] if ok else []
-            verified = all(r is not None for r in rows)
+            got_rows = [got() for _, got, _ in started] if ok else []
+            verified = all(r is not None for r in got_rows)
             if not c.agree(ok and verified):
                 if ok and not verified:
                     return f"a contribution to module {key} does not verify (another key, or altered on the way)"
                 return False
-            full = torch.zeros(n if gather else 1, flat.numel())
+            k = len(lens)
             if q.paired:
-                full = torch.stack(rows[0])  # type: ignore[arg-type]
-                local.append(full)
+                compact: list[Tensor] | Tensor = got_rows[0]  # type: ignore[assignment]
             else:
-                bounds = _bounds(flat.numel(), self.chunks)
-                for j, got in zip(mine, rows):
+                compact = torch.zeros(k, max(lens))
+                for j, got in zip(mine, got_rows):
                     for i, t in enumerate(got or []):
-                        full[i, bounds[j]:bounds[j + 1]] = t
-                full = c.sum_(full.to(c.device))
-                whole.append(full.cpu())
+                        b = _bounds(lens[i], self.chunks)
+                        compact[i, b[j]:b[j + 1]] = t
+                compact = c.sum_(compact.to(c.device))
+            if masks:
+                full = torch.zeros(k, flat.numel())
+                for i in range(k):
+                    full[i][masks[i]] = compact[i][:lens[i]].cpu()
+            else:
+                full = torch.stack(compact) if q.paired else compact  # type: ignore[arg-type]
+            (local if q.paired else whole).append(full if q.paired else full.cpu())
             out.extend(_unflatten(c, row, tensors, [f.shape for f in fulls], q.paired) for row in full)
             if not gather:
                 for t, part in zip(tensors, out[0]):

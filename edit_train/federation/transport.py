@@ -235,23 +235,27 @@ class LaneTransport:
         return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
 
     # ------------------------------------------------------- module reduce / gather
-    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Pending[None]:
-        """In-place SUM over the participants of a module's (already weighted) local shards."""
+    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
+                rows: list[Tensor | None] | None = None) -> Pending[None]:
+        """In-place SUM over the participants of a module's (already weighted) local shards (`rows`: only these
+        dim-0 rows of each whole parameter are sent; the others come back as 0)."""
         if not self._shared or not tensors:
             return Pending(self.clock, [], 0.0)
         assert self._quorum is not None
-        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=False)
+        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=False,
+                               rows=None if rows is None else [rows])
 
-    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None,
-               key: str = "") -> Pending[Contributions]:
+    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
+               rows: list[list[Tensor | None]] | None = None) -> Pending[Contributions]:
         """Every participant's contribution for a module, as this rank holds it (`Contributions.parts`
         [participant][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
         dequantized payload, this cluster's own included, so every participant judges and sums bit-identical
-        tensors; each piece authenticated (`seal.py`). The chunked layout also hands out the whole flat Δ."""
+        tensors; each piece authenticated (`seal.py`). The chunked layout also hands out the whole flat Δ.
+        `rows[i]`: the dim-0 rows participant i sends (the rest of its contribution arrives as 0)."""
         if not self._shared:
             return Pending(self.clock, [], 0.0, result=lambda: Contributions([[t.detach().clone() for t in tensors]]))
         assert self._quorum is not None
-        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True)
+        return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True, rows=rows)
 
     def take_unsent(self, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None:
         """`sync.unsent=keep`: what this cluster's last sparse send of module `key` left out (its error-feedback

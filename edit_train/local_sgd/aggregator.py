@@ -46,9 +46,12 @@ class Evidence:
     `norms` are ‖Δᵢ‖ over the whole module: reported (SUM), measured on what was sent (gathered), or the
     reported norms whose claims the sketch check holds them to (sketched). `extra` holds the rest, by key:
     ``reported`` (the norms as reported), ``tokens`` (claimed), ``probe`` (the others' median probe score of
-    each cluster's last update), ``sync``; measured: ``gram`` [P, P], ``finite`` [P], ``sketches`` [P, dim],
-    ``exact`` (the transport is lossless); sketched also ``measured_norms`` (of the proven sketches),
-    ``measure_tolerance`` (their relative precision) and ``distance_noise`` (the std of a sketched distance)."""
+    each cluster's last update), ``sync``; a unit with experts (`experts.py`): ``expert_tokens`` [P, E] (the
+    tokens each cluster routed to each of its experts over the interval), ``expert_sent`` [P, E] bool (whose
+    rows each cluster sent); measured: ``gram`` [P, P], ``finite`` [P], ``sketches`` [P, dim], ``exact`` (the
+    transport is lossless), ``measured`` ("gathered" or "sketched"); sketched also ``measured_norms`` (of the
+    proven sketches), ``measure_tolerance`` (their relative precision) and ``distance_noise`` (the std of a
+    sketched distance)."""
 
     module: str
     names: tuple[str, ...]
@@ -72,7 +75,10 @@ class Decision:
     update (a combining rule may leave them nominal: they are what the `sync` event reports); `left_out[i]`
     says the rule refused cluster i's contribution; `skip`: no outer step for this module (nobody is left to
     merge). `evidence[i]` is whatever the rule wants the `sync` event to say about cluster i (its scores, bounds
-    and reasons), by key: nothing in the round reads it."""
+    and reasons), by key: nothing in the round reads it. `expert_weights[e][i]` (a unit with experts, the rule's
+    option): cluster i's coefficient on expert e's rows instead of `weights[i]` (the round applies it in every
+    mode; a cluster that did not send the expert's rows weighs 0 there whatever the rule says; an expert every
+    cluster weighs 0 is not sent in a SUM)."""
 
     module: str
     norms: list[float]
@@ -80,12 +86,15 @@ class Decision:
     left_out: list[bool]
     skip: bool
     evidence: list[dict[str, Any]] = field(default_factory=list)
+    expert_weights: list[list[float]] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly; non-finite floats become None."""
         d = asdict(self)
         d["norms"] = [_finite_or_none(float(v)) for v in self.norms]
         d["weights"] = [_finite_or_none(float(v)) for v in self.weights]
+        if self.expert_weights is not None:
+            d["expert_weights"] = [[_finite_or_none(float(v)) for v in row] for row in self.expert_weights]
         d["evidence"] = [{k: _finite_or_none(v) for k, v in e.items()} for e in self.evidence]
         return d
 
@@ -131,5 +140,6 @@ def spread(d: Decision, idx: list[int], n: int, norms: Tensor) -> Decision:
             out[i] = values[j]
         return out
     evidence = full(d.evidence, None) if d.evidence else [None] * n
+    experts = [full(row, 0.0) for row in d.expert_weights] if d.expert_weights is not None else None
     return Decision(d.module, norms.tolist(), full(d.weights, 0.0), full(d.left_out, False), d.skip,
-                    [e if e is not None else {} for e in evidence])
+                    [e if e is not None else {} for e in evidence], experts)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from edit_train.local_sgd.drivers import BlockingDriver, Driver, OverlapDriver
 from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
+from edit_train.local_sgd.experts import Experts, RoutedCounts
 from edit_train.local_sgd.gradients import GradientExchange
 from edit_train.local_sgd.healing import Decode, Encode, Healer, Replica
 from edit_train.local_sgd.membership import Membership, MembershipConfig
@@ -72,8 +73,8 @@ class LocalSGD:
                  codec: tuple[Encode, Decode], emit: Callable[..., None] | None = None, cluster_index: int = 0,
                  optimizer: torch.optim.Optimizer | None = None,
                  span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext(),
-                 probe_loss: Callable[[], float] | None = None) -> None:
-        self.cfg, self.t, self.span = cfg, transport, span
+                 probe_loss: Callable[[], float] | None = None, routed_counts: RoutedCounts | None = None) -> None:
+        self.cfg, self.t, self.span, self.routed = cfg, transport, span, routed_counts  # MoE: experts.py
         self.warmup = StepSchedule(cfg.schedule)
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s, cfg.eval_every,
                                       cfg.tokens_per_step, cfg.checkpoint_every), transport.cluster)
@@ -95,12 +96,13 @@ class LocalSGD:
 
     def start_local_phase(self) -> None:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
-        units = self.replica.units
+        units, pen = self.replica.units, self.cfg.penalty
         core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
-                        self.cfg.penalty.clip_phi, self.span, self.cfg.gather_max,
+                        pen.clip_phi, self.span, self.cfg.gather_max,
                         getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
-                        retract=Retraction(self.cfg.penalty.verified.probe_tolerance)
-                        if self.probe.enabled and self.cfg.penalty.verified.retract else None)
+                        retract=Retraction(pen.verified.probe_tolerance) if self.probe.enabled and pen.verified.retract
+                        else None, experts=Experts(self.routed, [(u.name, u.module, u.params) for u in units],
+                                                   **pen.experts) if self.routed is not None else None)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 

@@ -27,6 +27,7 @@ class Measured:
     gram: Tensor  # float64 [P, P]: ⟨Δᵢ, Δⱼ⟩ over the whole module (NaN rows for non-finite senders)
     finite: list[bool]
     sketches: Tensor | None  # float64 [P, dim]
+    grams: Tensor | None = None  # float64 [E, P, P]: the Gram matrix of each expert's rows (`groups` given)
 
     @property
     def norms(self) -> Tensor:
@@ -34,18 +35,27 @@ class Measured:
         return torch.where(torch.tensor(self.finite), d.clamp_min(0).sqrt(), torch.full_like(d, math.nan))
 
 
+def shard_range(param: Tensor, rank: int, size: int) -> tuple[int, int]:
+    """The dim-0 rows [lo, hi) of the whole parameter that this rank's local part holds (FSDP2 Shard(0) is
+    torch.chunk of dim 0: ceil(rows / size) rows per rank, the last ranks short or empty; unsharded: all)."""
+    shape = tuple(param.shape)  # a DTensor reports the global shape
+    local = param.to_local() if hasattr(param, "to_local") else param
+    rows = shape[0] if shape else 1
+    if local.numel() == math.prod(shape) or not shape:
+        return 0, rows
+    lo = min(rank * -(-rows // size), rows)
+    return lo, lo + (local.shape[0] if local.dim() else 0)
+
+
 def shard_positions(params: list[Tensor], rank: int, size: int) -> list[Tensor]:
     """The position of every element of this rank's local part of each parameter in the module's flat Δ
     (parameters flattened and concatenated in order; FSDP2 Shard(0) is torch.chunk of dim 0)."""
     out, offset = [], 0
     for p in params:
-        shape = tuple(p.shape)  # a DTensor reports the global shape
+        shape = tuple(p.shape)
         numel = math.prod(shape)
         local = p.to_local() if hasattr(p, "to_local") else p
-        start = 0
-        if local.numel() != numel and shape:
-            rows, per = shape[0], -(-shape[0] // size)
-            start = min(rank * per, rows) * (numel // max(rows, 1))
+        start = shard_range(p, rank, size)[0] * (numel // max(shape[0], 1)) if shape else 0
         out.append(offset + start + torch.arange(local.numel(), dtype=torch.int64))
         offset += numel
     return out
@@ -57,28 +67,38 @@ def buckets(pos: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return (h >> 17) & (dim - 1), ((h >> 43) & 1).to(torch.float32) * 2 - 1
 
 
-def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int) -> Tensor:
-    """[P, P + dim] (float64): Gram rows and sketches of this part of the module. The products accumulate in
-    fp32 (BLAS); the decisions made from them need far less than fp32's precision. A non-finite row shows
-    as a non-finite diagonal entry (and its own sketch row): nothing else is contaminated."""
+Groups = Callable[[bool], tuple[Callable[[Tensor], Tensor], int]]  # whole -> (rows [P, N] -> [E, P, P], E)
+
+
+def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int,
+              grams: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """[P, P + dim (+ E·P)] (float64): Gram rows, sketches (and each expert's Gram rows) of this part of the
+    module. The products accumulate in fp32 (BLAS); the decisions made from them need far less than fp32's
+    precision. A non-finite row shows as a non-finite diagonal entry (and its own sketch row): nothing else is
+    contaminated."""
     x = rows.float()
     parts = [(x @ x.T).double()]
     if dim > 0 and hashed is not None:
         b, sign = hashed
         parts.append(torch.zeros(x.shape[0], dim, dtype=torch.float32).index_add_(1, b, x * sign).double())
+    if grams is not None:
+        parts.append(grams(x).permute(1, 0, 2).reshape(x.shape[0], -1).double())
     return torch.cat(parts, dim=1)
 
 
 def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], tuple[Tensor, Tensor] | None],
-            dim: int) -> Measured:
+            dim: int, groups: Groups | None = None) -> Measured:
     """Gram matrix, finiteness and (dim > 0, a power of two) sketches of every participant's contribution.
-    `hashed(whole)`: the sketch's buckets and signs for the whole flat module, or this rank's shard of it."""
+    `hashed(whole)`: the sketch's buckets and signs for the whole flat module, or this rank's shard of it;
+    `groups(whole)`: how to take each expert's Gram matrix in that layout, and how many experts (`experts.py`)."""
+    whole = got.whole is not None
+    grams, experts = groups(whole) if groups is not None else (None, 0)
     if got.whole is not None:  # identical on every rank of every cluster
-        m = _partials(got.whole, hashed(True), dim)
+        m = _partials(got.whole, hashed(True), dim, grams)
     else:
         rows = got.rows if got.rows is not None else \
             torch.stack([torch.cat([t.detach().reshape(-1).cpu() for t in parts]) for parts in got.parts])
-        per_rank = cluster.all_gather(_partials(rows, hashed(False), dim).to(cluster.device)).cpu()
+        per_rank = cluster.all_gather(_partials(rows, hashed(False), dim, grams).to(cluster.device)).cpu()
         m = per_rank[0].clone()
         for r in range(1, per_rank.shape[0]):  # rank order: the same sum in every cluster of this layout
             m += per_rank[r]
@@ -88,7 +108,9 @@ def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], 
     for i, ok in enumerate(finite):
         if not ok:
             gram[i, :] = gram[:, i] = math.nan
-    return Measured(gram, finite, m[:, n:].clone() if dim > 0 else None)
+    end = m.shape[1] - experts * n
+    per_expert = m[:, end:].reshape(n, experts, n).permute(1, 0, 2).clone() if experts else None
+    return Measured(gram, finite, m[:, n:end].clone() if dim > 0 else None, per_expert)
 
 
 def cosine(a: Tensor, b: Tensor) -> float:

@@ -223,11 +223,15 @@ class Transport(Protocol):
 
     def all_gather(self, vec: Tensor, what: str = "norm exchange") -> Handle[Tensor]: ...  # [members, n] float64
 
-    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Handle[None]: ...
+    # `rows` (optional): per tensor, the dim-0 rows of the whole parameter that take part (None: all); the others
+    # are not sent and come back as 0. The same on every participant.
+    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
+                rows: list[Tensor | None] | None = None) -> Handle[None]: ...
 
-    # every participant's contribution as this rank holds it: exactly what each one sent
-    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None,
-               key: str = "") -> Handle[Contributions]: ...
+    # every participant's contribution as this rank holds it: exactly what each one sent; `rows[i]`: what
+    # participant i sends, as for `reduce_` (every participant knows every participant's); the rest arrives as 0
+    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
+               rows: list[list[Tensor | None]] | None = None) -> Handle[Contributions]: ...
 
     def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
 

@@ -75,9 +75,10 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "sync": report.sync,
         "local_steps": report.local_steps,
         "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
-        # this cluster's coefficient in the merged update (its weight per module, by the module's size): 0 when it
-        # was left out of every module; a sync's weights sum to the accepted share of the tokens
-        "weight": sum(d.weights[me] * n for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
+        # this cluster's coefficient in the merged update (its weight per module — per expert on an expert's rows
+        # —, by size): 0 when it was left out of every module; a sync's weights sum to the accepted share of the tokens
+        "weight": sum(_coefficient(d, me, n, report.expert_shares.get(d.module, []))
+                      for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
         "anomalous_modules": anomalous,
         "anomaly_details": anomaly_details(report.decisions, me),  # {module: the rule's evidence} of left-out ones
@@ -85,11 +86,24 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "regathered": report.regathered,  # sketched, then gathered: why the sketches did not check out ("": no)
         "clip_coef": min(clips),
         "bytes": report.bytes,
+        "unsent_params": report.unsent,  # elements of its Δ this cluster did not send (untouched experts' rows)
+        # units whose experts weigh by routed tokens: this cluster's weight on each expert's rows
+        "expert_weights": {d.module: [row[me] for row in d.expert_weights] for d in decisions
+                           if d.expert_weights is not None},
         "blocked_s": report.blocked_s,
         "participants": list(report.participants),
         # clusters whose update of the last sync was admitted, then judged harmful by the probe, and taken back
         "retracted": {n: dict(v) for n, v in report.retracted.items()},
     }
+
+
+def _coefficient(d: Decision, me: int, numel: int, shares: list[float]) -> float:
+    """Cluster `me`'s weight in unit `d` times the unit's size (its experts' rows, `shares` of it, at their own
+    weights)."""
+    if d.expert_weights is None or not shares:
+        return d.weights[me] * numel
+    rest = d.weights[me] * (1.0 - sum(shares))
+    return numel * (rest + sum(row[me] * f for row, f in zip(d.expert_weights, shares)))
 
 
 def anomaly_details(decisions: Mapping[str, Decision], cluster: int) -> dict[str, dict[str, Any]]:

@@ -1,8 +1,8 @@
 """One sync round — the only place the EDiT sync sequence exists — and the one re-base.
 
     exchange   each rank sums ‖Δ‖² per unit over its cluster; the leaders all-gather one small vector
-               ([‖Δ‖² per unit ‖ last committed round ‖ local steps, s/step, total steps, stop vote, tokens ‖
-               probe scores]) across the quorum
+               ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens per expert (an MoE model, `experts.py`) ‖
+               local steps, s/step, total steps, stop vote, tokens ‖ probe scores]) across the quorum
     decide     the aggregation rule (`rules.py`, `aggregator.py`) weighs every cluster, module by module
     launch     w·Δ of a unit goes into the transport's SUM reduction, or Δ to every cluster (gathered)
     land       wait for a unit's reduced Δ (gathered: judge every contribution, merge them here); a non-finite
@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of
-from edit_train.local_sgd.evidence import buckets, measure, probe_medians, shard_positions, snap
+from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_medians, shard_positions, snap
+from edit_train.local_sgd.experts import Experts, UnitExperts, merged_sqnorm, pin
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import clip_factor, weighted
 from edit_train.local_sgd.protocols import Contributions, Handle, Quorum, Transport
@@ -105,6 +106,7 @@ class SyncCore:
     keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
     kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep)
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
+    experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -144,6 +146,9 @@ class SyncCore:
     def unit(self, name: str) -> Unit:
         return self.units[self.index[name]]
 
+    def unit_experts(self, name: str) -> UnitExperts | None:
+        return self.experts.units.get(name) if self.experts is not None else None
+
 
 @dataclass
 class SyncReport:
@@ -163,6 +168,8 @@ class SyncReport:
     retracted: dict[str, dict[str, Any]] = field(default_factory=dict)  # cluster -> {sync, probe}: taken back
     mode: str = "sum"  # how the contributions moved: sum | gathered | sketched
     regathered: str = ""  # sketched, then gathered: why the sketches did not check out
+    unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
+    expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
 
 
 class SyncRound:
@@ -177,7 +184,7 @@ class SyncRound:
         assert q is not None, "a round needs an issued quorum"
         self.core, self.eager, self.shared, self.nonce = core, eager, q.shared, q.nonce
         self.report = SyncReport(sync, local_steps, q.names, q.me, sizes={u: core.outer.numel(u) for u in core.index},
-                                 mode=core.mode(q))
+                                 mode=core.mode(q), expert_shares=dict(core.experts.shares) if core.experts else {})
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.todo = [u.name for u in core.units]  # in unit order
         self.snap: dict[str, list[Tensor]] = {}
@@ -217,31 +224,39 @@ class SyncRound:
     def exchange(self, extra: list[float]) -> Handle[Tensor]:
         """Start the norm exchange (asynchronous); `extra` rides along (EXTRA, in that order)."""
         c, outer = self.core, self.core.outer
+        counts = c.experts.take() if c.experts is not None else []  # kept until this round commits
         sq = torch.zeros(len(c.units), dtype=torch.float64, device=c.transport.cluster.device)
         for i, unit in enumerate(c.units):
             live = unit.live()
             outer.params[unit.name] = live
             if not self.eager:
                 self.snap[unit.name] = [t.detach().clone() for t in live]
-            sq[i] = sum(float(d.double().pow(2).sum()) for d in outer.pseudo_grad(unit.name))
+            delta = outer.pseudo_grad(unit.name)
+            if c.experts is not None:  # what it reports is what it sends
+                delta = c.experts.sending(unit.name, delta, unit.params, *_where(c))
+            sq[i] = sum(float(d.double().pow(2).sum()) for d in delta)
         c.transport.cluster.sum_(sq)
         mark = c.retract.marker if c.retract is not None else NONE  # the round this cluster last committed
-        vec = torch.cat([sq, torch.tensor([mark, *extra], dtype=torch.float64, device=sq.device)])
+        vec = torch.cat([sq, torch.tensor([mark, *counts, *extra], dtype=torch.float64, device=sq.device)])
         return self._counted(lambda: c.transport.all_gather(vec, "norm exchange"))
 
     def gathered(self, handle: Handle[Tensor]) -> Tensor:
-        """Wait for the exchange ([‖Δ‖² per unit ‖ last committed round ‖ EXTRA ‖ probe score of every
-        cluster's last update]); unless gathering, decide every module now (sketched: provisionally, the
-        rule's state kept to decide again at the vote). Returns the EXTRA columns [clusters, len(EXTRA)]."""
+        """Wait for the exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of
+        every cluster's last update]); unless gathering, decide every module now (sketched: provisionally, the
+        rule's state kept to decide again at the vote; a rule that weighs experts gathers instead: the sketch
+        check cannot check weights per expert). Returns the EXTRA columns [clusters, len(EXTRA)]."""
         full = self._wait(handle).cpu()
-        n, k = len(self.core.units), len(EXTRA)
+        experts = self.core.experts
+        n, k, m = len(self.core.units), len(EXTRA), experts.width if experts is not None else 0
         norms, marks = full[:, :n].clamp_min(0).sqrt(), full[:, n]
-        rows = torch.cat([full[:, :n], full[:, n + 1:]], dim=1)  # without the marker column
+        rows = torch.cat([full[:, :n], full[:, n + 1 + m:]], dim=1)  # without the marker and the routed tokens
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": rows[:, n + EXTRA.index("tokens")],
                      "probe": probe_medians(scores)}
+        if experts is not None and experts.pending is not None:  # [P, MoE layers, experts]
+            self.meta["expert_tokens"] = full[:, n + 1:n + 1 + m].reshape(full.shape[0], *experts.pending.shape)
         if self.core.retract is not None and self.gather:
             self.taking = self.core.retract.plan(self.report.participants, marks, self.meta["probe"])
             self.report.retracted = self.core.retract.described(self.taking)
@@ -252,9 +267,13 @@ class SyncRound:
                                      f"{self.nonce}/{self.report.sync}")
         if not self.gather:
             for i, unit in enumerate(self.core.units):
-                self.report.decisions[unit.name] = self.core.rule.decide(self._evidence(unit.name, norms[:, i], {}))
+                self.report.decisions[unit.name] = self._pin(
+                    self.core.rule.decide(self._evidence(unit.name, norms[:, i], {})), None)
         if self.provisional is not None:
             self.core.rule.load(*_copy_state(self.provisional))
+            if any(d.expert_weights is not None for d in self.report.decisions.values()):
+                self.report.mode, self.check, self.provisional = "gathered", None, None
+                self.report.decisions.clear()
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return rows[:, n:n + k]
 
@@ -263,8 +282,23 @@ class SyncRound:
         i = self.core.index[name]
         extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
                  "probe": self.meta["probe"].clone(), "sync": torch.tensor(self.report.sync), **measured}
+        if self.core.experts is not None and name in self.core.experts.units and "expert_tokens" in self.meta:
+            extra["expert_tokens"] = self.core.experts.tokens(name, self.meta["expert_tokens"])
+            extra["expert_sent"] = self._sent(name)
         return Evidence(name, tuple(self.report.participants), norms.clone(), steps.clone(),
                         tuple(bool(s > 0) for s in steps.tolist()), extra)
+
+    def _sent(self, name: str) -> Tensor:
+        """bool [P, E]: which of unit `name`'s experts each cluster sends."""
+        assert self.core.experts is not None
+        return self.core.experts.sent_by(name, self.meta.get("expert_tokens"), len(self.report.participants))
+
+    def _pin(self, d: Decision, finite: list[bool] | None) -> Decision:
+        """The expert weights this round applies (`experts.pin`); none for a unit without experts."""
+        if d.expert_weights is None or self.core.unit_experts(d.module) is None:
+            d.expert_weights = None
+            return d
+        return pin(d, self._sent(d.module), finite)
 
     # ------------------------------------------------------------------ per unit
     def _delta(self, name: str) -> list[Tensor]:
@@ -282,13 +316,20 @@ class SyncRound:
         unit = c.unit(name)
         c.outer.params[name] = unit.live()
         c.outer.prefetch(name)
+        experts, me, rows, unsent = c.experts if c.unit_experts(name) else None, self.report.position, None, 0
         if self.gather:
             delta = self._delta(name)
-            self.inflight[name] = (self._counted(lambda: c.transport.gather(delta, unit.params, name)), delta)
-            return
-        w = self.report.decisions[name].weights[self.report.position]
-        delta = weighted(self._delta(name), float(w))
-        self.inflight[name] = (self._counted(lambda: c.transport.reduce_(delta, unit.params, name)), delta)
+            if experts is not None:  # each cluster sends only the experts it touched
+                rows, unsent = experts.gathered(name, self._sent(name), unit.params, me)
+        elif experts is None or self.report.decisions[name].expert_weights is None:
+            delta = weighted(self._delta(name), float(self.report.decisions[name].weights[me]))
+        else:  # each expert's rows by its own weight; the rows of experts nobody weighs do not go at all
+            delta, rows, unsent = experts.summed(name, self._delta(name), unit.params, *_where(c),
+                                                 self.report.decisions[name], me)
+        self.report.unsent += unsent
+        kw = {"rows": rows} if rows is not None else {}  # (a transport that predates `rows` is never asked)
+        move = c.transport.gather if self.gather else c.transport.reduce_
+        self.inflight[name] = (self._counted(lambda: move(delta, unit.params, name, **kw)), delta)
 
     def ready(self, name: str) -> bool:
         return name in self.landed or (name in self.inflight and self.inflight[name][0].ready())
@@ -318,8 +359,11 @@ class SyncRound:
         """The rule decides on what every cluster sent (its Gram matrix, finiteness, sketches); the merge —
         the weighted sum, or the rule's own `combine` — is taken here, in quorum order, identically on every
         cluster."""
-        c = self.core
-        m = measure(got, c.transport.cluster, lambda whole: c.hashed(name, whole), c.sketch_dim)
+        c, ue, params = self.core, self.core.unit_experts(name), self.core.unit(name).params
+        groups: Groups | None = None
+        if ue is not None and c.experts is not None and c.experts.weighs:
+            groups = lambda whole: (ue.grams(params, *_where(c), whole), ue.count)  # noqa: E731
+        m = measure(got, c.transport.cluster, lambda whole: c.hashed(name, whole), c.sketch_dim, groups)
         measured = {"gram": m.gram, "finite": torch.tensor(m.finite), "exact": torch.tensor(c.transport.exact)}
         if m.sketches is not None:
             measured["sketches"] = m.sketches
@@ -327,6 +371,7 @@ class SyncRound:
         decision = c.rule.decide(ev)
         w = [snap(float(x)) if ok else 0.0 for x, ok in zip(decision.weights, m.finite)]
         decision.weights = w
+        ew = self._pin(decision, m.finite).expert_weights
         self.report.decisions[name] = decision
         if c.keep is not None:
             c.keep(name, [a.detach().clone() for a in c.outer.anchors[name]], got)
@@ -336,6 +381,8 @@ class SyncRound:
             kept = [p if ok and not out else [torch.zeros_like(t) for t in p]
                     for p, ok, out in zip(got.parts, m.finite, decision.left_out)]
             return [t.to(torch.float32) for t in c.rule.combine(ev, decision, kept)]
+        if ue is not None and ew is not None and m.grams is not None:
+            return self._merge_experts(name, got, m.gram, m.grams, w, ew, ue)
         if self.applied is not None:
             self.applied.add(name, got.parts, w)
         used = [i for i, x in enumerate(w) if x != 0.0]
@@ -345,6 +392,22 @@ class SyncRound:
         for i in used:  # quorum order: the same sum on every cluster
             for t, part in zip(total, got.parts[i]):
                 t.add_(part.to(t.dtype), alpha=w[i])
+        return total
+
+    def _merge_experts(self, name: str, got: Contributions, gram: Tensor, grams: Tensor, w: list[float],
+                       ew: list[list[float]], ue: UnitExperts) -> list[Tensor]:
+        """Σᵢ Wᵢ∘Δᵢ with each expert's rows weighted by its own weights, in quorum order; ‖·‖² from the Gram
+        matrices of the rest of the unit and of each expert (the same number on every cluster)."""
+        where, params = _where(self.core), self.core.unit(name).params
+        used = [i for i in range(len(w)) if w[i] != 0.0 or any(row[i] != 0.0 for row in ew)]
+        mine = [[row[i] for row in ew] for i in range(len(w))]
+        if self.applied is not None:  # what each one added, for a later retraction: its parts as weighted
+            self.applied.add(name, [ue.scaled(p, params, *where, w[i], mine[i]) if i in used else p
+                                    for i, p in enumerate(got.parts)], [float(i in used) for i in range(len(w))])
+        self.sqnorm[name] = merged_sqnorm(gram, grams, used, w, ew)
+        total = [torch.zeros_like(d, dtype=torch.float32) for d in got.parts[self.report.position]]
+        for i in used:  # quorum order: the same sum on every cluster
+            ue.accumulate(total, got.parts[i], params, *where, w[i], mine[i])
         return total
 
     @torch.no_grad()
@@ -450,9 +513,12 @@ class SyncRound:
         return True
 
     def committed(self) -> None:
-        """The vote passed: this round is the one the next round's probe verdicts refer to."""
+        """The vote passed: this round is the one the next round's probe verdicts refer to; the routed counts it
+        carried are spent."""
         if self.core.retract is not None:
             self.core.retract.committed(self.applied)
+        if self.core.experts is not None:
+            self.core.experts.committed()
 
     @torch.no_grad()
     def rollback(self) -> None:
@@ -469,6 +535,11 @@ class SyncRound:
         self.core.transport.abort()
         self.core.transport.feedback.restore()
         self.core.kept = False  # the live parameters are what they were before the round
+
+
+def _where(core: SyncCore) -> tuple[int, int]:
+    """This rank's place in its cluster (rank, ranks): which rows of a sharded parameter it holds."""
+    return core.transport.cluster.rank, core.transport.cluster.size
 
 
 def _copy_state(state: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[str, Any], dict[str, Tensor]]:

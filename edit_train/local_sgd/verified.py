@@ -21,7 +21,9 @@ Per module, a contributing cluster is left out (weight 0) when any of these hold
 Norm statistics are per cluster name, direction statistics pooled per module; both learn accepted values
 only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
 cluster cannot buy weight by exaggerating); a left-out cluster's share is a zero update (`left_out`,
-`token_weights`).
+`token_weights`). With `expert_weights=tokens`, each expert's rows weigh every cluster by that backing spread
+over the experts as the cluster routed its tokens (`experts.expert_weights`; the same judgements: a cluster left
+out of the module is left out of every expert).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ from torch import Tensor
 from edit_train.local_sgd.aggregator import Decision, Evidence, Needs, nobody, spread
 from edit_train.local_sgd.direction import KEYS as DIRECTION_KEYS
 from edit_train.local_sgd.direction import DirectionTest, Verdict, cosines
+from edit_train.local_sgd.experts import expert_weights
 from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per_step
 from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 
 log = logging.getLogger(__name__)
 _TESTS = ("norm", *DIRECTION_KEYS)
 LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
+EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
 
 
 @dataclass
@@ -62,6 +66,12 @@ class VerifiedConfig(NormTestConfig):
     # what a left-out cluster's token share of a module's step becomes: "zero" (the step is backed by the
     # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
     left_out: str = "zero"
+    # an expert's rows (units with experts): "tokens" weighs each cluster by the tokens it routed to that expert
+    # (its token backing spread as it routed them, `experts.expert_weights`), "none" as the rest of the module
+    expert_weights: str = "none"
+    # expert_weights=tokens: a cluster that routed fewer tokens than this to an expert sends none of its rows and
+    # is no contribution to it (0: every row is sent)
+    expert_min_tokens: int = 0
 
     def validate(self, rule: str = "verified") -> None:
         super().validate(rule)
@@ -74,6 +84,11 @@ class VerifiedConfig(NormTestConfig):
         check_fields(0.0 < self.direction_rate <= 1.0, f"{rule}.direction_rate",
                      f"must be in (0, 1], got {self.direction_rate}")
         check_fields(self.left_out in LEFT_OUT, f"{rule}.left_out", f"must be one of {LEFT_OUT}, got {self.left_out!r}")
+        check_fields(self.expert_weights in EXPERT_WEIGHTS, f"{rule}.expert_weights",
+                     f"must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
+        check_fields(self.expert_min_tokens >= 0 and (self.expert_min_tokens == 0 or self.expert_weights == "tokens"),
+                     f"{rule}.expert_min_tokens", f"must be >= 0, and 0 unless expert_weights=tokens (rows a cluster "
+                     f"does not send need weights per expert), got {self.expert_min_tokens}")
         check_fields(self.probe_tokens >= 0 and self.max_token_ratio >= 1.0 and self.report_tolerance > 0, rule,
                      ": probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
@@ -152,11 +167,11 @@ class VerifiedRule:
             t = self.tally.setdefault(n, [0, 0])
             t[0] += 1
             t[1] += int(bool(corrupt[j]))
-        w = self._weights(ev, idx, anomalous)
+        w, per_expert = self._weights(ev, idx, anomalous)
         ref_cos = [self.direction.ref_cosine(ev.module, s) for s in sk] if sk is not None else [None] * len(idx)
         self.direction.follow(ev.module, sk, w)
         d = Decision(ev.module, g.tolist(), w.tolist(), anomalous.tolist(), bool(anomalous.all()),
-                     self._evidence(ev, idx, flags, (bad, lied, useless, held), verdict, ref_cos))
+                     self._evidence(ev, idx, flags, (bad, lied, useless, held), verdict, ref_cos), per_expert)
         if log.isEnabledFor(logging.DEBUG):  # EDIT_TRAIN_DEBUG=edit_train.local_sgd.verified: every decision
             pair = cosines(torch.as_tensor(ev.extra["gram"])[idx][:, idx]).tolist() if "gram" in ev.extra else None
             log.debug("decision %s: %s", ev.module, {n: {
@@ -187,8 +202,17 @@ class VerifiedRule:
         p = torch.as_tensor(probe, dtype=torch.float64)[idx]
         return torch.isfinite(p) & (p > self.cfg.probe_tolerance)
 
-    def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> Tensor:
-        return token_weights(claimed_tokens(ev, idx), ~anomalous, self.cfg.max_token_ratio, self.cfg.left_out)
+    def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> tuple[Tensor, list[list[float]] | None]:
+        """The module's weights, and (expert_weights=tokens, a unit with experts) each expert's [E][len(idx)]."""
+        claims, cfg = claimed_tokens(ev, idx), self.cfg
+        w = token_weights(claims, ~anomalous, cfg.max_token_ratio, cfg.left_out)
+        if cfg.expert_weights != "tokens" or "expert_tokens" not in ev.extra:
+            return w, None
+        kept, rejected = token_backing(claims, ~anomalous, cfg.max_token_ratio, cfg.left_out)
+        counts = torch.as_tensor(ev.extra["expert_tokens"], dtype=torch.float64)[idx]
+        sent = torch.as_tensor(ev.extra["expert_sent"], dtype=torch.bool)[idx] if "expert_sent" in ev.extra \
+            else torch.ones_like(counts, dtype=torch.bool)
+        return w, expert_weights(counts, sent, kept, rejected).tolist()
 
     @staticmethod
     def _evidence(ev: Evidence, idx: list[int], flags: dict, hits: tuple[Tensor, Tensor, Tensor, Tensor],
@@ -258,23 +282,30 @@ def claimed_tokens(ev: Evidence, idx: list[int]) -> Tensor:
     return torch.as_tensor(ev.extra.get("tokens", ev.steps), dtype=torch.float64)[idx]
 
 
-def token_weights(tokens: Tensor, accepted: Tensor, cap_ratio: float, left_out: str = "zero") -> Tensor:
-    """The accepted contributors' weights from their claimed tokens, each claim capped at `cap_ratio` × the
-    median accepted claim (a cluster cannot buy weight by exaggerating). `left_out="others"`: the weights sum
-    to 1 (a left-out cluster's share goes to the accepted ones, EDiT's renormalisation). `"zero"`: a left-out
-    cluster's share is a zero update, so the weights sum to the share of the judged tokens that was accepted
-    and the step shrinks with the tokens that back it (the linear-scaling rule for the outer step; measured in
-    docs/sync_math.md). A left-out claim counts at most the median accepted claim: an untrusted cluster cannot
-    shrink the others' step by exaggerating either. Claims that are all zero count as one each."""
+def token_backing(tokens: Tensor, accepted: Tensor, cap_ratio: float, left_out: str = "zero") -> tuple[Tensor, Tensor]:
+    """The tokens behind each contributor's share of a step: (kept, rejected). `kept`: an accepted claim capped at
+    `cap_ratio` × the median accepted claim (a cluster cannot buy weight by exaggerating), 0 for the left out;
+    `rejected`: what a left-out claim counts in the denominator — `left_out="zero"` at most the median accepted
+    claim (its share is a zero update; an untrusted cluster cannot shrink the others' step by exaggerating
+    either), `"others"` nothing (its share goes to the accepted, EDiT's renormalisation). Claims that are all
+    zero count as one each. Nothing accepted: both zero."""
     t = torch.where(torch.isfinite(tokens), tokens.clamp_min(0.0), torch.zeros_like(tokens))
     if not bool(accepted.any()):
-        return torch.zeros_like(t)
+        return torch.zeros_like(t), torch.zeros_like(t)
     if not float(t[accepted].sum()) > 0:
         t = torch.ones_like(t)
     med = float(t[accepted].median())
     kept = torch.where(accepted, t.clamp_max(cap_ratio * med) if med > 0 else t, torch.zeros_like(t))
-    total = float(kept.sum())
-    if left_out == "zero":
-        total += float(torch.where(accepted, torch.zeros_like(t), t.clamp_max(med)).sum())
-    return kept / total
+    if left_out != "zero":
+        return kept, torch.zeros_like(t)
+    return kept, torch.where(accepted, torch.zeros_like(t), t.clamp_max(med))
 
+
+def token_weights(tokens: Tensor, accepted: Tensor, cap_ratio: float, left_out: str = "zero") -> Tensor:
+    """The accepted contributors' weights from their claimed tokens (`token_backing`): with `left_out="zero"` the
+    weights sum to the share of the judged tokens that was accepted, so the step shrinks with the tokens that back
+    it (the linear-scaling rule for the outer step; measured in docs/sync_math.md); with `"others"` to 1."""
+    kept, rejected = token_backing(tokens, accepted, cap_ratio, left_out)
+    if not bool(accepted.any()):
+        return kept
+    return kept / (float(kept.sum()) + float(rejected.sum()))

@@ -12,9 +12,13 @@ Pure functions of module structure; `local_rows` maps an expert's rows onto one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from edit_train.model.moe import MoEBlock
+
+Pieces = list[list[tuple[int, slice]]]  # per expert: (index into the unit's params, rows of that parameter)
 
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")  # the stacked [E, ...] parameters of RoutedExperts
 
@@ -40,6 +44,19 @@ def count_rows(model: nn.Module) -> dict[str, int]:
     layers = getattr(model, "layers", [])
     moe = [i for i, layer in enumerate(layers) if isinstance(getattr(layer, "mlp", None), MoEBlock)]
     return {f"layers.{i}": row for row, i in enumerate(moe)}
+
+
+def sync_pieces(model: nn.Module) -> Callable[[str, nn.Module, list[nn.Parameter]], tuple[int, Pieces] | None]:
+    """What the sync core asks of a unit (`local_sgd.experts.RoutedCounts.pieces`): its row of
+    ``expert_counts()`` and each expert's rows of its parameters, or None for a unit without an MoE block."""
+    rows = count_rows(model)
+
+    def pieces(name: str, unit: nn.Module, params: list[nn.Parameter]) -> tuple[int, Pieces] | None:
+        blocks = expert_slices(unit, params) if name in rows else {}
+        if len(blocks) != 1:  # a unit is one decoder layer: one MoE block or none
+            return None
+        return rows[name], next(iter(blocks.values()))
+    return pieces
 
 
 def local_rows(rows: slice, dim0: int, shard_rank: int, shard_size: int) -> slice | None:

@@ -167,15 +167,17 @@ def unit_pieces(numel: int, ranks: int, paired: bool, chunks: int) -> list[int]:
 
 def sync_bytes(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: int = 1, paired: bool = True,
                chunks: int = 4, gather_max: int = 4, block: int = 256, needs: str = "measurements",
-               sketch_dim: int = SKETCH_DIM) -> int:
+               sketch_dim: int = SKETCH_DIM, unsent: Sequence[int] | None = None) -> int:
     """Bytes one cluster sends in one local-SGD sync among `world` participants (payload, tags, and the
-    sketched sync's proofs; not the small norm exchange)."""
+    sketched sync's proofs; not the small norm exchange). `unsent`: per unit, the elements it leaves out (rows
+    of experts it — gathered — or nobody — a SUM — routed tokens to; the `unsent_params` of its `sync` event;
+    exact for one rank per cluster or the chunked layout)."""
     if world <= 1:
         return 0
     c = codec(scheme, block)
     how = aggregation(world, needs, gather_max, c.sparse)
     total = 0
-    for n in units:
+    for n in (u - s for u, s in zip(units, unsent)) if unsent is not None else units:
         for piece in unit_pieces(n, ranks, paired, chunks):
             if how == "gathered":
                 total += (world - 1) * (c.payload(piece) + TAG)

@@ -79,12 +79,12 @@ class ByzantineTransport:
             payload = heal.encode(meta, {k: v * LIE_SCALE if "/anchor/" in k else v for k, v in tensors.items()})
         self.inner.send_bytes(payload, dst)
 
-    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Any:
-        return self.inner.gather(self._out(tensors, key), params, key)
+    def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "", **kw: Any) -> Any:
+        return self.inner.gather(self._out(tensors, key), params, key, **kw)
 
-    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "") -> Any:
+    def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "", **kw: Any) -> Any:
         sent = self._out(tensors, key)
-        handle = self.inner.reduce_(sent, params, key)
+        handle = self.inner.reduce_(sent, params, key, **kw)
         if sent is tensors:
             return handle
         return _Into(handle, sent, tensors)

@@ -22,6 +22,7 @@ from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
 from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.experts import RoutedCounts
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
@@ -156,7 +157,8 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     optimizer: torch.optim.Optimizer | None = None, federated: bool = True,
                     span: Callable[[str], AbstractContextManager[Any]] | None = None, tokens_per_step: int = 0,
                     probe_loss: Callable[[], float] | None = None,
-                    faults: tuple[FaultInjector, Callable[[], int]] | None = None) -> LocalSGD:
+                    faults: tuple[FaultInjector, Callable[[], int]] | None = None,
+                    routed_counts: RoutedCounts | None = None) -> LocalSGD:
     """The algorithm of this rank: its transport (wrapped by a Byzantine fault if one is configured for this
     cluster), the probe of each update's usefulness, the core's config."""
     creds = credentials(cfg, topo.name) if federated else None
@@ -167,4 +169,5 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
     return LocalSGD(local_sgd_config(cfg, tokens_per_step, own_tokenizer(cfg, topo.name), roster), model,
                     fsdp_units(model), transport,
                     (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
-                    optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss)
+                    optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss,
+                    routed_counts=routed_counts)

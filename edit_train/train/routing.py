@@ -3,10 +3,11 @@
 The MoE blocks add every training forward's counts to a device tensor (`CausalLM.expert_counts`, no host
 sync per step). `RoutedTally.take` closes an interval: it reads the counts, sums them over the cluster's ranks
 (each rank routed its own micro-batch), resets them and logs one `experts` event {step, cluster, group,
-interval, steps, layers, counts [MoE layers][experts]}. An interval is the local steps one sync contributes
-(`due`: the step at which a sync began; a missed sync does not close it), or `log_every` steps without local
-SGD (ddp, the synchronous warm-up). `edit-train-report` draws from these events which cluster feeds which
-expert (report/experts.py).
+interval, steps, layers, counts [MoE layers][experts]}. An interval is the local steps one sync contributes —
+the sync core takes the counts itself when a round's exchange starts (`hook`, `local_sgd/experts.py`: they ride
+the exchange to every cluster and weigh the experts' rows; a missed sync does not close the interval) —, or
+`log_every` steps without local SGD (ddp, the synchronous warm-up: `due`). `edit-train-report` draws from these
+events which cluster feeds which expert (report/experts.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from edit_train.cluster.mesh import Topology
+from edit_train.local_sgd.experts import RoutedCounts
 from edit_train.model import CausalLM
+from edit_train.model.expert_params import sync_pieces
 
 
 class RoutedTally:
@@ -28,6 +31,14 @@ class RoutedTally:
         self.layers = model.moe_layers()
         self.steps = 0  # training steps in the open interval
         self.intervals = 0  # intervals this incarnation closed
+        self.hooked = False  # the sync core closes the local-SGD intervals (`hook`)
+
+    def hook(self) -> RoutedCounts | None:
+        """What the sync core takes the counts with (None: no MoE layer, or no local SGD)."""
+        if not self.layers or not self.local_sgd:
+            return None
+        self.hooked = True
+        return RoutedCounts(self.take, sync_pieces(self.model))
 
     def counted(self) -> None:
         """One more training step in the open interval."""
@@ -39,7 +50,7 @@ class RoutedTally:
         if not self.layers or self.steps == 0:
             return False
         if self.local_sgd and step > self.warmup_steps:
-            return local_steps == 0
+            return local_steps == 0 and not self.hooked
         return step % self.log_every == 0 or step == self.warmup_steps
 
     def take(self) -> torch.Tensor:

@@ -145,11 +145,12 @@ class Trainer:
         if cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0:  # usefulness
             batch = probe_batch(self.val_dirs, t.seq_len, verified.probe_tokens, topo.index)
             probe = lambda: batch_loss(self.model, batch, topo, self._autocast)  # noqa: E731
-        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
-                                    span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
-                                    probe_loss=probe, faults=(self.faults, lambda: self.state.step))
         self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
                                  cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
+        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
+                                    span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
+                                    probe_loss=probe, faults=(self.faults, lambda: self.state.step),
+                                    routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
         if self.is_main and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
@@ -301,12 +302,12 @@ class Trainer:
                     self.metrics.log("skip", step=step + 1, group=topo.index, reason="non_finite", loss=loss)
             p.trained()
             window_tokens += tokens_per_step
+            self.tally.counted()  # before the sync that may close the interval (RoutedTally.hook)
             with self.timing.span("sync"):
                 outcome = self.algo.after_step(step, time.time() - step_t0)
             if outcome.adopt_step is not None:  # healed mid-run: continue from the federation's step
                 p.step = outcome.adopt_step
-            self.tally.counted()
-            if self.tally.due(p.step, self.algo.pacer.local_steps):  # 0: a sync began in this step
+            if self.tally.due(p.step, self.algo.pacer.local_steps):  # ddp, warm-up: every log_every steps
                 self.tally.take()
             self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:

@@ -1,0 +1,248 @@
+"""Expert-aware sync (issue 41, phase B): each cluster's experts merged by the tokens it routed to them, and
+untouched experts left out of the sync, against today's default rule — on the non-IID setting and on IID data.
+
+Every run is `algo=edit` (the verified rule, gathered at 2 and 4 clusters) at the convergence benchmark's tuned
+point for edit (docs/convergence_tuned.json, docs/convergence_small.json: inner lr 3e-3, outer SGD 0.5 /
+momentum 0.5 Nesterov; H = 8, batch 8, seq 128, no warm-up; tiny 320 steps, small 160): the same tuning budget
+for every arm — the expert-aware arms get no tuning of their own. Arms:
+
+* `default` — today's rule (`algo.penalty.verified.expert_weights=none`);
+* `tokens`  — each expert's rows weighed by the tokens each cluster routed to it (`expert_weights=tokens`);
+* `skip`    — `tokens`, and a cluster that routed fewer than `--min-tokens` tokens to an expert in the interval
+  sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
+  H · batch · seq · top-k / experts = 2048 for both models).
+
+Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
+validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
+the final validation loss (`train.eval_batches`, default 32 batches = 32,768 tokens, on the shared validation),
+the bytes of every `sync` event (every cluster's) against the formula of docs/sync_math.md ("Experts") over what
+the event says was left out (`unsent_params`), their mean, and the mean share of the model left out. Per setting (model, clusters, data): each
+arm's loss per seed, its gain over `default` (default − arm, per seed: mean, sample std, min) and whether it is
+≤ default on every seed.
+
+    python benchmarks/moe_sync.py --quick            # tiny, 2 clusters, seed 0, noniid + iid, 3 arms: 6 runs
+    python benchmarks/moe_sync.py --reuse            # the grid: 2 models x 2 cluster counts x 2 data x 3 seeds x 3 arms
+    python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
+
+Runs go to <workdir>/<model>_<steps>steps/g<G>/<data>/seed<S>/<arm>; `--reuse` picks up every finished run
+with identical overrides (an interrupted grid resumes where it stopped). The JSON records the host's load
+before and after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+DOCS = C.BENCH_DIR.parent / "docs"
+DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
+STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
+ARMS = ("default", "tokens", "skip")
+TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's per-cluster scalars (round.EXTRA)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny, 2 clusters, seed 0 (noniid + iid, every arm)")
+    ap.add_argument("--models", nargs="+", default=None, choices=sorted(STEPS))
+    ap.add_argument("--clusters", type=int, nargs="+", default=None)
+    ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=["noniid", "iid"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=None)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--min-tokens", type=int, default=512, help="expert_min_tokens of the `skip` arm")
+    ap.add_argument("--steps", type=int, default=None, help="train.steps (default: tiny 320, small 160)")
+    ap.add_argument("--eval-batches", type=int, default=32)
+    ap.add_argument("--eval-every", type=int, default=80)
+    ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json",
+                    help="edit's tuned point (tune.best.edit)")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
+    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "moe_sync")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
+    ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
+    ap.add_argument("--plot-only", action="store_true", help="draw --plot from the summary in --out, run nothing")
+    a = ap.parse_args(argv)
+    a.models = a.models or ["tiny"] if a.quick else a.models or ["tiny", "small"]
+    a.clusters = a.clusters or ([2] if a.quick else [2, 4])
+    a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])
+    return a
+
+
+def tuned_point(path: Path) -> list[str]:
+    best = json.loads(path.read_text())["tune"]["best"]["edit"]
+    nesterov = str(bool(best["nesterov"])).lower()
+    return [f"train.lr={best['lr']:g}", f"algo.outer.lr={best['outer_lr']:g}",
+            f"algo.outer.momentum={best['outer_momentum']:g}", f"algo.outer.nesterov={nesterov}"]
+
+
+def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: int, arm: str) -> list[str]:
+    out = ["cluster=local", f"cluster.groups={groups}", "cluster.shard_size=1", f"model={model}", "algo=edit",
+           f"seed={seed}", f"train.steps={a.steps or STEPS[model]}", "train.batch_size=8", "train.seq_len=128",
+           f"train.eval_every={a.eval_every}", f"train.eval_batches={a.eval_batches}", "algo.interval=8",
+           "algo.warmup_steps=0", *tuned_point(a.tuned)]
+    if data == "noniid":
+        out.append("data.split=by_family")
+    if arm != "default":
+        out.append("algo.penalty.verified.expert_weights=tokens")
+    if arm == "skip":
+        out.append(f"algo.penalty.verified.expert_min_tokens={a.min_tokens}")
+    return out
+
+
+def model_shape(model: str) -> dict[str, Any]:
+    """Sync units (their number and sizes), parameters, and the routed-count row (MoE layers x experts)."""
+    from edit_train.cli.common import compose
+    from edit_train.cluster.mesh import fsdp_units
+    from edit_train.local_sgd.round import build_units
+    from edit_train.model import CausalLM
+
+    cfg = compose([f"model={model}"])
+    import torch
+
+    with torch.device("meta"):
+        m = CausalLM(cfg.model)
+    units = build_units(m, fsdp_units(m))
+    return {"units": len(units), "params": sum(p.numel() for p in m.parameters()),
+            "counts": len(m.moe_layers()) * cfg.model.num_experts}
+
+
+def formula(shape: dict[str, Any], clusters: int, unsent: int) -> int:
+    """docs/sync_math.md, "Experts": a gathered sync of one rank per cluster, the probe scores in the exchange."""
+    p, u = clusters, shape["units"]
+    return (p - 1) * (4 * (shape["params"] - unsent) + TAG * u) \
+        + (p - 1) * (8 * (u + 1 + shape["counts"] + EXTRA + p) + TAG) + (p - 1) * (8 + TAG)
+
+
+def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int, arm: str,
+            shape: dict[str, Any]) -> dict[str, Any]:
+    run_dir = a.workdir / f"{model}_{a.steps or STEPS[model]}steps" / f"g{groups}" / data / f"seed{seed}" / arm
+    before = C.load()
+    job = C.run_job(f"{model} x{groups} {data} seed {seed} {arm}", run_dir,
+                    overrides(a, model, groups, data, seed, arm), timeout=a.timeout, reuse=a.reuse)
+    syncs = job.events("sync")
+    off = [e for e in syncs if e["bytes"] != formula(shape, len(e["participants"]), e.get("unsent_params", 0))]
+    mine = [e for e in syncs if e.get("cluster") == "c0"]
+    return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
+            "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
+            "syncs": len(mine), "bytes_per_sync": statistics.fmean(e["bytes"] for e in syncs) if syncs else None,
+            "formula_per_sync_full": formula(shape, groups, 0),
+            "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
+            if syncs else None,
+            "sync_events": len(syncs), "off_formula": len(off), "anomalies": job.summary.get("anomalies"),
+            "job_wall_s": job.wall_s, "load_before": before, "load_after": C.load(), "run_dir": str(run_dir)}
+
+
+def spread(xs: list[float]) -> dict[str, Any]:
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0, "min": min(xs),
+            "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]:
+    """Per setting (model, clusters, data): each arm's losses by seed, its gain over default, its bytes."""
+    out = []
+    for key in sorted({(r["model"], r["clusters"], r["data"]) for r in runs}):
+        rs = [r for r in runs if (r["model"], r["clusters"], r["data"]) == key]
+        loss = {arm: {r["seed"]: r["final_val_loss"] for r in rs if r["arm"] == arm} for arm in arms}
+        row: dict[str, Any] = {"model": key[0], "clusters": key[1], "data": key[2], "loss": loss}
+        for arm in arms:
+            rr = [r for r in rs if r["arm"] == arm]
+            seeds = sorted(set(loss[arm]) & set(loss.get("default", {})))
+            gain = [loss["default"][s] - loss[arm][s] for s in seeds]
+            row[arm] = {"loss": spread(list(loss[arm].values())),
+                        "gain": spread(gain) if arm != "default" else None,
+                        "le_default_every_seed": all(g >= 0 for g in gain) if gain and arm != "default" else None,
+                        "bytes_per_sync": spread([r["bytes_per_sync"] for r in rr if r["bytes_per_sync"]]),
+                        "unsent_share": spread([r["unsent_share"] for r in rr if r["unsent_share"] is not None]),
+                        "off_formula": sum(r["off_formula"] for r in rr),
+                        "sync_events": sum(r["sync_events"] for r in rr)}
+        out.append(row)
+    return out
+
+
+def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
+    plt = C.pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels = [f"{r['model']} x{r['clusters']}\n{r['data']}" for r in rows]
+    for k, arm in enumerate(a for a in arms if a != "default"):
+        for i, r in enumerate(rows):
+            seeds = sorted(set(r["loss"][arm]) & set(r["loss"]["default"]))
+            gains = [r["loss"]["default"][s] - r["loss"][arm][s] for s in seeds]
+            x = i + (k - 0.5) * 0.3
+            ax.scatter([x] * len(gains), gains, color=f"C{k + 1}", s=18, label=arm if i == 0 else None)
+            if gains:
+                ax.errorbar([x], [statistics.fmean(gains)], yerr=[statistics.stdev(gains) if len(gains) > 1 else 0],
+                            color=f"C{k + 1}", fmt="_", markersize=14, capsize=4)
+            b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
+            if b and d:
+                bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=0.28, color=f"C{k + 1}",
+                       label=f"{arm}: bytes saved" if i == 0 else None)
+            if u:
+                bx.scatter([x], [100 * u["mean"]], color="k", marker="x", s=30,
+                           label="share of the model left out" if i == 0 and k == 1 else None)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("val loss gain over default (default − arm)")
+    ax.set_title("per seed (dots), mean ± std")
+    ax.legend(fontsize=8)
+    bx.axhline(0, color="k", lw=0.8)
+    bx.set_xticks(range(len(rows)), labels, fontsize=8)
+    bx.set_ylabel("% of default's bytes per sync")
+    bx.set_title("bytes saved per sync, and the untouched rows' share")
+    bx.legend(fontsize=8)
+    return C.save_fig(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.plot_only:
+        saved = json.loads(a.out.read_text())
+        print(f"wrote {plot(saved['summary'], saved['setup']['arms'], a.plot)}")
+        return 0
+    t0, start_load = time.perf_counter(), C.load()
+    plan = [(m, g, d, s, arm) for m in a.models for g in a.clusters for d in a.data for s in a.seeds for arm in a.arms]
+    print(f"{len(plan)} runs: models {a.models}, clusters {a.clusters}, data {a.data}, seeds {a.seeds}, arms {a.arms}")
+    shapes = {m: model_shape(m) for m in a.models}
+    runs: list[dict[str, Any]] = []
+    walls: dict[tuple[str, int], list[float]] = {}
+    for k, (m, g, d, s, arm) in enumerate(plan):
+        r = run_one(a, m, g, d, s, arm, shapes[m])
+        runs.append(r)
+        walls.setdefault((m, g), []).append(r["job_wall_s"])
+        left = sum(statistics.fmean(walls.get((pm, pg), [r["job_wall_s"] * pg / g])) for pm, pg, *_ in plan[k + 1:])
+        print(f"  [{k + 1}/{len(plan)}] loss {r['final_val_loss']:.4f}, {r['bytes_per_sync'] or 0:,.0f} B/sync, "
+              f"left out {100 * (r['unsent_share'] or 0):.1f} %, off formula {r['off_formula']}; ~{left / 60:.0f} min "
+              "left", flush=True)
+        rows = summarize(runs, a.arms)
+        C.write_json(a.out, {"benchmark": "moe_sync", "quick": a.quick, "setup": {
+            "steps": {m: a.steps or STEPS[m] for m in a.models}, "interval": 8, "batch_size": 8, "seq_len": 128,
+            "eval_every": a.eval_every, "eval_batches": a.eval_batches, "tuned": tuned_point(a.tuned),
+            "min_tokens": a.min_tokens, "models": a.models, "clusters": a.clusters, "data": a.data, "seeds": a.seeds,
+            "arms": a.arms, "shapes": shapes}, "summary": rows, "runs": runs,
+            "wall_s": time.perf_counter() - t0, "load_start": start_load, "load_end": C.load(),
+            "env": C.environment()})
+    rows = summarize(runs, a.arms)
+    plot(rows, a.arms, a.plot)
+    for r in rows:
+        for arm in a.arms:
+            x = r[arm]
+            gain = x["gain"] or {}
+            print(f"{r['model']:5s} x{r['clusters']} {r['data']:6s} {arm:7s} loss {C.fmt(x['loss'].get('mean'))} "
+                  f"± {C.fmt(x['loss'].get('std'))}  gain {C.fmt(gain.get('mean'), '+.4f')} ± {C.fmt(gain.get('std'))} "
+                  f"(min {C.fmt(gain.get('min'), '+.4f')}) ≤ default every seed: {C.fmt(x['le_default_every_seed'])}  "
+                  f"B/sync {C.fmt((x['bytes_per_sync'] or {}).get('mean'), ',.0f')}  left out "
+                  f"{C.fmt(100 * (x['unsent_share'] or {}).get('mean', 0), '.1f')} %  off formula {x['off_formula']}"
+                  f"/{x['sync_events']}")
+    print(f"wrote {a.out} and {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
