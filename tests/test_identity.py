@@ -197,6 +197,19 @@ def test_a_checkpoint_with_nan_or_a_wrong_dtype_is_one_line(tmp_path: Path, monk
     assert torch.equal(tensors[part]["w"].isnan(), tensor.isnan()) and "loaded anyway" in caplog.text
 
 
+def test_a_models_count_buffers_load_and_other_integer_buffers_do_not(tmp_path: Path) -> None:
+    """A MoE block's routed-token tally is an int64 buffer of the model part: it loads; an int8 buffer does not."""
+    from edit_train.train.checkpoint import CheckpointError, CheckpointManager
+
+    ckpt = CheckpointManager(tmp_path)
+    counts = torch.arange(4, dtype=torch.int64)
+    path = ckpt.save(3, {"model": {"buffer/layers.1.mlp.routed_tokens": counts, "w": torch.ones(2)}}, {"step": 3})
+    assert torch.equal(ckpt.load(path)[0]["model"]["buffer/layers.1.mlp.routed_tokens"], counts)
+    path = ckpt.save(4, {"model": {"buffer/b": torch.zeros(2, dtype=torch.int8)}}, {"step": 4})
+    with pytest.raises(CheckpointError, match="'buffer/b' is torch.int8"):
+        ckpt.load(path)
+
+
 def test_a_checkpoint_of_another_float_dtype_is_refused_for_the_model() -> None:
     from edit_train.train.checkpoint import CheckpointError
     from edit_train.train.state import load_model_tensors

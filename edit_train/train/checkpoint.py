@@ -148,9 +148,9 @@ def parse_manifest(doc: Any, where: str | Path) -> dict[str, Any]:
 def check_tensors(part: str, tensors: dict[str, torch.Tensor], where: Path) -> None:
     """Every value of a loaded part finite and of a dtype the part holds (CheckpointError, one line naming the
     file and the tensor; with EDIT_TRAIN_CHECKPOINT_UNCHECKED=1 a warning instead)."""
-    allowed = _PART_DTYPES.get(part, ())
     for key, t in tensors.items():
-        why = None
+        why = None  # a model's buffers may be counts (the routed-token tally: int64)
+        allowed = _COUNTS if part == "model" and key.startswith("buffer/") else _PART_DTYPES.get(part, ())
         if part in _FLOAT_PARTS and not t.is_floating_point() and t.dtype not in allowed:
             why = f"is {t.dtype}, where this part holds floating-point values"
         elif part in _PART_DTYPES and part not in _FLOAT_PARTS and t.dtype not in allowed:
