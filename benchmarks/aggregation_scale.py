@@ -89,43 +89,54 @@ def measure(job: C.Job, n: int, faulty: list[str], a: argparse.Namespace) -> dic
     }
 
 
+def summarize(rows: list[dict[str, Any]], a: argparse.Namespace, done: bool) -> dict[str, Any]:
+    """The JSON of the rows so far (written after every run: a benchmark cut short leaves what it measured)."""
+    for r in rows:
+        r["bytes_vs_ring"] = r["bytes_per_sync"] / r["ring_bytes"] if r["ring_bytes"] else math.nan
+        r["honest_share"] = r["honest_left_out"] / r["honest_checks"] if r["honest_checks"] else 0.0
+    clean = [r for r in rows if r["run"] == "clean"]
+    diloco = [r for r in rows if r["run"] == "diloco"]
+    targets = {
+        "faulty_zero_min": min((r["faulty_zero"] for r in rows if r["faulty"]), default=None),
+        "honest_share_max": max((r["honest_share"] for r in rows), default=None),
+        "clean_bytes_vs_ring": {r["clusters"]: r["bytes_vs_ring"] for r in clean},
+        "diloco_bytes_vs_ring": diloco[0]["bytes_vs_ring"] if diloco else None,
+        "anchors_finite": all(r["anchors_finite"] for r in rows),
+    }
+    return {"environment": C.environment(), "load": C.load(), "args": vars(a), "complete": done, "rows": rows,
+            "targets": targets}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     rows: list[dict[str, Any]] = []
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        C.write_json(a.out, summarize(rows, a, done=False))
+
     for n in a.clusters:
         base = overrides(a, n)
         clean = C.run_job(f"N{n}/clean", a.workdir / f"n{n}" / "clean", base, timeout=a.timeout, reuse=a.reuse)
         ring = C.ring_bytes(clean.summary, n)
-        row = {"clusters": n, "run": "clean", "faulty": 0, **measure(clean, n, [], a), "ring_bytes": ring}
-        rows.append(row)
+        add({"clusters": n, "run": "clean", "faulty": 0, **measure(clean, n, [], a), "ring_bytes": ring})
         for kind in a.kinds:
             for f in a.faulty:
                 job = C.run_job(f"N{n}/{kind}x{f}", a.workdir / f"n{n}" / f"{kind}-{f}", [*base, fault(a, kind, f)],
                                 timeout=a.timeout, reuse=a.reuse)
-                rows.append({"clusters": n, "run": kind, "faulty": f,
-                             **measure(job, n, [f"c{g}" for g in range(1, f + 1)], a), "ring_bytes": ring})
+                add({"clusters": n, "run": kind, "faulty": f,
+                     **measure(job, n, [f"c{g}" for g in range(1, f + 1)], a), "ring_bytes": ring})
     diloco = C.run_job("N4/diloco", a.workdir / "n4" / "diloco", overrides(a, 4, "diloco"), timeout=a.timeout,
                        reuse=a.reuse)
-    rows.append({"clusters": 4, "run": "diloco", "faulty": 0, **measure(diloco, 4, [], a),
-                 "ring_bytes": C.ring_bytes(diloco.summary, 4)})
-    for r in rows:
-        r["bytes_vs_ring"] = r["bytes_per_sync"] / r["ring_bytes"] if r["ring_bytes"] else math.nan
-        r["honest_share"] = r["honest_left_out"] / r["honest_checks"] if r["honest_checks"] else 0.0
+    add({"clusters": 4, "run": "diloco", "faulty": 0, **measure(diloco, 4, [], a),
+         "ring_bytes": C.ring_bytes(diloco.summary, 4)})
+    out = summarize(rows, a, done=True)
     print(C.table(rows, [("clusters", "N", "d"), ("run", "run", "s"), ("faulty", "bad", "d"),
                          ("faulty_zero", "bad w=0", ".2f"), ("honest_share", "honest out", ".4f"),
                          ("bytes_vs_ring", "bytes/ring", ".3f"), ("regathered", "gathered", "d"),
                          ("anchors_finite", "finite", "s"), ("wall_s", "wall s", ".0f")]))
-    clean8 = [r for r in rows if r["run"] == "clean"]
-    targets = {
-        "faulty_zero_min": min((r["faulty_zero"] for r in rows if r["faulty"]), default=None),
-        "honest_share_max": max(r["honest_share"] for r in rows),
-        "clean_bytes_vs_ring": {r["clusters"]: r["bytes_vs_ring"] for r in clean8},
-        "diloco_bytes_vs_ring": rows[-1]["bytes_vs_ring"],
-        "anchors_finite": all(r["anchors_finite"] for r in rows),
-    }
-    C.write_json(a.out, {"environment": C.environment(), "load": C.load(), "args": vars(a), "rows": rows,
-                         "targets": targets})
-    print(targets)
+    C.write_json(a.out, out)
+    print(out["targets"])
     return 0
 
 
