@@ -101,7 +101,7 @@ def test_bad_data_source_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
 def test_user_config_dir_adds_options(tmp_path, how):
-    """README "Configuration": a directory of the user's own configs (laid out like conf/) on Hydra's search
+    """docs/configuration.md (linked from the README's "Configure"): a directory of the user's own configs (laid out like conf/) on Hydra's search
     path adds options to the groups; one may start from a shipped option. Through the console script, run
     from outside the repository."""
     mine = tmp_path / "my-conf"

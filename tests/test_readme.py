@@ -1,4 +1,5 @@
-"""The README's configuration reference is checked against the structured configs, so it cannot drift."""
+"""The configuration reference (docs/configuration.md, linked from the README) is checked against the structured
+configs, so it cannot drift; the README's own commands and snippet are run as written."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from pathlib import Path
 
 from edit_train.config import CheckpointConfig, Config, RunConfig, SyncConfig, TrainConfig
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+CONFIGURATION = (REPO / "docs" / "configuration.md").read_text()  # the full key reference, moved out of the README
 
 
-def _table_keys() -> list[str]:
-    section = README.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+def _table_keys(page: str = CONFIGURATION, heading: str = "Reference") -> list[str]:
+    section = page.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     keys = []
     for line in section.splitlines():
         if line.startswith("| `"):
@@ -35,7 +38,7 @@ def test_every_documented_key_exists() -> None:
     keys = _table_keys()
     assert len(keys) > 30
     for key in keys:
-        assert _exists(key), f"README documents {key}, which is not in edit_train/config.py"
+        assert _exists(key), f"docs/configuration.md documents {key}, which is not in edit_train/config.py"
     assert not _exists("train.no_such_key")
 
 
@@ -44,14 +47,24 @@ def test_every_user_facing_field_is_documented() -> None:
     for prefix, cls in (("train", TrainConfig), ("checkpoint", CheckpointConfig), ("run", RunConfig),
                         ("sync", SyncConfig)):
         for f in dataclasses.fields(cls):
-            assert f"{prefix}.{f.name}" in documented, f"{prefix}.{f.name} missing from the README table"
+            assert f"{prefix}.{f.name}" in documented, f"{prefix}.{f.name} missing from docs/configuration.md's table"
     for top in ("resume", "faults", "seed", "logger"):
         assert top in documented
 
 
+def test_readme_links_to_the_reference() -> None:
+    """The README is a guide (at most 300 lines): its short table of the most used keys names real keys, and it
+    links to the full reference."""
+    assert "](docs/configuration.md)" in README and len(README.splitlines()) <= 300
+    keys = _table_keys(README, "Configure")
+    assert len(keys) >= 8
+    for key in keys:
+        assert _exists(key), f"the README's Configure table names {key}, which is not in edit_train/config.py"
+
+
 def test_quick_start_and_test_command() -> None:
     assert "pip install -e '.[dev]'" in README and "\nedit-train " in README
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
     cmd = re.search(r"Tests \(the exact command CI runs.*?```bash\n(.+?)\n```", README, re.S).group(1).strip()
     assert cmd in ci.splitlines()
 
@@ -180,3 +193,32 @@ def test_readme_transformers_snippet_runs(tmp_path, tmp_path_factory, small_corp
                           env=cli_env(HF_HUB_OFFLINE="1", PYTHONPATH=os.environ.get("PYTHONPATH", "")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("def main():") and "[y/N]" not in proc.stdout, proc.stdout
+
+
+# ------------------------------------------------------------------ links
+LINKED_PAGES = ("README.md", "launchers/README.md", "docs/configuration.md", "docs/across_sites.md",
+                "docs/outputs.md", "docs/algorithms.md", "docs/measurements_notes.md", "docs/benchmarks.md")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_relative_links_resolve():
+    """Every relative link of the README and the pages split out of it names a file that exists, and an
+    anchor that one of its headings makes."""
+    for name in LINKED_PAGES:
+        page = REPO / name
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{name} links to {target}, which does not exist"
+            assert REPO in linked.parents or linked == REPO, f"{name} links outside the repository: {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in _anchors(linked), f"{name} links to {target}: no such heading"

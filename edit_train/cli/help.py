@@ -15,7 +15,7 @@ GROUPS: dict[str, str] = {
     "cluster": "the clusters (each its own job: ranks, speed, device) and the simulated link between them",
     "logger": "Weights & Biases (offline unless you have a key) or none",
     "experiment": "benchmark presets that set several groups and keys at once (optional)",
-    "plan": "not a training group: `edit-train plan [scenario=...]` reads conf/plan/ (README \"Planning a launch\")",
+    "plan": "not a training group: `edit-train plan [scenario=...]` reads conf/plan/ (README \"Plan a launch\")",
 }
 
 # The five keys people set most, with what they do.
@@ -62,7 +62,7 @@ def help_text(conf_dir: str | Path = CONF_DIR) -> str:
         "       edit-train --cfg job [overrides]                  print the resolved config, run nothing",
         "",
         "with no arguments: two clusters of different speed (1x, 3x) over a simulated slow link, A-EDiT;",
-        "edit-train experiment=single is one process. Each cluster is its own job; see README \"Clusters\".",
+        "edit-train experiment=single is one process. Each cluster is its own job; see README \"Run across sites\".",
         "",
         "config groups (GROUP=OPTION; * = default):",
     ]
@@ -75,8 +75,8 @@ def help_text(conf_dir: str | Path = CONF_DIR) -> str:
     lines += [f"  {key:<{kw}}{what}" for key, what in KEYS]
     lines += [
         "",
-        "full reference: `edit-train --cfg job` prints every key with its value; the README's Configuration",
-        "section explains each one; the typed configs are edit_train/config.py; the design is docs/architecture.md.",
+        "full reference: `edit-train --cfg job` prints every key with its value; docs/configuration.md",
+        "explains each one; the typed configs are edit_train/config.py; the design is docs/architecture.md.",
         "related commands: edit-train-prepare (corpus), edit-train-info (sizing), edit-train-report (plots),",
         "edit-train-export (Hugging Face directory). Hydra's own options: edit-train --hydra-help.",
     ]

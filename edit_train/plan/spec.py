@@ -61,7 +61,7 @@ class CandidateSet:
     algos: list[str] = field(default_factory=lambda: list(ALGOS))
     modes: list[str] = field(default_factory=lambda: list(MODES))
     compressions: list[str] = field(default_factory=lambda: list(COMPRESSIONS))
-    # the top-k settings a `topk` compression is tried at: the product's default, and the README's pick
+    # the top-k settings a `topk` compression is tried at: the product's default, and the compression benchmark's pick
     topk: list[dict[str, Any]] = field(default_factory=lambda: [
         {"density": 0.01, "bits": 2, "group": 1, "unsent": "resend"},
         {"density": 0.1875, "bits": 2, "group": 8, "unsent": "keep"}])
