@@ -201,6 +201,10 @@ def write_json(path: Path, obj: Any) -> Path:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False) + "\n")
     tmp.replace(path)
+    if path.resolve().parent == BENCH_DIR.parent / "docs":  # a result in docs/: the measurements page follows
+        import benchmarks_md
+
+        benchmarks_md.OUT.write_text(benchmarks_md.render())
     return path
 
 
