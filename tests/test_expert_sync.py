@@ -216,7 +216,7 @@ def test_a_sum_leaves_out_the_rows_nobody_touched() -> None:
         (e,) = [e for e in out[n].events if e["event"] == "sync"]
         ring = sum(2 * 2 * 4 * (s - (unsent if j == 1 else 0)) // 3 for j, s in enumerate(sizes))
         assert e["unsent_params"] == unsent and e["bytes"] == ring + _small(3), (n, e["bytes"], ring)
-        assert traffic.sync_bytes(sizes, 3, "none", gather_max=2, unsent=[0, unsent, 0]) == ring
+        assert traffic.sync_bytes(sizes, 3, "none", needs="sum", unsent=[0, unsent, 0]) == ring
 
 
 def test_the_counts_of_an_aborted_round_go_into_the_next() -> None:
