@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from edit_train.local_sgd.pacer import PaceConfig, Pacer
@@ -70,6 +71,7 @@ def _newest(run_dir: Path, cluster: str) -> Path | None:
     return done[-1] if done else None
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_a_edit_federation_killed_whole_resumes_each_cluster_from_its_newest_checkpoint(tmp_path: Path,
                                                                                          corpus: str) -> None:
     run_dir = tmp_path / "run"

@@ -170,6 +170,7 @@ def test_two_ranks_bit_identical_bounded_and_accounted(two_ranks: list[dict[str,
     assert results[0][2]["sent"] == 2000 and results[0][3]["sent"] == 4000
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_three_ranks_bit_identical_bounded_and_accounted(three_ranks: list[dict[str, Any]]) -> None:
     results = [r["cases"] for r in three_ranks]
     _check_cases(results, CASES_3)

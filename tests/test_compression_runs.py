@@ -31,6 +31,7 @@ def test_int8_two_clusters_end_on_one_anchor(tmp_path: Path, corpus: str, mode: 
     assert all(0.2 * fp32 < b < 0.3 * fp32 for b in per_sync), (per_sync, fp32)
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_int8_three_clusters_of_different_size(tmp_path: Path, corpus: str) -> None:
     run = tmp_path / "mixed"
     finish(start(run, corpus, *COMMON, "sync.compression=int8",
@@ -50,6 +51,7 @@ def test_bf16_sends_half_of_fp32(tmp_path: Path, corpus: str) -> None:
     assert per_sync and all(0.45 * fp32 < b < 0.55 * fp32 for b in per_sync), (per_sync, fp32)
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 @pytest.mark.parametrize("unsent,select", [("resend", "sync.topk_density=0.01"),
                                             ("keep", "sync.topk_density=0.0625 sync.topk_group=8")],
                          ids=["resend", "keep-grouped"])

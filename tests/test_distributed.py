@@ -68,6 +68,7 @@ def edit_runs(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> dict[str
     }
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_every_rank_holds_the_anchor_after_sync(edit_runs: dict[str, Path]) -> None:
     run = edit_runs["layerwise_2x2"]
     g0, g1 = group_params(last_ckpt(run, "c0"), 2), group_params(last_ckpt(run, "c1"), 2)
@@ -82,18 +83,21 @@ def test_every_rank_holds_the_anchor_after_sync(edit_runs: dict[str, Path]) -> N
             v.numel() for k, v in model.items() if k.startswith("param/"))
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_layerwise_equals_at_end(edit_runs: dict[str, Path]) -> None:
     a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 2)
     b = group_params(last_ckpt(edit_runs["at_end_2x2"]), 2)
     assert max_diff(a, b) <= 1e-6
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_sharded_equals_unsharded(edit_runs: dict[str, Path]) -> None:
     a = group_params(last_ckpt(edit_runs["layerwise_2x2"]), 2)
     b = group_params(last_ckpt(edit_runs["layerwise_2x1"]), 1)
     assert max_diff(a, b) <= 1e-5
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
     run_dir = edit_runs["layerwise_2x2"]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -163,6 +167,7 @@ def _train_losses(run_dir: Path) -> dict[tuple[int, int], float]:
     return out
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, corpus: str) -> None:
     """2 clusters x 2 ranks, EDiT. Every cluster is SIGKILLed right after the step-4 checkpoint (the whole
     federation goes down); `resume=auto` continues. Final parameters (every rank's shard), the outer state and

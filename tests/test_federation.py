@@ -105,6 +105,7 @@ def test_partitioned_cluster_rejoins_without_any_exit(tmp_path: Path, corpus: st
     _ends_on_one_anchor(run_dir, ["c0", "c1", "c2"])
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     run_dir = tmp_path / "join"
     proc = start(run_dir, corpus, *THREE)
@@ -121,6 +122,7 @@ def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     _ends_on_one_anchor(run_dir, ["c0", "c1", "c2", "c3"])
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_clusters_of_different_size_sync_like_single_rank_ones(tmp_path: Path, corpus: str) -> None:
     """Clusters of 2, 1 and 3 ranks (the same 6 sequences per cluster, split over its ranks) against 1, 1, 1:
     the anchor after 3 syncs agrees to 1e-5 (chunked layout: resharding over fast links, chunks across)."""

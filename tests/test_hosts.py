@@ -141,6 +141,7 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
         assert "holds another federation key" not in (tmp_path / f"{name}.log").read_text()
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_partition_and_host_death_with_a_edit(net: sim_hosts.Hosts, tmp_path: Path, key: str,
                                               small_corpus: str) -> None:
     """A host cut off (its link down) keeps training alone and rejoins; a host killed (every process in it)

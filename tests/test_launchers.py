@@ -157,6 +157,7 @@ def test_multinode_without_a_key_only_on_loopback_or_when_told() -> None:
         assert auth.KEY_ENV not in parse_cmd(proc.stdout.strip())[0]
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_multinode_checks_the_cluster_size_before_launching() -> None:
     """Cluster a has 6 ranks in the config; 2 nodes x 4 workers would be 8: refused before any worker starts."""
     proc = multinode("cluster.clusters=[{name:a,ranks:6},{name:b,ranks:2}]", check=True, **NODE)

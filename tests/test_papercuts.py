@@ -56,6 +56,7 @@ def test_text_data_with_source_and_stdlib_default_still_compose():
 
 
 # 2 ---------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_wheel_install_works_outside_the_repo(tmp_path):
     """A non-editable install (a wheel, in a fresh venv) finds its config tree: `edit-train --cfg job` from a
     directory outside the repository prints the composed config."""

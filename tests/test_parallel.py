@@ -139,6 +139,7 @@ def test_grouped_experts_checked_before_training() -> None:
     apply_layer_options(CausalLM(auto), "none", False, cpu, torch.float32)  # auto never fails
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_checkpointing_under_fsdp2_same_losses(tmp_path, small_corpus) -> None:
     """A cluster of 2 CPU ranks sharding the replica with FSDP2 (gloo): recomputing each decoder layer in
     backward (inside the FSDP unit, after its all-gather) logs exactly the losses of a run without it, and the

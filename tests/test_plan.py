@@ -269,11 +269,6 @@ def test_calibrate_a_real_run(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ the CLI
-def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edit_train.cli.train", "plan", *args], capture_output=True,
-                          text=True, timeout=300, cwd=cwd)
-
-
 @pytest.mark.parametrize("args, needle", [
     (["scenario=nope"], "scenario=nope: no such scenario option"),
     (["scenario.link.bandwidth_mbps=-1"], "link: bandwidth_mbps"),
@@ -286,12 +281,18 @@ def plan_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["check"], "check: give one profile"),
     (["scenario.candidates.compressions=[zstd]"], "candidates.compressions"),
 ])
-def test_cli_bad_input_is_one_line(tmp_path, args, needle):
+def test_cli_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, needle):
+    """`edit-train plan …` as a user types it (the console script's main, in this process: one import, not ten)."""
+    from edit_train.cli.train import main
+
     extra = {"calibrate": ["--out=x.json"], "check": []}.get(args[0], [f"out={tmp_path}"])
-    out = plan_cli(*args, *extra, cwd=tmp_path)
-    assert out.returncode == 2
-    err = out.stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], out.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["edit-train", "plan", *args, *extra])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
 
 
 def test_readme_example_recommendation_composes_as_edit_train_config(tmp_path):

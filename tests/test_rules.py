@@ -93,6 +93,7 @@ def test_uniform_rule_drops_non_finite_and_non_contributors() -> None:
     assert d.weights == [0.5, 0.0, 0.5, 0.0] and d.left_out == [False, True, False, False]
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_a_median_from_outside_the_package_drives_a_real_three_cluster_run(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
     """`algo.penalty.rule=median_rule:CoordinateMedian` (defined in tests/, not in the package) in a real
     3-cluster run (a Lighthouse and three cluster jobs over gloo): every sync gathers every contribution, the

@@ -180,6 +180,7 @@ def test_second_launch_on_a_running_run_dir_is_refused_and_writes_nothing(tmp_pa
 # ------------------------------------------------------------------------------------------ end to end: item 4
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_cluster_started_by_hand_on_a_shared_run_dir_checks_its_own_traces(tmp_path: Path,
                                                                            small_corpus: str) -> None:
     """c0 is up (cluster.only=c0, an edit-train-lighthouse; it wrote config.json and metrics.jsonl and waits for

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from edit_train.train.checkpoint import CheckpointManager
 
 
@@ -27,6 +29,7 @@ def _processes_mentioning(needle: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_sigint_stops_everything_cleanly(tmp_path: Path, small_corpus: str) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "edit_train.cli.train", "cluster=local_2x2", "algo=edit", "logger=none",

@@ -105,6 +105,7 @@ def _blocked(run_dir: Path) -> float:
     return max(c["blocked_frac"] for c in per.values())
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_a_keyless_stranger_cannot_join_steer_stop_or_slow_the_federation(tmp_path: Path, corpus: str) -> None:
     clean = tmp_path / "clean"
     finish(start(clean, corpus, *RUN))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from test_trainer import _wandb_records
 
 QUICK = ["logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2", "train.eval_every=0",
@@ -34,6 +36,7 @@ def test_multirun_gives_each_job_its_own_complete_run_dir(tmp_path: Path, small_
     assert algos == ["ddp", "edit"]
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_wandb_one_offline_run_per_cluster_in_one_group(tmp_path: Path, small_corpus: str) -> None:
     run_dir = tmp_path / "run"
     args = ["cluster=local_2x1", "algo=edit", *QUICK, "logger=wandb", "run.name=exp-42",
