@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,21 @@ IDENTITY_ENV = "EDIT_TRAIN_IDENTITY_FILE"
 SIG_HEX = 128  # an Ed25519 signature, hex
 MAX_FILE = 4096
 SPENT = [0.0]  # seconds this process spent signing and verifying (with the anchor digests: summary trust_s)
+BACKGROUND_SPENT = [0.0]  # the part of SPENT spent on a background thread (the leader's heartbeat), off any sync
+
+
+class _Where(threading.local):
+    background = False  # set by a thread whose signatures are off the sync path (quorum.py: the heartbeat)
+
+
+WHERE = _Where()
+
+
+def _spent(t0: float) -> None:
+    dt = time.perf_counter() - t0
+    SPENT[0] += dt
+    if WHERE.background:
+        BACKGROUND_SPENT[0] += dt
 
 
 class IdentityError(KeyFileError):
@@ -54,7 +70,7 @@ class Identity:
         """The hex signature of `obj` (canonical JSON) under `context`."""
         t0 = time.perf_counter()
         out = self.private.sign(message(context, obj)).hex()
-        SPENT[0] += time.perf_counter() - t0
+        _spent(t0)
         return out
 
 
@@ -77,7 +93,7 @@ def verify(public: bytes, context: str, obj: Any, sig: Any) -> bool:
     except (InvalidSignature, ValueError):
         return False
     finally:
-        SPENT[0] += time.perf_counter() - t0
+        _spent(t0)
 
 
 def new_identity(path: str | Path, name: str, role: str, operator: bytes | None = None) -> Identity:

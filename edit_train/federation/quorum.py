@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from edit_train.federation import auth, gate
+from edit_train.federation import auth, gate, identity
 from edit_train.federation.signed import Credentials
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
@@ -70,6 +70,7 @@ class QuorumClient:
         return time.monotonic() < self._partitioned_until
 
     def _heartbeat(self) -> None:
+        identity.WHERE.background = True  # its signatures are counted apart: they are off every sync's path
         while not self._stop.wait(self._interval):
             if self.partitioned:
                 continue

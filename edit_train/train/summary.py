@@ -83,7 +83,8 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
     from edit_train.local_sgd.healing import DIGEST_S
 
     ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"],
-                                   "auth_s": auth.SPENT[0], "trust_s": identity.SPENT[0] + DIGEST_S[0]})
+                                   "auth_s": auth.SPENT[0], "trust_s": identity.SPENT[0] + DIGEST_S[0],
+                                   "trust_background_s": identity.BACKGROUND_SPENT[0]})
     c = state.carried
     blocked = max(r["blocked_s"] for r in ranks)
     return {
@@ -103,4 +104,5 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "mfu": sum(state.mfu) / len(state.mfu) if state.mfu else None, "time": time_split,
         "auth_s": max(r["auth_s"] for r in ranks),  # computing and checking tags (part of sync/blocked time)
         "trust_s": max(r["trust_s"] for r in ranks),  # Ed25519 signatures and anchor digests (ditto)
+        "trust_background_s": max(r["trust_background_s"] for r in ranks),  # of which the heartbeat's (off syncs)
     }
