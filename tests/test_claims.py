@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edit_train.federation.heal import decode, encode
-from edit_train.local_sgd.claims import Terms, agreed_steps, vet
+from edit_train.local_sgd.claims import TIME_MARGIN, Terms, agreed_steps, vet
 from edit_train.local_sgd.errors import FederationRefused, HealError
 from edit_train.local_sgd.healing import Expect, Healer, anchor_digest, check_payload
 from edit_train.local_sgd.protocols import Member, Quorum
@@ -159,9 +159,13 @@ def test_a_sharded_healer_takes_its_shard_of_state_it_does_not_hold_yet() -> Non
 
 
 def test_a_cluster_whose_own_claims_are_out_of_bounds_trains_alone_rather_than_stop() -> None:
-    """Under a time schedule a cluster may pass train.steps by an interval (the bound is twice it); a cluster
-    past even that leaves the others out, as they leave it out, and never refuses itself."""
+    """Under a time schedule a cluster may pass train.steps by an interval (the bound is twice it plus a margin
+    for the many short steps of one interval); a cluster past even that leaves the others out, as they leave it
+    out, and never refuses itself."""
     q = _q((3, D, {"total_steps": 150}), (3, D), me=0)
     assert vet(q, Terms("a", 100, slack=2))[0].names == ["c0", "c1"]
+    short = _q((3, D, {"total_steps": 10, "local_steps": 6}), (3, D), me=0)  # a 4-step A-EDiT run took 10
+    assert vet(short, Terms("a", 4, slack=2, margin=TIME_MARGIN))[0].names == ["c0", "c1"]
+    assert vet(_q((3, D, {"total_steps": 2**40}), (3, D), me=0), Terms("a", 4, slack=2, margin=TIME_MARGIN))[1]
     kept, why = vet(q, Terms("a", 100))
     assert kept.names == ["c0"] and "whose own claims are out of bounds" in why["c1"]

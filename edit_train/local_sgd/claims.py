@@ -29,6 +29,10 @@ from edit_train.local_sgd.errors import FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
 
 DIGEST_RE = re.compile(r"[0-9a-f]{32}")
+# Under a time schedule a cluster steps on until the agreed stop reaches it, one interval of wall-clock time: with
+# short steps that is many steps, whatever train.steps is (a 4-step test run took 10). Claims are bounded at
+# twice train.steps plus this many; a lie of 2^40 or 2^53 steps is still far out.
+TIME_MARGIN = 4096
 _COUNTS = ("sync", "local_steps", "total_steps")
 
 
@@ -41,15 +45,18 @@ class Terms:
     authoritative: bool = False  # from the operator's signed roster (checked at start), not this cluster's view
     source: str = "this cluster's configuration"  # where the terms come from, for the refusal lines
     slack: int = 1  # a time schedule's clusters may pass total_steps by an interval before the stop: 2
+    margin: int = 0  # ... and by an interval's steps, however many a fast cluster takes in one (TIME_MARGIN)
 
     @property
     def max_steps(self) -> int:
         """The most steps (and syncs) a member may claim; 0: no bound."""
-        return self.total_steps * self.slack
+        return self.total_steps * self.slack + self.margin if self.total_steps > 0 else 0
 
     def bound(self) -> str:
         whose = f"{self.total_steps} steps of the federation ({self.source})"
-        return f"the {whose}" if self.slack == 1 else f"{self.max_steps}, {self.slack} times the {whose}"
+        if self.slack == 1 and self.margin == 0:
+            return f"the {whose}"
+        return f"{self.max_steps}, {self.slack} times the {whose} and {self.margin} more"
 
 
 def wrong(m: Member, terms: Terms) -> str | None:

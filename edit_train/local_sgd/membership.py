@@ -73,9 +73,11 @@ class Membership:
     @property
     def terms(self) -> claims.Terms:
         """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a cluster may pass
-        train.steps by up to an interval before the agreed stop reaches it: claims are bounded at twice it."""
+        train.steps by up to an interval before the agreed stop reaches it: claims are bounded at twice it plus
+        `claims.TIME_MARGIN`."""
+        lockstep = self.pacer.lockstep
         return claims.Terms(self.cfg.fingerprint, self.pacer.cfg.total_steps, self.cfg.authoritative,
-                            self.cfg.terms_source, slack=1 if self.pacer.lockstep else 2)
+                            self.cfg.terms_source, slack=1 if lockstep else 2, margin=0 if lockstep else claims.TIME_MARGIN)
 
     def vet(self, q: Quorum) -> Quorum:
         """The issued quorum less the members whose claims cannot be the federation's (each one line, once per
