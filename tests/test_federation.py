@@ -138,6 +138,7 @@ def test_clusters_of_different_size_sync_like_single_rank_ones(tmp_path: Path, c
     assert json.loads((tmp_path / "mixed" / "summary.json").read_text())["syncs"] == 3
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_local_run_listens_on_loopback_only(tmp_path: Path, corpus: str) -> None:
     """Every listening socket of a local federation (Lighthouse, stores, gloo) is on 127.0.0.1."""
     run_dir = tmp_path / "sockets"

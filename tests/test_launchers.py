@@ -180,8 +180,10 @@ FED_RUN = ["algo=edit", "algo.interval=4", "model=tiny", "logger=none", "train.p
            "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", "federation.collective_timeout_s=15"]
 
 
-# the default algorithm in the default run; edit's variant (same path, lockstep) is slow (CI's 20 minutes)
-@pytest.mark.parametrize("algo", [pytest.param("edit", marks=pytest.mark.slow), "a_edit"])
+# slow (CI's 20 minutes): a cluster restarted by its launcher is in the default run
+# (test_distributed.py::test_local_launcher_restarts_a_killed_worker, a_edit)
+@pytest.mark.parametrize("algo", [pytest.param("edit", marks=pytest.mark.slow),
+                                  pytest.param("a_edit", marks=pytest.mark.slow)])
 def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path: Path, small_corpus: str,
                                                                         algo: str) -> None:
     """Clusters a and b are two torchrun_multinode.sh jobs (1 node, 1 worker each) meeting at an
