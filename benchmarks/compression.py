@@ -218,7 +218,7 @@ def codec_us(model: str, schemes: list[str], reps: int = 15) -> dict[str, Any]:
     import torch
 
     from edit_train.cli.codec_cost import round_trips
-    from edit_train.federation.compress import CompressionConfig
+    from edit_train.codec.dense import CompressionConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(CODEC_THREADS)

@@ -5,7 +5,7 @@ that the GPU payload equals the CPU one byte for byte and that decode(payload) e
     python benchmarks/gpu_codec.py        # needs CUDA; writes $OUT/gpu_codec.json (OUT defaults to benchmarks/results)
 """
 import json, os, time, torch
-from edit_train.federation.compress import CompressionConfig, quantize_own, dequantize
+from edit_train.codec.dense import CompressionConfig, quantize_own, dequantize
 if not torch.cuda.is_available():
     raise SystemExit("gpu_codec: no CUDA device here; run it on a GPU machine")
 dev = torch.device("cuda"); out = []

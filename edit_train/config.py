@@ -305,7 +305,7 @@ def validate(cfg: Config) -> None:
     _need(not c.slowdown or len(c.slowdown) == len(specs), "cluster.slowdown",
           f"needs one factor per cluster ({len(specs)}), got {len(c.slowdown)} (from cluster={c.name}?); give each "
           "cluster its slowdown in cluster.clusters, or start from cluster=local")
-    from edit_train.federation.compress import CompressionConfig
+    from edit_train.codec.dense import CompressionConfig
 
     try:
         CompressionConfig.of(cfg.sync).validate()

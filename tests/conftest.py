@@ -65,7 +65,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(params=["fused", "eager"])
 def both_codecs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a sparse-codec test with numba's one-pass CPU codec and with the eager torch path (the GPU's)."""
-    from edit_train.federation import sparse, sparse_fused
+    from edit_train.codec import sparse, sparse_fused
 
     if request.param == "fused" and not sparse_fused.AVAILABLE:
         pytest.skip("numba is not installed")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from edit_train.federation.compress import (
+from edit_train.codec.dense import (
     CompressionConfig,
     ErrorFeedback,
     dequantize,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback, fp8_supported, roundtrip, wire_bytes
+from edit_train.codec.dense import CompressionConfig, ErrorFeedback, fp8_supported, roundtrip, wire_bytes
 from edit_train.federation.compressed_reduce import (
     BackgroundReducer,
     chunk_bounds,

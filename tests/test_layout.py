@@ -1,6 +1,6 @@
 """The shape of the code: no import cycle among the modules of edit_train/, a thin LocalSGD, a core that imports
-no model, data, Hydra or W&B code, the sync sequence written once; sizes are reported, not limited. Read from the
-sources (ast), so nothing is imported."""
+no model, data, Hydra or W&B code, a codec below the network, the sync sequence written once; sizes are
+reported, not limited. Read from the sources (ast), so nothing is imported."""
 
 from __future__ import annotations
 
@@ -92,7 +92,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_core_imports_no_model_data_train_cli_hydra_or_wandb() -> None:
     modules = _modules()
-    banned = ("edit_train.model", "edit_train.data", "edit_train.train", "edit_train.cli", "edit_train.federation")
+    banned = ("edit_train.model", "edit_train.data", "edit_train.train", "edit_train.cli", "edit_train.federation",
+              "edit_train.codec")
     for name, path in modules.items():
         if not name.startswith("edit_train.local_sgd"):
             continue
@@ -100,6 +101,32 @@ def test_the_core_imports_no_model_data_train_cli_hydra_or_wandb() -> None:
         assert not [d for d in deps if d.startswith(banned)], (name, deps)
         text = path.read_text()
         assert "import hydra" not in text and "import wandb" not in text and "omegaconf" not in text, name
+
+
+def test_the_codec_is_tensor_math_below_the_network() -> None:
+    """edit_train/codec/ (the compression codec) imports from edit_train only itself and the core's errors (a
+    refused payload is a survivable FederationError), and no torch.distributed: moving payloads over process
+    groups is federation/compressed_reduce.py's. Its __init__ imports nothing, so the planner's import of the
+    torch-free codec/sparse_format.py stays torch-free."""
+    modules = _modules()
+    codec = {name: path for name, path in modules.items() if name.split(".")[:2] == ["edit_train", "codec"]}
+    assert "edit_train.codec.dense" in codec and "edit_train.codec.sparse" in codec, sorted(codec)
+    allowed = set(codec) | {"edit_train.local_sgd.errors"}
+    for name, path in codec.items():
+        deps = _imports(name, path, modules)
+        assert deps <= allowed, (name, sorted(deps - allowed))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            assert not [n for n in names if n.startswith("torch.distributed")], (name, names)
+            if name == "edit_train.codec.sparse_format":  # the planner (numpy only) reads it
+                assert not [n for n in names if n.split(".")[0] in ("torch", "numba")], (name, names)
+    init = ast.parse(codec["edit_train.codec"].read_text())
+    assert not [n for n in ast.walk(init) if isinstance(n, (ast.Import, ast.ImportFrom))]
 
 
 def test_size_report() -> None:

@@ -1,5 +1,5 @@
 """The planner's bytes (`edit_train/plan/traffic.py`, torch-free) against the wire format's: payloads made by the
-real codec (`federation/compress.py`, `federation/sparse.py`), what `federation/compressed_reduce.py` says a
+real codec (`codec/dense.py`, `codec/sparse.py`), what `federation/compressed_reduce.py` says a
 participant sends, and the `bytes` of real syncs over the in-process federation — for every compression mode
 the product runs (top-k at several densities, bits, groups, scale types and `sync.unsent`)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edit_train.federation.compress import CompressionConfig, quantize
+from edit_train.codec.dense import CompressionConfig, quantize
 from edit_train.federation.compressed_reduce import sent_bytes
 from edit_train.federation.seal import TAG
 from edit_train.plan import traffic
@@ -61,7 +61,7 @@ def test_sync_events_count_the_modelled_bytes(monkeypatch: pytest.MonkeyPatch, t
     """Real syncs (the in-process federation, at_end, the uniform rule's SUM at 3 and 5 clusters): what a sync's `bytes`
     grows by over an fp32 sync of the same exchanges is what the traffic model's bytes grow by. (The eager
     top-k codec: the same bytes as the fused one, test_sparse_fused.py, without compiling a kernel per format.)"""
-    from edit_train.federation import sparse
+    from edit_train.codec import sparse
 
     monkeypatch.setattr(sparse, "FUSED", False)
     sizes = [sum(p.numel() for p in u.parameters()) for u in units_of(toy_model())]

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from edit_train.codec.dense import CompressionConfig, ErrorFeedback, dequantize, quantize, wire_bytes
+from edit_train.codec.sparse import HEADER, PayloadError, SparseFormat, decode, encode, pack_bits, unpack_bits
 from edit_train.config import Config, ConfigError, validate
 from edit_train.federation.seal import TAG
 from edit_train.federation import seal as seal_mod
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback, dequantize, quantize, wire_bytes
 from edit_train.federation.compressed_reduce import compressed_gather, gathered_sum, plan, sent_bytes
-from edit_train.federation.sparse import HEADER, PayloadError, SparseFormat, decode, encode, pack_bits, unpack_bits
 from toy_federation import H, config, run_inproc
 
 pytestmark = pytest.mark.usefixtures("both_codecs")  # numba's CPU codec and the eager one

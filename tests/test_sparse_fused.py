@@ -1,4 +1,4 @@
-"""The one-pass CPU codec (`federation/sparse_fused.py`, numba) against the eager torch path it stands in for:
+"""The one-pass CPU codec (`codec/sparse_fused.py`, numba) against the eager torch path it stands in for:
 the same bytes format, bit-identical decoded values whichever decoder reads a payload, the same refusals,
 the non-finite payload, and the kernel compiled for a format's numbers (large tensors)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from edit_train.federation import sparse, sparse_bits, sparse_elements, sparse_fused, sparse_select
-from edit_train.federation.sparse import HEADER, PayloadError, SparseFormat, decode, encode_own
+from edit_train.codec import sparse, sparse_bits, sparse_elements, sparse_fused, sparse_select
+from edit_train.codec.sparse import HEADER, PayloadError, SparseFormat, decode, encode_own
 
 pytestmark = pytest.mark.skipif(not sparse_fused.AVAILABLE, reason="numba is not installed")
 

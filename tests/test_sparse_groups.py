@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from edit_train.federation.compress import CompressionConfig, dequantize, quantize, quantize_own, wire_bytes
-from edit_train.federation.sparse import HEADER, PayloadError, decode, encode_own, pack_bits
+from edit_train.codec.dense import CompressionConfig, dequantize, quantize, quantize_own, wire_bytes
+from edit_train.codec.sparse import HEADER, PayloadError, decode, encode_own, pack_bits
 from toy_federation import H, config, run_inproc
 
 pytestmark = pytest.mark.usefixtures("both_codecs")  # numba's CPU codec and the eager one

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback
+from edit_train.codec.dense import CompressionConfig, ErrorFeedback
 from toy_federation import config, run_inproc
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from edit_train.cluster.group import RankGroup
-from edit_train.federation.compress import CompressionConfig
+from edit_train.codec.dense import CompressionConfig
 from edit_train.federation.inproc import InProcessFederation
 from edit_train.local_sgd.algorithms import LocalSGDConfig
 from toy_federation import H, Outcome, config, max_diff, reference, run_inproc, train_cluster

@@ -1,5 +1,5 @@
 """The codec's cost on this host, for `edit-train plan calibrate`: the real encoder and decoder of each
-compression (`federation/compress.py`, top-k through `federation/sparse.py`'s fused CPU codec where numba is
+compression (`codec/dense.py`, top-k through `codec/sparse.py`'s fused CPU codec where numba is
 installed) timed on one thread at two tensor sizes; a line through the two medians gives seconds per call and
 per value. The planner (numpy only) cannot run torch, so this lives beside the CLI and hands it plain numbers.
 """
@@ -22,7 +22,7 @@ def _median(xs: list[float]) -> float:
 def round_trips(x, cfg, reps: int) -> tuple[list[float], list[float], int]:  # noqa: ANN001 - torch, compress
     """Seconds of `reps` encodes (`quantize_own`) and decodes (`dequantize`) of flat `x` under `cfg`, and the
     payload's bytes."""
-    from edit_train.federation.compress import dequantize, quantize_own
+    from edit_train.codec.dense import dequantize, quantize_own
 
     enc, dec, n = [], [], x.numel()
     for _ in range(reps):
@@ -39,8 +39,8 @@ def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -
     """{"encode": [s per call, s per value], "decode": [...]} of `codec` on one thread."""
     import torch
 
-    from edit_train.federation import sparse
-    from edit_train.federation.compress import CompressionConfig
+    from edit_train.codec import sparse
+    from edit_train.codec.dense import CompressionConfig
 
     cfg = CompressionConfig(codec.scheme, codec.block_size, codec.scale_dtype, True, codec.density, codec.bits,
                             codec.unsent, codec.group)
@@ -68,7 +68,7 @@ def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -
 
 def time_codecs(codecs: Iterable[Codec]) -> dict[str, dict[str, list[float]]]:
     """`time_codec` for every lossy codec (by label); fp8 only where this torch build has float8."""
-    from edit_train.federation.compress import fp8_supported
+    from edit_train.codec.dense import fp8_supported
 
     out: dict[str, dict[str, list[float]]] = {}
     for c in codecs:

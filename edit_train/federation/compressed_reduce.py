@@ -56,8 +56,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 
-from edit_train.federation.compress import (CompressionConfig, ErrorFeedback, PayloadError, dequantize, quantize,
-                                            quantize_own, wire_bytes)
+from edit_train.codec.dense import (CompressionConfig, ErrorFeedback, PayloadError, dequantize, quantize,
+                                    quantize_own, wire_bytes)
 
 __all__ = ["Plan", "plan", "handed_bytes", "sent_bytes", "group_rank_size", "compressed_sum", "compressed_gather",
            "gathered_sum", "BackgroundReducer"]

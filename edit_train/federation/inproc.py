@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import ReduceOp
 
-from edit_train.federation.compress import CompressionConfig
+from edit_train.codec.dense import CompressionConfig
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkModel
 from edit_train.federation.transport import LaneTransport

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback
+from edit_train.codec.dense import CompressionConfig, ErrorFeedback
 from edit_train.federation.compressed_reduce import BackgroundReducer, sent_bytes
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.link import LinkClock, Pending

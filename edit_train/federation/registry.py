@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from edit_train.codec.dense import CompressionConfig
 from edit_train.federation import auth
-from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
 from edit_train.importpath import load
 from edit_train.local_sgd.protocols import ClusterGroup, Transport

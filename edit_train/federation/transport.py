@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from edit_train.federation import auth, sparse
-from edit_train.federation.compress import CompressionConfig, ErrorFeedback
+from edit_train.codec import sparse
+from edit_train.codec.dense import CompressionConfig, ErrorFeedback
+from edit_train.federation import auth
 from edit_train.federation.modules import ModuleMover
 from edit_train.federation.seal import TAG, Seal
 from edit_train.federation.forming import Forming

@@ -13,8 +13,8 @@
   cut into `federation.chunks` pieces spread over the ranks.
 
 A payload of n values (`Codec.payload`): `n · value bytes + ⌈n / block⌉ · scale bytes` for none / bf16 / int8 /
-fp8 (`federation/compress.py`), and the top-k format's header + scales + packed codes + packed indices
-(`federation/sparse_format.py`, the module the codec itself takes its layout from). `sync.unsent` changes where
+fp8 (`codec/dense.py`), and the top-k format's header + scales + packed codes + packed indices
+(`codec/sparse_format.py`, the module the codec itself takes its layout from). `sync.unsent` changes where
 top-k's residual goes (resent, or kept in the cluster's own parameters), not a byte on the wire. The test
 suite checks these figures against the real codec's payloads and `federation.compressed_reduce.sent_bytes`.
 """
@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edit_train.codec.sparse_format import SCALE_BYTES, SparseFormat, format_error, sparse_bytes  # torch-free
 from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
-from edit_train.federation.sparse_format import SCALE_BYTES, SparseFormat, format_error, sparse_bytes  # torch-free
 
 TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
 SKETCH_DIM = 1024  # algo.penalty.verified.sketch_dim: buckets of each count sketch a sketched sync's vote carries

@@ -16,9 +16,9 @@ from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
 from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, to_container
+from edit_train.codec.dense import CompressionConfig
 from edit_train.data.tokenizer import tokenizer_id
 from edit_train.federation import auth, heal
-from edit_train.federation.compress import CompressionConfig
 from edit_train.federation.link import LinkModel
 from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig

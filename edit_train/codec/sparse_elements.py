@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edit_train.federation.sparse_bits import _level, _level_value, _put, _put_scale, njit, trailing_zeros
+from edit_train.codec.sparse_bits import _level, _level_value, _put, _put_scale, njit, trailing_zeros
 
 KEY_MAX = 0x7FFFFFFF  # keys are non-negative int32 bit patterns; >= 0x7F800000 is inf or NaN
 NONFINITE_KEY = 0x7F800000

@@ -29,9 +29,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from edit_train.federation.sparse_bits import AVAILABLE, _level, _level_value, _put, _put_scale, _rint, _take, njit
-from edit_train.federation.sparse_elements import encode_elements
-from edit_train.federation.sparse_select import _keys, _select_block, _top
+from edit_train.codec.sparse_bits import AVAILABLE, _level, _level_value, _put, _put_scale, _rint, _take, njit
+from edit_train.codec.sparse_elements import encode_elements
+from edit_train.codec.sparse_select import _keys, _select_block, _top
 
 __all__ = ["AVAILABLE", "OK", "NONFINITE", "encode", "decode", "specialized", "SPECIALIZE_MIN"]
 
@@ -40,7 +40,7 @@ OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 # numba's disk cache checks the timestamp of the file that defines a kernel (this one), not of the files whose
 # functions it inlines: this digest of sparse_bits, sparse_select and sparse_elements changes this file whenever
 # they change (tests/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
-INLINED_SOURCES = "8acd4de06bdc0606"
+INLINED_SOURCES = "ddc6b6de7291776f"
 
 
 @njit(cache=True, nogil=True)

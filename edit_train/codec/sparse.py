@@ -39,9 +39,9 @@ import math
 import torch
 from torch import Tensor
 
-from edit_train.federation import sparse_fused
-from edit_train.federation.sparse_format import (BITS, HEADER, MAGIC, MAX_CHUNK, MAX_GROUP, NONFINITE,  # noqa: F401
-                                                 VERSION, SparseFormat, format_error, sparse_bytes)
+from edit_train.codec import sparse_fused
+from edit_train.codec.sparse_format import (BITS, HEADER, MAGIC, MAX_CHUNK, MAX_GROUP, NONFINITE,  # noqa: F401
+                                            VERSION, SparseFormat, format_error, sparse_bytes)
 from edit_train.local_sgd.errors import FederationError
 
 __all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "format_error", "encode", "encode_own", "decode",

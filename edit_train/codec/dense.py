@@ -9,7 +9,7 @@ Formats (a *payload* is one flat ``uint8`` tensor, the only thing that crosses t
 * ``fp8`` — blockwise scaled ``float8_e4m3fn``: ``s = absmax / 448``, values ``x / s`` cast (round to
   nearest even; 3 mantissa bits, so ``|x − x̂| ≤ |x|·2⁻⁴`` plus a subnormal floor of ``s·2⁻¹⁰``).
 * ``topk`` — sparse: per chunk of ``block_size`` values the ``round(topk_density·block_size)`` largest, each a
-  ``bits``-bit code and its index inside the chunk, one scale per chunk (:mod:`edit_train.federation.sparse`
+  ``bits``-bit code and its index inside the chunk, one scale per chunk (:mod:`edit_train.codec.sparse`
   has the wire format). A sparse payload is gathered and summed by every receiver, never SUM-all-reduced.
 
 Payload layout for the blockwise formats: ``[scales | values]``, scales first so both views are aligned.
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from edit_train.federation.sparse import (PayloadError, SparseFormat, decode, encode, encode_own, format_error,
-                                          sparse_bytes)
+from edit_train.codec.sparse import (PayloadError, SparseFormat, decode, encode, encode_own, format_error,
+                                     sparse_bytes)
 
 __all__ = [
     "SCHEMES",
@@ -252,7 +252,7 @@ def dequantize(payload: Tensor, numel: int, cfg: CompressionConfig) -> Tensor:
 
 def quantize_own(x: Tensor, cfg: CompressionConfig) -> tuple[Tensor, Tensor]:
     """(``quantize(x)``, what every receiver decodes it to): a sparse sender has its own tensor from the codes
-    it just made (:func:`~edit_train.federation.sparse.encode_own`, bit-identical to decoding its bytes)."""
+    it just made (:func:`~edit_train.codec.sparse.encode_own`, bit-identical to decoding its bytes)."""
     if cfg.sparse:
         return encode_own(x.reshape(-1), cfg.format)
     payload = quantize(x, cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edit_train.federation.sparse_bits import njit
+from edit_train.codec.sparse_bits import njit
 
 
 @njit(cache=True, nogil=True)

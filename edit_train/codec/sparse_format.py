@@ -1,6 +1,6 @@
 """The top-k wire format's layout and sizes (``sync.compression=topk``), torch-free: what the codec
-(:mod:`edit_train.federation.sparse`) writes and what the planner (``edit_train/plan/traffic.py``) counts.
-The format itself is described in :mod:`edit_train.federation.sparse`."""
+(:mod:`edit_train.codec.sparse`) writes and what the planner (``edit_train/plan/traffic.py``) counts.
+The format itself is described in :mod:`edit_train.codec.sparse`."""
 
 from __future__ import annotations
 
