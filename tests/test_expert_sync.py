@@ -8,7 +8,10 @@
   closed-form anchor; an untouched expert's rows do not move;
 * bytes fall by exactly the untouched rows' share (the `sync` event's `bytes` and `unsent_params`, the
   formula, and the planner's `traffic.sync_bytes`);
-* the routed counts of an aborted round are added to the next one's.
+* the routed counts of an aborted round are added to the next one's;
+* what a cluster did not send stays with it: after the sync its rows of those experts hold θ̄_new − Δᵢ (its own
+  Δ), every other row θ̄_new, the anchor as before; its next sync sends the carried Δ when it touches the expert
+  again; a cluster left out of the unit keeps nothing; a run ends with every cluster on one θ̄.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from conftest import read_events, run_train, tiny_overrides
 from edit_train.config import Config, ConfigError, validate
 from edit_train.federation.seal import TAG
 from edit_train.local_sgd.aggregator import Evidence
-from edit_train.local_sgd.experts import Experts, RoutedCounts
+from edit_train.local_sgd.experts import Experts, RoutedCounts, unsent_rows
 from edit_train.local_sgd.round import EXTRA
 from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule, token_weights
 from edit_train.plan import traffic
-from toy_federation import H, config, local_deltas, max_diff, run_inproc, toy_model, units_of
+from edit_train.sim.byzantine import ByzantineTransport
+from edit_train.sim.faults import FaultInjector
+from toy_federation import H, Outcome, config, local_deltas, max_diff, run_inproc, toy_model, units_of
 
 NAMES = ["c0", "c1", "c2"]
 E, ROWS = 4, 6  # unit "2" (Linear 24x24): expert e owns rows 6e..6e+5 of its weight and bias
@@ -217,6 +222,162 @@ def test_a_sum_leaves_out_the_rows_nobody_touched() -> None:
         ring = sum(2 * 2 * 4 * (s - (unsent if j == 1 else 0)) // 3 for j, s in enumerate(sizes))
         assert e["unsent_params"] == unsent and e["bytes"] == ring + _small(3), (n, e["bytes"], ring)
         assert traffic.sync_bytes(sizes, 3, "none", needs="sum", unsent=[0, unsent, 0]) == ring
+
+
+# ------------------------------------------------------------------ what a cluster did not send stays with it
+UNIT = 2  # unit "2"'s weight and bias: model.parameters()[2:4]
+
+
+def _first_deltas() -> list[list[list[torch.Tensor]]]:
+    """[cluster][unit][tensor]: each cluster's Δ at the first sync (closed form, from the initial anchor)."""
+    return local_deltas([[p.detach().clone() for p in u.parameters()] for u in units_of(toy_model())], 3, 0)
+
+
+def _mask(experts: torch.Tensor) -> torch.Tensor:
+    """bool [24]: the rows of unit "2"'s weight and bias that are the experts `experts` (bool [E]) says."""
+    return experts.repeat_interleave(ROWS)
+
+
+def _check_kept(state: dict[str, object], delta: list[torch.Tensor], held: torch.Tensor) -> None:
+    """A cluster's live parameters right after a sync: θ̄_new on every row but the rows of the experts `held`
+    (which it did not send), there θ̄_new − Δ (its own); anything not unit "2" exactly θ̄_new."""
+    anchor: list[list[torch.Tensor]] = state["anchor"]  # type: ignore[assignment]
+    params: list[torch.Tensor] = state["params"]  # type: ignore[assignment]
+    rows = _mask(held)
+    for j, unit in enumerate(anchor):
+        for k, a in enumerate(unit):
+            live = params[2 * j + k]
+            if j != 1:
+                assert torch.equal(live, a), (j, k)
+                continue
+            assert torch.equal(live[~rows], a[~rows]), k  # what it sent: it holds θ̄_new, exactly
+            if bool(held.any()):
+                assert float((live[rows] - (a[rows] - delta[k][rows])).abs().max()) <= 1e-6, k
+                assert float(delta[k][rows].abs().max()) > 1e-4  # (there was progress to keep)
+
+
+def _ends_on_one_anchor(out: dict[str, Outcome]) -> None:
+    for n in out:
+        assert all(torch.equal(x, a) for x, a in zip(out[n].params, [a for u in out[n].anchors for a in u])), n
+        assert max_diff(out[n].anchors, out["c0"].anchors) == 0.0, n
+
+
+@pytest.mark.parametrize("mode", ["at_end", "layerwise", "overlap"])
+def test_a_cluster_keeps_its_own_delta_on_the_experts_it_did_not_send(mode: str) -> None:
+    """Gathered, expert_min_tokens=1 (c0 does not send experts 2 and 3, c1 0 and 3, c2 3): the anchor is the
+    closed form it was before, and each cluster holds θ̄_new − Δᵢ on the rows of the experts it did not send,
+    θ̄_new elsewhere (overlap: nothing happened since the snapshot, so the same numbers). The run ends on one θ̄."""
+    out = run_inproc(NAMES, _cfg(mode, min_tokens=1, syncs=2), routed=_routed(), flush_each_step=True,
+                     after_at=(H - 1,))
+    deltas, expect = _first_deltas(), _expected()
+    for i, n in enumerate(NAMES):
+        after = out[n].snapshots[("after", H - 1)]
+        assert max_diff(after["anchor"], expect) <= 1e-6, n
+        _check_kept(after, deltas[i][1], COUNTS[i] == 0)
+    _ends_on_one_anchor(out)
+
+
+@pytest.mark.parametrize("mode", ["at_end", "overlap"])
+def test_in_a_sum_every_cluster_keeps_its_delta_on_the_rows_nobody_weighs(mode: str) -> None:
+    """A SUM (`expert_sum_rule.TokenSum`): nobody routed a token to expert 3, so its rows are in no reduction and
+    the anchor's stay where they were (no outer momentum); each cluster keeps its own Δ there — which is its model
+    before the sync, θ̄ − Δᵢ — and holds θ̄_new on every other row."""
+    out = run_inproc(NAMES, _cfg(mode, "expert_sum_rule:TokenSum"), routed=_routed(), flush_each_step=True,
+                     snapshot_at=(H - 1,), after_at=(H - 1,))
+    deltas, expect, held = _first_deltas(), _expected(), torch.tensor([False, False, False, True])
+    initial = [p.detach() for p in units_of(toy_model())[1].parameters()]
+    for i, n in enumerate(NAMES):
+        after, before = out[n].snapshots[("after", H - 1)], out[n].snapshots[H - 1]
+        assert max_diff(after["anchor"], expect) <= 1e-6, n
+        assert all(torch.equal(a[_mask(held)], b[_mask(held)]) for a, b in zip(after["anchor"][1], initial))
+        _check_kept(after, deltas[i][1], held)
+        for k in range(2):
+            rows = _mask(held)
+            assert float((after["params"][UNIT + k][rows] - before["params"][UNIT + k][rows]).abs().max()) <= 1e-6
+        (e,) = [e for e in out[n].events if e["event"] == "sync"]
+        assert e["aggregation"] == "sum" and e["unsent_params"] == ROWS * 24 + ROWS
+    _ends_on_one_anchor(out)
+
+
+def test_the_next_sync_sends_the_kept_delta_when_the_expert_is_touched_again() -> None:
+    """c0 routes no token to expert 2 in the first interval (it keeps Δ₁ there), 5 in the second: its second
+    sync sends expert 2 (unsent_params 300 → 150, its bytes by the formula), and what it sends there is Δ₁ (the
+    closed form) plus its progress since: the anchor moves on expert 2's rows by Σᵢ wᵢ₂Δᵢ with that Δ."""
+    second = torch.tensor([12, 4, 5, 0])
+
+    def routed(index: int) -> RoutedCounts:
+        takes = [0]
+
+        def take() -> torch.Tensor:
+            takes[0] += 1
+            row = second if index == 0 and takes[0] == 2 else COUNTS[index].to(torch.int64)
+            return row.to(torch.int64)[None]
+        return RoutedCounts(take, _pieces)
+
+    out = run_inproc(NAMES, _cfg("at_end", min_tokens=1, syncs=2), routed=routed, flush_each_step=True,
+                     snapshot_at=(2 * H - 1,), after_at=(H - 1, 2 * H - 1))
+    syncs = {n: [e for e in out[n].events if e["event"] == "sync"] for n in NAMES}
+    per_expert, sizes = ROWS * 24 + ROWS, _unit_sizes()
+    assert [e["unsent_params"] for e in syncs["c0"]] == [2 * per_expert, per_expert]
+    for e in syncs["c0"]:
+        assert e["bytes"] == sum(2 * (4 * s + TAG) for s in sizes) - 2 * 4 * e["unsent_params"] + _small(3)
+    ew = [syncs[n][1]["expert_weights"]["2"][2] for n in NAMES]  # each cluster's weight on expert 2, sync 2
+    assert ew[0] > 0.0 and ew[1] > 0.0 and ew[2] > 0.0
+    first, rows = _first_deltas()[0][1], _mask(torch.tensor([False, False, True, False]))
+    anchor1 = out["c0"].snapshots[("after", H - 1)]["anchor"][1]
+    anchor2 = out["c0"].snapshots[("after", 2 * H - 1)]["anchor"][1]
+    for k in range(2):
+        sent = []
+        for i, n in enumerate(NAMES):
+            before = out[n].snapshots[2 * H - 1]["params"][UNIT + k]  # its model when sync 2 starts
+            delta = anchor1[k] - before
+            if i == 0:  # Δ₁ kept, plus the progress since sync 1
+                progress = out[n].snapshots[("after", H - 1)]["params"][UNIT + k] - before
+                assert float((delta[rows] - (first[k][rows] + progress[rows])).abs().max()) <= 1e-6
+                assert float(first[k][rows].abs().max()) > 1e-4
+            sent.append(delta[rows].double())
+        want = anchor1[k][rows].double() - sum(w * d for w, d in zip(ew, sent))
+        assert float((anchor2[k][rows].double() - want).abs().max()) <= 1e-6, k
+    _ends_on_one_anchor(out)
+
+
+def test_a_cluster_left_out_of_the_unit_keeps_nothing() -> None:
+    """c1's first contribution arrives non-finite (its transport sends NaN): weight 0 in every unit, so it lands
+    on θ̄_new on every row — the experts it did not send too — while c0 and c2 keep their own Δ on theirs."""
+    faults = FaultInjector([{"kind": "nan_payload", "group": 1, "start": 0, "end": H}], group=1, vocab_size=2)
+    out = run_inproc(NAMES, _cfg("at_end", min_tokens=1, syncs=2), routed=_routed(), flush_each_step=True,
+                     after_at=(H - 1,), wraps={"c1": lambda t, step: ByzantineTransport(t, faults, step)})
+    first = [e for e in out["c1"].events if e["event"] == "sync"][0]
+    assert first["weight"] == 0.0 and first["unsent_params"] == 2 * (ROWS * 24 + ROWS)
+    after = out["c1"].snapshots[("after", H - 1)]
+    assert all(torch.equal(x, a) for x, a in zip(after["params"], [a for u in after["anchor"] for a in u]))
+    deltas = _first_deltas()
+    for i in (0, 2):
+        _check_kept(out[NAMES[i]].snapshots[("after", H - 1)], deltas[i][1], COUNTS[i] == 0)
+    _ends_on_one_anchor(out)
+
+
+def test_the_rows_kept_are_this_ranks_rows_of_its_shard() -> None:
+    """FSDP2 Shard(0) over 2 ranks: rank 1 holds rows 12..23 of unit "2"'s weight; expert 2 (rows 12..17) does
+    not go, so rank 1 keeps its local rows 0..5 (a copy), rank 0 none; a parameter sent whole keeps nothing."""
+    class Sharded:  # what shard_range sees of a DTensor: the global shape and a local part
+        def __init__(self, rows: int, rank: int) -> None:
+            self.shape, self.rank = (24, 24)[:rows], rank
+
+        def to_local(self) -> torch.Tensor:
+            return torch.zeros(12, *self.shape[1:])
+
+    sends = torch.tensor([True, True, False, True]).repeat_interleave(ROWS)
+    for rank in (0, 1):
+        delta = [torch.arange(12 * 24, dtype=torch.float32).reshape(12, 24) + 1000 * rank, torch.ones(12)]
+        held = unsent_rows(delta, [sends, None], [Sharded(2, rank), Sharded(1, rank)], rank, 2)
+        if rank == 0:
+            assert held == []
+            continue
+        ((k, idx, rows),) = held
+        assert k == 0 and idx.tolist() == list(range(ROWS)) and torch.equal(rows, delta[0][:ROWS])
+        delta[0].zero_()
+        assert float(rows.abs().min()) > 0.0  # a copy: the Δ may change after the launch
 
 
 def test_the_counts_of_an_aborted_round_go_into_the_next() -> None:

@@ -29,9 +29,10 @@ from edit_train.local_sgd.evidence import shard_range, snap
 from edit_train.local_sgd.penalty import weighted
 
 __all__ = ["Pieces", "RoutedCounts", "UnitExperts", "Experts", "pin", "merged_sqnorm", "token_shares",
-           "expert_weights"]
+           "expert_weights", "Held", "unsent_rows"]
 
 Pieces = list[list[tuple[int, slice]]]  # per expert: (index into the unit's params, rows of that parameter)
+Held = list[tuple[int, Tensor, Tensor]]  # (parameter index, local dim-0 row indices, a copy of those rows of Δ)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,21 @@ class Experts:
             return delta
         keep = self.sent(self.pending[ue.row, :ue.count]).double().tolist()
         return ue.scaled(delta, params, rank, size, 1.0, keep)
+
+
+def unsent_rows(delta: Sequence[Tensor], rows: Sequence[Tensor | None], params: Sequence[Tensor], rank: int,
+                size: int) -> Held:
+    """The rows of this rank's local shards `delta` that do not go (`rows`: per parameter, the whole parameter's
+    dim-0 rows that go, None: all of it), copied — only those rows, for the cluster to keep (`SyncRound`)."""
+    out: Held = []
+    for k, (t, r) in enumerate(zip(delta, rows)):
+        if r is None or t.dim() == 0:
+            continue
+        lo, hi = shard_range(params[k], rank, size)
+        idx = (~r[lo:hi]).nonzero().flatten().to(t.device)
+        if idx.numel():
+            out.append((k, idx, t.index_select(0, idx)))
+    return out
 
 
 def pin(d: Decision, sent: Tensor, finite: list[bool] | None) -> Decision:

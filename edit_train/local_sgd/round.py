@@ -8,7 +8,8 @@
     land       wait for a unit's reduced Δ (gathered: judge every contribution, merge them here); a non-finite
                one can never be applied (the round votes no)
     apply      clip → (take back what the probe showed harmful, `retract.py`) → outer step → re-base the live
-               parameters on the new anchor
+               parameters on the new anchor, less what this cluster did not send and keeps (top-k's `sync.unsent=
+               keep`; the rows of experts it did not send)
     commit     every cluster votes; a "no" or a lost cluster rolls every applied unit back
 
 What moves is what the rule needs (`Needs`): a SUM decided from the reported norms (`sum`); every contribution
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of
 from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_medians, shard_positions, snap
-from edit_train.local_sgd.experts import Experts, UnitExperts, merged_sqnorm, pin
+from edit_train.local_sgd.experts import Experts, Held, UnitExperts, merged_sqnorm, pin, unsent_rows
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import clip_factor, weighted
 from edit_train.local_sgd.protocols import Contributions, Handle, Quorum, Transport
@@ -104,7 +105,7 @@ class SyncCore:
     gather_max: int = 4  # a rule that needs measurements: up to this many clusters, gather; above, sketch
     sketch_dim: int = 0  # count-sketch buckets per module (the rule's direction test; the sketched check)
     keep: Callable[[str, list[Tensor], Contributions], None] | None = None  # (unit, old anchor, contributions)
-    kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep)
+    kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep, unsent experts)
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
 
@@ -190,6 +191,7 @@ class SyncRound:
         self.snap: dict[str, list[Tensor]] = {}
         self.inflight: dict[str, tuple[Handle[Any], list[Tensor]]] = {}
         self.landed: dict[str, list[Tensor]] = {}
+        self.held: dict[str, Held] = {}  # per unit: the rows of this cluster's Δ it did not send (experts), to keep
         self.undo: dict[str, Any] = {}
         self.sqnorm: dict[str, float] = {}  # gathered: ‖Σ wᵢΔᵢ‖² per unit, from the Gram matrix
         self.ok = True  # False once something makes this cluster vote no
@@ -317,15 +319,19 @@ class SyncRound:
         c.outer.params[name] = unit.live()
         c.outer.prefetch(name)
         experts, me, rows, unsent = c.experts if c.unit_experts(name) else None, self.report.position, None, 0
+        raw, mine = self._delta(name), None  # mine: the rows of each parameter this cluster sends (None: all)
         if self.gather:
-            delta = self._delta(name)
+            delta = raw
             if experts is not None:  # each cluster sends only the experts it touched
                 rows, unsent = experts.gathered(name, self._sent(name), unit.params, me)
+                mine = rows[me] if rows is not None else None
         elif experts is None or self.report.decisions[name].expert_weights is None:
-            delta = weighted(self._delta(name), float(self.report.decisions[name].weights[me]))
+            delta = weighted(raw, float(self.report.decisions[name].weights[me]))
         else:  # each expert's rows by its own weight; the rows of experts nobody weighs do not go at all
-            delta, rows, unsent = experts.summed(name, self._delta(name), unit.params, *_where(c),
-                                                 self.report.decisions[name], me)
+            delta, rows, unsent = experts.summed(name, raw, unit.params, *_where(c), self.report.decisions[name], me)
+            mine = rows
+        if mine is not None:  # what it does not send stays with it (`_keep_experts`): a copy of those rows only
+            self.held[name] = unsent_rows(raw, mine, unit.params, *_where(c))
         self.report.unsent += unsent
         kw = {"rows": rows} if rows is not None else {}  # (a transport that predates `rows` is never asked)
         move = c.transport.gather if self.gather else c.transport.reduce_
@@ -440,6 +446,7 @@ class SyncRound:
                 self.applied.clipped(name, coef)
         rebase(live, c.outer.anchors[name], self.snap.pop(name, None))
         self._keep_unsent(name, live, decision)
+        self._keep_experts(name, live, decision)
         c.outer.release(name)
         self.todo.remove(name)
 
@@ -453,6 +460,21 @@ class SyncRound:
         scale = 1.0 if self.gather else 1.0 / w
         for p, u in zip(live, unsent):
             p.sub_(u.to(p.device, p.dtype), alpha=scale)  # θ = θ̄ − Δ: the part of Δ not sent stays here
+        self.core.kept = True
+
+    def _keep_experts(self, name: str, live: list[Tensor], decision: Decision) -> None:
+        """The rows of experts this cluster did not send (it routed them fewer than `expert_min_tokens` tokens, or
+        nobody weighs them in a SUM): θ ← θ̄_new − Δₑ there, its own raw Δ (overlap: plus its progress since the
+        snapshot, which the re-base kept), so its next Δ on them carries it and goes when it sends the expert
+        again. A cluster left out of the unit (weight 0), a non-finite Δ, or a skipped unit lands on θ̄ and lets
+        it go."""
+        held = self.held.pop(name, None)
+        if not held or float(decision.weights[self.report.position]) <= 0.0 or name in self.report.nonfinite \
+                or decision.skip or not all(bool(torch.isfinite(rows).all()) for _, _, rows in held):
+            return
+        for k, idx, rows in held:
+            p = live[k]
+            p.index_add_(0, idx.to(p.device), rows.to(p.device, p.dtype), alpha=-1)
         self.core.kept = True
 
     # ------------------------------------------------------------------ commit
@@ -501,6 +523,7 @@ class SyncRound:
         self.undo.clear()
         self.inflight.clear()
         self.landed.clear()
+        self.held.clear()
         c.rule.load(*_copy_state(self.provisional))
         c.transport.feedback.restore()  # what the SUM sent is not applied: its residuals are forgotten
         c.transport.feedback.mark()
@@ -528,6 +551,7 @@ class SyncRound:
         self.undo.clear()
         self.inflight.clear()
         self.landed.clear()
+        self.held.clear()
         self.snap.clear()
         self.todo.clear()
         if self.provisional is not None:  # a sketched round that did not commit decided nothing
@@ -549,8 +573,9 @@ def _copy_state(state: tuple[dict[str, Any], dict[str, Tensor]]) -> tuple[dict[s
 
 @torch.no_grad()
 def land_on_anchors(core: SyncCore) -> None:
-    """At the end, after a sync that kept unsent parts in the live parameters (`sync.unsent=keep`) and no step
-    since: θ ← θ̄ for every unit, so every cluster ends on the anchor (what was kept is let go)."""
+    """At the end, after a sync that kept unsent parts in the live parameters (`sync.unsent=keep`, the rows of
+    experts a cluster did not send) and no step since: θ ← θ̄ for every unit, so every cluster ends on the anchor
+    (what was kept is let go)."""
     if core.kept:
         for unit in core.units:
             rebase(unit.live(), core.outer.anchors[unit.name])
