@@ -284,7 +284,7 @@ def write_fake_checkpoint(step_dir: Path, cfg: ModelConfig, replicas: list[dict[
                           shard_size: int) -> None:
     """The trainer's layout: rank r = group * S + shard holds torch.chunk(param, S)[shard] as param/<name>."""
     step_dir.mkdir(parents=True)
-    run_cfg = {"model": dataclasses.asdict(cfg), "cluster": {"groups": len(replicas), "shard_size": shard_size}}
+    run_cfg = {"model": dataclasses.asdict(cfg), "cluster": {"count": len(replicas), "ranks": shard_size}}
     for g, params in enumerate(replicas):
         for s in range(shard_size):
             r = g * shard_size + s

@@ -34,7 +34,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P")
 def _placed(run: Run) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(cluster index, step, event) of every `sync` event that says which cluster and which step it is."""
     for e in run.syncs():
-        g, step = e.get("group", 0), _num(e.get("step"))
+        g, step = e.get("cluster_index", 0), _num(e.get("step"))
         if isinstance(g, int) and not isinstance(g, bool) and math.isfinite(step):
             yield g, int(step), e
 
