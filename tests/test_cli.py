@@ -166,4 +166,4 @@ def test_n_equal_clusters_from_the_default_config() -> None:
         validate(compose(["cluster.count=3", "cluster.slowdown=[1,3]"]))
     out = run_cli("edit-train", "edit_train.cli.train", ["cluster.count=3", "cluster.ranks=1", "--cfg", "job"])
     assert out.returncode == 0, out.stderr
-    assert "groups: 3" in out.stdout and "slowdown: []" in out.stdout
+    assert "count: 3" in out.stdout and "slowdown: []" in out.stdout

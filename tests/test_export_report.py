@@ -149,7 +149,7 @@ def test_export_positional_default_out_and_single_cluster(sweep, tmp_path, capsy
 
     # a single-cluster run (checkpoints/step_NNNNNNNN): its replica, with the tokenizer too
     code, out, err = call_export(capsys, sweep / "1", "--out", tmp_path / "single")
-    assert code == 0 and f"group 0's replica, step 8, from {sweep / '1'}/checkpoints/step_00000008" in out[0], err
+    assert code == 0 and f"cluster c0's replica, step 8, from {sweep / '1'}/checkpoints/step_00000008" in out[0], err
     assert "tokenizer.json" in out[0]
 
 

@@ -310,7 +310,7 @@ def test_gather_checkpoint_from_two_shards(tmp_path):
         assert set(state) == set(want)
         for name, p in want.items():
             assert torch.equal(state[name], p), name
-    with pytest.raises(ValueError, match="group 2 is out of range"):
+    with pytest.raises(ValueError, match="--cluster c2 is out of range"):
         gather_checkpoint(step_dir, 2)
     (step_dir / "rank3-model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"rank3-model\.safetensors: missing"):
