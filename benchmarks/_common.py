@@ -97,8 +97,8 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
     if verbose:
         s = job.summary
         print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f}s, val loss "
-              f"{s.get('final_val_loss', float('nan')):.4f}, {s.get('cross_group_bytes', 0) / 1e6:.1f} MB "
-              "cross-group", flush=True)
+              f"{s.get('final_val_loss', float('nan')):.4f}, {s.get('cross_cluster_bytes', 0) / 1e6:.1f} MB "
+              "cross-cluster", flush=True)
     return job
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 def _n(groups: int, slowdown: list[float] | None = None) -> list[str]:
-    out = ["cluster=local", f"cluster.groups={groups}", "cluster.shard_size=1"]
+    out = ["cluster=local", f"cluster.count={groups}", "cluster.ranks=1"]
     if slowdown:
         out.append(f"cluster.slowdown=[{','.join(f'{s:g}' for s in slowdown)}]")
     return out

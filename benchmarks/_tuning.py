@@ -194,7 +194,7 @@ def gap_vs_step(edit: Sequence[tuple[list[int], list[float]]],
 
 # --------------------------------------------------------------------------- runs
 def tuned_overrides(s: Setting, a: argparse.Namespace, seed: int, groups: int) -> list[str]:
-    common = ["cluster=local", f"cluster.groups={groups}", "cluster.shard_size=1", f"model={a.model}",
+    common = ["cluster=local", f"cluster.count={groups}", "cluster.ranks=1", f"model={a.model}",
               f"algo={s.algo}", f"seed={seed}", f"train.steps={a.steps}", f"train.batch_size={a.batch_size}",
               f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}", f"train.eval_batches={a.eval_batches}"]
     if s.algo != "ddp":

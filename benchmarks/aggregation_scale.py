@@ -1,7 +1,7 @@
 """Verified aggregation at 6 and 8 clusters, multi-process (issue 36): are Byzantine clusters left out, what
 does a sync move, and does a rule that judges nothing move only a SUM?
 
-For every cluster count N (`cluster=local cluster.groups=N`, one rank each, `model=tiny`, `algo=edit`: the
+For every cluster count N (`cluster=local cluster.count=N`, one rank each, `model=tiny`, `algo=edit`: the
 `verified` rule, layer-wise, H = `--interval`), a clean run and, for every payload fault kind (`sign_flip`,
 `random_direction`, `lie_norm`, `nan_payload`) and 1 and 2 faulty clusters (c1, c1+c2), a run with the fault on
 for steps [start, end) (the norm and direction tests warm by then). Per run:
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def overrides(a: argparse.Namespace, n: int, algo: str = "edit") -> list[str]:
-    return ["model=tiny", f"algo={algo}", "cluster=local", f"cluster.groups={n}", "cluster.shard_size=1",
+    return ["model=tiny", f"algo={algo}", "cluster=local", f"cluster.count={n}", "cluster.ranks=1",
             "checkpoint.at_end=true", "train.spike_factor=0", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", "train.eval_every=0",
             "train.eval_batches=2", f"algo.interval={a.interval}", "algo.warmup_steps=0",
@@ -66,7 +66,7 @@ def overrides(a: argparse.Namespace, n: int, algo: str = "edit") -> list[str]:
 
 
 def fault(a: argparse.Namespace, kind: str, faulty: int) -> str:
-    specs = ",".join(f"{{kind:{kind},group:{g},start:{a.start},end:{a.end}}}" for g in range(1, faulty + 1))
+    specs = ",".join(f"{{kind:{kind},cluster:{g},start:{a.start},end:{a.end}}}" for g in range(1, faulty + 1))
     return f"faults=[{specs}]"
 
 

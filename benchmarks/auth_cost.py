@@ -7,7 +7,7 @@ them). Every run is a local run, so each has its run's key, roster and per-clust
 Runs (each with the run's own federation key, as every local run has):
   * demo      — plain `edit-train` (the default config: A-EDiT, two clusters of different speed over a
                 simulated 100 Mbit/s, 50 ms link; the verified rule gathers both contributions);
-  * gather3   — `algo=edit cluster.groups=3` on the raw loopback (no simulated link): every contribution of
+  * gather3   — `algo=edit cluster.count=3` on the raw loopback (no simulated link): every contribution of
                 three clusters gathered and tagged, the worst case for the tags' share.
 
 Targets: tags ≤ 1 % of a sync's time on the default demo (issue 21); signatures and digests on the sync's path ≤ 1 %
@@ -33,7 +33,7 @@ import _common as C
 
 RUNS = {
     "demo": [],
-    "gather3": ["algo=edit", "cluster=local", "cluster.groups=3", "cluster.shard_size=1", "algo.interval=8"],
+    "gather3": ["algo=edit", "cluster=local", "cluster.count=3", "cluster.ranks=1", "algo.interval=8"],
 }
 
 
@@ -54,7 +54,7 @@ def measure(summary: dict) -> dict:
                       "trust_sync_path_ms_per_sync": 1e3 * (trust - background) / syncs,
                       "trust_sync_path_share": (trust - background) / sync_s if sync_s > 0 else None,
                       "trust_background_share_of_wall": background / max(float(c["wall_s"]), 1e-9),
-                      "bytes_per_sync": c["cross_group_bytes"] / syncs}
+                      "bytes_per_sync": c["cross_cluster_bytes"] / syncs}
     return rows
 
 

@@ -160,7 +160,7 @@ def one_setting(a: argparse.Namespace, setting: str) -> dict[str, Any]:
     base = [*common(a), *extra]
     ddp = C.run_job(f"{setting}/ddp", work / "ddp", [*base, "algo=ddp", "seed=0",
                                                       f"train.steps={max(a.steps // 4, 8)}"], reuse=a.reuse)
-    ddp_bpt = ddp.summary["cross_group_bytes"] / ddp.summary["tokens"]
+    ddp_bpt = ddp.summary["cross_cluster_bytes"] / ddp.summary["tokens"]
     slow = setting == "slow_link"
     names, seeds = (a.slow_schemes, a.slow_seeds) if slow else (a.schemes, a.seeds)
     per: dict[str, dict[str, Any]] = {}
@@ -168,7 +168,7 @@ def one_setting(a: argparse.Namespace, setting: str) -> dict[str, Any]:
         runs = [C.run_job(f"{setting}/{name}-s{seed}", work / f"{name}_s{seed}",
                           [*base, *EDIT, f"seed={seed}", *SCHEMES[name]], reuse=a.reuse) for seed in seeds]
         per[name] = {"val_loss": [r.summary["final_val_loss"] for r in runs],
-                     "bytes_per_token": [r.summary["cross_group_bytes"] / r.summary["tokens"] for r in runs],
+                     "bytes_per_token": [r.summary["cross_cluster_bytes"] / r.summary["tokens"] for r in runs],
                      "blocked_per_sync": [r.summary["blocked_s"] / max(r.summary["syncs"], 1) for r in runs],
                      "sync_s": [sync_time(r) for r in runs], "anomalies": [r.summary["anomalies"] for r in runs],
                      "wall_s": [r.summary["wall_s"] for r in runs]}

@@ -1,8 +1,8 @@
 """Convergence vs communication: ddp, post-local SGD, DiLoCo and EDiT on the tiny MoE at one token budget.
 
-Every algorithm trains `model=tiny` on `cluster=local_2x1` (2 worker groups x 1 shard, gloo on this host)
+Every algorithm trains `model=tiny` on `cluster=local_2x1` (2 clusters of 1 rank, gloo on this host)
 from the same seed, for the same number of steps and the same per-rank batch, so all see the same tokens.
-Per algorithm it reports the final validation loss, its ratio to ddp's, the cross-group bytes (all groups,
+Per algorithm it reports the final validation loss, its ratio to ddp's, the cross-cluster bytes (all groups,
 from `summary.json`), bytes per training token and the bytes ratio to ddp. ddp all-reduces gradients every
 step (~model size per step per group); local SGD moves ~model size every H steps, so the target for EDiT is
 bytes <= 1/H of ddp's. EDiT's only extra traffic is the per-sync all-gather of per-module norms
@@ -34,7 +34,7 @@ job walls; ~25-35 min when the box is busier).
     python benchmarks/convergence.py --steps 400 --interval 16 --seeds 0 1 --out r.json --plot r.png
 
 Tuned mode (`--tune`, `--confirm`, or both): every algorithm gets the same tuning budget, then is confirmed
-on 3 seeds at its best. Every run: `cluster=local cluster.groups=G cluster.shard_size=1`, model=tiny,
+on 3 seeds at its best. Every run: `cluster=local cluster.count=G cluster.ranks=1`, model=tiny,
 1000 steps, batch 8, seq_len 128, eval every 100 steps on 8 batches; the local-SGD algorithms share
 `algo.interval=H` (8) and `algo.warmup_steps=0`. ALGO_OVERRIDES is not used here.
   1. --tune, seed 0, 2 clusters: ddp and post_local_sgd: inner lr (`train.lr`) in {2e-3, 3e-3, 5e-3}
@@ -152,11 +152,11 @@ def overrides_for(algo: str, a: argparse.Namespace, seed: int) -> list[str]:
 def row_for(job: C.Job, ddp: dict[str, Any], interval: int) -> dict[str, Any]:
     s = job.summary
     tokens = s["tokens"]
-    ratio_b = s["cross_group_bytes"] / ddp["cross_group_bytes"] if ddp["cross_group_bytes"] else None
+    ratio_b = s["cross_cluster_bytes"] / ddp["cross_cluster_bytes"] if ddp["cross_cluster_bytes"] else None
     return {
         "algo": job.name, "final_val_loss": s["final_val_loss"], "initial_val_loss": s.get("initial_val_loss"),
         "loss_ratio_vs_ddp": s["final_val_loss"] / ddp["final_val_loss"], "tokens": tokens,
-        "cross_group_bytes": s["cross_group_bytes"], "bytes_per_token": s["cross_group_bytes"] / max(tokens, 1),
+        "cross_cluster_bytes": s["cross_cluster_bytes"], "bytes_per_token": s["cross_cluster_bytes"] / max(tokens, 1),
         "bytes_ratio_vs_ddp": ratio_b, "bytes_ratio_x_H": ratio_b * interval if ratio_b is not None else None,
         "syncs": s.get("syncs"), "anomalies": s.get("anomalies"), "train_wall_s": s.get("wall_s"),
         "job_wall_s": job.wall_s, "run_dir": job.run_dir,
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.write_json(a.out, result)
     plot(curves, a.plot, f"tiny MoE, 2 groups, {a.steps} steps, H={a.interval}, seeds {a.seeds}")
     cols = [("algo", "algo", ""), ("final_val_loss", "val loss", ".4f"), ("loss_ratio_vs_ddp", "/ddp", ".4f"),
-            ("cross_group_bytes", "bytes", ",d"), ("bytes_ratio_vs_ddp", "B/ddp", ".5f"),
+            ("cross_cluster_bytes", "bytes", ",d"), ("bytes_ratio_vs_ddp", "B/ddp", ".5f"),
             ("bytes_ratio_x_H", "x H", ".5f"), ("syncs", "syncs", ""), ("anomalies", "flags", ""),
             ("job_wall_s", "job s", ".0f")]
     for seed, ps in per_seed.items():
@@ -356,7 +356,7 @@ def tuned_main(a: argparse.Namespace) -> dict[str, Any]:
           f"{a.model}, {a.steps} steps, batch {a.batch_size}, seq {a.seq_len}, H={a.interval}; "
           "ETA after the first run", flush=True)
     run = T.Runner(a, T.Progress(plan))
-    setup = {"cluster": "local (cluster.groups=G cluster.shard_size=1)", "model": a.model, "steps": a.steps,
+    setup = {"cluster": "local (cluster.count=G cluster.ranks=1)", "model": a.model, "steps": a.steps,
              "interval": a.interval, "warmup_steps": 0, "batch_size": a.batch_size, "seq_len": a.seq_len,
              "eval_every": a.eval_every, "eval_batches": a.eval_batches, "tune_seed": TUNE_SEED,
              "tune_groups": TUNE_GROUPS, "seeds": a.seeds, "clusters": a.clusters, "inner_lrs": a.inner_lrs,

@@ -66,8 +66,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "goodput.json")
     args = ap.parse_args()
     budget = 150 if args.quick else 360
-    common = ["cluster=local", "model=tiny", "algo=a_edit", "algo.sync_time_s=5", "cluster.groups=3",
-              "cluster.shard_size=1",
+    common = ["cluster=local", "model=tiny", "algo=a_edit", "algo.sync_time_s=5", "cluster.count=3",
+              "cluster.ranks=1",
               "train.batch_size=4", "train.seq_len=64", f"train.time_budget_s={budget}", "train.steps=100000",
               "train.eval_every=0", "train.log_every=10", "federation.join_timeout_s=5",
               "federation.heartbeat_timeout_s=3", "run.max_restarts=20", "run.restart_delay_s=2"]

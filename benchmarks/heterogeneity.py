@@ -1,6 +1,6 @@
 """Heterogeneous clusters at a fixed wall-clock budget: ddp, EDiT, A-EDiT and A-EDiT + overlapped sync.
 
-Two worker groups of one rank (one thread) each; group 1 is 3x slower (`cluster.slowdown=[1.0,3.0]`) and
+Two clusters of one rank (one thread) each; cluster 1 is 3x slower (`cluster.slowdown=[1.0,3.0]`) and
 they are joined by a simulated WAN link of 100 Mbit/s + 50 ms (`cluster=hetero_2x1`). Every run stops at
 an agreed point after `train.time_budget_s=T` (`train.steps` is set out of reach). First each group is
 measured alone (`cluster=local cluster.slowdown=[s]`, same batch, sequence length and budget), then every
@@ -196,7 +196,7 @@ def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train
            "throughput_ratio_same_speed": same_speed_ratio(job, alone),
            "breakdown": breakdown(name, job),
            "blocked_frac": blocked, "blocked_frac_steady": steady, "final_val_loss": s["final_val_loss"], "syncs": s.get("syncs"),
-           "cross_group_bytes": s.get("cross_group_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
+           "cross_cluster_bytes": s.get("cross_cluster_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
            "per_cluster": {c: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
                                                  "slowdown_slept_s", "syncs") if k in v} for c, v in pc.items()},
            "tps_g0": pc["c0"]["tokens_per_s"], "tps_g1": pc["c1"]["tokens_per_s"]}
@@ -221,15 +221,15 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def eval_series(job: C.Job) -> tuple[list[tuple[float, float]], dict[int, list[tuple[float, float]]]]:
-    """World evals [(wall, val_loss)] and per-group evals {group: [(wall, val_loss)]} (A-EDiT)."""
-    world, groups = [], {}
+    """World evals [(wall, val_loss)] and per-cluster evals {cluster index: [(wall, val_loss)]} (A-EDiT)."""
+    world, clusters = [], {}
     for e in job.events("eval"):
         point = (float(e["wall"]), float(e["val_loss"]))
-        if e.get("scope") == "group":
-            groups.setdefault(int(e["group"]), []).append(point)
+        if e.get("scope") == "cluster":
+            clusters.setdefault(int(e["cluster_index"]), []).append(point)
         else:
             world.append(point)
-    return sorted(world), {g: sorted(v) for g, v in groups.items()}
+    return sorted(world), {g: sorted(v) for g, v in clusters.items()}
 
 
 def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Namespace,
@@ -278,7 +278,7 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
     ax2.axhline(0.02, color="black", ls="--", lw=1, label="target blocked 0.02")
     ax2.set_xticks(list(x), names)
     ax2.set_ylim(0, 1.4)
-    ax2.set_title("throughput and time blocked on cross-group sync", fontsize=10)
+    ax2.set_title("throughput and time blocked on cross-cluster sync", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left", ncol=2)
     ax2.grid(alpha=0.3, axis="y")
     return C.save_fig(fig, a.plot)
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "standalone_sum_tokens_per_s": sum_tps, "standalone_sum_train_tokens_per_s": sum_train_tps,
         "standalone_speed_ratio": speed_ratio,
         "results": rows, "targets": targets(rows),
-        "curves": {n: dict(zip(("world", "group"), eval_series(j))) for n, j in jobs.items()},
+        "curves": {n: dict(zip(("world", "cluster"), eval_series(j))) for n, j in jobs.items()},
         "env": C.environment(),
     }
     C.write_json(a.out, result)

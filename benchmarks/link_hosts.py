@@ -221,7 +221,7 @@ def federation(net: Any, work: Path, key: str, data: str, model: str, interval: 
     finally:
         net.kill("lh")
     events = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-    return [e for e in events if e.get("event") == "sync" and sorted(e.get("participants", [])) == ["a", "b"]], wall
+    return [e for e in events if e.get("event") == "sync" and sorted(e.get("quorum", [])) == ["a", "b"]], wall
 
 
 def measure(net: Any, work: Path, key: str, data: str, model: str, interval: int, syncs: int, compression: str,

@@ -84,7 +84,7 @@ def tuned_point(path: Path) -> list[str]:
 
 
 def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: int, arm: str) -> list[str]:
-    out = ["cluster=local", f"cluster.groups={groups}", "cluster.shard_size=1", f"model={model}", "algo=edit",
+    out = ["cluster=local", f"cluster.count={groups}", "cluster.ranks=1", f"model={model}", "algo=edit",
            f"seed={seed}", f"train.steps={a.steps or STEPS[model]}", "train.batch_size=8", "train.seq_len=128",
            f"train.eval_every={a.eval_every}", f"train.eval_batches={a.eval_batches}", "algo.interval=8",
            "algo.warmup_steps=0", *tuned_point(a.tuned)]
@@ -128,7 +128,7 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     job = C.run_job(f"{model} x{groups} {data} seed {seed} {arm}", run_dir,
                     overrides(a, model, groups, data, seed, arm), timeout=a.timeout, reuse=a.reuse)
     syncs = job.events("sync")
-    off = [e for e in syncs if e["bytes"] != formula(shape, len(e["participants"]), e.get("unsent_params", 0))]
+    off = [e for e in syncs if e["bytes"] != formula(shape, len(e["quorum"]), e.get("unsent_params", 0))]
     mine = [e for e in syncs if e.get("cluster") == "c0"]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),

@@ -2,7 +2,7 @@
 
 For every fault kind (training-side: `garbage_data`, `lr_spike` ×`--lr-factor`; at the transport:
 `sign_flip`, `random_direction`, `lie_norm`, `nan_payload`), every cluster count N (`cluster=local
-cluster.groups=N cluster.shard_size=1`) and every seed, `algo=edit` (layer-wise, H = `algo.interval` = 8,
+cluster.count=N cluster.ranks=1`) and every seed, `algo=edit` (layer-wise, H = `algo.interval` = 8,
 W = `algo.penalty.verified.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
 `train.spike_factor=0`) with cluster c1 faulty for steps [56, 152), against references with the same N and
 seed: `clean` (no fault) and an ORACLE — the same fault, but a rule that knows the window
@@ -159,12 +159,12 @@ def window_syncs(a: argparse.Namespace, kind: str, steps: dict[int, tuple[int, i
 
 
 def fault_spec(a: argparse.Namespace, kind: str) -> str:
-    fields = f"kind:{kind},group:{FAULT_GROUP},start:{a.start},end:{a.end}"
+    fields = f"kind:{kind},cluster:{FAULT_GROUP},start:{a.start},end:{a.end}"
     return f"faults=[{{{fields}{f',factor:{a.lr_factor}' if kind == 'lr_spike' else ''}}}]"
 
 
 def common_overrides(a: argparse.Namespace, n: int, seed: int) -> list[str]:
-    return ["model=tiny", "algo=edit", "cluster=local", f"cluster.groups={n}", "cluster.shard_size=1",
+    return ["model=tiny", "algo=edit", "cluster=local", f"cluster.count={n}", "cluster.ranks=1",
             "checkpoint.at_end=true",  # the anchors are checked for NaN (BASE_OVERRIDES turns it off)
             "algo.penalty.rule=verified", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",

@@ -5,7 +5,7 @@ it, and scores every update on a probe slice of validation data; `edit_norm` (th
 scales each cluster's Δ by a weight decided from *reported* norms and SUMs it in a ring all-reduce. Per run
 and cluster, from `summary.json`:
 
-  * bytes per sync (`cross_group_bytes` / syncs) and its ratio verified ÷ edit_norm, next to the formula
+  * bytes per sync (`cross_cluster_bytes` / syncs) and its ratio verified ÷ edit_norm, next to the formula
     (docs/sync_math.md): a gather sends (P − 1)·4n, a ring all-reduce 2(P − 1)/P·4n, so P/2 (1 at 2 clusters,
     1.5 at 3) plus the small exchange;
   * the share of wall time in the `probe` bucket (its forwards) and the extra share of the `sync` bucket
@@ -15,7 +15,7 @@ and cluster, from `summary.json`:
 Pairs (same config but the rule; `edit_norm` runs without the probe, as before issue 20):
   * demo     — plain `edit-train` (A-EDiT, two clusters of different speed over a simulated 100 Mbit/s,
                50 ms link);
-  * gather3  — `algo=edit cluster=local cluster.groups=3 cluster.shard_size=1 algo.interval=8`, 120 steps:
+  * gather3  — `algo=edit cluster=local cluster.count=3 cluster.ranks=1 algo.interval=8`, 120 steps:
                three clusters on the raw loopback, where gathering costs the most relative to the link.
 
 Targets: bytes per sync ≤ 1.5 × edit_norm's at 3 clusters (to within 1e-5: the payloads are exactly P/2, the
@@ -38,7 +38,7 @@ import _common as C
 
 PAIRS = {
     "demo": [],
-    "gather3": ["algo=edit", "cluster=local", "cluster.groups=3", "cluster.shard_size=1", "algo.interval=8",
+    "gather3": ["algo=edit", "cluster=local", "cluster.count=3", "cluster.ranks=1", "algo.interval=8",
                 "train.steps=120"],
 }
 # edit_norm as before issue 20: no probe, and a SUM all-reduce of w·Δ (`sync.gather_max=0`), not a gather
@@ -54,7 +54,7 @@ def measure(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
         t = c.get("time", {})
         wall = float(t.get("wall_s", 0.0)) or 1.0
         syncs = max(int(c["syncs"]), 1)
-        rows[name] = {"syncs": c["syncs"], "bytes_per_sync": c["cross_group_bytes"] / syncs,
+        rows[name] = {"syncs": c["syncs"], "bytes_per_sync": c["cross_cluster_bytes"] / syncs,
                       "probe_share": float(t.get("probe", 0.0)) / wall, "sync_share": float(t.get("sync", 0.0)) / wall,
                       "blocked_share": float(t.get("blocked", 0.0)) / wall, "wall_s": wall,
                       "probe_ms_per_sync": 1e3 * float(t.get("probe", 0.0)) / syncs}

@@ -43,7 +43,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 420  # a_edit: the run ends at the first sync after any group has taken this many steps
+    steps: int = 420  # a_edit: the run ends at the first sync after any cluster has taken this many steps
     time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128
@@ -56,7 +56,7 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    precision: str = "fp32"  # fp32 | bf16 (FSDP2 bf16 params + fp32 reduce on sharded CUDA groups, else autocast)
+    precision: str = "fp32"  # fp32 | bf16 (FSDP2 bf16 params + fp32 reduce on sharded CUDA clusters, else autocast)
     activation_checkpointing: str = "none"  # none | full (every decoder layer) | moe (the MoE blocks only)
     compile: bool = False  # torch.compile each decoder layer
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = from the table of known GPUs (none on CPU)
@@ -74,7 +74,7 @@ class TrainConfig:
 @dataclass
 class AlgoConfig:
     name: str = "ddp"  # ddp | post_local_sgd | diloco | edit | a_edit
-    local_sgd: bool = False  # False: gradients all-reduced across groups every step (ddp)
+    local_sgd: bool = False  # False: gradients all-reduced across clusters every step (ddp)
     schedule: str = "step"  # step | time
     interval: int = 32  # local steps between syncs (schedule=step)
     warmup_steps: int = 0  # fully synchronous steps before local SGD starts
@@ -109,13 +109,13 @@ class LinkConfig:
 @dataclass
 class ClusterConfig:
     name: str = "local"
-    groups: int = 1  # N equal clusters of `shard_size` ranks (named c0..cN-1), unless `clusters` lists them
-    shard_size: int = 1
+    count: int = 1  # N equal clusters of `ranks` ranks each (named c0..cN-1), unless `clusters` lists them
+    ranks: int = 1
     # [{name, ranks, slowdown, batch_size, device, data: {source, tokenizer}}]: clusters of any size, own data
     clusters: list[dict[str, Any]] = field(default_factory=list)
     only: str = ""  # start only this cluster (joins a federation whose Lighthouse is federation.lighthouse)
-    slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per group (simulated slower hardware)
-    slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{group, step, factor}] mid-run changes
+    slowdown: list[float] = field(default_factory=list)  # one factor >= 1 per cluster (simulated slower hardware)
+    slowdown_schedule: list[dict[str, Any]] = field(default_factory=list)  # [{cluster, step, factor}] mid-run changes
     link: LinkConfig = field(default_factory=LinkConfig)
     backend: str = "auto"  # auto | gloo | nccl
     timeout_s: float = 600.0  # a collective among this cluster's own ranks that takes longer fails (a rank died)
@@ -200,7 +200,7 @@ def _cluster_data(i: int, data: Any) -> tuple[str, str]:
 
 
 def cluster_specs(cfg: Config) -> list[ClusterSpec]:
-    """The federation's configured clusters: `cluster.clusters`, else `groups` equal ones named c0…"""
+    """The federation's configured clusters: `cluster.clusters`, else `count` equal ones named c0…"""
     c = cfg.cluster
     if c.clusters:
         out = []
@@ -224,8 +224,8 @@ def cluster_specs(cfg: Config) -> list[ClusterSpec]:
             out.append(ClusterSpec(str(spec.get("name", f"c{i}")), ranks, i, slow, batch, device,
                                    *_cluster_data(i, spec.get("data"))))
         return out
-    slow = list(c.slowdown) or [1.0] * c.groups
-    return [ClusterSpec(f"c{i}", c.shard_size, i, float(slow[i]) if i < len(slow) else 1.0) for i in range(c.groups)]
+    slow = list(c.slowdown) or [1.0] * c.count
+    return [ClusterSpec(f"c{i}", c.ranks, i, float(slow[i]) if i < len(slow) else 1.0) for i in range(c.count)]
 
 
 def register_configs() -> None:
@@ -291,11 +291,11 @@ def validate(cfg: Config) -> None:
         _check_experts(cfg)
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
-    _need(c.groups >= 1, "cluster.groups", f"must be >= 1, got {c.groups}")
-    _need(c.shard_size >= 1, "cluster.shard_size", f"must be >= 1, got {c.shard_size}")
+    _need(c.count >= 1, "cluster.count", f"must be >= 1, got {c.count}")
+    _need(c.ranks >= 1, "cluster.ranks", f"must be >= 1, got {c.ranks}")
     specs = cluster_specs(cfg)
     for i, spec in enumerate(specs):
-        _check_cluster_name(f"cluster.clusters[{i}].name" if c.clusters else "cluster.groups", spec.name)
+        _check_cluster_name(f"cluster.clusters[{i}].name" if c.clusters else "cluster.count", spec.name)
     if c.only:
         _check_cluster_name("cluster.only", c.only)
     if os.environ.get("EDIT_TRAIN_CLUSTER"):  # what a launcher names this job's cluster (train/build.py my_cluster)
@@ -334,7 +334,7 @@ def validate(cfg: Config) -> None:
     from edit_train.sim.hetero import parse_schedule
 
     try:
-        parse_schedule(list(c.slowdown_schedule), c.groups)
+        parse_schedule(list(c.slowdown_schedule), c.count)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_split(cfg, specs)
@@ -345,7 +345,7 @@ def validate(cfg: Config) -> None:
     _need(not (a.local_sgd and a.schedule == "step" and cfg.checkpoint.every)
           or (cfg.checkpoint.every - a.warmup_steps) % a.interval == 0 and cfg.checkpoint.every > a.warmup_steps,
           "checkpoint.every", f"{cfg.checkpoint.every} is not a sync boundary: checkpoints are taken where every "
-          f"group holds the anchor, so use warmup_steps + a multiple of algo.interval ({a.interval})")
+          f"cluster holds the anchor, so use warmup_steps + a multiple of algo.interval ({a.interval})")
     _need(cfg.run.max_restarts >= 0, "run.max_restarts", "must be >= 0")
 
 

@@ -1,6 +1,6 @@
 """Per-rank GPU memory plan of a launch, from the config alone (model built on the meta device).
 
-Every figure is bytes on one rank of a cluster that shards one replica over ``cluster.shard_size`` ranks
+Every figure is bytes on one rank of a cluster that shards one replica over ``cluster.ranks`` ranks
 (FSDP2, fp32 sharded master weights), planned as if the rank were a CUDA device:
 
 * ``params``        fp32 shard: ``4 P / S``
@@ -144,7 +144,7 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
 def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]:
     """``memory_plan`` for a composed ``Config`` (train/cluster/algo sections)."""
     t, o = cfg.train, cfg.algo.outer
-    return memory_plan(cfg.model, shard_size=cfg.cluster.shard_size, batch_size=t.batch_size,
+    return memory_plan(cfg.model, shard_size=cfg.cluster.ranks, batch_size=t.batch_size,
                        seq_len=t.seq_len, precision=t.precision,
                        checkpointing=getattr(t, "activation_checkpointing", "none"),
                        local_sgd=cfg.algo.local_sgd, outer_optimizer=o.optimizer, outer_momentum=o.momentum,

@@ -1,7 +1,22 @@
-"""Config keys that were renamed or moved: a user who sets the old name is told the new one in one line
-(`cli/common.py`), instead of Hydra's "no such key". One rule for every retired key: refused, with a hint."""
+"""Config keys that were renamed or moved. The rule, for every retired key: in a config file it is refused with a
+one-line hint to its successor (`cli/common.py`), instead of Hydra's "no such key"; on the command line a key
+with exactly one successor (`RENAMED`) is read as that successor with a one-line deprecation warning, so a
+script written against the old name keeps running while it says what to change. A key whose successor
+depends on other settings (the rule parameters of issue 36) is refused there too. Inside the entries of
+`faults` and `cluster.slowdown_schedule` (values, wherever given) the retired field `group` is read as
+`cluster` with the same warning (`entry_field`).
+
+Outputs: a run directory written before the one-word rename (issue 38) reads as today's (`current_event`,
+`current_summary`: the report and the planner's calibration apply them when they load a run). Retired names and
+today's: event field ``group`` (a cluster's index) → ``cluster_index``, ``participants`` → ``quorum``, an eval's
+``scope: "group"`` → ``scope: "cluster"``; `summary.json`'s ``cross_group_bytes`` → ``cross_cluster_bytes`` (at the
+top and in each per-cluster record) and ``per_group`` {index: record} → ``per_cluster`` {name: record}. A run dir
+written today holds none of them (`tests/test_words.py`)."""
 
 from __future__ import annotations
+
+import logging
+from typing import Any
 
 # the rule parameters that moved under the rule that owns them (issue 36)
 _NORM_TEST = ("anomaly", "ewma_alpha", "warmup_syncs", "z_threshold", "sigma_floor", "readmit_after", "regime_change")
@@ -9,7 +24,11 @@ _VERIFIED = ("sketch_dim", "direction_rate", "direction_alpha", "direction_z", "
              "retract", "report_tolerance", "max_token_ratio", "left_out")
 _EDIT_NORM = ("weighting", "temperature", "step_weight_ratio")
 
+# one word per concept (issue 38, docs/glossary.md): a cluster is a cluster, its size is its ranks
+RENAMED: dict[str, str] = {"cluster.groups": "cluster.count", "cluster.shard_size": "cluster.ranks"}
+
 RETIRED: dict[str, str] = {
+    **RENAMED,
     **{f"algo.penalty.{k}": f"algo.penalty.verified.{k} (rule verified) or algo.penalty.edit_norm.{k} "
        "(rule edit_norm): each rule owns its parameters" for k in _NORM_TEST},
     **{f"algo.penalty.{k}": f"algo.penalty.verified.{k}: the verified rule owns it" for k in _VERIFIED},
@@ -21,3 +40,95 @@ def retired_hint(key: str) -> str | None:
     """`"<key> was retired: use <new>"`, or None for a key that was never retired."""
     new = RETIRED.get(key)
     return f"{key} was retired: use {new}" if new is not None else None
+
+
+_warned_fields: set[str] = set()
+
+
+def entry_field(spec: dict, where: str) -> dict:
+    """A `faults` / `cluster.slowdown_schedule` entry with its retired `group` field read as `cluster` (one
+    deprecation line per list per process); the entry itself when it has none."""
+    if "group" not in spec or "cluster" in spec:
+        return spec
+    if where not in _warned_fields:
+        _warned_fields.add(where)
+        logging.getLogger(__name__).warning("%s: the field `group` is deprecated: read as `cluster` (the cluster's "
+                                            "index or name; docs/glossary.md)", where)
+    out = {k: v for k, v in spec.items() if k != "group"}
+    out["cluster"] = spec["group"]
+    return out
+
+
+def renamed_overrides(overrides: list[str]) -> list[str]:
+    """Command-line overrides with every `RENAMED` key read as its successor (`cluster.groups=2` →
+    `cluster.count=2`, also with a `+`/`~` prefix and in sweeps), one deprecation line on stderr per key."""
+    import sys
+
+    out = []
+    for o in overrides:
+        prefix = o[:len(o) - len(o.lstrip("+~"))]
+        key, eq, value = o[len(prefix):].partition("=")
+        new = RENAMED.get(key) if not o.startswith("-") else None
+        if new is None:
+            out.append(o)
+            continue
+        print(f"warning: {key} is deprecated: read as {new} (docs/glossary.md); use {new}={value}" if eq else
+              f"warning: {key} is deprecated: read as {new} (docs/glossary.md)", file=sys.stderr, flush=True)
+        out.append(f"{prefix}{new}{eq}{value}")
+    return out
+
+
+# ------------------------------------------------------------------------------ outputs
+EVENT_FIELDS = {"group": "cluster_index", "participants": "quorum"}
+SUMMARY_FIELDS = {"cross_group_bytes": "cross_cluster_bytes"}
+_warned_outputs = False  # the notice is logged once per process
+
+
+def current_event(event: dict[str, Any]) -> dict[str, Any]:
+    """`event` with retired field names read as today's (the same dict when it has none)."""
+    if not any(old in event for old in EVENT_FIELDS) and event.get("scope") != "group":
+        return event
+    out = {EVENT_FIELDS.get(k, k): v for k, v in event.items()}
+    if out.get("scope") == "group":
+        out["scope"] = "cluster"
+    return out
+
+
+def _index(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _record(rec: dict[str, Any]) -> dict[str, Any]:
+    return {SUMMARY_FIELDS.get(k, k): v for k, v in rec.items()}
+
+
+def current_summary(summary: dict[str, Any] | None, where: object = "") -> dict[str, Any] | None:
+    """`summary.json` with retired field names read as today's; a `per_group` {index: record} becomes
+    `per_cluster` {name: record} (each record's `name`, `c<index>` without one). Logs one line, once."""
+    global _warned_outputs
+    if summary is None or not (set(summary) & {*SUMMARY_FIELDS, "per_group"}):
+        return summary
+    if not _warned_outputs:
+        _warned_outputs = True
+        logging.getLogger(__name__).warning("run dir %s predates the one-word rename: reading its retired summary.json fields as today's "
+                    "(said once, for the first such run dir)", where or "?")
+    out = _record(summary)
+    per_group = out.pop("per_group", None)
+    if isinstance(out.get("per_cluster"), dict):
+        out["per_cluster"] = {k: _record(v) if isinstance(v, dict) else v for k, v in out["per_cluster"].items()}
+    elif isinstance(per_group, dict):
+        per_cluster: dict[str, Any] = {}
+        for key, rec in sorted(per_group.items(), key=lambda kv: (_index(kv[0]) is None, _index(kv[0]) or 0)):
+            if not isinstance(rec, dict):
+                continue
+            index = _index(rec.get("index"))
+            index = _index(key) if index is None else index
+            name = rec.get("name") if isinstance(rec.get("name"), str) else f"c{index if index is not None else key}"
+            per_cluster[name] = {**_record(rec), "name": name, **({"index": index} if index is not None else {})}
+        out["per_cluster"] = per_cluster
+    return out

@@ -37,7 +37,7 @@ KEY = bytes(range(32))
 def toy_config(expected: tuple[str, ...], rule: str = "edit_norm") -> LocalSGDConfig:
     """EDiT at_end over SYNCS intervals; the terms come from the roster (what the gate runs hold)."""
     cfg = config("at_end", rule, syncs=SYNCS)
-    return replace(cfg, membership=MembershipConfig(fingerprint=FP, expected=expected, start_timeout_s=20,
+    return replace(cfg, membership=MembershipConfig(fingerprint=FP, expected=expected, quorum_timeout_s=20,
                                                     authoritative=True, terms_source="the roster"))
 
 

@@ -57,7 +57,7 @@ def test_pacer_saves_at_the_last_sync_before_every_steps_would_pass() -> None:
 
 
 EVERY = 6
-FED = ["algo=a_edit", "cluster.groups=2", "cluster.shard_size=1", "cluster.slowdown=[3,6]", "train.batch_size=2",
+FED = ["algo=a_edit", "cluster.count=2", "cluster.ranks=1", "cluster.slowdown=[3,6]", "train.batch_size=2",
        "train.log_every=1", "algo.sync_time_s=0.6", f"checkpoint.every={EVERY}", "checkpoint.keep=2",
        "federation.join_timeout_s=5", "algo.penalty.verified.probe_tokens=0"]
 
@@ -119,6 +119,6 @@ def test_a_edit_federation_killed_whole_resumes_each_cluster_from_its_newest_che
         assert 0 <= redone <= EVERY, (c, done_at_kill, resumed_from)
         assert not any(e["event"] == "eval" and e.get("cluster") == c and e["step"] == 0 for e in after)
     # the federation came back together: syncs with both clusters after the resume, one anchor at the end
-    both = [e for e in after if e["event"] == "sync" and len(e.get("participants", [])) == 2]
+    both = [e for e in after if e["event"] == "sync" and len(e.get("quorum", [])) == 2]
     assert both, [e for e in after if e["event"] == "sync"][:4]
     assert max(c["steps"] for c in summary["per_cluster"].values()) >= 60

@@ -31,7 +31,7 @@ WINDOWS = ((7, 10), (12, 15))  # syncs sent while the fault is on: one faulty cl
 
 def _faulty(kind: str, index: int, two_only: bool) -> object:
     windows = WINDOWS[1:] if two_only else WINDOWS
-    specs = [{"kind": kind, "group": index, "start": a * H, "end": (b + 1) * H} for a, b in windows]  # sync s: step (s+1)H-1
+    specs = [{"kind": kind, "cluster": index, "start": a * H, "end": (b + 1) * H} for a, b in windows]  # sync s: step (s+1)H-1
     faults = FaultInjector(specs, group=index, vocab_size=2)
     return lambda transport, step: ByzantineTransport(transport, faults, step)
 
@@ -164,7 +164,7 @@ def test_a_rule_that_cannot_serve_the_federation_is_refused_at_start() -> None:
     assert refuse_mode(make_rule(PenaltyConfig(rule="uniform")), "uniform", 64, 0, True) == ""
     cfg = Config()
     cfg.algo.local_sgd, cfg.algo.penalty.rule = True, "median_rule:CoordinateMedian"
-    cfg.cluster.groups = 6
+    cfg.cluster.count = 6
     with pytest.raises(ConfigError, match="algo.penalty.rule: 'median_rule:CoordinateMedian' needs every"):
         validate(cfg)
 

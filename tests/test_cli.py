@@ -11,14 +11,15 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import read_events, run_cli, tiny_overrides
+from words import retired_in_run
 
 TRAIN = ("edit-train", "edit_train.cli.train")
 
-TRAIN_KEYS = {"step", "group", "loss", "lr", "tokens", "tokens_per_s", "wall"}
+TRAIN_KEYS = {"step", "cluster_index", "cluster", "loss", "lr", "tokens", "tokens_per_s", "wall"}
 EVAL_KEYS = {"step", "val_loss", "val_ppl"}
 MOE_KEYS = {"step", "expert_load", "aux_loss", "z_loss"}
 SUMMARY_KEYS = {"algo", "completed", "steps", "tokens", "wall_s", "tokens_per_s", "final_val_loss",
-                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
+                "cross_cluster_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
 
 
 def assert_one_line_error(proc, *must_name: str) -> str:
@@ -52,10 +53,9 @@ def test_train_runs_on_default_stdlib_corpus(tmp_path):
     assert summary["steps"] == 6
     assert summary["tokens"] == 6 * 2 * 32
     assert math.isfinite(summary["final_val_loss"])
-    assert summary["cross_group_bytes"] == 0 and summary["syncs"] == 0 and summary["anomalies"] == 0
+    assert summary["cross_cluster_bytes"] == 0 and summary["syncs"] == 0 and summary["anomalies"] == 0
     assert set(summary["per_cluster"]) == {"c0"}
-    # the deprecated alias for old readers: the same records keyed by cluster index
-    assert summary["per_group"] == {str(r["index"]): r for r in summary["per_cluster"].values()}
+    assert retired_in_run(run_dir) == []  # one word per concept (tests/test_words.py)
 
     events = read_events(run_dir / "metrics.jsonl")
     kinds = {e["event"] for e in events}
@@ -85,7 +85,7 @@ def test_bad_override_is_one_line(tmp_path, monkeypatch, capsys, override, key):
 
 
 def test_inconsistent_config_is_one_line(tmp_path):
-    proc = run_cli(*TRAIN, [*tiny_overrides(tmp_path / "run"), "cluster.groups=2", "cluster.slowdown=[1,2,3]"])
+    proc = run_cli(*TRAIN, [*tiny_overrides(tmp_path / "run"), "cluster.count=2", "cluster.slowdown=[1,2,3]"])
     assert_one_line_error(proc, "cluster.slowdown")
     assert not (tmp_path / "run").exists()  # checked before Hydra creates run.dir
 
@@ -154,16 +154,16 @@ def test_info_bad_override_is_one_line(capsys):
 
 
 def test_n_equal_clusters_from_the_default_config() -> None:
-    """`edit-train cluster.groups=3 cluster.shard_size=1` (as the README says): the default preset's
+    """`edit-train cluster.count=3 cluster.ranks=1` (as the README says): the default preset's
     two-entry slowdown does not carry over; an explicit slowdown still has to match."""
     from edit_train.cli.common import compose
     from edit_train.config import ConfigError, cluster_specs, validate
 
-    cfg = compose(["cluster.groups=3", "cluster.shard_size=1"])
+    cfg = compose(["cluster.count=3", "cluster.ranks=1"])
     validate(cfg)
     assert [(s.name, s.ranks, s.slowdown) for s in cluster_specs(cfg)] == [("c0", 1, 1.0), ("c1", 1, 1.0), ("c2", 1, 1.0)]
     with pytest.raises(ConfigError, match="cluster.slowdown"):
-        validate(compose(["cluster.groups=3", "cluster.slowdown=[1,3]"]))
-    out = run_cli("edit-train", "edit_train.cli.train", ["cluster.groups=3", "cluster.shard_size=1", "--cfg", "job"])
+        validate(compose(["cluster.count=3", "cluster.slowdown=[1,3]"]))
+    out = run_cli("edit-train", "edit_train.cli.train", ["cluster.count=3", "cluster.ranks=1", "--cfg", "job"])
     assert out.returncode == 0, out.stderr
-    assert "groups: 3" in out.stdout and "slowdown: []" in out.stdout
+    assert "count: 3" in out.stdout and "slowdown: []" in out.stdout

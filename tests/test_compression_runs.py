@@ -87,5 +87,5 @@ def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tm
     # summary.json counts exactly what the sync events count (every rank's payloads, indices included)
     for name in ("a", "b"):
         synced = sum(e["bytes"] for e in events(run) if e["event"] == "sync" and e["cluster"] == name)
-        assert summary["per_cluster"][name]["cross_group_bytes"] == synced, name
-    assert summary["cross_group_bytes"] == sum(c["cross_group_bytes"] for c in summary["per_cluster"].values())
+        assert summary["per_cluster"][name]["cross_cluster_bytes"] == synced, name
+    assert summary["cross_cluster_bytes"] == sum(c["cross_cluster_bytes"] for c in summary["per_cluster"].values())

@@ -102,7 +102,7 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_state(tmp_path, small_corpus) -> 
     """A cluster of 2 GPUs sharding one replica: FSDP2 gathers bf16 parameters and reduces in fp32, while
     the sharded parameters (AdamW's), the anchor and the outer momentum stay fp32."""
     overrides = tiny_overrides(tmp_path, small_corpus, "train.device=cuda", "train.precision=bf16",
-                               "cluster.shard_size=2", "algo=edit", "algo.interval=2", "train.steps=4",
+                               "cluster.ranks=2", "algo=edit", "algo.interval=2", "train.steps=4",
                                "train.activation_checkpointing=moe")
     results = _spawn([overrides, overrides])
     for r in results:

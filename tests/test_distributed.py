@@ -102,13 +102,13 @@ def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
     run_dir = edit_runs["layerwise_2x2"]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     syncs = [e for e in events if e["event"] == "sync"]
-    assert sorted((e["sync"], e["group"]) for e in syncs) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert sorted((e["sync"], e["cluster_index"]) for e in syncs) == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for e in syncs:
         for key in ("step", "local_steps", "pseudo_grad_norm", "weight", "anomalous", "clip_coef", "bytes",
                     "blocked_s"):
             assert key in e
         assert e["local_steps"] == 4 and 0.0 < e["weight"] < 1.0 and e["bytes"] > 0
-        assert e["participants"] == ["c0", "c1"] and e["cluster"] == f"c{e['group']}"
+        assert e["quorum"] == ["c0", "c1"] and e["cluster"] == f"c{e['cluster_index']}"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["syncs"] == 2 and set(summary["per_cluster"]) == {"c0", "c1"}
     assert 0 < summary["goodput"] <= 1
@@ -116,9 +116,9 @@ def test_sync_events_and_summary(edit_runs: dict[str, Path]) -> None:
         assert rec["ranks"] == 2 and rec["syncs_joined"] == 2 and rec["syncs_missed"] == 0 and rec["restarts"] == 0
     # bytes are counted from what was sent: 2 syncs x full fp32 model per group (+ the tiny norm exchange)
     model_bytes = summary["total_params"] * 4
-    per_cluster = summary["per_cluster"]["c0"]["cross_group_bytes"]
+    per_cluster = summary["per_cluster"]["c0"]["cross_cluster_bytes"]
     assert 2 * model_bytes <= per_cluster < 2 * model_bytes * 1.01
-    assert summary["cross_group_bytes"] == 2 * per_cluster
+    assert summary["cross_cluster_bytes"] == 2 * per_cluster
 
 
 def test_ddp_replicas_bit_identical_every_step(tmp_path: Path, corpus: str) -> None:
@@ -150,7 +150,7 @@ def test_each_algorithm_runs_on_2x2(tmp_path: Path, corpus: str, algo: str) -> N
                       corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and summary["algo"] == algo and summary["syncs"] >= 1
-    assert set(summary["per_cluster"]) == {"c0", "c1"} and summary["cross_group_bytes"] > 0
+    assert set(summary["per_cluster"]) == {"c0", "c1"} and summary["cross_cluster_bytes"] > 0
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"train", "eval", "sync", "moe"} <= {e["event"] for e in events}
     g0, g1 = group_params(last_ckpt(run_dir, "c0"), 2), group_params(last_ckpt(run_dir, "c1"), 2)
@@ -163,7 +163,7 @@ def _train_losses(run_dir: Path) -> dict[tuple[int, int], float]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         e = json.loads(line)
         if e["event"] == "train":
-            out[(e["step"], e["group"])] = e["loss"]
+            out[(e["step"], e["cluster_index"])] = e["loss"]
     return out
 
 
@@ -208,7 +208,7 @@ def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str, al
     checkpoint is the one the cluster took at its own pace (after a sync), and it keeps its own step count."""
     run_dir = run_job(tmp_path, "restart", *algo.split(), "cluster=local_2x1", "train.steps=8",
                       "train.batch_size=2", "checkpoint.every=4", "run.max_restarts=1",
-                      "faults=[{kind:kill,group:1,start:6}]", corpus=corpus)
+                      "faults=[{kind:kill,cluster:1,start:6}]", corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     # a_edit: the first cluster to reach train.steps ends the run at the next exchange (the others stop where
     # they are, a cluster may pass train.steps before that exchange): `steps` is not exactly 8
@@ -221,9 +221,9 @@ def test_nan_gradients_never_reach_the_anchor(tmp_path: Path, corpus: str) -> No
     """Fault `nan_grad` on group 1 for steps [1, 3): those inner steps are skipped and logged, the replica
     stays finite, and the anchor every group ends on is finite."""
     run_dir = run_job(tmp_path, "nan", "algo=edit", "cluster=local_2x1", "train.steps=6", "algo.interval=2",
-                      "train.batch_size=2", "faults=[{kind:nan_grad,group:1,start:1,end:3}]", corpus=corpus)
+                      "train.batch_size=2", "faults=[{kind:nan_grad,cluster:1,start:1,end:3}]", corpus=corpus)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    skips = [(e["step"], e["group"]) for e in events if e["event"] == "skip"]
+    skips = [(e["step"], e["cluster_index"]) for e in events if e["event"] == "skip"]
     assert skips == [(2, 1), (3, 1)]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["per_cluster"]["c1"]["skipped_steps"] == 2 and summary["per_cluster"]["c0"]["skipped_steps"] == 0

@@ -406,11 +406,11 @@ def test_counts_are_kept_until_the_round_commits() -> None:
 # ------------------------------------------------------------------------------------------ config + a run
 def test_what_expert_weights_cannot_go_with_is_refused_in_one_line() -> None:
     cfg = Config()
-    cfg.algo.local_sgd, cfg.cluster.groups = True, 6
+    cfg.algo.local_sgd, cfg.cluster.count = True, 6
     cfg.algo.penalty.verified.expert_weights = "tokens"
     with pytest.raises(ConfigError, match="algo.penalty.verified.expert_weights: tokens: above sync.gather_max=4"):
         validate(cfg)
-    cfg.cluster.groups, cfg.algo.penalty.verified.expert_min_tokens, cfg.sync.compression = 2, 16, "int8"
+    cfg.cluster.count, cfg.algo.penalty.verified.expert_min_tokens, cfg.sync.compression = 2, 16, "int8"
     with pytest.raises(ConfigError, match="algo.penalty.verified.expert_min_tokens: rows a cluster does not send"):
         validate(cfg)
     cfg.sync.compression, cfg.algo.penalty.verified.expert_weights = "none", "none"

@@ -22,14 +22,14 @@ from safetensors.torch import load_file, save_file
 from conftest import cli_env, script_cmd
 
 SWEEP_OVERRIDES = ["model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
-                   "train.eval_every=0", "train.eval_batches=1", "train.steps=8", "cluster=local", "cluster.groups=2",
+                   "train.eval_every=0", "train.eval_batches=1", "train.steps=8", "cluster=local", "cluster.count=2",
                    "algo=edit", "algo.interval=4"]
-SWEEP = "cluster.groups=2,1"  # job 0: two one-rank clusters (checkpoints/<cluster>/…); job 1: one (checkpoints/…)
+SWEEP = "cluster.count=2,1"  # job 0: two one-rank clusters (checkpoints/<cluster>/…); job 1: one (checkpoints/…)
 _SWEEPS: dict[str, Path] = {}  # one sweep per session, whichever test module asks first
 
 
 def tiny_sweep(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
-    """`edit-train -m … cluster.groups=2,1` run in a fresh directory with the shipped hydra.sweep.dir, so it writes
+    """`edit-train -m … cluster.count=2,1` run in a fresh directory with the shipped hydra.sweep.dir, so it writes
     `runs/multirun-<timestamp>/{0,1,multirun.yaml}` exactly as a user's sweep does. Returns the sweep folder."""
     key = str(tmp_path_factory.getbasetemp())
     if key in _SWEEPS:
@@ -149,7 +149,7 @@ def test_export_positional_default_out_and_single_cluster(sweep, tmp_path, capsy
 
     # a single-cluster run (checkpoints/step_NNNNNNNN): its replica, with the tokenizer too
     code, out, err = call_export(capsys, sweep / "1", "--out", tmp_path / "single")
-    assert code == 0 and f"group 0's replica, step 8, from {sweep / '1'}/checkpoints/step_00000008" in out[0], err
+    assert code == 0 and f"cluster c0's replica, step 8, from {sweep / '1'}/checkpoints/step_00000008" in out[0], err
     assert "tokenizer.json" in out[0]
 
 
@@ -171,7 +171,7 @@ def test_export_cluster_step_and_refusals(sweep, tmp_path, capsys):
     for args, want in (
         (["--cluster", "c7"], "--cluster c7: no checkpoints of that cluster in"),
         (["--step", "4"], "--step 4: not a complete checkpoint of every cluster (complete steps: c0: 8; c1: 8)"),
-        (["--group", "1"], "--group 1:"),
+        (["--group", "1"], "--group was retired: use --cluster c1"),
     ):
         code, out, err = call(run, "--out", tmp_path / "x", *args)
         assert code == 2 and out == [] and len(err) == 1 and err[0].startswith("error: " + want), err

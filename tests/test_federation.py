@@ -24,7 +24,7 @@ from fed_utils import (anchors, cluster_pids, events, finish, kill_cluster, max_
 
 # collective_timeout_s=5: a survivor blocked in a collective with the killed cluster (gloo does not always see
 # the peer's socket close) gives up within 5 s, so its gap stays within the join timeout plus one sync
-THREE = ["algo=edit", "cluster.groups=3", "cluster.shard_size=1", "cluster.slowdown=[8,8,8]", "train.steps=120",
+THREE = ["algo=edit", "cluster.count=3", "cluster.ranks=1", "cluster.slowdown=[8,8,8]", "train.steps=120",
          "federation.join_timeout_s=10", "federation.collective_timeout_s=5",
          "algo.interval=8", "train.batch_size=2", "federation.min_clusters=2", "run.max_restarts=1",
          "train.eval_batches=16"]  # the final val loss over 1,024 tokens (64 in BASE: too noisy to compare runs)
@@ -65,7 +65,7 @@ def test_killed_cluster_never_stops_the_others_and_heals(tmp_path: Path, corpus:
     for c in ("c0", "c2"):
         assert max_gap(evs, c) <= 10.0 + clean_gap + 1.0, c
         assert summary["per_cluster"][c]["restarts"] == 0
-    parts = [len(e["participants"]) for e in syncs(evs, "c0")]
+    parts = [len(e["quorum"]) for e in syncs(evs, "c0")]
     assert 2 in parts, parts  # syncs during the outage: c0 and c2 only
     first_two = parts.index(2)
     assert 3 in parts[first_two:], parts  # c1 back after healing
@@ -96,7 +96,7 @@ def test_partitioned_cluster_rejoins_without_any_exit(tmp_path: Path, corpus: st
     assert all(r["restarts"] == 0 for r in summary["per_cluster"].values())  # no process exited
     c1 = summary["per_cluster"]["c1"]
     assert c1["syncs_missed"] >= 1 and c1["healed_from"]
-    parts = [len(e["participants"]) for e in syncs(evs, "c0")]
+    parts = [len(e["quorum"]) for e in syncs(evs, "c0")]
     assert 2 in parts and 3 in parts[parts.index(2):], parts
     assert {"missed"} <= {e["event"] for e in evs if e.get("cluster") == "c1"}
     clean_gap = max(max_gap(events(baseline), c) for c in ("c0", "c2"))
@@ -116,7 +116,7 @@ def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     finish(proc)
     evs = events(run_dir)
     c3 = syncs(evs, "c3")
-    assert c3 and len(c3[0]["participants"]) == 4
+    assert c3 and len(c3[0]["quorum"]) == 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["per_cluster"]["c3"]["healed_from"]
     _ends_on_one_anchor(run_dir, ["c0", "c1", "c2", "c3"])

@@ -106,7 +106,7 @@ def _other_config(rank: int, world: int, lighthouse: str) -> dict:
     comm = _cluster_comm(rank, lighthouse)
     cfg = LocalSGDConfig(outer=OuterConfig(), penalty=PLAIN, mode="at_end", total_steps=10,
                          membership=MembershipConfig(fingerprint=f"config-{rank}", expected=("c0", "c1"),
-                                                     start_timeout_s=30))
+                                                     quorum_timeout_s=30))
     model = _toy()
     algo = LocalSGD(cfg, model, [model[0], model[1]], comm, (heal.encode, heal.decode), cluster_index=rank)
     try:
@@ -267,14 +267,14 @@ def test_overlap_sync_is_dropped_when_a_participant_does_not_vote(lighthouse: st
 
 # -------------------------------------------------------------- heterogeneity
 def test_slowdown_factor_follows_schedule() -> None:
-    s = Slowdown(1, [1.0, 3.0], [{"group": 1, "step": 10, "factor": 5.0}, {"group": 0, "step": 2, "factor": 9}],
+    s = Slowdown(1, [1.0, 3.0], [{"cluster": 1, "step": 10, "factor": 5.0}, {"cluster": 0, "step": 2, "factor": 9}],
                  groups=2)
     assert [s.factor(i) for i in (0, 9, 10, 50)] == [3.0, 3.0, 5.0, 5.0]
     assert s.after_step(0, 0.01) == pytest.approx(0.02)
-    with pytest.raises(HeteroError, match="slowdown_schedule\\[0\\].group"):
-        parse_schedule([{"group": 4, "step": 1, "factor": 2}], groups=2)
+    with pytest.raises(HeteroError, match="slowdown_schedule\\[0\\].cluster"):
+        parse_schedule([{"cluster": 4, "step": 1, "factor": 2}], groups=2)
     with pytest.raises(HeteroError, match="factor"):
-        parse_schedule([{"group": 0, "step": 1, "factor": 0.5}], groups=2)
+        parse_schedule([{"cluster": 0, "step": 1, "factor": 0.5}], groups=2)
 
 
 @pytest.fixture(scope="module")
@@ -295,7 +295,7 @@ def slowing_run(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
            "train.progress=false", f"data.source={corpus}", f"run.dir={run_dir}", "train.seq_len=32",
            "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=300",
            "algo.interval=4", "algo.sync_time_s=0.3", "model.num_hidden_layers=2", "train.log_every=10",
-           "cluster.slowdown_schedule=[{group:1,step:100,factor:8.0}]"]
+           "cluster.slowdown_schedule=[{cluster:1,step:100,factor:8.0}]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
@@ -304,7 +304,7 @@ def slowing_run(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
 def test_a_edit_follows_a_group_that_slows_down(slowing_run: Path) -> None:
     """Group 1 becomes 8x slower at its step 100: its planned local steps drop at the next sync."""
     syncs = [e for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
-             if e["event"] == "sync" and e["group"] == 1]
+             if e["event"] == "sync" and e["cluster_index"] == 1]
     before = [e["local_steps"] for e in syncs if e["step"] <= 100][1:]  # the first interval is timed locally
     after = [e["local_steps"] for e in syncs if e["step"] > 100][2:]  # from the plan made after the change
     assert before and after, syncs

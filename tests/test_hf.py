@@ -284,7 +284,7 @@ def write_fake_checkpoint(step_dir: Path, cfg: ModelConfig, replicas: list[dict[
                           shard_size: int) -> None:
     """The trainer's layout: rank r = group * S + shard holds torch.chunk(param, S)[shard] as param/<name>."""
     step_dir.mkdir(parents=True)
-    run_cfg = {"model": dataclasses.asdict(cfg), "cluster": {"groups": len(replicas), "shard_size": shard_size}}
+    run_cfg = {"model": dataclasses.asdict(cfg), "cluster": {"count": len(replicas), "ranks": shard_size}}
     for g, params in enumerate(replicas):
         for s in range(shard_size):
             r = g * shard_size + s
@@ -310,7 +310,7 @@ def test_gather_checkpoint_from_two_shards(tmp_path):
         assert set(state) == set(want)
         for name, p in want.items():
             assert torch.equal(state[name], p), name
-    with pytest.raises(ValueError, match="group 2 is out of range"):
+    with pytest.raises(ValueError, match="--cluster c2 is out of range"):
         gather_checkpoint(step_dir, 2)
     (step_dir / "rank3-model.safetensors").unlink()
     with pytest.raises(ValueError, match=r"rank3-model\.safetensors: missing"):

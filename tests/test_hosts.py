@@ -25,6 +25,7 @@ import pytest
 from edit_train.federation import auth
 from edit_train.sim import hosts as sim_hosts
 from fed_utils import events
+from words import retired_in_run
 
 REPO = Path(__file__).resolve().parents[1]
 MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
@@ -112,7 +113,7 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
     stranger_key = str(auth.new_key(tmp_path / "other.key"))
     started = time.time()
     c = cluster(net, tmp_path, "c", stranger_key, *common)  # a new cluster name: it would join and heal
-    both = lambda: [e for e in syncs(run_dir, "a") if e["participants"] == ["a", "b"]]  # noqa: E731
+    both = lambda: [e for e in syncs(run_dir, "a") if e["quorum"] == ["a", "b"]]  # noqa: E731
     wait_until(lambda: len(both()) >= 2, 240, "two syncs of a and b", [a, b])
 
     # the Lighthouse dies and is restarted on its port at once (well within 2 s of its death): it binds — no
@@ -139,6 +140,7 @@ def test_recipe_across_hosts_with_a_wrong_key_and_a_restarted_lighthouse(net: si
     for name in ("a", "b"):
         assert summary["per_cluster"][name]["syncs_joined"] >= 3, summary["per_cluster"][name]
         assert "holds another federation key" not in (tmp_path / f"{name}.log").read_text()
+    assert retired_in_run(run_dir) == []  # one word per concept (tests/test_words.py)
 
 
 @pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
@@ -152,12 +154,12 @@ def test_partition_and_host_death_with_a_edit(net: sim_hosts.Hosts, tmp_path: Pa
               "federation.min_clusters=1"]
     a = cluster(net, tmp_path, "a", key, *common)
     b = cluster(net, tmp_path, "b", key, *common)
-    both = lambda: [e for e in syncs(run_dir, "a") if e["participants"] == ["a", "b"]]  # noqa: E731
+    both = lambda: [e for e in syncs(run_dir, "a") if e["quorum"] == ["a", "b"]]  # noqa: E731
     wait_until(lambda: len(both()) >= 2, 240, "two syncs of a and b", [a, b])
 
     net.cut("b")
     n = len(syncs(run_dir, "a"))
-    wait_until(lambda: any(e["participants"] == ["a"] for e in syncs(run_dir, "a")[n:]), 60,
+    wait_until(lambda: any(e["quorum"] == ["a"] for e in syncs(run_dir, "a")[n:]), 60,
                "a syncing alone while b is cut off", [a, b])
     net.mend("b")
     n = len(both())
@@ -166,14 +168,14 @@ def test_partition_and_host_death_with_a_edit(net: sim_hosts.Hosts, tmp_path: Pa
     net.kill("b")  # the host dies: its launcher, torchrun and worker
     b.wait(timeout=10)
     n = len(syncs(run_dir, "a"))
-    wait_until(lambda: any(e["participants"] == ["a"] for e in syncs(run_dir, "a")[n:]), 60,
+    wait_until(lambda: any(e["quorum"] == ["a"] for e in syncs(run_dir, "a")[n:]), 60,
                "a syncing alone after b's host died", [a])
     b2 = cluster(net, tmp_path, "b", key, *common, "resume=auto", log="b-restarted")  # as the error tells
     assert [a.wait(timeout=400), b2.wait(timeout=400)] == [0, 0], logs(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"], summary
     assert summary["per_cluster"]["b"]["healed_from"] == ["a"], summary["per_cluster"]["b"]
-    assert both()[-1]["participants"] == ["a", "b"]
+    assert both()[-1]["quorum"] == ["a", "b"]
 
 
 def test_local_demo_on_a_host_whose_name_is_not_loopback(net: sim_hosts.Hosts, tmp_path: Path,

@@ -97,7 +97,7 @@ def test_a_roster_says_what_the_federation_runs(fed: Path) -> None:
     from edit_train.config import ConfigError
     from edit_train.train.build import credentials
 
-    cfg = compose(["cluster=local", "cluster.groups=2", f"federation.roster_file={fed / 'roster.json'}",
+    cfg = compose(["cluster=local", "cluster.count=2", f"federation.roster_file={fed / 'roster.json'}",
                    f"federation.identity_file={fed / 'c0.identity'}"])
     with pytest.raises(ConfigError, match="the roster .* says the federation runs configuration fingerprint 'fp'"):
         credentials(cfg, "c0")
@@ -155,7 +155,7 @@ def test_the_local_launcher_makes_a_roster_per_run_and_restates_it(tmp_path: Pat
     from edit_train.cli.common import compose
     from edit_train.cli.launcher import local_roster
 
-    cfg = compose(["cluster=local", "cluster.groups=2", "train.steps=40", f"run.dir={tmp_path}"])
+    cfg = compose(["cluster=local", "cluster.count=2", "train.steps=40", f"run.dir={tmp_path}"])
     roster = Path(local_roster(cfg, tmp_path))
     assert roster == tmp_path / "federation" / "roster.json"
     r1 = load_roster(roster, load_identity(tmp_path / "federation" / "operator.key").public)

@@ -228,8 +228,8 @@ def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path:
     assert per["b"]["healed_from"] and set(per["b"]["healed_from"]) == {"a"}, per
     events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     a_syncs = [e for e in events if e.get("event") == "sync" and e.get("cluster") == "a"]
-    assert any(e["participants"] == ["a"] for e in a_syncs), "a never synced alone while b was down"
-    assert a_syncs[-1]["participants"] == ["a", "b"]
+    assert any(e["quorum"] == ["a"] for e in a_syncs), "a never synced alone while b was down"
+    assert a_syncs[-1]["quorum"] == ["a", "b"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def _honest_unharmed(outs: dict[str, Outcome], clean: dict[str, float]) -> None:
         o = outs[n]
         assert o.steps == TOTAL, (n, o.steps)
         syncs = [e for e in o.events if e["event"] == "sync"]
-        assert len(syncs) == SYNCS and all(e["participants"] == HONEST for e in syncs), syncs
+        assert len(syncs) == SYNCS and all(e["quorum"] == HONEST for e in syncs), syncs
         assert o.algo is not None and not o.algo.membership.healed_from
         loss = final_loss(o, i)
         assert abs(loss - clean[n]) <= 0.01 * clean[n], (n, loss, clean[n])

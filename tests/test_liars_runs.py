@@ -16,7 +16,7 @@ from fed_utils import anchors, events, finish, same, start
 
 pytestmark = pytest.mark.slow
 
-RUN = ["algo=edit", "cluster.groups=3", "cluster.shard_size=1", "train.steps=48", "algo.interval=8",
+RUN = ["algo=edit", "cluster.count=3", "cluster.ranks=1", "train.steps=48", "algo.interval=8",
        "train.batch_size=2", "checkpoint.at_end=true", "federation.join_timeout_s=3",
        "federation.collective_timeout_s=6"]
 
@@ -37,10 +37,10 @@ def test_a_lying_cluster_in_a_real_run(tmp_path: Path, corpus: str, truthful: di
     for name in ("c0", "c1"):
         assert per[name]["steps"] == 48 and per[name]["restarts"] == 0 and not per[name]["healed_from"], per[name]
     syncs = [e for e in events(run_dir) if e["event"] == "sync" and e["cluster"] in ("c0", "c1")]
-    assert syncs and all("c0" in e["participants"] and "c1" in e["participants"] for e in syncs)
+    assert syncs and all("c0" in e["quorum"] and "c1" in e["quorum"] for e in syncs)
     assert same(anchors(run_dir, "c0"), anchors(run_dir, "c1")) == 0.0
     if left_out:
-        assert all("c2" not in e["participants"] for e in syncs)
+        assert all("c2" not in e["quorum"] for e in syncs)
         assert "cluster c2 left out of the sync" in out, out[-3000:]
     else:
         assert set(per["c2"]["healed_from"]) <= {"c0", "c1"}

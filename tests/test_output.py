@@ -161,7 +161,7 @@ def test_merge_takes_the_initial_loss_of_any_cluster():
     def rec(index: int, init: float | None) -> dict:
         return {"name": f"c{index}", "index": index, "steps": 40, "total_params": 10, "active_params": 10,
                 "tokens": 100, "wall_s": 2.0, "final_val_loss": 3.0,
-                "initial_val_loss": init, "cross_group_bytes": 0, "syncs": 1, "anomalies": 0, "blocked_s": 0.0,
+                "initial_val_loss": init, "cross_cluster_bytes": 0, "syncs": 1, "anomalies": 0, "blocked_s": 0.0,
                 "useful_s": 1.0, "first_start": 0.0, "alive_s": 2.0, "algo": "edit", "restarts": 0}
 
     # c0 first: a cluster that healed in mid-run has no step-0 eval of its own
@@ -208,7 +208,7 @@ def _cluster(name: str, local_steps: list[int], steps: int = 40) -> dict:
 
 def _summary(clusters: dict, completed: bool = True) -> dict:
     return {"algo": "edit", "completed": completed, "steps": 40, "tokens": 40 * 64 * len(clusters),
-            "wall_s": 12.0, "final_val_loss": 3.5, "initial_val_loss": 6.099, "cross_group_bytes": 14_000_000,
+            "wall_s": 12.0, "final_val_loss": 3.5, "initial_val_loss": 6.099, "cross_cluster_bytes": 14_000_000,
             "syncs": 2, "anomalies": 0, "goodput": 0.5, "per_cluster": clusters}
 
 

@@ -150,7 +150,7 @@ def test_interrupt_message_says_whether_a_checkpoint_exists(tmp_path):
     assert "checkpoint.every=7 saves" in interrupted_message(run_dir)
     good = _fake_checkpoint(run_dir, 4, complete=True)
     msg = interrupted_message(run_dir, 4)
-    assert f"{good} is intact" in msg and "all 4 workers stopped" in msg and "resume=auto" in msg
+    assert f"{good} is intact" in msg and "all 4 processes stopped" in msg and "resume=auto" in msg
 
 
 def test_ctrl_c_before_the_first_checkpoint(tmp_path, small_corpus):
@@ -347,7 +347,7 @@ def test_config_error_is_said_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exc:
-        fail_user_error(ConfigError("cluster.groups: bad"))
+        fail_user_error(ConfigError("cluster.count: bad"))
     assert exc.value.code == 2 and capsys.readouterr().err == ""  # quiet, same code
     with pytest.raises(SystemExit):
         fail_user_error(DataError("shard gone"))  # may be this rank's own: it is said, with the rank
@@ -355,8 +355,8 @@ def test_config_error_is_said_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as exc:
-        fail_user_error(ConfigError("cluster.groups: bad"))
-    assert exc.value.code == 2 and capsys.readouterr().err.strip() == "error: cluster.groups: bad"
+        fail_user_error(ConfigError("cluster.count: bad"))
+    assert exc.value.code == 2 and capsys.readouterr().err.strip() == "error: cluster.count: bad"
 
 
 def test_topology_error_under_torchrun_is_one_line_once(tmp_path, small_corpus):
@@ -364,7 +364,7 @@ def test_topology_error_under_torchrun_is_one_line_once(tmp_path, small_corpus):
     (torchrun's own ChildFailedError summary, printed by the torchrun process, is outside our code.)"""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "edit_train.cli.train", *tiny_overrides(run_dir, small_corpus, "cluster.shard_size=3")]
+           "-m", "edit_train.cli.train", *tiny_overrides(run_dir, small_corpus, "cluster.ranks=3")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -413,7 +413,7 @@ def test_report_does_not_call_an_interrupted_runs_step0_loss_final(tmp_path):
     run = tmp_path / "interrupted"
     run.mkdir()
     events = [{"event": "eval", "step": 0, "val_loss": 6.1, "val_ppl": 445.0, "tokens": 0, "wall": 0.5},
-              {"event": "train", "step": 10, "group": 0, "loss": 4.0, "lr": 1e-3, "tokens": 640,
+              {"event": "train", "step": 10, "cluster_index": 0, "loss": 4.0, "lr": 1e-3, "tokens": 640,
                "tokens_per_s": 100.0, "wall": 6.9}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (row,) = table_rows([load_run(run)])

@@ -427,7 +427,7 @@ def test_the_held_out_set_is_apart_and_covers_what_the_issue_asks():
     assert {k["sync.mode"] for k in keys if "sync.mode" in k} == {"layerwise", "at_end", "overlap"}
     assert {k.get("sync.compression", "none") for k in keys} == {"none", "bf16", "int8", "fp8", "topk"}
     assert {k.get("sync.topk_group") for k in keys} >= {"1", "4"} and any(k.get("sync.unsent") == "keep" for k in keys)
-    assert {k.get("cluster.groups", "2") for k in keys} == {"2", "3", "4"}
+    assert {k.get("cluster.count", "2") for k in keys} == {"2", "3", "4"}
     assert any("5" in k.get("cluster.slowdown", "") for k in keys)
     assert min(float(k.get("cluster.link.bandwidth_mbps", 1e9)) for k in keys) <= 20
     assert any("kill_cluster" in k.get("faults", "") for k in keys)

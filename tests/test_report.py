@@ -2,7 +2,8 @@
 
 Synthetic runs: a 2-cluster EDiT run with one anomalous sync and a fault in its config.json, a DDP run (no sync events), a crashed
 single-cluster run (no summary.json, no evals, a torn last line) and a run that died before its first event;
-and a run dir from before `per_cluster` (summary.json with only the deprecated `per_group`).
+and a run dir from before the one-word rename (summary.json with the retired `per_group`, `cross_group_bytes`;
+events with `group`, `participants`).
 Rendering is the slow part (~1 s of CPU per report), so only three tests draw."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from edit_train.cli.report import main
 from edit_train.report import PLOTS, default_out, human_bytes, load_run, make_report
-from edit_train.report import model as report_model
+from edit_train import retired
 from edit_train.report.weights import fault_windows, retractions, weight_series, weights_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -37,10 +38,10 @@ def _train_events(groups: int, steps: int, every: int = 4, tokens_per_step: int 
     out = []
     for step in range(every, steps + 1, every):
         for g in range(groups):
-            out.append({"event": "train", "step": step, "group": g, "loss": 5.0 - 0.05 * step + 0.1 * g,
+            out.append({"event": "train", "step": step, "cluster_index": g, "loss": 5.0 - 0.05 * step + 0.1 * g,
                         "lr": 1e-3, "tokens": step * tokens_per_step, "tokens_per_s": 900.0 + 50 * g,
                         "wall": 0.1 * step + 0.01 * g})
-            out.append({"event": "moe", "step": step, "group": g,
+            out.append({"event": "moe", "step": step, "cluster_index": g,
                         "expert_load": [[10 + step, 5, 0, 7], [3, 3, 3, 3 + g]], "aux_loss": 0.01, "z_loss": 0.001})
     return out
 
@@ -53,13 +54,13 @@ def _evals(steps: int, every: int = 8, groups: int = 2) -> list[dict]:
 def _cluster(index: int, tokens: int, syncs: int, anomalies: int, nbytes: int, blocked: float, wall: float,
              local_steps: list[int]) -> dict:
     return {"name": f"c{index}", "index": index, "tokens": tokens, "steps": 24, "tokens_per_s": tokens / wall,
-            "syncs": syncs, "anomalies": anomalies, "cross_group_bytes": nbytes, "blocked_s": blocked,
+            "syncs": syncs, "anomalies": anomalies, "cross_cluster_bytes": nbytes, "blocked_s": blocked,
             "blocked_frac": blocked / wall, "local_steps": local_steps}
 
 
 def _per_cluster(records: list[dict]) -> dict:
-    """`per_cluster` {name: record} and, as the trainer writes it, the deprecated alias `per_group` {index: record}."""
-    return {"per_cluster": {r["name"]: r for r in records}, "per_group": {str(r["index"]): r for r in records}}
+    """`per_cluster` {name: record}, as the trainer writes it."""
+    return {"per_cluster": {r["name"]: r for r in records}}
 
 
 @pytest.fixture
@@ -69,18 +70,18 @@ def runs(tmp_path: Path) -> dict[str, Path]:
     for k, step in enumerate((8, 16, 24), start=1):
         for g in range(2):
             bad = (k == 2 and g == 1)
-            edit_events.append({"event": "sync", "sync": k, "step": step, "group": g, "local_steps": 8,
+            edit_events.append({"event": "sync", "sync": k, "step": step, "cluster_index": g, "local_steps": 8,
                                 "pseudo_grad_norm": 9.0 if bad else 1.0, "weight": 0.0 if bad else 0.5,
                                 "anomalous": bad, "anomalous_modules": ["layers.0"] if bad else [],
                                 "clip_coef": 1.0, "bytes": 1000, "blocked_s": 0.05})
     edit_summary = {"algo": "edit", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": wall,
                     "tokens_per_s": 2 * steps * 128 / wall, "final_val_loss": 3.6, "initial_val_loss": 6.0,
-                    "cross_group_bytes": 6000, "syncs": 3, "anomalies": 1, "blocked_s": 0.15,
+                    "cross_cluster_bytes": 6000, "syncs": 3, "anomalies": 1, "blocked_s": 0.15,
                     **_per_cluster([_cluster(g, steps * 128, 3, int(g == 1), 3000, 0.15, wall, [8, 8, 8])
                                     for g in range(2)])}
     ddp_summary = {"algo": "ddp", "completed": True, "steps": steps, "tokens": 2 * steps * 128, "wall_s": 3.0,
                    "tokens_per_s": 2 * steps * 128 / 3.0, "final_val_loss": 3.5, "initial_val_loss": 6.0,
-                   "cross_group_bytes": 5 * 2**30, "syncs": 0, "anomalies": 0, "blocked_s": 0.9,
+                   "cross_cluster_bytes": 5 * 2**30, "syncs": 0, "anomalies": 0, "blocked_s": 0.9,
                    **_per_cluster([_cluster(g, steps * 128, 0, 0, 5 * 2**29, 0.9 - 0.1 * g, 3.0, [])
                                    for g in range(2)])}
     crashed_events = _train_events(1, 12)[:-1] + ['{"event":"train","step":16,"gro']  # torn last line
@@ -92,7 +93,7 @@ def runs(tmp_path: Path) -> dict[str, Path]:
     return {
         "edit": _write_run(tmp_path / "edit", edit_events, edit_summary,
                            {"algo": {"name": "edit"},
-                            "faults": [{"kind": "garbage_data", "group": 1, "start": 10, "end": 18}]}),
+                            "faults": [{"kind": "garbage_data", "cluster": 1, "start": 10, "end": 18}]}),
         "ddp": _write_run(tmp_path / "ddp", [*_evals(steps), *_train_events(2, steps)], ddp_summary),
         "crashed": crashed,
         "empty": _write_run(tmp_path / "empty", [], None),
@@ -127,7 +128,7 @@ def test_report_on_three_runs(runs, tmp_path, capsys):
     rows = _table_rows(md)
     assert [r[0] for r in rows] == ["edit", "ddp", "crashed (incomplete)", "empty (incomplete)"]
     by_run = {r[0]: r for r in rows}
-    # run, algo, steps, tokens, wall_s, tokens/s, final val loss, cross-group bytes, syncs, anomalies, blocked %
+    # run, algo, steps, tokens, wall_s, tokens/s, final val loss, cross-cluster bytes, syncs, anomalies, blocked %
     assert by_run["edit"][1:] == ["edit", "24", "6,144", "2.5", "2,458", "3.600", "5.9 KiB", "3", "1", "6.0%"]
     assert by_run["ddp"][1] == "ddp" and by_run["ddp"][7] == "5.0 GiB" and by_run["ddp"][8] == "0"
     crashed = by_run["crashed (incomplete)"]
@@ -150,7 +151,7 @@ def test_default_out_dirs(runs, capsys):
 
 def test_anomalous_sync_is_found_per_cluster(runs):
     run = load_run(runs["edit"])
-    flagged = [(e["sync"], e["group"], e["step"]) for e in run.syncs() if e["anomalous"]]
+    flagged = [(e["sync"], e["cluster_index"], e["step"]) for e in run.syncs() if e["anomalous"]]
     assert flagged == [(2, 1, 16)]
     assert run.clusters == [(0, "c0"), (1, "c1")]
     assert list(run.stats()["per_cluster"]) == ["c0", "c1"]
@@ -158,27 +159,35 @@ def test_anomalous_sync_is_found_per_cluster(runs):
     assert load_run(runs["crashed"]).stats()["per_cluster"]["c0"]["tokens_per_s"] > 0
 
 
-def test_old_run_dir_with_only_per_group_is_reported_and_warned_once(runs, tmp_path, caplog, monkeypatch):
-    """A run dir from before `per_cluster`: summary.json has only the deprecated `per_group` {index: record}.
-    It is still reported, per cluster by each record's `name` (`c<index>` without one), and a one-line
-    warning is logged once per process, however many such run dirs are loaded."""
-    monkeypatch.setattr(report_model, "_warned_per_group", False)
+def test_old_run_dir_with_retired_names_is_reported_and_warned_once(runs, tmp_path, caplog, monkeypatch):
+    """A run dir from before the one-word rename: summary.json has only `per_group` {index: record} and
+    `cross_group_bytes`, its events `group` and `participants`. It is still reported, per cluster by each
+    record's `name` (`c<index>` without one), and a one-line warning is logged once per process, however
+    many such run dirs are loaded."""
+    monkeypatch.setattr(retired, "_warned_outputs", False)
     summary = json.loads((runs["ddp"] / "summary.json").read_text())
-    del summary["per_cluster"]
+    records = summary.pop("per_cluster")
+    summary["per_group"] = {str(r["index"]): dict(r) for r in records.values()}
+    summary["cross_group_bytes"] = summary.pop("cross_cluster_bytes")
     summary["per_group"]["0"]["name"] = "fast"
     del summary["per_group"]["1"]["name"]  # no name at all: c<index>
+    events = [json.loads(line) for line in (runs["ddp"] / "metrics.jsonl").read_text().splitlines()]
+    old_events = [{("group" if k == "cluster_index" else "participants" if k == "quorum" else k): v
+                   for k, v in e.items()} for e in events]
+    assert any("group" in e for e in old_events)
     old = []
     for name in ("old1", "old2"):
         shutil.copytree(runs["ddp"], tmp_path / name)
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old_events))
         old.append(tmp_path / name)
 
-    with caplog.at_level(logging.WARNING, logger=report_model.__name__):
+    with caplog.at_level(logging.WARNING, logger=retired.__name__):
         report = make_report(old, tmp_path / "out")
-    warned = [r for r in caplog.records if "per_cluster" in r.getMessage()]
+    warned = [r for r in caplog.records if "predates" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     assert warned[0].levelno == logging.WARNING and "\n" not in warned[0].getMessage()
-    assert f"{old[0]} predates per_cluster" in warned[0].getMessage()
+    assert f"{old[0]} predates the one-word rename" in warned[0].getMessage()
 
     _assert_pngs(tmp_path / "out")
     rows = _table_rows(report.table)
@@ -215,7 +224,7 @@ def test_weights_data_from_crafted_run(tmp_path, caplog):
     """`weights.png`'s data: each cluster's (step, weight, anomalous) per sync, by name, a re-logged sync
     counted once and a missing weight NaN; the fault windows of config.json as parse_faults reads them."""
     def sync(k, step, g, name, weight, bad=False, **extra):
-        return {"event": "sync", "sync": k, "step": step, "group": g, "cluster": name, "weight": weight,
+        return {"event": "sync", "sync": k, "step": step, "cluster_index": g, "cluster": name, "weight": weight,
                 "anomalous": bad, "anomalous_modules": ["layers.0"] if bad else [],
                 "anomaly_details": {"layers.0": {"reasons": ["norm"]}} if bad else {}, **extra}
 
@@ -226,11 +235,11 @@ def test_weights_data_from_crafted_run(tmp_path, caplog):
               sync(2, 16, 1, "east", 0.0, bad=True),  # re-logged after a resume: counted once
               sync(3, 24, 0, "west", 0.4), sync(3, 24, 1, "east", 0.2, bad=True, retracted=back),
               sync(3, 24, 2, "north", None, retracted=back)]
-    faults = [{"kind": "garbage_data", "group": 1, "start": 10, "end": 18},
+    faults = [{"kind": "garbage_data", "cluster": 1, "start": 10, "end": 18},
               {"kind": "lr_spike", "cluster": "north", "start": 20, "factor": 5},  # no end: to the end of the run
               {"kind": "kill_cluster", "cluster": 2, "step": 12},
               {"kind": "partition", "cluster": "west", "step": 4, "seconds": 3},
-              {"kind": "bogus", "group": 0}]  # rejected by parse_faults: skipped with a warning
+              {"kind": "bogus", "cluster": 0}]  # rejected by parse_faults: skipped with a warning
     run = load_run(_write_run(tmp_path / "crafted", events, None, {"algo": {"name": "edit"}, "faults": faults}))
 
     series = weight_series(run)

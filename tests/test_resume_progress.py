@@ -13,7 +13,7 @@ from edit_train.config import ClusterSpec
 
 
 def _train(step: int, loss: float, cluster: str = "c0") -> str:
-    return json.dumps({"event": "train", "step": step, "group": 0, "cluster": cluster, "loss": loss, "lr": 1e-3,
+    return json.dumps({"event": "train", "step": step, "cluster_index": 0, "cluster": cluster, "loss": loss, "lr": 1e-3,
                        "tokens": step * 64, "tokens_per_s": 1000.0, "wall": float(step)}) + "\n"
 
 

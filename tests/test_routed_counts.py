@@ -119,7 +119,7 @@ def test_an_interval_is_read_summed_and_reset() -> None:
         tally.counted()
     second = tally.take()
     assert torch.equal(second, 3 * first)  # the same batch three times: only this interval's tokens
-    assert [(e["event"], e["interval"], e["steps"], e["cluster"], e["group"], e["step"]) for e in events] == \
+    assert [(e["event"], e["interval"], e["steps"], e["cluster"], e["cluster_index"], e["step"]) for e in events] == \
         [("experts", 0, 1, "c1", 1, 7), ("experts", 1, 3, "c1", 1, 7)]
     assert events[1]["counts"] == second.tolist() and events[1]["layers"] == [1, 2]
 
@@ -184,9 +184,9 @@ def _write_run(path: Path, counts: dict[str, list[list[list[int]]]]) -> Path:
     lines = []
     for g, (name, per_interval) in enumerate(counts.items()):
         for k, c in enumerate(per_interval):
-            lines.append({"event": "experts", "step": 8 * (k + 1), "group": g, "cluster": name, "interval": k,
+            lines.append({"event": "experts", "step": 8 * (k + 1), "cluster_index": g, "cluster": name, "interval": k,
                           "steps": 8, "layers": [1, 2], "counts": c})
-            lines.append({"event": "train", "step": 8 * (k + 1), "group": g, "cluster": name, "loss": 2.0,
+            lines.append({"event": "train", "step": 8 * (k + 1), "cluster_index": g, "cluster": name, "loss": 2.0,
                           "tokens": 1, "tokens_per_s": 1.0, "wall": 1.0 + k})
     (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
     return path

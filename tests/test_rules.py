@@ -110,7 +110,7 @@ def test_a_median_from_outside_the_package_drives_a_real_three_cluster_run(tmp_p
     run_dir = tmp_path / "median"
     tests = str(Path(__file__).resolve().parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "edit_train.cli.train", "algo=edit", "cluster=local", "cluster.groups=3",
+    cmd = [sys.executable, "-m", "edit_train.cli.train", "algo=edit", "cluster=local", "cluster.count=3",
            "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
            "train.steps=8", "algo.interval=4", "train.eval_every=0", "train.eval_batches=1", f"data.source={corpus}",
            f"run.dir={run_dir}", "algo.penalty.rule=median_rule:CoordinateMedian"]
@@ -118,7 +118,7 @@ def test_a_median_from_outside_the_package_drives_a_real_three_cluster_run(tmp_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     syncs = [e for e in events if e["event"] == "sync"]
-    assert len(syncs) == 6 and all(e["aggregation"] == "gathered" and len(e["participants"]) == 3 for e in syncs)
+    assert len(syncs) == 6 and all(e["aggregation"] == "gathered" and len(e["quorum"]) == 3 for e in syncs)
     assert same(anchors(run_dir, "c0"), anchors(run_dir, "c1")) == 0.0
     assert same(anchors(run_dir, "c0"), anchors(run_dir, "c2")) == 0.0
     states = list((run_dir / "checkpoints" / "c2").rglob("*.json"))

@@ -114,7 +114,7 @@ def test_an_unknown_family_is_one_line() -> None:
     with pytest.raises(DataError, match=r"unknown standard-library family \['web'\].*net, systems, dev, core"):
         fam.parse_source("stdlib:net+web")
     with pytest.raises(ConfigError, match="defined for 2, 3, 4 clusters, this run has 5"):
-        validate(_cfg("data.split=by_family", "cluster=local", "cluster.groups=5"))
+        validate(_cfg("data.split=by_family", "cluster=local", "cluster.count=5"))
     with pytest.raises(ConfigError, match="data.source"):
         validate(_cfg("data.split=by_family", "data.source=/x/*.txt"))
 
@@ -132,7 +132,7 @@ def test_by_family_gives_each_cluster_its_families_and_everyone_the_same_validat
 
 
 def test_the_default_splits_one_corpus_across_the_clusters() -> None:
-    cfg = _cfg("cluster=local", "cluster.groups=3")
+    cfg = _cfg("cluster=local", "cluster.count=3")
     specs = cluster_specs(cfg)
     sites = [site_data(cfg, specs, s) for s in specs]
     assert [(s.source, s.part, s.parts) for s in sites] == [("stdlib", i, 3) for i in range(3)]

@@ -26,7 +26,7 @@ import pytest
 from edit_train.federation import auth, gate
 from fed_utils import anchors, events, finish, same, start, wait_for
 
-RUN = ["algo=edit", "cluster.groups=2", "cluster.shard_size=1", "train.steps=128", "algo.interval=8",
+RUN = ["algo=edit", "cluster.count=2", "cluster.ranks=1", "train.steps=128", "algo.interval=8",
        "train.batch_size=2", "cluster.slowdown=[4,4]", "checkpoint.at_end=true", "federation.join_timeout_s=3"]
 
 
@@ -131,7 +131,7 @@ def test_a_keyless_stranger_cannot_join_steer_stop_or_slow_the_federation(tmp_pa
     for name, c in summary["per_cluster"].items():  # nobody refused, restarted or healed from anyone
         assert c["restarts"] == 0 and not c["healed_from"], (name, c)
     syncs = [e for e in events(run_dir) if e["event"] == "sync"]
-    assert syncs and all(e["participants"] == ["c0", "c1"] for e in syncs)
+    assert syncs and all(e["quorum"] == ["c0", "c1"] for e in syncs)
     assert summary["syncs"] == json.loads((clean / "summary.json").read_text())["syncs"]
     assert same(anchors(run_dir, "c0"), anchors(run_dir, "c1")) == 0.0
     assert _blocked(run_dir) <= _blocked(clean) + 0.05, (_blocked(run_dir), _blocked(clean))

@@ -15,6 +15,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.codec.dense import CompressionConfig
 from edit_train.federation.inproc import InProcessFederation
 from edit_train.local_sgd.algorithms import LocalSGDConfig
+from words import retired_in_events
 from toy_federation import H, Outcome, config, max_diff, reference, run_inproc, train_cluster
 
 NAMES = ["c0", "c1", "c2"]
@@ -30,8 +31,9 @@ def test_three_clusters_equal_the_closed_form(mode: str, rule: str) -> None:
         assert max_diff(results[name].anchors, ref) <= 1e-6, name
         assert all(torch.equal(a, b) for a, b in zip(results[name].params, results["c0"].params))
     syncs = [e for e in results["c0"].events if e["event"] == "sync"]
-    assert [e["sync"] for e in syncs] == [1, 2, 3] and all(e["participants"] == NAMES for e in syncs)
+    assert [e["sync"] for e in syncs] == [1, 2, 3] and all(e["quorum"] == NAMES for e in syncs)
     assert any(e["clip_coef"] < 1.0 for e in syncs)  # clipping took part in the reference too
+    assert retired_in_events(results["c0"].events) == []  # one word per concept (tests/test_words.py)
 
 
 def test_outer_sgd_lr1_uniform_is_parameter_averaging() -> None:
@@ -68,7 +70,7 @@ def test_a_participant_lost_mid_round_changes_nothing(mode: str, when: str) -> N
         assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"])), name
     syncs = [e for e in results["c0"].events if e["event"] == "sync"]
     # the aborted interval's progress is kept and goes into the next sync (now without c2)
-    assert [e["sync"] for e in syncs] == [1, 2, 3] and [len(e["participants"]) for e in syncs] == [3, 2, 2]
+    assert [e["sync"] for e in syncs] == [1, 2, 3] and [len(e["quorum"]) for e in syncs] == [3, 2, 2]
     assert max_diff(results["c0"].anchors, results["c1"].anchors) == 0.0
 
 
@@ -103,8 +105,8 @@ def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
     assert outs["c2"].algo is not None and outs["c2"].algo.membership.healed_from
     assert all(o.steps == 40 * H for o in outs.values())
     joined = [e for e in outs["c2"].events if e["event"] == "sync"]
-    assert joined and all(e["participants"] == NAMES for e in joined)
-    first_three = next(i for i, e in enumerate(outs["c0"].events) if e["event"] == "sync" and len(e["participants"]) == 3)
+    assert joined and all(e["quorum"] == NAMES for e in joined)
+    first_three = next(i for i, e in enumerate(outs["c0"].events) if e["event"] == "sync" and len(e["quorum"]) == 3)
     assert first_three > 0
     for n in NAMES[1:]:
         assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
@@ -156,7 +158,7 @@ def test_a_cluster_that_missed_a_newcomer_heals_from_one_that_knows_it() -> None
     outs = late_federation(hub, config("layerwise", "verified", syncs=40), away)
     assert outs["c1"].algo is not None and outs["c1"].algo.membership.healed_from
     synced = [e for e in outs["c1"].events if e["event"] == "sync"]
-    assert synced and synced[-1]["participants"] == NAMES  # back among all three
+    assert synced and synced[-1]["quorum"] == NAMES  # back among all three
     assert any(e["event"] == "missed" for e in outs["c1"].events)  # it was away
     for n in NAMES[1:]:
         assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n

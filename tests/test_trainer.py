@@ -23,11 +23,11 @@ MOE_LAYERS, NUM_EXPERTS, TOP_K = 3, 8, 2
 BATCH, SEQ = 2, 32
 TOKENS_PER_STEP = BATCH * SEQ
 
-TRAIN_KEYS = {"step", "group", "loss", "lr", "tokens", "tokens_per_s", "wall"}
+TRAIN_KEYS = {"step", "cluster_index", "cluster", "loss", "lr", "tokens", "tokens_per_s", "wall"}
 EVAL_KEYS = {"step", "val_loss", "val_ppl"}
 MOE_KEYS = {"step", "expert_load", "aux_loss", "z_loss"}
 SUMMARY_KEYS = {"algo", "completed", "steps", "tokens", "wall_s", "tokens_per_s", "final_val_loss",
-                "cross_group_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
+                "cross_cluster_bytes", "syncs", "anomalies", "blocked_s", "per_cluster"}
 
 
 def is_num(x) -> bool:
@@ -85,7 +85,7 @@ def test_metrics_jsonl_contract(run40):
     assert [e["step"] for e in trains] == [10, 20, 30, 40]
     for e in trains:
         assert TRAIN_KEYS <= e.keys(), TRAIN_KEYS - e.keys()
-        assert e["group"] == 0
+        assert e["cluster_index"] == 0
         assert e["tokens"] == e["step"] * TOKENS_PER_STEP
         for key in ("loss", "lr", "tokens_per_s", "wall"):
             assert is_num(e[key]), (key, e)

@@ -26,7 +26,7 @@ EXPECT = {"sign_flip": "direction", "random_direction": "direction", "lie_norm":
 
 
 def _byzantine(kind: str):  # type: ignore[no-untyped-def]
-    faults = FaultInjector([{"kind": kind, "group": 1, "start": START, "end": END}], group=1, vocab_size=2)
+    faults = FaultInjector([{"kind": kind, "cluster": 1, "start": START, "end": END}], group=1, vocab_size=2)
     return lambda transport, step: ByzantineTransport(transport, faults, step)
 
 

@@ -189,7 +189,7 @@ def interrupted_message(run_dir: str | os.PathLike[str], workers: int | None = N
     `every`: the run's `checkpoint.every` (default: read from run.dir/config.json)."""
     head = "interrupted" + (f" ({detail})" if detail else "")
     if workers and workers > 1:
-        head += f": all {workers} workers stopped"
+        head += f": all {workers} processes stopped"
     ckpt = newest_checkpoint(run_dir)
     if ckpt is None:
         every = _checkpoint_every(run_dir) if every is None else every

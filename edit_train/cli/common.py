@@ -88,11 +88,11 @@ def one_line(exc: BaseException) -> str:
 
 
 def equal_clusters(overrides: list[str]) -> list[str]:
-    """`cluster.groups=N` without `cluster=` or `cluster.slowdown=`: N equal clusters. The default preset
+    """`cluster.count=N` without `cluster=` or `cluster.slowdown=`: N equal clusters. The default preset
     (`hetero_2x1`) gives its two clusters a slowdown each; that list does not carry over to N clusters.
     Returns the override that says so (appended to the user's)."""
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o and not o.startswith("-")}
-    if "cluster.groups" in keys and not keys & {"cluster", "cluster.slowdown", "cluster.clusters"}:
+    if "cluster.count" in keys and not keys & {"cluster", "cluster.slowdown", "cluster.clusters"}:
         return ["cluster.slowdown=[]"]
     return []
 
@@ -105,9 +105,11 @@ def compose(overrides: list[str]) -> Any:
     from omegaconf import OmegaConf
 
     from edit_train.config import register_configs
+    from edit_train.retired import renamed_overrides
 
     register_configs()
     GlobalHydra.instance().clear()
+    overrides = renamed_overrides(list(overrides))
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         dcfg = hydra_compose(config_name="config", overrides=[*overrides, *equal_clusters(overrides)])
     return OmegaConf.to_object(dcfg)

@@ -28,11 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR", default=None, help="output directory (created; must not exist or be "
                                                                "empty unless --overwrite; default: RUN_DIR/hf)")
     p.add_argument("--cluster", metavar="NAME", default=None,
-                   help="export this cluster's replica instead of the clusters' common anchor")
+                   help="export this cluster's replica instead of the clusters' common anchor (a single-world "
+                        "checkpoint, e.g. ddp's: c0, c1, …; default c0)")
     p.add_argument("--step", type=int, default=None,
                    help="export this step (default: the newest complete checkpoint every cluster has)")
-    p.add_argument("--group", type=int, default=None,
-                   help="single-cluster checkpoints written by several worker groups: whose replica (default 0)")
+    p.add_argument("--group", type=int, default=None, help=argparse.SUPPRESS)  # retired: --cluster c<N>
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="tensor dtype in model.safetensors (default float32, the training master weights)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -59,12 +59,14 @@ def _out_dir(args: argparse.Namespace) -> Path:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
+    if args.group is not None:
+        fail(f"--group was retired: use --cluster c{args.group} (a single-world checkpoint's clusters are c0, c1, …)")
     try:
         from edit_train.model.hf import param_shapes
         from edit_train.model.shards import parse_size
         from edit_train.train.export import export_checkpoint
 
-        picked, out = export_checkpoint(Path(args.source), _out_dir(args), step=args.step, group=args.group,
+        picked, out = export_checkpoint(Path(args.source), _out_dir(args), step=args.step,
                                         cluster=args.cluster, dtype=args.dtype, overwrite=args.overwrite,
                                         max_shard_size=parse_size(args.max_shard_size))
         n_params = sum(math.prod(s) for s in param_shapes(picked.model_cfg).values())

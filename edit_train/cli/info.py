@@ -17,7 +17,7 @@ def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-u
 
     counts = count_params(cfg.model)
     total = counts["total_params"]
-    shard = cfg.cluster.shard_size
+    shard = cfg.cluster.ranks
     param_bytes = 4  # fp32 master weights
     per_rank = {
         "params": total * param_bytes / shard,
@@ -30,9 +30,9 @@ def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-u
     return {
         **counts,
         "active_ratio": counts["active_params"] / max(total, 1),
-        "groups": cfg.cluster.groups,
-        "shard_size": shard,
-        "world_size": cfg.cluster.groups * shard,
+        "clusters": cfg.cluster.count,
+        "ranks": shard,  # per cluster
+        "total_ranks": cfg.cluster.count * shard,
         "state_bytes_per_rank": {k: int(v) for k, v in per_rank.items()},
         "device_state_bytes_per_rank": int(sum(on_device.values())),
         "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len, counts["active_params"]),
@@ -47,7 +47,7 @@ with total_params, active_params (per token), the model/optimizer state bytes pe
 per-rank memory plan (--gpu-mem-gb X says whether it fits an X GiB GPU). The model is
 built on the meta device; nothing is allocated and nothing is trained.
 
-example: edit-train-info model=ling_lite cluster.shard_size=8 --gpu-mem-gb 80"""
+example: edit-train-info model=ling_lite cluster.ranks=8 --gpu-mem-gb 80"""
 
 
 def _pop_gpu_mem(args: list[str]) -> float | None:

@@ -63,7 +63,7 @@ class LocalFederation:
         specs = cluster_specs(cfg)
         self.jobs = [ClusterJob(s) for s in specs if not only or s.name == only]
         if only and not self.jobs:  # a cluster joining the federation from outside its configured list
-            self.jobs = [ClusterJob(ClusterSpec(only, max(cfg.cluster.shard_size, 1), len(specs), 1.0))]
+            self.jobs = [ClusterJob(ClusterSpec(only, max(cfg.cluster.ranks, 1), len(specs), 1.0))]
         self.stopping = False
         self.say: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)
         self.relay: Callable[[subprocess.Popen], None] | None = None  # set: the processes' output goes through it
@@ -215,7 +215,7 @@ class Bars:
             if ev.get("event") == "train":
                 self.progress.report(name, int(ev["step"]), float(ev["loss"]), float(ev["tokens_per_s"]))
             elif ev.get("event") == "sync":
-                self.progress.note(name, f"sync {ev['sync']} with {len(ev.get('participants', []))} cluster(s)")
+                self.progress.note(name, f"sync {ev['sync']} with {len(ev.get('quorum', []))} cluster(s)")
 
     def close(self) -> None:
         self.update()

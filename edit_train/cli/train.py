@@ -153,7 +153,7 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
              else f"{len(clusters)} cluster{'s' if len(clusters) > 1 else ''}" + ("" if completed else " so far"))
         lines.append(f"  {summary['algo']} across {n}, {summary['syncs']} syncs, "
                      f"{summary['anomalies']} anomalous module decisions, "
-                     f"{human_bytes(summary['cross_group_bytes'])} over the cross-cluster link, "
+                     f"{human_bytes(summary['cross_cluster_bytes'])} over the cross-cluster link, "
                      f"goodput {summary.get('goodput', 0):.2f}")
         for name, c in clusters.items():
             t = c.get("time")  # the time account: waiting for the federation at start-up is start-up there
@@ -180,6 +180,7 @@ def main() -> None:
 
     from edit_train.cli.help import help_text, wants_help
     from edit_train.config import register_configs
+    from edit_train.retired import renamed_overrides
 
     if sys.argv[1:2] == ["plan"]:  # `edit-train plan ...`: the planner (its own config tree, conf/plan/)
         from edit_train.cli.plan import main as plan_main
@@ -189,7 +190,8 @@ def main() -> None:
         print(help_text())
         return
     register_configs()
-    sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.groups=N` alone: N equal clusters
+    sys.argv[1:] = renamed_overrides(sys.argv[1:])  # `cluster.groups=2`: read as cluster.count=2, with a warning
+    sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
     guard, pin = checks.precheck(sys.argv[1:])
     if pin:

@@ -28,7 +28,8 @@ from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 from edit_train.codec.dense import CompressionConfig, ErrorFeedback
 from edit_train.federation.compressed_reduce import BackgroundReducer, sent_bytes
 from edit_train.federation.lanes import Lanes
-from edit_train.federation.link import LinkClock, Pending
+from edit_train.federation.link import LinkClock
+from edit_train.federation.pending import Pending
 from edit_train.federation.seal import TAG, Seal
 from edit_train.local_sgd.evidence import shard_range
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum

@@ -28,7 +28,8 @@ from edit_train.federation.modules import ModuleMover
 from edit_train.federation.seal import TAG, Seal
 from edit_train.federation.forming import Forming
 from edit_train.federation.lanes import Lanes
-from edit_train.federation.link import LinkClock, LinkModel, Pending
+from edit_train.federation.link import LinkClock, LinkModel
+from edit_train.federation.pending import Pending
 from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 

@@ -235,7 +235,7 @@ class LocalSGD:
 
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)
-        self.probe.committed(report.participants)
+        self.probe.committed(report.quorum)
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()

@@ -9,8 +9,8 @@ quorum race) adopts the federation's step — the lower median of the others' cl
 interval late forever.
 
 Joining (`meet`): a fresh federation starts together (ask again until every configured cluster is in the
-quorum or was left out of it, bounded by `start_timeout_s`); a resumed one regroups within the grace window
-`regroup_s`, so the first cluster back does not sync alone; a cluster restarting while the others run finds
+quorum or was left out of it, bounded by `quorum_timeout_s`); a resumed one regroups within the grace window
+`join_timeout_s`, so the first cluster back does not sync alone; a cluster restarting while the others run finds
 them within that window, or heals at its next sync.
 """
 
@@ -35,10 +35,10 @@ log = logging.getLogger(__name__)
 class MembershipConfig:
     fingerprint: str = ""  # hash of what must agree across clusters (model, algorithm, chunks)
     expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
-    start_timeout_s: float = 60.0
-    regroup_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume
+    quorum_timeout_s: float = 60.0
+    join_timeout_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume
     authoritative: bool = False  # fingerprint and steps are the operator's roster's (this cluster was checked
-    terms_source: str = "this cluster's configuration"  # against it at start): a member that differs is left out
+    terms_source: str = "this cluster's configuration"  # against it at start): a cluster that differs is left out
 
 
 class Membership:
@@ -114,8 +114,8 @@ class Membership:
 
     def meet(self) -> Quorum | None:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
-        deadline = time.time() + self.cfg.start_timeout_s
-        regroup = time.time() + self.cfg.regroup_s
+        deadline = time.time() + self.cfg.quorum_timeout_s
+        regroup = time.time() + self.cfg.join_timeout_s
         while True:
             try:
                 q = self.form(0)

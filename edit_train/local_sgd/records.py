@@ -23,7 +23,7 @@ class Records:
 
     def _log(self, event: str, **fields: Any) -> None:
         if self.emit is not None and self.t.cluster.rank == 0:
-            self.emit(event, step=self.step, group=self.index, cluster=self.t.name, **fields)
+            self.emit(event, step=self.step, cluster_index=self.index, cluster=self.t.name, **fields)
 
     def completed(self, report: SyncReport) -> None:
         self.syncs_done += 1
@@ -40,7 +40,7 @@ class Records:
 
     def aborted(self, report: SyncReport, why: str) -> None:
         self.syncs_aborted += 1
-        self._log("sync_aborted", sync=report.sync, participants=list(report.participants), reason=why)
+        self._log("sync_aborted", sync=report.sync, quorum=list(report.quorum), reason=why)
 
     def missed(self, sync: int, local_steps: int, step: int) -> None:
         self.syncs_missed += 1
@@ -91,7 +91,7 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "expert_weights": {d.module: [row[me] for row in d.expert_weights] for d in decisions
                            if d.expert_weights is not None},
         "blocked_s": report.blocked_s,
-        "participants": list(report.participants),
+        "quorum": list(report.quorum),
         # clusters whose update of the last sync was admitted, then judged harmful by the probe, and taken back
         "retracted": {n: dict(v) for n, v in report.retracted.items()},
     }

@@ -157,7 +157,7 @@ class SyncReport:
 
     sync: int
     local_steps: int
-    participants: list[str]
+    quorum: list[str]  # the clusters in this sync, by name, in the order the decisions use
     position: int  # this cluster's row in the decisions
     decisions: dict[str, Decision] = field(default_factory=dict)
     clip: dict[str, float] = field(default_factory=dict)
@@ -260,7 +260,7 @@ class SyncRound:
         if experts is not None and experts.pending is not None:  # [P, MoE layers, experts]
             self.meta["expert_tokens"] = full[:, n + 1:n + 1 + m].reshape(full.shape[0], *experts.pending.shape)
         if self.core.retract is not None and self.gather:
-            self.taking = self.core.retract.plan(self.report.participants, marks, self.meta["probe"])
+            self.taking = self.core.retract.plan(self.report.quorum, marks, self.meta["probe"])
             self.report.retracted = self.core.retract.described(self.taking)
         if self.report.mode == "sketched":
             self.provisional = _copy_state(self.core.rule.state())
@@ -287,13 +287,13 @@ class SyncRound:
         if self.core.experts is not None and name in self.core.experts.units and "expert_tokens" in self.meta:
             extra["expert_tokens"] = self.core.experts.tokens(name, self.meta["expert_tokens"])
             extra["expert_sent"] = self._sent(name)
-        return Evidence(name, tuple(self.report.participants), norms.clone(), steps.clone(),
+        return Evidence(name, tuple(self.report.quorum), norms.clone(), steps.clone(),
                         tuple(bool(s > 0) for s in steps.tolist()), extra)
 
     def _sent(self, name: str) -> Tensor:
         """bool [P, E]: which of unit `name`'s experts each cluster sends."""
         assert self.core.experts is not None
-        return self.core.experts.sent_by(name, self.meta.get("expert_tokens"), len(self.report.participants))
+        return self.core.experts.sent_by(name, self.meta.get("expert_tokens"), len(self.report.quorum))
 
     def _pin(self, d: Decision, finite: list[bool] | None) -> Decision:
         """The expert weights this round applies (`experts.pin`); none for a unit without experts."""
@@ -508,7 +508,7 @@ class SyncRound:
         assert check is not None
         measure = lambda name, measured: self.core.rule.decide(  # noqa: E731
             self._evidence(name, self.meta["reported"][:, self.core.index[name]], measured))
-        final, why = check.verdict(rows, self.report.decisions, measure, self.report.participants)
+        final, why = check.verdict(rows, self.report.decisions, measure, self.report.quorum)
         self.report.decisions.update(final)
         return why
 

@@ -1,6 +1,6 @@
 """When to sync: warm-up, fixed step interval (EDiT/DiLoCo) and A-EDiT's wall-clock planner.
 
-Pure Python; the cross-group exchange of measured step times is done by the caller.
+Pure Python; the cross-cluster exchange of measured step times is done by the caller.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import numpy as np
 from edit_train.plan import hardware, syncfit, traffic
 from edit_train.plan.conditions import Conditions, measure
 from edit_train.plan.costs import FWD_FRACTION
+from edit_train.retired import current_event, current_summary
 from edit_train.plan.dist import fit_max
 from edit_train.plan.profile import ClusterProfile, Profile
 from edit_train.plan.spec import Candidate, TopK
@@ -72,7 +73,8 @@ def read_run(path: str | Path) -> RunData:
         except json.JSONDecodeError:
             continue  # a torn last line
         if isinstance(ev, dict):
-            events.append(ev)
+            events.append(current_event(ev))  # a run dir from before the one-word rename reads as today's
+    out["summary.json"] = current_summary(out["summary.json"], p)
     if not out["summary.json"].get("per_cluster"):
         raise CalibrationError(f"calibrate: {p}/summary.json has no per_cluster section")
     return RunData(p, out["config.json"], out["summary.json"], events)
@@ -190,7 +192,7 @@ def calibrate(run_dirs: list[str | Path], codec: dict[str, dict[str, list[float]
         if summ.get("algo") == "ddp" and summ.get("steps"):
             for name, pc in summ["per_cluster"].items():
                 per, _ = _cluster_steps(run, name)
-                nbytes = float(pc.get("cross_group_bytes", 0)) / max(int(pc["steps"]), 1)
+                nbytes = float(pc.get("cross_cluster_bytes", 0)) / max(int(pc["steps"]), 1)
                 if per:
                     blocked = float((pc.get("time") or {}).get("blocked", 0)) / max(int(pc["steps"]), 1)
                     ddp_extra.append(blocked - _link_s(cfg, nbytes, 1))
@@ -311,7 +313,7 @@ def _sync_samples(run: RunData, rf: hardware.ModelFacts, prof: Profile) -> list[
         e = min(evs, key=lambda x: float(x["blocked_s"]))
         pc = summ["per_cluster"].get(e.get("cluster")) or {}
         t, joined, r = pc.get("time") or {}, int(pc.get("syncs_joined", pc.get("syncs", 0)) or 0), ranks.get(e.get("cluster"), 1)
-        world = len(e.get("participants") or evs)
+        world = len(e.get("quorum") or evs)
         nbytes = np.array([traffic.sync_bytes([n], world, wire, ranks=r, paired=paired, chunks=chunks,
                                               gather_max=gather_max, needs=needs) for n in rf.unit_sizes], dtype=float)
         lanes = traffic.lanes(r, paired, chunks)

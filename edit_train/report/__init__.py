@@ -2,7 +2,7 @@
 
 The orchestrator of the report package: `make_report` loads the runs (`report.model`), draws the figures
 (`report.plots`, `report.time_split`, `report.weights`, `report.experts`) and writes `summary.md`. It works on
-the output of every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
+the output of every algorithm: DDP (no `sync` events), single-cluster runs, runs without evals, and crashed runs (no
 `summary.json`: what the metrics hold is still plotted, the table marks the run incomplete and derives its
 numbers from the events).
 

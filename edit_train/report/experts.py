@@ -40,7 +40,7 @@ def _intervals(run: Run) -> dict[int, list[dict[str, Any]]]:
     last record), by cluster index."""
     by: dict[int, dict[float, dict[str, Any]]] = {}
     for e in run.of("experts"):
-        g = e.get("group")
+        g = e.get("cluster_index")
         if isinstance(g, int) and not isinstance(g, bool) and isinstance(e.get("counts"), list):
             by.setdefault(g, {})[_num(e.get("step"))] = e
     return {g: [by[g][s] for s in sorted(by[g])] for g in sorted(by)}

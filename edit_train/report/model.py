@@ -2,7 +2,7 @@
 
 Reads only the run-directory contract of docs/architecture.md §5 — `metrics.jsonl` (+ `summary.json` when the run
 finished, `config.json` for the algorithm name of a run that did not) — so it works on the output of
-every algorithm: DDP (no `sync` events), single-group runs, runs without evals, and crashed runs (no
+every algorithm: DDP (no `sync` events), single-cluster runs, runs without evals, and crashed runs (no
 `summary.json`: the table marks the run incomplete and derives its numbers from the events).
 
 A leaf: it imports no other `edit_train` module, so the figures and the orchestrator (`edit_train.report`)
@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-group bytes",
+from edit_train.retired import current_event, current_summary
+
+COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-cluster bytes",
            "syncs", "anomalies", "blocked %")
 NUMERIC_COLUMNS = frozenset(COLUMNS[2:])
 
 log = logging.getLogger(__name__)
-_warned_per_group = False  # the deprecated-`per_group` notice is logged once per process
 
 
 class ReportError(ValueError):
@@ -64,31 +65,13 @@ def _index(value: Any) -> int | None:
         return None
 
 
-def summary_clusters(summary: dict[str, Any] | None, where: Path | str = "") -> dict[str, dict[str, Any]]:
-    """`summary.json`'s per-cluster records, {cluster name: record}: `per_cluster`, or for a run dir written
-    before it existed, the deprecated `per_group` {cluster index: record} re-keyed by each record's `name`
-    (`c<index>` without one), with a one-line warning (once per process)."""
-    global _warned_per_group
-    s = summary or {}
-    per_cluster = s.get("per_cluster")
+def summary_clusters(summary: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """`summary.json`'s per-cluster records, {cluster name: record} (a run dir written before the one-word
+    rename is read as today's by `retired.current_summary` when it is loaded)."""
+    per_cluster = (summary or {}).get("per_cluster")
     if isinstance(per_cluster, dict):
         return {str(k): v for k, v in per_cluster.items() if isinstance(v, dict)}
-    per_group = s.get("per_group")
-    if not isinstance(per_group, dict) or not per_group:
-        return {}
-    if not _warned_per_group:
-        _warned_per_group = True
-        log.warning("run dir %s predates per_cluster: reading its summary.json's deprecated per_group instead "
-                    "(said once, for the first such run dir)", where or "?")
-    out: dict[str, dict[str, Any]] = {}
-    for key, rec in sorted(per_group.items(), key=lambda kv: (_index(kv[0]) is None, _index(kv[0]) or 0)):
-        if not isinstance(rec, dict):
-            continue
-        index = _index(rec.get("index"))
-        index = _index(key) if index is None else index
-        name = rec.get("name") if isinstance(rec.get("name"), str) else f"c{index if index is not None else key}"
-        out[name] = {**rec, "name": name, "index": index} if index is not None else {**rec, "name": name}
-    return out
+    return {}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -113,7 +96,7 @@ class Run:
     per_cluster: dict[str, dict[str, Any]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.per_cluster = summary_clusters(self.summary, self.path)
+        self.per_cluster = summary_clusters(self.summary)
 
     # ----------------------------------------------------------------------------- identity
     @property
@@ -138,11 +121,11 @@ class Run:
         return [e for e in self.events if e.get("event") == kind]
 
     @property
-    def groups(self) -> list[int]:
+    def indices(self) -> list[int]:
         found: set[int] = set()
         for e in self.events:
-            if e.get("event") in ("train", "sync", "moe") and isinstance(e.get("group"), int):
-                found.add(e["group"])
+            if e.get("event") in ("train", "sync", "moe") and isinstance(e.get("cluster_index"), int):
+                found.add(e["cluster_index"])
         found.update(self._summary_index().values())
         return sorted(found)
 
@@ -154,48 +137,48 @@ class Run:
             out[name] = pos if index is None else index
         return out
 
-    def cluster_name(self, group: int) -> str:
-        """The name of the cluster with this index (events' `group`): from the summary, else the events'
+    def cluster_name(self, index: int) -> str:
+        """The name of the cluster with this index (events' `cluster_index`): from the summary, else the events'
         `cluster` field, else `c<index>`."""
-        for name, index in self._summary_index().items():
-            if index == group:
+        for name, i in self._summary_index().items():
+            if i == index:
                 return name
         for e in self.events:
-            if e.get("group") == group and isinstance(e.get("cluster"), str):
+            if e.get("cluster_index") == index and isinstance(e.get("cluster"), str):
                 return e["cluster"]
-        return f"c{group}"
+        return f"c{index}"
 
     @property
     def clusters(self) -> list[tuple[int, str]]:
         """(index, name) of every cluster, by index."""
-        return [(g, self.cluster_name(g)) for g in self.groups]
+        return [(g, self.cluster_name(g)) for g in self.indices]
 
-    def train(self, group: int) -> dict[str, np.ndarray]:
-        """The group's `train` events as arrays sorted by step (a step logged twice, e.g. re-logged after a
+    def train(self, index: int) -> dict[str, np.ndarray]:
+        """The cluster's `train` events as arrays sorted by step (a step logged twice, e.g. re-logged after a
         resume, keeps its last record)."""
-        by_step = {e.get("step"): e for e in self.of("train") if e.get("group", 0) == group}
+        by_step = {e.get("step"): e for e in self.of("train") if e.get("cluster_index", 0) == index}
         rows = sorted((s, e) for s, e in by_step.items() if isinstance(s, (int, float)))
         return {key: np.array([_num(e.get(key)) if key != "step" else float(s) for s, e in rows], dtype=float)
                 for key in ("step", "loss", "tokens", "tokens_per_s", "wall")}
 
-    def evals(self, group: int | None = None) -> list[dict[str, Any]]:
-        """World evals (group=None) or one group's `scope: "group"` evals, by step, last record wins."""
-        if group is None:
-            chosen = [e for e in self.of("eval") if e.get("scope", "world") != "group"]
+    def evals(self, index: int | None = None) -> list[dict[str, Any]]:
+        """World evals (index=None) or one cluster's `scope: "cluster"` evals, by step, last record wins."""
+        if index is None:
+            chosen = [e for e in self.of("eval") if e.get("scope", "world") != "cluster"]
         else:
-            chosen = [e for e in self.of("eval") if e.get("scope") == "group" and e.get("group") == group]
+            chosen = [e for e in self.of("eval") if e.get("scope") == "cluster" and e.get("cluster_index") == index]
         by_step = {e.get("step"): e for e in chosen if isinstance(e.get("step"), (int, float))}
         return [by_step[s] for s in sorted(by_step)]
 
-    def eval_groups(self) -> list[int]:
-        return sorted({e["group"] for e in self.of("eval") if e.get("scope") == "group"
-                       and isinstance(e.get("group"), int)})
+    def eval_clusters(self) -> list[int]:
+        return sorted({e["cluster_index"] for e in self.of("eval") if e.get("scope") == "cluster"
+                       and isinstance(e.get("cluster_index"), int)})
 
-    def syncs(self, group: int | None = None) -> list[dict[str, Any]]:
-        """`sync` events (optionally of one group), deduplicated on (sync, group), by sync index."""
-        keyed = {(e.get("sync"), e.get("group")): e for e in self.of("sync")
-                 if group is None or e.get("group") == group}
-        return sorted(keyed.values(), key=lambda e: (_num(e.get("sync")), _num(e.get("group"))))
+    def syncs(self, index: int | None = None) -> list[dict[str, Any]]:
+        """`sync` events (optionally of one cluster), deduplicated on (sync, cluster), by sync index."""
+        keyed = {(e.get("sync"), e.get("cluster_index")): e for e in self.of("sync")
+                 if index is None or e.get("cluster_index") == index}
+        return sorted(keyed.values(), key=lambda e: (_num(e.get("sync")), _num(e.get("cluster_index"))))
 
     @property
     def wall_s(self) -> float:
@@ -237,7 +220,7 @@ class Run:
             final = self._last_val()
         return {"steps": s.get("steps"), "tokens": s.get("tokens"), "wall_s": wall,
                 "tokens_per_s": _num(s.get("tokens_per_s")), "final_val_loss": final,
-                "cross_group_bytes": s.get("cross_group_bytes"), "syncs": s.get("syncs"),
+                "cross_cluster_bytes": s.get("cross_cluster_bytes"), "syncs": s.get("syncs"),
                 "anomalies": s.get("anomalies"), "blocked_frac": blocked_frac, "per_cluster": per_cluster}
 
     def _from_events(self) -> dict[str, Any]:
@@ -254,7 +237,7 @@ class Run:
                 steps.append(int(tr["step"][-1]))
             if math.isfinite(g_tokens):
                 tokens += g_tokens
-            mine = [e for e in syncs if e.get("group") == g]
+            mine = [e for e in syncs if e.get("cluster_index") == g]
             blocked = float(sum(_num(e.get("blocked_s")) for e in mine)) if mine else math.nan
             per_cluster[name] = {"tokens_per_s": g_tokens / g_wall if g_wall > 0 else math.nan,
                                  "blocked_s": blocked,
@@ -265,7 +248,7 @@ class Run:
                 "tokens_per_s": tokens / wall if steps and wall > 0 else math.nan,
                 "final_val_loss": self._last_val(),
                 # without sync events the bytes moved are unknown (DDP all-reduces every step, unlogged)
-                "cross_group_bytes": int(sum(_num(e.get("bytes")) for e in syncs
+                "cross_cluster_bytes": int(sum(_num(e.get("bytes")) for e in syncs
                                              if math.isfinite(_num(e.get("bytes"))))) if syncs else None,
                 "syncs": len(sync_ids), "anomalies": sum(bool(e.get("anomalous")) for e in syncs),
                 "blocked_frac": max(blocked_fracs) if blocked_fracs else math.nan, "per_cluster": per_cluster}
@@ -288,10 +271,10 @@ def load_run(path: str | Path) -> Run:
     if not metrics.is_file():
         raise ReportError(f"{path}: no metrics.jsonl (is it a run.dir?)")
     try:
-        events = [e for e in read_metrics(metrics) if isinstance(e, dict)]
+        events = [current_event(e) for e in read_metrics(metrics) if isinstance(e, dict)]
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"{metrics}: cannot read ({exc})") from exc
-    summary = _read_json(p / "summary.json")
+    summary = current_summary(_read_json(p / "summary.json"), p)
     config = _read_json(p / "config.json") or _read_json(p / "launch_config.json")
     return Run(path=p, events=events, summary=summary, config=config)
 
@@ -341,7 +324,7 @@ def table_rows(runs: list[Run]) -> list[dict[str, str]]:
             "wall_s": _fmt_float(s["wall_s"], 1),
             "tokens/s": _fmt_int(s["tokens_per_s"]),
             "final val loss": _val_cell(r, s["final_val_loss"]),
-            "cross-group bytes": human_bytes(s["cross_group_bytes"]),
+            "cross-cluster bytes": human_bytes(s["cross_cluster_bytes"]),
             "syncs": _fmt_int(s["syncs"]),
             "anomalies": _fmt_int(s["anomalies"]),
             "blocked %": f"{100 * frac:.1f}%" if math.isfinite(frac) else "n/a",

@@ -28,7 +28,7 @@ def _colors(n: int) -> list[Any]:
     return [cmap(i % 10) for i in range(n)]
 
 
-GROUP_STYLES = ("-", "--", ":", "-.")
+CLUSTER_STYLES = ("-", "--", ":", "-.")
 
 
 def _no_data(ax: Any, text: str) -> None:
@@ -56,7 +56,7 @@ def plot_val_loss(runs: list[Run], out: Path, x: str) -> Path:
         else:
             ax.plot([], [], color=color, label=f"{r.label}: no world evals")
         if x == "wall":
-            for g, style in zip(r.eval_groups(), GROUP_STYLES[1:] * 8):
+            for g, style in zip(r.eval_clusters(), CLUSTER_STYLES[1:] * 8):
                 gp = [(_num(e.get("wall")), _num(e.get("val_loss"))) for e in r.evals(g)]
                 gp = [(a, b) for a, b in gp if math.isfinite(a) and math.isfinite(b)]
                 if gp:
@@ -157,7 +157,7 @@ def _grouped_bars(ax: Any, runs: list[Run], value: Callable[[Run, str], float], 
     from matplotlib.patches import Patch
 
     run_colors = _colors(len(runs))
-    width = 0.8 / max(max((len(r.groups) for r in runs), default=1), 1)
+    width = 0.8 / max(max((len(r.indices) for r in runs), default=1), 1)
     seen: dict[int, list[str]] = {}  # hatch (cluster index) → the names it stands for
     drawn, top = False, 0.0
     for i, r in enumerate(runs):
@@ -202,7 +202,7 @@ def plot_tokens_per_s(runs: list[Run], out: Path) -> Path:
     left.set_title("Throughput per cluster, whole run")
     any_curve = False
     for r, color in zip(runs, _colors(len(runs))):
-        for (g, name), style in zip(r.clusters, GROUP_STYLES * 8):
+        for (g, name), style in zip(r.clusters, CLUSTER_STYLES * 8):
             tr = r.train(g)
             ok = np.isfinite(tr["tokens_per_s"]) & np.isfinite(tr["wall"])
             if ok.any():
@@ -224,7 +224,7 @@ def plot_tokens_per_s(runs: list[Run], out: Path) -> Path:
 
 
 def plot_blocked(runs: list[Run], out: Path) -> Path:
-    """Time each cluster spent blocked on cross-group communication: seconds and share of wall clock."""
+    """Time each cluster spent blocked on cross-cluster communication: seconds and share of wall clock."""
     fig = _figure(12, 4.8)
     sec, frac = fig.subplots(1, 2)
     stat = lambda key: (lambda r, c: _num(r.stats()["per_cluster"].get(c, {}).get(key)))  # noqa: E731
@@ -233,10 +233,10 @@ def plot_blocked(runs: list[Run], out: Path) -> Path:
     if not _grouped_bars(frac, runs, lambda r, c: 100 * stat("blocked_frac")(r, c), lambda v: f"{v:.1f}%"):
         _no_data(frac, "no blocking recorded")
     sec.set_ylabel("seconds blocked")
-    sec.set_title("Time blocked on cross-group sync")
+    sec.set_title("Time blocked on cross-cluster sync")
     frac.set_ylabel("% of wall clock")
     frac.set_title("Share of wall clock blocked")
-    fig.suptitle("Blocked on cross-group communication (DDP: gradient all-reduce; local SGD: the syncs)",
+    fig.suptitle("Blocked on cross-cluster communication (DDP: gradient all-reduce; local SGD: the syncs)",
                  fontsize=10)
     path = out / "blocked.png"
     fig.savefig(path)
@@ -247,7 +247,7 @@ def expert_shares(r: Run) -> tuple[np.ndarray | None, str]:
     """[layers, experts] share of each MoE layer's routed tokens, summing every cluster's last `moe` event."""
     last: dict[Any, dict[str, Any]] = {}
     for e in r.of("moe"):
-        g = e.get("group", 0)
+        g = e.get("cluster_index", 0)
         newer = g not in last or _num(e.get("step")) >= _num(last[g].get("step"))
         if isinstance(e.get("expert_load"), list) and newer:
             last[g] = e

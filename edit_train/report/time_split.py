@@ -33,7 +33,7 @@ def cluster_times(run: Run) -> dict[str, dict[str, float]]:
         split = e.get("time_s")
         if not isinstance(split, dict):
             continue
-        name = e.get("cluster") if isinstance(e.get("cluster"), str) else run.cluster_name(e.get("group", 0))
+        name = e.get("cluster") if isinstance(e.get("cluster"), str) else run.cluster_name(e.get("cluster_index", 0))
         acc = out.setdefault(name, dict.fromkeys((*BUCKETS, "wall_s"), 0.0))
         for k in acc:
             v = _num(split.get(k))

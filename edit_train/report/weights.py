@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edit_train.report.model import Run, _num
-from edit_train.report.plots import GROUP_STYLES, _colors, _figure, _no_data, _panel_grid
+from edit_train.report.plots import CLUSTER_STYLES, _colors, _figure, _no_data, _panel_grid
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P")
 def _placed(run: Run) -> Iterator[tuple[int, int, dict[str, Any]]]:
     """(cluster index, step, event) of every `sync` event that says which cluster and which step it is."""
     for e in run.syncs():
-        g, step = e.get("group", 0), _num(e.get("step"))
+        g, step = e.get("cluster_index", 0), _num(e.get("step"))
         if isinstance(g, int) and not isinstance(g, bool) and math.isfinite(step):
             yield g, int(step), e
 
@@ -128,7 +128,7 @@ def _panel(ax: Any, r: Run) -> None:
     names += [n for n in series if n not in names]
     color_of = dict(zip(names, _colors(len(names))))
     for k, (name, pts) in enumerate(series.items()):
-        ax.plot([s for s, _, _ in pts], [w for _, w, _ in pts], GROUP_STYLES[k % len(GROUP_STYLES)],
+        ax.plot([s for s, _, _ in pts], [w for _, w, _ in pts], CLUSTER_STYLES[k % len(CLUSTER_STYLES)],
                 marker=MARKERS[k % len(MARKERS)], ms=4, lw=1.4, color=color_of[name], label=name, zorder=3)
     # after every line, so the legend lists the clusters first; a flagged sync without a weight sits at 0
     bad = [(s, w if math.isfinite(w) else 0.0) for pts in series.values() for s, w, a in pts if a]

@@ -1,4 +1,4 @@
-"""Fault injection: make one worker group misbehave for a window of steps.
+"""Fault injection: make one cluster misbehave for a window of steps.
 
 `faults` is a list of `{kind, group, start, end, ...}` (steps are 0-based, `end` exclusive):
 * `garbage_data` — the group trains on uniform random tokens;
@@ -40,6 +40,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from edit_train.retired import entry_field
+
 PAYLOAD_KINDS = ("sign_flip", "random_direction", "lie_norm", "nan_payload")
 CLAIM_KINDS = ("lie_steps", "lie_config", "lie_heal")
 KINDS = ("garbage_data", "lr_spike", "nan_grad", "kill", "kill_cluster", "partition", *PAYLOAD_KINDS, *CLAIM_KINDS)
@@ -70,11 +72,12 @@ def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
         kind = spec.get("kind")
         if kind not in KINDS:
             raise FaultError(f"faults[{i}].kind: {kind!r} is not one of {', '.join(KINDS)}")
-        unknown = set(spec) - {"kind", "group", "start", "end", "factor", "cluster", "step", "seconds"}
+        spec = entry_field(spec, "faults")
+        unknown = set(spec) - {"kind", "start", "end", "factor", "cluster", "step", "seconds"}
         if unknown:
-            raise FaultError(f"faults[{i}]: unknown field(s) {sorted(unknown)}; use kind, group/cluster, "
+            raise FaultError(f"faults[{i}]: unknown field(s) {sorted(unknown)}; use kind, cluster, "
                              "start/step, end, factor, seconds")
-        target = spec.get("cluster", spec.get("group", 0))
+        target = spec.get("cluster", 0)
         name = "" if isinstance(target, int) or str(target).isdigit() else str(target)
         try:
             fault = Fault(kind, int(target) if not name else -1, int(spec.get("step", spec.get("start", 0))),

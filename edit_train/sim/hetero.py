@@ -2,7 +2,7 @@
 
 A group with slowdown s takes s times as long per step: after each step it sleeps (s − 1) × the
 measured compute time, which costs no CPU (so the other groups' speed is unaffected). A
-`slowdown_schedule` changes a group's factor mid-run: `[{group: 1, step: 200, factor: 5.0}, …]`
+`slowdown_schedule` changes a group's factor mid-run: `[{cluster: 1, step: 200, factor: 5.0}, …]`
 (the factor applies from that local step of that group on).
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from edit_train.retired import entry_field
 
 
 class HeteroError(ValueError):
@@ -27,12 +29,13 @@ class SlowdownChange:
 def parse_schedule(specs: list[dict[str, Any]] | None, groups: int) -> list[SlowdownChange]:
     out = []
     for i, spec in enumerate(specs or []):
-        unknown = set(spec) - {"group", "step", "factor"}
-        if unknown or not {"group", "step", "factor"} <= set(spec):
-            raise HeteroError(f"cluster.slowdown_schedule[{i}]: needs exactly group, step, factor; got {sorted(spec)}")
-        change = SlowdownChange(int(spec["group"]), int(spec["step"]), float(spec["factor"]))
+        spec = entry_field(dict(spec), "cluster.slowdown_schedule")
+        unknown = set(spec) - {"cluster", "step", "factor"}
+        if unknown or not {"cluster", "step", "factor"} <= set(spec):
+            raise HeteroError(f"cluster.slowdown_schedule[{i}]: needs exactly cluster, step, factor; got {sorted(spec)}")
+        change = SlowdownChange(int(spec["cluster"]), int(spec["step"]), float(spec["factor"]))
         if not 0 <= change.group < groups:
-            raise HeteroError(f"cluster.slowdown_schedule[{i}].group: {change.group} is not in [0, {groups})")
+            raise HeteroError(f"cluster.slowdown_schedule[{i}].cluster: {change.group} is not in [0, {groups})")
         if change.factor < 1.0:
             raise HeteroError(f"cluster.slowdown_schedule[{i}].factor: must be >= 1.0, got {change.factor}")
         out.append(change)

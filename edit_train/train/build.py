@@ -79,8 +79,8 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                               sync_time_s=a.sync_time_s, min_steps=a.min_steps)
     membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
                                   expected=tuple(s.name for s in cluster_specs(cfg)),
-                                  start_timeout_s=cfg.federation.quorum_timeout_s,
-                                  regroup_s=cfg.federation.join_timeout_s, authoritative=bool(roster),
+                                  quorum_timeout_s=cfg.federation.quorum_timeout_s,
+                                  join_timeout_s=cfg.federation.join_timeout_s, authoritative=bool(roster),
                                   terms_source=roster or "this cluster's configuration")
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,

@@ -307,7 +307,7 @@ class CheckpointManager:
         if manifest.get("world_size") != self.world_size:
             raise CheckpointError(
                 f"{path}: saved with {manifest.get('world_size')} processes, this run has {self.world_size}; "
-                f"resume with the same cluster.groups x cluster.shard_size")
+                f"resume with the same cluster.count x cluster.ranks")
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         prefix = f"rank{self.rank}-"
         for name in manifest["files"]:

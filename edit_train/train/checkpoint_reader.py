@@ -1,7 +1,7 @@
 """Reading a training checkpoint as whole models: where the checkpoints are, and every parameter's full tensor.
 
 Layouts (``train/checkpoint.py`` writes them): ``checkpoints/step_NNNNNNNN/`` (a lone cluster, or an old run whose
-worker groups shared one world) and ``checkpoints/<cluster>/step_NNNNNNNN/`` (a federation). In a step directory
+clusters shared one world, as ddp's do) and ``checkpoints/<cluster>/step_NNNNNNNN/`` (a federation). In a step directory
 rank ``r`` keeps its FSDP2 shard of every parameter in ``rank{r}-model.safetensors`` (``param/<name>``, dim 0,
 ``torch.chunk`` semantics) and, with local SGD, of the anchor θ̄ in ``rank{r}-outer.safetensors``
 (``<unit>/anchor/<i>``, see :func:`anchor_names`); concatenating the ranks' shards in rank order rebuilds a tensor.
@@ -168,7 +168,7 @@ class CheckpointParams(Mapping[str, torch.Tensor]):
 
 @dataclass
 class StepCheckpoint:
-    """The models one step directory keeps for one cluster (or worker group): its replica and, with local SGD,
+    """The models one step directory keeps for one cluster: its replica and, with local SGD,
     its anchor (None without), both lazy."""
     step_dir: Path
     model_cfg: ModelConfig
@@ -212,8 +212,8 @@ def open_cluster(step_dir: Path) -> StepCheckpoint:
 
 
 def open_group(step_dir: str | Path, group: int = 0) -> StepCheckpoint:
-    """Worker group ``group`` of a checkpoint whose groups shared one world: its ranks are ``g*S .. g*S+S-1``
-    (``S`` = ``cluster.shard_size``, the group count ``cluster.groups``, from ``rank{r}-state.json``'s config).
+    """Cluster ``group`` (c<group>) of a checkpoint whose clusters shared one world: its ranks are ``g*S .. g*S+S-1``
+    (``S`` = ``cluster.ranks``, the group count ``cluster.count``, from ``rank{r}-state.json``'s config).
     Does not verify checksums (``CheckpointManager.verify`` does)."""
     d = Path(step_dir)
     if not d.is_dir():
@@ -225,16 +225,17 @@ def open_group(step_dir: str | Path, group: int = 0) -> StepCheckpoint:
     try:
         run_cfg = read_json(state_path, MAX_STATE_BYTES, "state")["config"]
         model_cfg = model_config_of(run_cfg["model"])
-        groups, shard = int(run_cfg["cluster"]["groups"]), int(run_cfg["cluster"]["shard_size"])
+        c = run_cfg["cluster"]  # a checkpoint written before the one-word rename names them groups / shard_size
+        groups, shard = int(c.get("count", c.get("groups"))), int(c.get("ranks", c.get("shard_size")))
     except (CheckpointError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{state_path}: unreadable or without config.model / config.cluster ({exc!r})") from None
     if not 0 <= group < groups:
-        raise ValueError(f"group {group} is out of range: {d} was written by {groups} group(s)")
+        raise ValueError(f"--cluster c{group} is out of range: {d} was written by {groups} cluster(s) (c0…c{groups - 1})")
     return _open(d, range(group * shard, (group + 1) * shard), run_cfg, model_cfg)
 
 
 def gather_checkpoint(step_dir: str | Path, group: int = 0) -> tuple[dict[str, torch.Tensor], ModelConfig]:
-    """Worker group ``group``'s full parameters, all in memory (:func:`open_group` gathers them lazily)."""
+    """Cluster ``group``'s full parameters, all in memory (:func:`open_group` gathers them lazily)."""
     ck = open_group(step_dir, group)
     return dict(ck.replica.items()), ck.model_cfg
 

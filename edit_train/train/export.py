@@ -76,25 +76,37 @@ def pick_common(root: Path, clusters: dict[str, Path], step: int | None) -> Pick
     return Picked(first.anchor or first.replica, first.model_cfg, first.run_cfg, s, what, where, meta)
 
 
-def pick_replica(step_dir: Path, group: int | None, cluster: str | None) -> Picked:
-    """One checkpoint's replica: a cluster's own (per-cluster layout) or a worker group's (single world)."""
-    if step_dir.parent.parent.name == "checkpoints" or cluster is not None:  # checkpoints/<cluster>/step_N
-        if group not in (None, 0):
-            raise ValueError(f"--group {group}: {step_dir} holds one cluster's ranks; pick a cluster with --cluster NAME")
+def _single_world_index(cluster: str | None, step_dir: Path) -> int:
+    """Which cluster of a single-world checkpoint (ddp: every cluster's ranks in one world) `--cluster` names:
+    `c<N>` or `N`; none: cluster 0."""
+    if cluster is None:
+        return 0
+    digits = cluster[1:] if cluster.startswith("c") else cluster
+    if not digits.isdigit():
+        raise ValueError(f"--cluster {cluster}: {step_dir} is one world of clusters c0, c1, …; name one as c<N>")
+    return int(digits)
+
+
+def pick_replica(step_dir: Path, cluster: str | None) -> Picked:
+    """One checkpoint's replica: a cluster's own (per-cluster layout: checkpoints/<cluster>/step_N) or, in a
+    single-world checkpoint (checkpoints/step_N), the ranks of cluster c<N>."""
+    if step_dir.parent.parent.name == "checkpoints":
+        if cluster is not None and step_dir.parent.name != cluster:
+            raise ValueError(f"--cluster {cluster}: {step_dir} is not that cluster's checkpoint")
         ck = open_cluster(step_dir)
         name = cluster or step_dir.parent.name
         what, who = f"cluster {name}'s replica", {"edit_train_clusters": name}
     else:
-        g = group or 0
-        ck = open_group(step_dir, g)
-        what, who = f"group {g}'s replica", {"edit_train_group": str(g)}
+        index = _single_world_index(cluster, step_dir)
+        ck = open_group(step_dir, index)
+        what, who = f"cluster c{index}'s replica", {"edit_train_clusters": f"c{index}"}
     step = step_of(step_dir)
     meta = {"edit_train_step": str(step), **who, "edit_train_checkpoint": str(step_dir.resolve()),
             "edit_train_tensor": "replica"}
     return Picked(ck.replica, ck.model_cfg, ck.run_cfg, step, what, str(step_dir), meta)
 
 
-def pick(source: Path, step: int | None, group: int | None, cluster: str | None) -> Picked:
+def pick(source: Path, step: int | None, cluster: str | None) -> Picked:
     """Decide what to export from SOURCE (see the module docstring)."""
     if not source.is_dir():
         raise ValueError(f"{source}: no such file or directory" if not source.exists() else
@@ -106,16 +118,10 @@ def pick(source: Path, step: int | None, group: int | None, cluster: str | None)
         if cluster not in clusters:
             raise ValueError(f"--cluster {cluster}: no checkpoints of that cluster in {root} (clusters: "
                              f"{', '.join(clusters)})")
-        return pick_replica(resolve_step_dir(clusters[cluster], step), group, cluster)
+        return pick_replica(resolve_step_dir(clusters[cluster], step), cluster)
     if clusters:
-        if group is not None:
-            raise ValueError(f"--group {group}: {root} holds one directory per cluster ({', '.join(clusters)}); "
-                             f"pick one with --cluster NAME")
         return pick_common(root, clusters, step)
-    step_dir = resolve_step_dir(source, step)
-    if cluster is not None and step_dir.parent.name != cluster:
-        raise ValueError(f"--cluster {cluster}: {step_dir} is not that cluster's checkpoint")
-    return pick_replica(step_dir, group, cluster)
+    return pick_replica(resolve_step_dir(source, step), cluster)
 
 
 def tokenizer_files(run_cfg: dict[str, Any], vocab_size: int, tmp: Path) -> tuple[int | None, dict[str, Path]]:
@@ -144,7 +150,7 @@ def tokenizer_files(run_cfg: dict[str, Any], vocab_size: int, tmp: Path) -> tupl
     return eos, {"tokenizer.json": src, "tokenizer_config.json": tmp / "tokenizer_config.json"}
 
 
-def export_checkpoint(source: Path, out_dir: Path, *, step: int | None = None, group: int | None = None,
+def export_checkpoint(source: Path, out_dir: Path, *, step: int | None = None,
                       cluster: str | None = None, dtype: str = "float32", overwrite: bool = False,
                       max_shard_size: int | str = DEFAULT_SHARD_BYTES) -> tuple[Picked, Path]:
     """Pick what SOURCE holds (:func:`pick`) and write it to ``out_dir`` with its tokenizer; (what, out_dir)."""
@@ -154,7 +160,7 @@ def export_checkpoint(source: Path, out_dir: Path, *, step: int | None = None, g
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise ValueError(f"{out_dir}: exists and is not an empty directory; choose a new output directory or "
                          f"pass --overwrite")
-    picked = pick(source, step, group, cluster)
+    picked = pick(source, step, cluster)
     with tempfile.TemporaryDirectory(prefix="edit-train-export-") as tmp:
         eos, files = tokenizer_files(picked.run_cfg, picked.model_cfg.vocab_size, Path(tmp))
         out = export_hf(picked.state, picked.model_cfg, out_dir, dtype=parse_dtype(dtype), eos_token_id=eos,

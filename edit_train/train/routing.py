@@ -63,7 +63,7 @@ class RoutedTally:
             dist.all_reduce(counts, group=self.topo.shard_pg)
         counts = counts.cpu()
         if self.topo.is_leader:
-            self.emit("experts", step=self.step(), group=self.topo.index, cluster=self.topo.name,
+            self.emit("experts", step=self.step(), cluster_index=self.topo.index, cluster=self.topo.name,
                       interval=self.intervals, steps=self.steps, layers=self.layers, counts=counts.tolist())
         self.intervals += 1
         self.steps = 0

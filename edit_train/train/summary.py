@@ -43,14 +43,13 @@ def merge(records: list[dict[str, Any]], configured: list[str]) -> dict[str, Any
         "final_val_loss": first["final_val_loss"],
         "initial_val_loss": next((r["initial_val_loss"] for r in records if r.get("initial_val_loss") is not None),
                                  None),  # a cluster that joined mid-run (healed) has none of its own
-        "cross_group_bytes": sum(r["cross_group_bytes"] for r in records),
+        "cross_cluster_bytes": sum(r["cross_cluster_bytes"] for r in records),
         "syncs": max(r["syncs"] for r in records), "anomalies": sum(r["anomalies"] for r in records),
         "blocked_s": max(r["blocked_s"] for r in records),
         "total_params": first["total_params"], "active_params": first["active_params"],
         "goodput": useful / max(reserved, 1e-9),
         "mfu": _mean([r.get("mfu") for r in records]),
         "per_cluster": per_cluster,
-        "per_group": {str(r["index"]): r for r in records},
     }
 
 
@@ -93,7 +92,7 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "tokens_per_step": state.tokens_per_step, "skipped_steps": state.skipped_steps,
         "tokens_per_s": state.tokens / max(wall, 1e-9), "syncs": stats["syncs"], "syncs_joined": stats["syncs"],
         "syncs_missed": stats["syncs_missed"], "syncs_aborted": stats["syncs_aborted"],
-        "anomalies": stats["anomalies"], "cross_group_bytes": sum(r["bytes_sent"] for r in ranks),
+        "anomalies": stats["anomalies"], "cross_cluster_bytes": sum(r["bytes_sent"] for r in ranks),
         "blocked_s": blocked, "blocked_frac": blocked / max(wall, 1e-9),
         "slowdown_slept_s": slowdown_slept_s, "local_steps": stats["local_steps_per_sync"],
         "restarts": max(restarts, c.restarts), "healed_from": stats["healed_from"],  # not a deliberate resume

@@ -197,7 +197,7 @@ class Trainer:
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
                   "tokens": p.tokens, "wall": p.wall()}
         if self.topo.is_leader:
-            self.metrics.log("eval", group=self.topo.index, cluster=self.topo.name, **record)
+            self.metrics.log("eval", cluster_index=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self, final: bool = False) -> None:
@@ -247,7 +247,7 @@ class Trainer:
         if self.spike.enabled and shared is not None and self.spike.check(shared, step, batches):
             self.optimizer.zero_grad(set_to_none=True)
             if topo.is_leader:
-                self.metrics.log("spike", step=step + 1, group=topo.index, loss=shared,
+                self.metrics.log("spike", step=step + 1, cluster_index=topo.index, cluster=topo.name, loss=shared,
                                  running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
             self._last_out, self._lr = out, lr
             return float(loss_sum), True
@@ -299,7 +299,7 @@ class Trainer:
                 p.skipped_steps += 1
                 log.warning("cluster %s step %d: non-finite loss/gradient, inner step skipped", topo.name, step)
                 if topo.is_leader:
-                    self.metrics.log("skip", step=step + 1, group=topo.index, reason="non_finite", loss=loss)
+                    self.metrics.log("skip", step=step + 1, cluster_index=topo.index, cluster=topo.name, reason="non_finite", loss=loss)
             p.trained()
             window_tokens += tokens_per_step
             self.tally.counted()  # before the sync that may close the interval (RoutedTally.hook)
@@ -319,7 +319,7 @@ class Trainer:
                 if step_mfu is not None:
                     p.mfu.append(step_mfu)
                 if topo.is_leader:
-                    self.metrics.log("train", step=p.step, group=topo.index, cluster=topo.name, loss=float(loss_t),
+                    self.metrics.log("train", step=p.step, cluster_index=topo.index, cluster=topo.name, loss=float(loss_t),
                                      lr=self._lr, tokens=p.tokens, tokens_per_s=tps, mfu=step_mfu,
                                      wall=p.wall(), skipped=not applied, time_s=window_split)
                     self._log_moe(p.step)
@@ -379,7 +379,7 @@ class Trainer:
     def _log_moe(self, step: int) -> None:
         out = self._last_out
         loads = [load.tolist() for load in self.model.expert_load()]
-        self.metrics.log("moe", step=step, group=self.topo.index, cluster=self.topo.name, expert_load=loads,
+        self.metrics.log("moe", step=step, cluster_index=self.topo.index, cluster=self.topo.name, expert_load=loads,
                          aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
 
 

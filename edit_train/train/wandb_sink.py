@@ -1,4 +1,4 @@
-"""Weights & Biases sink: one W&B run per worker group, all runs of an experiment in one W&B group.
+"""Weights & Biases sink: one W&B run per cluster, all runs of an experiment in one W&B group.
 
 Offline by default when no API key is configured, so nothing blocks or phones home.
 """

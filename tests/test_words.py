@@ -1,0 +1,91 @@
+"""One word per concept (issue 38, docs/glossary.md): no retired synonym for a cluster in a config key (the
+schema and every shipped config file), an event field, `summary.json` or the README; retired keys are read as
+their successor with one warning line on the command line and refused with a hint in a config file."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edit_train.cli.common import compose, one_line
+from edit_train.config import Config
+from edit_train.config_tree import CONF_DIR
+from edit_train.retired import RENAMED, renamed_overrides, retired_hint
+from edit_train.sim.faults import parse_faults
+from edit_train.sim.hetero import parse_schedule
+from words import RETIRED, retired_keys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    hints = typing.get_type_hints(cls)
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        out += _keys(t, f"{prefix}{f.name}.") if dataclasses.is_dataclass(t) else [prefix + f.name]
+    return out
+
+
+def test_no_config_key_uses_a_retired_word() -> None:
+    keys = _keys(Config)
+    assert "cluster.count" in keys and "cluster.ranks" in keys and len(keys) > 100
+    bad = [k for k in keys if any(RETIRED.match(part) for part in k.split("."))]
+    assert bad == ["data.workers"], bad  # tokenizer processes, not clusters (docs/glossary.md, kept on purpose)
+
+
+def test_no_shipped_config_file_uses_a_retired_word() -> None:
+    files = sorted(Path(CONF_DIR).rglob("*.yaml"))
+    assert len(files) > 20
+    found = {str(f.relative_to(CONF_DIR)): retired_keys(yaml.safe_load(f.read_text()) or {}) for f in files}
+    assert {f: k for f, k in found.items() if k} == {}
+
+
+def test_the_readme_uses_no_retired_key_or_field() -> None:
+    text = (ROOT / "README.md").read_text()
+    names = set(re.findall(r"`([A-Za-z_][\w.]*)(?:=[^`]*)?`", text))  # `cluster.count=2`, `per_cluster`, …
+    assert {"cluster.count", "quorum"} & names or "cluster.count" in text
+    bad = sorted(n for n in names if any(RETIRED.match(part) for part in n.split(".")) and n != "data.workers")
+    assert bad == []
+    for word in ("cluster.groups", "cluster.shard_size", "per_group", "cross_group_bytes", "participants"):
+        assert word not in text, word
+
+
+def test_a_retired_key_on_the_command_line_is_read_as_its_successor_with_one_line(capsys) -> None:
+    assert renamed_overrides(["cluster.groups=3", "+cluster.shard_size=2", "train.steps=5"]) == \
+        ["cluster.count=3", "+cluster.ranks=2", "train.steps=5"]
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: cluster.groups is deprecated: read as cluster.count (docs/glossary.md); use cluster.count=3",
+                   "warning: cluster.shard_size is deprecated: read as cluster.ranks (docs/glossary.md); "
+                   "use cluster.ranks=2"]
+    cfg = compose(["cluster.groups=3", "cluster.slowdown=[]"])
+    assert cfg.cluster.count == 3 and cfg.cluster.ranks == 1
+    assert set(RENAMED) == {"cluster.groups", "cluster.shard_size"}
+
+
+def test_a_retired_key_in_a_config_file_is_refused_with_a_hint() -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    from edit_train.config import ClusterConfig
+
+    schema = OmegaConf.structured(ClusterConfig)
+    with pytest.raises(ConfigKeyError) as exc:
+        OmegaConf.merge(OmegaConf.create({"cluster": schema}), OmegaConf.create({"cluster": {"groups": 2}}))
+    assert one_line(exc.value) == retired_hint("cluster.groups") == \
+        "cluster.groups was retired: use cluster.count"
+
+
+def test_a_fault_or_slowdown_entry_with_group_is_read_as_cluster_with_one_warning(caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        faults = parse_faults([{"kind": "kill", "group": 1, "start": 6}, {"kind": "nan_grad", "group": 0, "start": 2}])
+        changes = parse_schedule([{"group": 1, "step": 10, "factor": 2.0}], 2)
+    assert [f.group for f in faults] == [1, 0] and changes[0].group == 1
+    said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(said) <= 2 and all("`group` is deprecated: read as `cluster`" in m for m in said)
