@@ -31,7 +31,8 @@ import _common as C
 import _plan_sets as S
 from _hosts_run import run_on_hosts
 
-from edit_train.cli.codec_cost import time_codecs
+from edit_train.cli.codec_cost import compile_seconds, time_codecs
+from edit_train.codec import compiled
 from edit_train.plan import conditions
 from edit_train.plan.calibrate import calibrate, candidate_of_run, codec_of_run, read_run, scenario_of_run
 from edit_train.plan.costs import resolve
@@ -52,6 +53,7 @@ def run(name: str, overrides: list[str], a: argparse.Namespace) -> C.Job:
     if name in a.fresh and run_dir.exists():
         shutil.rmtree(run_dir)
     before = conditions.measure()
+    compiled_before = sorted(compiled.compiled())  # top-k formats whose kernels this run need not compile
     t0 = time.time()
     if name in S.HOSTS:
         job = run_on_hosts(name, run_dir, [*overrides, *common(a)], S.HOSTS[name], timeout=a.timeout)
@@ -59,7 +61,8 @@ def run(name: str, overrides: list[str], a: argparse.Namespace) -> C.Job:
         job = C.run_job(name, run_dir, [*overrides, *common(a)], timeout=a.timeout, reuse=True)
     if (run_dir / "bench_job.json").stat().st_mtime >= t0:  # it ran now (a reused run keeps its own record)
         (run_dir / "bench_load.json").write_text(json.dumps({"before": before.to_json(),
-                                                             "after": conditions.measure().to_json()}))
+                                                             "after": conditions.measure().to_json(),
+                                                             "compiled_before": compiled_before}))
     return job
 
 
@@ -83,8 +86,11 @@ def predict(job: C.Job, prof, name: str, own_steps: bool = False) -> dict:
     real = {"bandwidth_mbps": S.HOSTS[name], "latency_ms": 0.0} if name in S.HOSTS else None
     cores = len(os.sched_getaffinity(0))
     if own_steps:
-        own, cores = calibrate([job.run_dir], codec=prof.codec, conditions=prof.taken_under()), 0
+        own, cores = calibrate([job.run_dir], codec=prof.codec, conditions=prof.taken_under(),
+                                compile_s=prof.codec_compile_s), 0
     raw = scenario_of_run(rd, prof, host_cores=cores, real_link=real)
+    # the top-k formats this host had compiled when the run started (its start-up paid for any other)
+    raw["compiled"] = run_load(job).get("compiled_before", sorted(compiled.compiled()))
     if own_steps:  # every cluster's own measured step (its slowdown is applied again by the scenario)
         for c in raw["clusters"]:
             d = own.clusters[c["name"]]
@@ -176,13 +182,16 @@ def main() -> None:
     t0 = time.perf_counter()
     start = conditions.measure()
     cal = [run(n, o, a) for n, o in S.CALIBRATION.items()]
-    codec = time_codecs(codecs_to_time(cal))
+    timed = codecs_to_time(cal)
+    codec = time_codecs(timed)
+    compile_s = compile_seconds(next(c for c in timed if c.sparse))
     # the fitting set's calibration runs, nothing else; the host's conditions while they ran
-    prof = calibrate([j.run_dir for j in cal], codec=codec, conditions=calibration_conditions(cal))
+    prof = calibrate([j.run_dir for j in cal], codec=codec, conditions=calibration_conditions(cal),
+                     compile_s=compile_s)
     prof.save(a.workdir / "profile.json")
     print(f"calibrated: per_op {prof.per_op_s * 1e3:.1f} ms, sw {prof.sw_bytes_per_s / 1e6:.0f} MB/s, step "
           f"{prof.rank_step.median_s * 1e3:.0f} ms (log-σ {prof.rank_step.sigma:.2f}); codec timed for "
-          f"{', '.join(codec)}", flush=True)
+          f"{', '.join(codec)}; a new top-k format compiles in {compile_s:.1f} CPU-s", flush=True)
     sets = {"fitting": S.FITTING, "held_out": S.HELD_OUT}
     result: dict[str, Any] = {"benchmark": "plan_validation", "quick": a.quick, "own_steps": a.own_steps,
                               "command": " ".join(sys.argv),

@@ -6,6 +6,10 @@ per value. The planner (numpy only) cannot run torch, so this lives beside the C
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterable
 
@@ -76,3 +80,33 @@ def time_codecs(codecs: Iterable[Codec]) -> dict[str, dict[str, list[float]]]:
             continue
         out[c.label] = time_codec(c)
     return out
+
+
+_COMPILE = """
+import sys, time, torch
+from edit_train.codec import sparse, sparse_fused
+from edit_train.codec.sparse_format import SparseFormat
+torch.set_num_threads(1)
+f = SparseFormat.of(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))
+n = sparse_fused.SPECIALIZE_MIN
+sparse.decode(sparse.encode_own(torch.zeros(1), f)[0], 1, f)  # the generic kernels: not what a new format costs
+t0 = time.process_time()
+sparse.decode(sparse.encode_own(torch.zeros(n), f)[0], n, f)
+print(time.process_time() - t0)
+"""
+
+
+def compile_seconds(codec: Codec, timeout_s: float = 600.0) -> float:
+    """CPU seconds one process spends compiling a top-k format's kernels it has never compiled (numba's cache
+    pointed at an empty directory in a child process, so nothing of this host's cache is used or touched);
+    0.0 where the fused codec does not run (no numba)."""
+    from edit_train.codec import compiled
+
+    if not codec.sparse or not compiled.available():
+        return 0.0
+    with tempfile.TemporaryDirectory(prefix="edit-train-compile-") as tmp:
+        env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "OMP_NUM_THREADS": "1"}
+        args = [str(codec.block_size), str(codec.density), str(codec.bits), codec.scale_dtype, str(codec.group)]
+        out = subprocess.run([sys.executable, "-c", _COMPILE, *args], env=env, capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+    return float(out.stdout.strip().splitlines()[-1])

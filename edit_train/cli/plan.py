@@ -88,7 +88,7 @@ def run_check(args: list[str]) -> int:
 
 
 def run_calibrate(args: list[str]) -> Path:
-    from edit_train.cli.codec_cost import time_codecs
+    from edit_train.cli.codec_cost import compile_seconds, time_codecs
     from edit_train.plan.calibrate import calibrate, codec_of_run, read_run
     from edit_train.plan.spec import CandidateSet, Scenario, TopK, topk_codec
 
@@ -117,7 +117,9 @@ def run_calibrate(args: list[str]) -> Path:
     codecs += [codec_of_run({"sync": {**(runs[0].get("sync") or {}), "compression": c}}) for c in ("bf16", "int8", "fp8")]
     base = Scenario("codecs", [], block_size=codecs[0].block_size, scale_dtype=codecs[0].scale_dtype)
     codecs += [topk_codec(base, TopK(**t)) for t in CandidateSet().topk]
-    prof = calibrate(dirs, codec=time_codecs(codecs) if time_codec else None)
+    sparse = next((c for c in codecs if c.sparse), None)
+    prof = calibrate(dirs, codec=time_codecs(codecs) if time_codec else None,
+                     compile_s=compile_seconds(sparse) if time_codec and sparse is not None else 0.0)
     path = prof.save(out)
     fit = prof.fit
     sync = fit.get("sync", {})
@@ -127,7 +129,8 @@ def run_calibrate(args: list[str]) -> Path:
           f"{len(sync.get('message_sizes', []))} message size(s), {sync.get('samples', 0)} syncs"
           f"{'' if 'note' not in sync else ' — ' + sync['note']}; eval {prof.eval_s:.2f} s, "
           f"checkpoint {prof.checkpoint_s:.2f} s, start-up {prof.startup_s:.1f} s; codec timed for "
-          f"{', '.join(prof.codec) or 'none'}")
+          f"{', '.join(prof.codec) or 'none'}"
+          f"{f' (a new top-k format compiles in {prof.codec_compile_s:.0f} CPU-s)' if prof.codec_compile_s else ''}")
     then = prof.taken_under()
     if then is not None:
         print(f"conditions: {then.describe()}, probe speed {then.speed:,.0f}/s (`edit-train plan check {path}` "

@@ -140,13 +140,14 @@ def candidate_of_run(run: RunData) -> Candidate:
 
 
 def calibrate(run_dirs: list[str | Path], codec: dict[str, dict[str, list[float]]] | None = None,
-              conditions: Conditions | None = None) -> Profile:
+              conditions: Conditions | None = None, compile_s: float = 0.0) -> Profile:
     """A profile from finished runs; `codec`: the codec's timings on this host (`cli/codec_cost.py`), taken
-    off every sync before its software cost is fitted; `conditions`: the host's (None: measured now)."""
+    off every sync before its software cost is fitted; `conditions`: the host's (None: measured now);
+    `compile_s`: CPU seconds to compile a new top-k format's kernels (`codec_cost.compile_seconds`)."""
     if not run_dirs:
         raise CalibrationError("calibrate: give at least one run directory")
     runs = [read_run(p) for p in run_dirs]
-    prof = Profile(codec=dict(codec or {}))
+    prof = Profile(codec=dict(codec or {}), codec_compile_s=float(compile_s))
     prof.conditions = (conditions or measure()).to_json()
     prof.sources = [str(r.path) for r in runs]
     first = runs[0].config

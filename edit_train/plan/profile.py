@@ -12,6 +12,8 @@
 * `codec`: per compression label (`traffic.Codec.label`), the codec's measured cost on this host —
   `{"encode": [s per call, s per value], "decode": [...]}` (`edit-train plan calibrate` times the real codec,
   `edit_train/cli/codec_cost.py`); a top-k setting that was not timed takes the nearest one that was;
+  `codec_compile_s`: the CPU seconds one process spends compiling a top-k format's kernels the first time this
+  host uses that format (`codec/compiled.py`: the simulator adds it to start-up for a format not yet compiled);
 * `conditions`: the host's load, cores and a micro-benchmark's speed when the profile was taken
   (`conditions.py`: a plan says in one line when they no longer hold);
 * `fit`: how well each part was determined (samples, residuals), printed next to every prediction.
@@ -65,6 +67,7 @@ class Profile:
     calibrated: bool = False
     sources: list[str] = field(default_factory=list)
     codec: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # label -> encode/decode [call, value]
+    codec_compile_s: float = 0.0  # CPU seconds per process to compile a new top-k format's kernels
     conditions: dict[str, Any] = field(default_factory=dict)  # conditions.Conditions.to_json() when taken
     fit: dict[str, Any] = field(default_factory=dict)
 

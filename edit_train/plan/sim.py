@@ -34,6 +34,8 @@ import math
 
 import numpy as np
 
+from edit_train.codec import compiled
+from edit_train.codec.sparse_format import SparseFormat
 from edit_train.plan import contention
 from edit_train.plan.costs import Fed
 from edit_train.plan.simbase import BUCKETS, SimOptions, SimResult
@@ -90,12 +92,29 @@ class _State:
         return ~self.done & (self.alive | (self.dead_at + self.fed.scenario.heartbeat_timeout_s > now))
 
 
+def compile_wall(fed: Fed, cand: Candidate) -> np.ndarray | float:
+    """Start-up seconds each cluster spends compiling the top-k kernels of a format this host has not compiled
+    yet (`scenario.compiled`, else this host's record: `codec/compiled.py`): every rank compiles at once, `profile.codec_compile_s` CPU seconds each, sharing
+    a shared host's cores (contention.py); 0 for any other compression, a compiled format or no numba."""
+    codec = cand.codec(fed.scenario)
+    cost = fed.profile.codec_compile_s
+    if not codec.sparse or cost <= 0 or not compiled.available():
+        return 0.0
+    f = SparseFormat.of(codec.block_size, codec.density, codec.bits, codec.scale_dtype, codec.group)
+    done = fed.scenario.compiled if fed.scenario.compiled is not None else compiled.compiled()
+    if compiled.key(f) in done:
+        return 0.0
+    if fed.scenario.host_cores <= 0:
+        return cost
+    return contention.shared(np.full((1, fed.n), cost), fed.ranks.astype(float), fed.scenario.host_cores)[0]
+
+
 def run_local(fed: Fed, cand: Candidate, opt: SimOptions) -> SimResult:
     """Simulate one local-SGD candidate on a resolved federation."""
     s = _State(fed, opt, cand)
     every = np.arange(fed.n)
     if opt.startup:
-        s.spend("startup", every, fed.profile.startup_s)
+        s.spend("startup", every, fed.profile.startup_s + compile_wall(fed, cand))
         s.spend("eval", every, fed.profile.eval_s)  # the step-0 evaluation
     t_start = s.t.copy()
     base = {**{k: v.copy() for k, v in s.b.items()}, "trained": s.trained.copy(), "useful": s.useful.copy(),

@@ -91,6 +91,9 @@ class Scenario:
     gather_max: int = 4
     chunks: int = 4
     host_cores: int = 0  # > 0: every rank a one-thread process on one host of this many cores (contention.py)
+    # top-k formats the hosts have compiled already (`codec/compiled.py` keys; a new one costs start-up);
+    # None: what this host's record says
+    compiled: list[str] | None = None
     block_size: int = 256  # sync.block_size: values per scale (int8 / fp8), per top-k chunk
     scale_dtype: str = "fp32"  # sync.scale_dtype
     eval_every: int = 0
@@ -156,6 +159,8 @@ def check(s: Scenario) -> None:
     need(bool(s.clusters), "clusters", "a plan needs at least one cluster")
     names = [c.name for c in s.clusters]
     need(len(set(names)) == len(names), "clusters", f"names must be unique, got {names}")
+    need(s.compiled is None or (isinstance(s.compiled, list) and all(isinstance(k, str) for k in s.compiled)),
+         "compiled", f"must be a list of top-k format keys (codec/compiled.py), got {s.compiled!r}")
     for i, c in enumerate(s.clusters):
         w = f"clusters[{i}] ({c.name})"
         need(c.ranks >= 1, f"{w}.ranks", f"must be >= 1, got {c.ranks}")
