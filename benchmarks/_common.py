@@ -122,11 +122,16 @@ def finished_run(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | No
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
-    return json.loads((Path(run_dir) / "summary.json").read_text())
+    """`summary.json` (a run dir written before the one-word rename read as today's: edit_train/retired.py)."""
+    from edit_train.retired import current_summary
+
+    return current_summary(json.loads((Path(run_dir) / "summary.json").read_text()), run_dir)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every event of `metrics.jsonl` (a torn last line is skipped)."""
+    """Every event of `metrics.jsonl` (a torn last line is skipped; old field names read as today's)."""
+    from edit_train.retired import current_event
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
@@ -136,14 +141,14 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
         if not line:
             continue
         try:
-            out.append(json.loads(line))
+            out.append(current_event(json.loads(line)))
         except json.JSONDecodeError:
             continue
     return out
 
 
 def tokens_per_step(summary: dict[str, Any]) -> float:
-    """Tokens all groups consume per optimizer step (from the summary)."""
+    """Tokens all clusters consume per optimizer step (from the summary)."""
     return summary["tokens"] / max(summary["steps"], 1)
 
 
