@@ -277,6 +277,36 @@ def test_slowdown_factor_follows_schedule() -> None:
         parse_schedule([{"cluster": 0, "step": 1, "factor": 0.5}], groups=2)
 
 
+def test_a_clusters_simulation_hooks_are_built_from_its_config(tmp_path: Path) -> None:
+    """The loop's one seam (sim/hooks.py): a cluster no fault and no slowdown concern gets the no-op `StepHooks`
+    (the loop then makes no call that could change a number); a faulty, slowed-down one its injector, its
+    transport wrapper and its slowdown, chained."""
+    from types import SimpleNamespace
+
+    from edit_train.cli.common import compose
+    from edit_train.config import cluster_specs
+    from edit_train.sim.build import step_hooks
+    from edit_train.sim.byzantine import ByzantineTransport
+    from edit_train.sim.hooks import Chain, StepHooks
+
+    def hooks(index: int, *overrides: str) -> StepHooks:
+        cfg = compose(["cluster=local_2x1", *overrides])
+        topo = SimpleNamespace(index=index, name=f"c{index}", is_leader=True, rank=0)
+        return step_hooks(cfg, topo, cluster_specs(cfg), tmp_path, step=lambda: 0)  # type: ignore[arg-type]
+
+    faults = "faults=[{kind:lr_spike,cluster:1,start:2,end:4,factor:3},{kind:sign_flip,cluster:1,start:0}]"
+    assert type(hooks(0, faults, "cluster.slowdown=[1,2]")) is StepHooks  # all of it is c1's
+    assert type(hooks(1, "cluster.slowdown=[1,1]")) is StepHooks
+    c1 = hooks(1, faults, "cluster.slowdown=[1,2]")
+    assert isinstance(c1, Chain)
+    assert [type(h).__name__ for h in c1.parts] == ["FaultInjector", "PayloadFaults", "Slowdown"]
+    assert (c1.lr(1, 0.5), c1.lr(2, 0.5)) == (0.5, 1.5)
+    x, y = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long)
+    assert all(a is b for a, b in zip(c1.batch(0, x, y), (x, y)))
+    assert isinstance(c1.transport(object()), ByzantineTransport)
+    assert c1.after_step(0, 0.01) == pytest.approx(0.01) and c1.slept_s == pytest.approx(0.01)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     import sysconfig

@@ -157,3 +157,35 @@ def test_the_sync_sequence_exists_once() -> None:
     for path in PKG.rglob("*.py"):
         top = [n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)]
         assert path.name == "round.py" or "rebase" not in top, path
+
+
+def test_the_loop_knows_one_simulation_seam() -> None:
+    """Injected faults and simulated slowness reach the training loop through one seam (sim/hooks.py, `StepHooks`,
+    built from the config by sim/build.py): the trainer imports no other sim module and the algorithm's builder
+    none, the seam imports no edit_train module, sim imports nothing of train, and `train_step` / `run` call each
+    seam point once and name no fault, injector or slowdown."""
+    modules = _modules()
+
+    def deps(name: str) -> set[str]:
+        return _imports(name, modules[name], modules)
+
+    assert {d for d in deps("edit_train.train.trainer") if d.startswith("edit_train.sim")} == {"edit_train.sim.build"}
+    assert not [d for d in deps("edit_train.train.build") if d.startswith("edit_train.sim")]
+    assert not deps("edit_train.sim.hooks")
+    for name in modules:
+        if name.startswith("edit_train.sim"):
+            assert not [d for d in deps(name) if d.startswith("edit_train.train")], name
+    tree = ast.parse(modules["edit_train.train.trainer"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    loop = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in ("train_step", "run")]
+    assert len(loop) == 2
+    banned = {"faults", "faulty", "slowdown", "maybe_kill", "partition_at", "partition", "lr_scale", "corrupt_batch",
+              "corrupt_grads", "payload_fault", "claim_fault", "byzantine"}
+    calls = []
+    for fn in loop:
+        for node in ast.walk(fn):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            assert name not in banned, f"Trainer.{fn.name} names {name!r}: a simulation detail outside the seam"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "sim":
+                calls.append(node.attr)
+    assert sorted(calls) == ["after_step", "batch", "before_step", "grads", "lr"], calls

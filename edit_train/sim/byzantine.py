@@ -5,6 +5,9 @@ reports the norms of its true pseudo-gradient; only the tensors it hands to `gat
 A lying member (`lie_steps`, `lie_config`, `lie_heal`, sim/faults.py) changes what it claims when it asks for a
 quorum instead (its own identity signs the lie), vets nothing, and with `lie_heal` sends a finite but wrong
 anchor to whoever heals from it.
+
+`PayloadFaults` is where the training loop's seam meets these (sim/hooks.py, its `transport` point): the
+algorithm gets the wrapped transport, the loop knows nothing of it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor
 
 from edit_train.local_sgd.protocols import Transport
 from edit_train.sim.faults import FaultInjector
+from edit_train.sim.hooks import StepHooks
 
 
 def corrupt(kind: str, tensors: list[Tensor], gen: torch.Generator) -> list[Tensor]:
@@ -88,6 +92,16 @@ class ByzantineTransport:
         if sent is tensors:
             return handle
         return _Into(handle, sent, tensors)
+
+
+class PayloadFaults(StepHooks):
+    """The hooks of a Byzantine or lying cluster: its transport wrapped (`ByzantineTransport`), nothing else."""
+
+    def __init__(self, faults: FaultInjector, step: Callable[[], int], seed: int = 0) -> None:
+        self.faults, self.step, self.seed = faults, step, seed
+
+    def transport(self, transport: Any) -> Any:
+        return ByzantineTransport(transport, self.faults, self.step, seed=self.seed)
 
 
 class _Into:

@@ -12,6 +12,9 @@
 * `partition`    — cluster `cluster` cannot reach the others (nor the Lighthouse) for `seconds` from step
                    `step`: it keeps training alone and rejoins afterwards.
 
+`FaultInjector` applies these through the training loop's seam (sim/hooks.py, `StepHooks`): the loop calls it
+before a step, for the step's lr, on each batch and on the gradients, and knows no fault kind.
+
 Byzantine faults happen where a real one would, in what the cluster sends (`sim/byzantine.py` wraps its
 transport); its own training is healthy and it reports its true norms:
 * `sign_flip`        — it sends −Δ;
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from edit_train.retired import entry_field
+from edit_train.sim.hooks import Federation, StepHooks
 
 PAYLOAD_KINDS = ("sign_flip", "random_direction", "lie_norm", "nan_payload")
 CLAIM_KINDS = ("lie_steps", "lie_config", "lie_heal")
@@ -94,8 +98,8 @@ def parse_faults(specs: list[dict[str, Any]] | None) -> list[Fault]:
     return faults
 
 
-class FaultInjector:
-    """Applies the faults that concern this rank's group."""
+class FaultInjector(StepHooks):
+    """Applies the faults that concern this rank's group (the training-side ones as the loop's `StepHooks`)."""
 
     def __init__(self, specs: list[dict[str, Any]] | None, group: int, vocab_size: int, seed: int = 1234,
                  run_dir: str | Path | None = None, is_leader: bool = True, cluster: str = "",
@@ -112,6 +116,23 @@ class FaultInjector:
     def _active(self, kind: str, step: int) -> list[Fault]:
         return [f for f in self.faults if f.kind == kind and f.active(step, self.group)]
 
+    # ------------------------------------------------------------- the loop's seam (sim/hooks.py)
+    def before_step(self, step: int, federation: Federation) -> None:
+        self.maybe_kill(step)
+        cut = self.partition_at(step)
+        if cut > 0:
+            federation.partition(cut)
+
+    def lr(self, step: int, lr: float) -> float:
+        return lr * self.lr_scale(step)
+
+    def batch(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corrupt_batch(step, x, y)
+
+    def grads(self, step: int, model: nn.Module) -> None:
+        self.corrupt_grads(step, model)
+
+    # ------------------------------------------------------------------------ the faults
     def maybe_kill(self, step: int) -> None:
         """`kill` fault: SIGKILL this process (the group's first rank) at the start of `start`, once;
         `kill_cluster`: every rank of the cluster, once."""

@@ -2,8 +2,9 @@
 
 A group with slowdown s takes s times as long per step: after each step it sleeps (s − 1) × the
 measured compute time, which costs no CPU (so the other groups' speed is unaffected). A
-`slowdown_schedule` changes a group's factor mid-run: `[{cluster: 1, step: 200, factor: 5.0}, …]`
-(the factor applies from that local step of that group on).
+`slowdown_schedule` changes a cluster's factor mid-run: `[{cluster: 1, step: 200, factor: 5.0}, …]`
+(the factor applies from that local step of that cluster on). The sleep is the loop's `after_step` hook
+(sim/hooks.py), which the trainer charges to the `slowdown` time bucket.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edit_train.retired import entry_field
+from edit_train.sim.hooks import StepHooks
 
 
 class HeteroError(ValueError):
@@ -42,8 +44,8 @@ def parse_schedule(specs: list[dict[str, Any]] | None, groups: int) -> list[Slow
     return sorted(out, key=lambda c: c.step)
 
 
-class Slowdown:
-    """Sleeps to make this group `factor` times slower than the hardware it runs on."""
+class Slowdown(StepHooks):
+    """Sleeps to make this group `factor` times slower than the hardware it runs on (the loop's `after_step`)."""
 
     def __init__(self, group: int, factors: list[float] | None, schedule: list[dict[str, Any]] | None = None,
                  groups: int = 1) -> None:
@@ -51,6 +53,11 @@ class Slowdown:
         self.base = float(factors[group]) if factors else 1.0
         self.changes = [c for c in parse_schedule(schedule, groups) if c.group == group]
         self.slept_s = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether this group is ever slowed down (else `after_step` never sleeps)."""
+        return self.base != 1.0 or any(c.factor != 1.0 for c in self.changes)
 
     def factor(self, step: int) -> float:
         f = self.base

@@ -26,8 +26,6 @@ from edit_train.local_sgd.experts import RoutedCounts
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
-from edit_train.sim.byzantine import ByzantineTransport
-from edit_train.sim.faults import FaultInjector
 from edit_train.train.metrics import MetricsLogger
 
 if TYPE_CHECKING:
@@ -157,14 +155,15 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     optimizer: torch.optim.Optimizer | None = None, federated: bool = True,
                     span: Callable[[str], AbstractContextManager[Any]] | None = None, tokens_per_step: int = 0,
                     probe_loss: Callable[[], float] | None = None,
-                    faults: tuple[FaultInjector, Callable[[], int]] | None = None,
+                    wrap_transport: Callable[[Transport], Transport] | None = None,
                     routed_counts: RoutedCounts | None = None) -> LocalSGD:
-    """The algorithm of this rank: its transport (wrapped by a Byzantine fault if one is configured for this
-    cluster), the probe of each update's usefulness, the core's config."""
+    """The algorithm of this rank: its transport (`wrap_transport`: the trainer's simulation hooks, which wrap it
+    when a Byzantine fault is configured for this cluster, sim/byzantine.py), the probe of each update's
+    usefulness, the core's config."""
     creds = credentials(cfg, topo.name) if federated else None
     transport: Any = build_transport(cfg, topo, federated, creds)
-    if faults is not None and faults[0].byzantine:
-        transport = ByzantineTransport(transport, faults[0], faults[1], seed=cfg.seed + topo.index)
+    if wrap_transport is not None:
+        transport = wrap_transport(transport)
     roster = f"the roster (federation.roster_file, version {creds.roster.version})" if creds is not None else ""
     return LocalSGD(local_sgd_config(cfg, tokens_per_step, own_tokenizer(cfg, topo.name), roster), model,
                     fsdp_units(model), transport,

@@ -13,6 +13,7 @@ import os
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,7 @@ from edit_train.cluster.mesh import Topology, init_topology, parallelize
 from edit_train.cluster.threads import ThreadBudget
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
-from edit_train.sim.faults import FaultInjector
-from edit_train.sim.hetero import Slowdown
+from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
@@ -92,7 +92,37 @@ class Trainer:
         self.loader = TokenLoader(self.data_dir, "train", self.cluster_batch, t.seq_len,
                                   part=self.site.part, num_parts=self.site.parts, seed=cfg.seed)
 
-        # ---- model, replicated per cluster, sharded inside it
+        self._build_model()  # replicated per cluster, sharded inside it; its precision and optimizer
+        # injected faults and simulated slowness: the loop's one seam (sim/hooks.py; a no-op when none is configured)
+        self.sim = step_hooks(cfg, topo, self.specs, self.run_dir, step=lambda: self.state.step)
+        self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
+        self.stop = StopSignal()
+
+        # ---- output
+        ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
+        self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.world_size, cfg.checkpoint.keep,
+                                      barrier=self._barrier)
+        resume_from = self._resume_point()
+        self.metrics = MetricsLogger(self._sinks(resume_from))
+        probe = self._usefulness_probe()
+        self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
+                                 cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
+        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
+                                    span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
+                                    probe_loss=probe, wrap_transport=self.sim.transport,
+                                    routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
+        if self.is_main and topo.index == 0:
+            (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
+        self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
+        if resume_from is not None:
+            resume(resume_from, self.state, self.resumable, self.record_found, self.is_main)
+        self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
+
+    # ------------------------------------------------------------------ build
+    def _build_model(self) -> None:
+        """The model (replicated per cluster, sharded inside it), its precision, activation checkpointing and
+        compile (train/parallel.py), FSDP2 with its mixed-precision policy, the optimizer and the MFU constants."""
+        cfg, t, topo = self.cfg, self.cfg.train, self.topo
         counts = count_params(cfg.model)
         self.param_counts = counts
         # once per run: the local launcher's clusters share one console (their own jobs: each says it)
@@ -104,7 +134,6 @@ class Trainer:
             from edit_train.model.hf_io import load_hf_into
 
             load_hf_into(self.model, cfg.model.init_from)
-        # ---- precision, activation checkpointing, compile (train/parallel.py), then FSDP2 with its mp policy
         self.precision = precision_policy(t.precision, topo.device, sharded=topo.distributed and topo.shard_size > 1)
         apply_layer_options(self.model, t.activation_checkpointing, t.compile, topo.device,
                             self.precision.compute_dtype)
@@ -112,22 +141,19 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len, counts["active_params"])
         self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
         self.optimizer = build_optimizer(self.model.parameters(), t, topo.device)  # fused on CUDA
-        self.faults = FaultInjector(cfg.faults, topo.index, cfg.model.vocab_size, run_dir=self.run_dir,
-                                    is_leader=topo.is_leader, cluster=topo.name, rank=topo.rank)
-        self.slowdown = Slowdown(topo.index, [s.slowdown for s in self.specs],
-                                 list(cfg.cluster.slowdown_schedule), len(self.specs))
-        self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
-        self.stop = StopSignal()
 
-        # ---- output
-        ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
-        self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.world_size, cfg.checkpoint.keep,
-                                      barrier=self._barrier)
-        # a worker restarted by torchrun / the local launcher (--max-restarts) always resumes
+    def _resume_point(self) -> Any:
+        """The checkpoint to resume from (`find_resume`'s answer), None for a fresh start. A worker restarted by
+        torchrun / the local launcher (--max-restarts) always resumes."""
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or \
             os.environ.get("EDIT_TRAIN_RESTART", "0") != "0"
-        wants = str(cfg.resume).lower() in ("true", "auto") or restarted
-        resume_from = find_resume(self.ckpt, cfg, self.is_main) if wants else None
+        wants = str(self.cfg.resume).lower() in ("true", "auto") or restarted
+        return find_resume(self.ckpt, self.cfg, self.is_main) if wants else None
+
+    def _sinks(self, resume_from: Any) -> list[Any]:
+        """metrics.jsonl, and W&B on the cluster's leader when `logger.kind=wandb` (`self.wandb`; a resumed run
+        continues its W&B run)."""
+        cfg, topo = self.cfg, self.topo
         sinks: list[Any] = [JsonlSink(self.run_dir / "metrics.jsonl")]
         self.wandb = None
         if cfg.logger.kind == "wandb" and topo.is_leader:
@@ -139,24 +165,16 @@ class Trainer:
                                    tags=list(cfg.logger.tags),
                                    run_id=resume_from[2].get("wandb_run_id") if resume_from else None)
             sinks.append(self.wandb)
-        self.metrics = MetricsLogger(sinks)
-        probe = None
-        verified = cfg.algo.penalty.verified
-        if cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0:  # usefulness
-            batch = probe_batch(self.val_dirs, t.seq_len, verified.probe_tokens, topo.index)
-            probe = lambda: batch_loss(self.model, batch, topo, self._autocast)  # noqa: E731
-        self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
-                                 cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
-        self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
-                                    span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
-                                    probe_loss=probe, faults=(self.faults, lambda: self.state.step),
-                                    routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
-        if self.is_main and topo.index == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
-        self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
-        if resume_from is not None:
-            resume(resume_from, self.state, self.resumable, self.record_found, self.is_main)
-        self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
+        return sinks
+
+    def _usefulness_probe(self) -> Callable[[], float] | None:
+        """The `verified` rule's probe of each update's usefulness: the global model's loss on a fixed batch of
+        validation tokens (None: no probe)."""
+        cfg, topo, verified = self.cfg, self.topo, self.cfg.algo.penalty.verified
+        if not (cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0):
+            return None
+        batch = probe_batch(self.val_dirs, cfg.train.seq_len, verified.probe_tokens, topo.index)
+        return lambda: batch_loss(self.model, batch, topo, self._autocast)
 
     # ------------------------------------------------------------------ utils
     def _barrier(self) -> None:
@@ -218,8 +236,7 @@ class Trainer:
     def train_step(self, step: int) -> tuple[float, bool]:
         """One inner step (with gradient accumulation). Returns (loss, applied)."""
         t, topo = self.cfg.train, self.topo
-        faulty = bool(self.faults.faults)  # fault injection configured for this cluster (else: no calls at all)
-        lr = self.state.schedule.at(step) * (self.faults.lr_scale(step) if faulty else 1.0)
+        lr = self.sim.lr(step, self.state.schedule.at(step))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.set_step(step)
@@ -227,8 +244,7 @@ class Trainer:
         with self.timing.span("data"):
             batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
         for x, y in batches:
-            if faulty:
-                x, y = self.faults.corrupt_batch(step, x, y)
+            x, y = self.sim.batch(step, x, y)
             try:
                 with self._autocast():
                     out = self.model(x.to(topo.device), y.to(topo.device))
@@ -238,8 +254,7 @@ class Trainer:
                     out = self.model(x.to(topo.device), y.to(topo.device))
             (out.loss / len(batches)).backward()
             loss_sum += float(out.ce_loss.detach()) / len(batches)
-        if faulty:
-            self.faults.corrupt_grads(step, self.model)
+        self.sim.grads(step, self.model)
         # the spike decision needs the loss every rank sharing the update agrees on
         shared = float(self._cluster_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
         with self.timing.span("sync"):
@@ -283,18 +298,14 @@ class Trainer:
                 self.metrics.close(None)
                 raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
             step = p.step
-            if self.faults.faults:
-                self.faults.maybe_kill(step)
-                cut = self.faults.partition_at(step)
-                if cut > 0:
-                    self.algo.partition(cut)
+            self.sim.before_step(step, self.algo)  # the simulation may end this process or cut the cluster off here
             step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
             with self.timing.span("compute"):
                 loss, applied = self.train_step(step)
-            # simulated slower hardware stretches compute only (forward/backward/optimizer), not the data,
-            # the sync's own work or the time spent waiting on other clusters
+            # after the compute, its own bucket: simulated slower hardware stretches compute only
+            # (forward/backward/optimizer), not the data, the sync's own work or the waits on other clusters
             with self.timing.span("slowdown"):
-                self.slowdown.after_step(step, self.timing.totals["compute"] - compute0)
+                self.sim.after_step(step, self.timing.totals["compute"] - compute0)
             if not applied:
                 p.skipped_steps += 1
                 log.warning("cluster %s step %d: non-finite loss/gradient, inner step skipped", topo.name, step)
@@ -370,7 +381,7 @@ class Trainer:
         """This cluster's record merged by its leader with every other cluster's into `summary.json`."""
         record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.index,
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
-                                val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.slowdown.slept_s,
+                                val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
         if not self.is_main:
             return {}
