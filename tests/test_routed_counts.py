@@ -100,7 +100,7 @@ def test_a_recomputed_forward_does_not_count_twice(mode: str) -> None:
 
 
 def _tally(model: CausalLM, events: list, **kw) -> RoutedTally:
-    topo = SimpleNamespace(distributed=False, shard_size=1, is_leader=True, index=1, name="c1")
+    topo = SimpleNamespace(distributed=False, ranks=1, is_leader=True, index=1, name="c1")
     emit = lambda kind, **f: events.append({"event": kind, **f})  # noqa: E731
     args = {"local_sgd": True, "warmup_steps": 0, "log_every": 10, **kw}
     return RoutedTally(model, topo, emit, lambda: 7, **args)

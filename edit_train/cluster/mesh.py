@@ -33,7 +33,7 @@ class Topology:
     """This rank's place in its cluster. `index` is the cluster's index in the federation's
     configured list (data partition, slowdown, faults); `name` its federation-wide name."""
 
-    world_size: int  # ranks of this cluster
+    ranks: int  # how many ranks this cluster has (its size: `cluster.ranks`, `ClusterGroup.size`)
     rank: int  # rank inside the cluster
     name: str
     index: int
@@ -43,16 +43,8 @@ class Topology:
     timeout_s: float = 600.0  # every collective inside the cluster ends by then (cluster.timeout_s)
 
     @property
-    def shard_size(self) -> int:
-        return self.world_size
-
-    @property
-    def shard_rank(self) -> int:
-        return self.rank
-
-    @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.ranks > 1
 
     @property
     def is_leader(self) -> bool:
@@ -66,7 +58,7 @@ class Topology:
     @functools.cached_property
     def group(self) -> RankGroup:
         """The cluster's ranks, for what they do together (agree, sum, broadcast)."""
-        return RankGroup(self.shard_pg, self.rank, self.world_size, self.device, self.timeout_s)
+        return RankGroup(self.shard_pg, self.rank, self.ranks, self.device, self.timeout_s)
 
 
 def pick_device(requested: str = "auto") -> torch.device:

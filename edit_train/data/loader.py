@@ -87,8 +87,8 @@ def _check_shape(batch_size: int, seq_len: int, part: int, num_parts: int) -> No
 class TokenLoader:
     """Packed ``[batch_size, seq_len]`` input/label batches for one part of the data, resumable exactly.
 
-    ``part`` / ``num_parts``: the trainer passes ``part = index * shard_size + shard_rank`` and
-    ``num_parts = world_size`` so every rank sees different windows.
+    ``part`` / ``num_parts``: the trainer passes ``part = index * ranks + rank`` and
+    ``num_parts = count * ranks`` so every rank sees different windows.
     """
 
     def __init__(

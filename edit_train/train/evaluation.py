@@ -35,9 +35,9 @@ def evaluate(model: nn.Module, data_dir: str | Path | list[str | Path], t: Train
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)
     batches = eval_batches(data_dir, t.batch_size, t.seq_len, t.eval_batches)
-    xs = torch.cat([x for x, _ in batches])[topo.shard_rank::topo.shard_size]
-    ys = torch.cat([y for _, y in batches])[topo.shard_rank::topo.shard_size]
-    rows = -(-sum(x.shape[0] for x, _ in batches) // topo.shard_size)
+    xs = torch.cat([x for x, _ in batches])[topo.rank::topo.ranks]
+    ys = torch.cat([y for _, y in batches])[topo.rank::topo.ranks]
+    rows = -(-sum(x.shape[0] for x, _ in batches) // topo.ranks)
     for i in range(-(-rows // t.batch_size)):
         x, y = xs[i * t.batch_size:(i + 1) * t.batch_size], ys[i * t.batch_size:(i + 1) * t.batch_size]
         weight = y.numel()
@@ -82,7 +82,7 @@ def batch_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], topo:
                autocast: Callable[[], contextlib.AbstractContextManager]) -> float:
     """Mean loss of one batch, its rows split over the cluster's ranks (every rank runs one forward)."""
     x, y = batch
-    xs, ys = x[topo.shard_rank::topo.shard_size], y[topo.shard_rank::topo.shard_size]
+    xs, ys = x[topo.rank::topo.ranks], y[topo.rank::topo.ranks]
     if xs.shape[0] == 0:
         xs, ys, weight = x[:1], y[:1], 0.0
     else:

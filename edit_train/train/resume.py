@@ -50,11 +50,11 @@ def save_checkpoint(ckpt: CheckpointManager, step: int, state: TrainingState, pa
     return ckpt.save(step, tensors, saved)
 
 
-def find_resume(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Loaded | None:
+def find_resume(ckpt: CheckpointManager, cfg: Config, is_leader: bool) -> Loaded | None:
     """The newest verified checkpoint (loaded), or None; refuses one written for another model."""
     path = ckpt.latest_valid()
     if path is None:
-        if is_main:
+        if is_leader:
             log.info("resume: no complete checkpoint in %s, starting fresh", ckpt.root)
         return None
     tensors, saved = ckpt.load(path)
@@ -68,7 +68,7 @@ def find_resume(ckpt: CheckpointManager, cfg: Config, is_main: bool) -> Loaded |
     return path, tensors, saved
 
 
-def resume(loaded: Loaded, state: TrainingState, parts: Resumable, record_found: bool, is_main: bool) -> None:
+def resume(loaded: Loaded, state: TrainingState, parts: Resumable, record_found: bool, is_leader: bool) -> None:
     """Put a loaded checkpoint back into every part."""
     path, tensors, saved = loaded
     load_model_tensors(parts.model, tensors["model"])
@@ -80,8 +80,8 @@ def resume(loaded: Loaded, state: TrainingState, parts: Resumable, record_found:
         parts.spike.load(saved["spike"], tensors.get("requeue", {}))
     parts.timing.carry(saved.get("time", {}))  # the breakdown covers the incarnations before this one too
     state.restore(saved, record_found)
-    if is_main:
+    if is_leader:
         log.info("resumed from %s (step %d)", path, saved["step"])
     changed = state.continue_schedule(saved)  # train.steps etc. changed: continue the lr, no jump
-    if changed and is_main:
+    if changed and is_leader:
         log.warning("%s", changed)

@@ -59,7 +59,7 @@ class RoutedTally:
         it at the same point: the sum is a collective over the cluster's ranks)."""
         counts = self.model.expert_counts().clone()
         self.model.reset_expert_counts()
-        if self.topo.distributed and self.topo.shard_size > 1:
+        if self.topo.distributed and self.topo.ranks > 1:
             dist.all_reduce(counts, group=self.topo.shard_pg)
         counts = counts.cpu()
         if self.topo.is_leader:

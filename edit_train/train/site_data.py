@@ -68,7 +68,7 @@ def check_tokenizers(cfg: Config, specs: list[ClusterSpec]) -> None:
                               f"{cfg.data.tokenizer}); every cluster must use the federation's tokenizer")
 
 
-def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_main: bool,
+def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_leader: bool,
               barrier: Callable[[], None]) -> tuple[Path, list[Path]]:
     """(this cluster's training dataset, the shared validation datasets), prepared once by the cluster's rank 0
     (the others wait, then read the cache). Says when the run will see its corpus more than once."""
@@ -82,7 +82,7 @@ def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_main: bool,
         vals = [ensure_dataset(src, d.tokenizer, d.cache_dir, **how) for src in site.val_sources]
         return train, vals
 
-    out = prepare() if is_main else None
+    out = prepare() if is_leader else None
     barrier()
     train, vals = out or prepare()
     meta = json.loads((train / "meta.json").read_text())
@@ -91,7 +91,7 @@ def open_data(cfg: Config, site: SiteData, cluster_batch: int, is_main: bool,
                           f"vocabulary ({meta['vocab_size']}); raise model.vocab_size")
     have = int(meta["splits"]["train"]["tokens"]) // site.parts
     need = t.steps * cluster_batch * t.seq_len * t.grad_accum
-    if is_main and have < need and site.source != d.source:  # a site's own corpus (or family) runs short
+    if is_leader and have < need and site.source != d.source:  # a site's own corpus (or family) runs short
         log.warning("data %s: this cluster's part holds %s training tokens, %d steps read %s: it sees its data "
                     "%.1f times", site.source, f"{have:,}", t.steps, f"{need:,}", need / max(have, 1))
     return train, vals

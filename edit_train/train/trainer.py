@@ -70,14 +70,14 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.seed)
-        self.is_main = topo.rank == 0  # this cluster's leader
+        self.is_leader = topo.is_leader  # this cluster's rank 0
         # intra-op threads: the cores this job may use, shared with the other training processes on the host
         self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self.threads.apply()
         self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
         t = cfg.train
         self.rank_batch = self.spec.batch_size or t.batch_size
-        self.cluster_batch = self.rank_batch * topo.shard_size
+        self.cluster_batch = self.rank_batch * topo.ranks
         # this cluster's counters across its incarnations (restarted, resumed or healed: it keeps counting)
         self.record_found = record_path(self.run_dir, topo.name).exists()
         self.state = TrainingState.begin(self.run_dir, topo.name, self.cluster_batch * t.seq_len * t.grad_accum)
@@ -88,7 +88,7 @@ class Trainer:
         # ---- data: this cluster's own part (site_data.py), prepared once by rank 0, cached for everyone else
         check_tokenizers(cfg, [self.spec])
         self.site = site_data(cfg, self.specs, self.spec)
-        self.data_dir, self.val_dirs = open_data(cfg, self.site, self.cluster_batch, self.is_main, self._barrier)
+        self.data_dir, self.val_dirs = open_data(cfg, self.site, self.cluster_batch, self.is_leader, self._barrier)
         self.loader = TokenLoader(self.data_dir, "train", self.cluster_batch, t.seq_len,
                                   part=self.site.part, num_parts=self.site.parts, seed=cfg.seed)
 
@@ -100,7 +100,7 @@ class Trainer:
 
         # ---- output
         ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
-        self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.world_size, cfg.checkpoint.keep,
+        self.ckpt = CheckpointManager(ckpt_root, topo.rank, topo.ranks, cfg.checkpoint.keep,
                                       barrier=self._barrier)
         resume_from = self._resume_point()
         self.metrics = MetricsLogger(self._sinks(resume_from))
@@ -111,11 +111,11 @@ class Trainer:
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
                                     routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
-        if self.is_main and topo.index == 0:
+        if self.is_leader and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
-            resume(resume_from, self.state, self.resumable, self.record_found, self.is_main)
+            resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
     # ------------------------------------------------------------------ build
@@ -126,7 +126,7 @@ class Trainer:
         counts = count_params(cfg.model)
         self.param_counts = counts
         # once per run: the local launcher's clusters share one console (their own jobs: each says it)
-        if self.is_main and (topo.index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"):
+        if self.is_leader and (topo.index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"):
             log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
@@ -134,7 +134,7 @@ class Trainer:
             from edit_train.model.hf_io import load_hf_into
 
             load_hf_into(self.model, cfg.model.init_from)
-        self.precision = precision_policy(t.precision, topo.device, sharded=topo.distributed and topo.shard_size > 1)
+        self.precision = precision_policy(t.precision, topo.device, sharded=topo.distributed and topo.ranks > 1)
         apply_layer_options(self.model, t.activation_checkpointing, t.compile, topo.device,
                             self.precision.compute_dtype)
         parallelize(self.model, topo, self.precision.fsdp_param_dtype)
@@ -148,7 +148,7 @@ class Trainer:
         restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" or \
             os.environ.get("EDIT_TRAIN_RESTART", "0") != "0"
         wants = str(self.cfg.resume).lower() in ("true", "auto") or restarted
-        return find_resume(self.ckpt, self.cfg, self.is_main) if wants else None
+        return find_resume(self.ckpt, self.cfg, self.is_leader) if wants else None
 
     def _sinks(self, resume_from: Any) -> list[Any]:
         """metrics.jsonl, and W&B on the cluster's leader when `logger.kind=wandb` (`self.wandb`; a resumed run
@@ -185,15 +185,15 @@ class Trainer:
         return self.precision.autocast(self.topo.device.type)  # no-op under FSDP2 bf16 params or fp32
 
     def _cluster_mean(self, value: torch.Tensor) -> torch.Tensor:
-        if self.topo.shard_size > 1:
+        if self.topo.ranks > 1:
             value = value.to(self.topo.device)
             dist.all_reduce(value, group=self.topo.shard_pg)
-            value = value.cpu() / self.topo.shard_size
+            value = value.cpu() / self.topo.ranks
         return value
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.loader.next_batch()
-        b, r = self.rank_batch, self.topo.shard_rank
+        b, r = self.rank_batch, self.topo.rank
         return x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
 
     # ------------------------------------------------------------------- eval
@@ -229,7 +229,7 @@ class Trainer:
                 max(self.algo.global_step, self.state.step)
             path = save_checkpoint(self.ckpt, step, self.state, self.resumable, self.cfg,
                                    self.wandb.run_id if self.wandb else None)
-        if self.is_main:
+        if self.is_leader:
             log.info("checkpoint saved: %s", path)
 
     # ------------------------------------------------------------------- loop
@@ -286,7 +286,7 @@ class Trainer:
             p.step = max(p.step, adopted)  # a healed cluster continues from the federation's step
         p.startup_s = time.time() - p.t_start
         # a bar on a terminal, periodic log lines elsewhere (a Slurm .out file); the local launcher draws its own
-        own_bar = self.is_main and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
+        own_bar = self.is_leader and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = Progress([topo.name], t.steps, cfg.algo.name, enabled=own_bar, initial={topo.name: p.step})
         if p.step == 0:
             p.set_initial_val_loss(self.eval_logged())
@@ -326,7 +326,7 @@ class Trainer:
                 now, split = time.time(), self.timing.snapshot()
                 window_split, window_time = window(split, window_time), split
                 tps, window_tokens = window_tokens / max(window_split["wall_s"], 1e-9), 0
-                step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.shard_size)
+                step_mfu = mfu(tps, self.flops_per_token, self.peak_flops, topo.ranks)
                 if step_mfu is not None:
                     p.mfu.append(step_mfu)
                 if topo.is_leader:
@@ -374,7 +374,7 @@ class Trainer:
             self._syncs_seen = self.algo.syncs_done
             self.state.carried.useful_s += self._compute_since_commit if committed else 0.0
             self._compute_since_commit = 0.0
-            if self.is_main and (self.federated and self.cfg.algo.local_sgd or final):
+            if self.is_leader and (self.federated and self.cfg.algo.local_sgd or final):
                 self.state.save()
 
     def _summary(self, val_loss: float) -> dict[str, Any]:
@@ -383,7 +383,7 @@ class Trainer:
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
-        if not self.is_main:
+        if not self.is_leader:
             return {}
         return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
 
