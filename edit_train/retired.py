@@ -94,7 +94,8 @@ def current_event(event: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _index(value: Any) -> int | None:
+def as_index(value: Any) -> int | None:
+    """A cluster index as written in a run dir (an int or its string; a bool or anything else: None)."""
     if isinstance(value, bool):
         return None
     try:
@@ -123,11 +124,11 @@ def current_summary(summary: dict[str, Any] | None, where: object = "") -> dict[
         out["per_cluster"] = {k: _record(v) if isinstance(v, dict) else v for k, v in out["per_cluster"].items()}
     elif isinstance(per_group, dict):
         per_cluster: dict[str, Any] = {}
-        for key, rec in sorted(per_group.items(), key=lambda kv: (_index(kv[0]) is None, _index(kv[0]) or 0)):
+        for key, rec in sorted(per_group.items(), key=lambda kv: (as_index(kv[0]) is None, as_index(kv[0]) or 0)):
             if not isinstance(rec, dict):
                 continue
-            index = _index(rec.get("index"))
-            index = _index(key) if index is None else index
+            index = as_index(rec.get("index"))
+            index = as_index(key) if index is None else index
             name = rec.get("name") if isinstance(rec.get("name"), str) else f"c{index if index is not None else key}"
             per_cluster[name] = {**_record(rec), "name": name, **({"index": index} if index is not None else {})}
         out["per_cluster"] = per_cluster

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from edit_train.retired import current_event, current_summary
+from edit_train.retired import as_index, current_event, current_summary
 
 COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-cluster bytes",
            "syncs", "anomalies", "blocked %")
@@ -54,15 +54,6 @@ def _num(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return math.nan
-
-
-def _index(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def summary_clusters(summary: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -133,7 +124,7 @@ class Run:
         """{cluster name: index} of the summary's records (a record without `index`: its position)."""
         out = {}
         for pos, (name, rec) in enumerate(self.per_cluster.items()):
-            index = _index(rec.get("index"))
+            index = as_index(rec.get("index"))
             out[name] = pos if index is None else index
         return out
 
