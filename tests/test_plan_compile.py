@@ -99,5 +99,5 @@ def test_calibration_measures_what_a_new_format_costs_to_compile():
     scn = _scenario(2, 2, None)
     codec = topk_codec(scn, TopK(density=0.03, bits=2))
     took = compile_seconds(codec)
-    assert (took > 1.0) == compiled.available() and took < 600
+    assert (took > 0.0) == compiled.available()  # a measurement, not a speed: no threshold on it
     assert compile_seconds(topk_codec(scn, TopK()).__class__("int8")) == 0.0
