@@ -200,20 +200,22 @@ def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, cor
 
 
 # the default algorithm in the default run; edit's variant is slow (CI's 20 minutes)
-@pytest.mark.parametrize("algo", [pytest.param("algo=edit algo.interval=2", marks=pytest.mark.slow),
-                                  "algo=a_edit algo.sync_time_s=0.2"])
-def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str, algo: str) -> None:
+@pytest.mark.parametrize(("algo", "kill"), [pytest.param("algo=edit algo.interval=2", 6, marks=pytest.mark.slow),
+                                           ("algo=a_edit algo.sync_time_s=0.2", 2)])
+def test_local_launcher_restarts_a_killed_worker(tmp_path: Path, corpus: str, algo: str, kill: int) -> None:
     """run.max_restarts=1: the launcher restarts the dead cluster alone, it resumes from its last checkpoint
     (and heals from the other cluster if that one is ahead) and the run completes. The a_edit twin: the
-    checkpoint is the one the cluster took at its own pace (after a sync), and it keeps its own step count."""
+    checkpoint is the one the cluster took at its own pace (after a sync), and it keeps its own step count; it
+    dies at step 2, so the kill happens whatever the pace (at step 6 a loaded host let c0 end the run first), and
+    the restart may find c0 still running or already done (then it waits the grace window and trains alone)."""
     run_dir = run_job(tmp_path, "restart", *algo.split(), "cluster=local_2x1", "train.steps=8",
                       "train.batch_size=2", "checkpoint.every=4", "run.max_restarts=1",
-                      "faults=[{kind:kill,cluster:1,start:6}]", corpus=corpus)
+                      f"faults=[{{kind:kill,cluster:1,start:{kill}}}]", corpus=corpus)
     summary = json.loads((run_dir / "summary.json").read_text())
     # a_edit: the first cluster to reach train.steps ends the run at the next exchange (the others stop where
     # they are, a cluster may pass train.steps before that exchange): `steps` is not exactly 8
     assert summary["completed"] and (summary["steps"] == 8 if "algo=edit" in algo else summary["steps"] >= 8)
-    assert (run_dir / ".fault-kill-g1-s6").exists()
+    assert (run_dir / f".fault-kill-g1-s{kill}").exists()
     assert summary["per_cluster"]["c1"]["restarts"] == 1 and summary["per_cluster"]["c0"]["restarts"] == 0
 
 

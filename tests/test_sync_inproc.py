@@ -112,6 +112,26 @@ def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
         assert max_diff(outs[n].anchors, outs["c0"].anchors) == 0.0, n
 
 
+@pytest.mark.parametrize("restarted", [True, False])
+def test_a_restarted_cluster_whose_peers_are_gone_waits_the_grace_window_not_the_quorum_timeout(
+        restarted: bool) -> None:
+    """c1, started again by its launcher after c0 finished the run (and before its own first checkpoint: no steps
+    to resume), meets nobody. A fresh federation would wait up to quorum_timeout_s for every configured cluster;
+    a restarted one is not a fresh start: it waits the grace window (join_timeout_s) and trains alone. (Found on
+    the local launcher: the restarted a_edit cluster sat 300 s in start-up.)"""
+    cfg = config("layerwise", "uniform", syncs=2)
+    cfg.membership.expected, cfg.membership.restarted = ("c0", "c1"), restarted
+    # restarted: a quorum timeout far beyond the test's bound; fresh: one short enough to wait out
+    cfg.membership.join_timeout_s, cfg.membership.quorum_timeout_s = 0.3, 120.0 if restarted else 3.0
+    hub = InProcessFederation(min_clusters=1, join_timeout_s=0.05, timeout_s=30.0)
+    t0 = time.monotonic()
+    out = run_inproc(["c1"], cfg, hub=hub)["c1"]
+    waited = time.monotonic() - t0
+    assert out.steps == 2 * H and [e["quorum"] for e in out.events if e["event"] == "sync"] == [["c1"]] * 2
+    # the fresh start asks until the quorum timeout runs out; the restart leaves after the 0.3 s window
+    assert (waited < 60.0) if restarted else (waited >= 3.0), waited
+
+
 @pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
 @pytest.mark.parametrize("unsent", ["resend", "keep"])
 def test_topk_unsent_part_is_resent_or_kept_and_nothing_is_lost(mode: str, unsent: str) -> None:

@@ -11,7 +11,9 @@ interval late forever.
 Joining (`meet`): a fresh federation starts together (ask again until every configured cluster is in the
 quorum or was left out of it, bounded by `quorum_timeout_s`); a resumed one regroups within the grace window
 `join_timeout_s`, so the first cluster back does not sync alone; a cluster restarting while the others run finds
-them within that window, or heals at its next sync.
+them within that window, or heals at its next sync. A cluster its launcher started again after a failure
+(`restarted`) is never a fresh start, even without a checkpoint: the federation began without it, so it waits
+the grace window, not `quorum_timeout_s` for clusters that may have finished the run long ago.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class MembershipConfig:
     expected: tuple[str, ...] = ()  # the configured clusters: a fresh start waits (bounded) until all met
     quorum_timeout_s: float = 60.0
     join_timeout_s: float = 5.0  # a resumed cluster waits this long (the grace window) for the others to resume
+    restarted: bool = False  # started again by its launcher after a failure: the federation began without it
     authoritative: bool = False  # fingerprint and steps are the operator's roster's (this cluster was checked
     terms_source: str = "this cluster's configuration"  # against it at start): a cluster that differs is left out
 
@@ -132,8 +135,9 @@ class Membership:
                 continue
             total_steps = self.pacer.total_steps
             missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
-            fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and time.time() < deadline
-            resumed = q is not None and total_steps > 0 and q.agreed_sync <= self.sync_index \
+            fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and not self.cfg.restarted \
+                and time.time() < deadline
+            resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
                 and time.time() < regroup
             if missing and (fresh or resumed):
                 self.t.abort()

@@ -27,6 +27,7 @@ from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
 from edit_train.train.metrics import MetricsLogger
+from edit_train.train.progress import restart_count
 
 if TYPE_CHECKING:
     from edit_train.federation.signed import Credentials
@@ -78,7 +79,8 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
     membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
                                   expected=tuple(s.name for s in cluster_specs(cfg)),
                                   quorum_timeout_s=cfg.federation.quorum_timeout_s,
-                                  join_timeout_s=cfg.federation.join_timeout_s, authoritative=bool(roster),
+                                  join_timeout_s=cfg.federation.join_timeout_s, restarted=restart_count() > 0,
+                                  authoritative=bool(roster),
                                   terms_source=roster or "this cluster's configuration")
     return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
