@@ -12,6 +12,12 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
   sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
   H · batch · seq · top-k / experts = 2048 for both models).
 
+Two more, on request (`--arms ... fed fed_tokens`): `fed` balances each MoE block against the federation's load
+(`algo.router_balance=federation`: the other clusters' routed shares of the last sync) instead of its own batch's,
+so a site may specialise its experts; `fed_tokens` adds the expert weights. Every run also reports its routing
+skew (`routing_skew`): how far, from the sixth interval on, token weights would be from today's rule — the mean
+|wᵢₑ − 1/P| of each cluster's equal-backing token weight per expert; 0 when every cluster routes alike.
+
 Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
 validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
 the final validation loss (`train.eval_batches`, default 32 batches = 32,768 tokens, on the shared validation),
@@ -23,6 +29,13 @@ arm's loss per seed, its gain over `default` (default − arm, per seed: mean, s
     python benchmarks/moe_sync.py --quick            # tiny, 2 clusters, seed 0, noniid + iid, 3 arms: 6 runs
     python benchmarks/moe_sync.py --reuse            # the grid: 2 models x 2 cluster counts x 2 data x 3 seeds x 3 arms
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
+    python benchmarks/moe_sync.py --finished-only    # report every finished run of the grid, start none
+
+The noise a comparison has to beat: on IID data `tokens` is today's rule in expectation (docs/sync_math.md), so
+its per-seed difference from `default` there measures how far a small change of the merge moves a run's final
+loss (the trajectory's sensitivity, not a gain). Each setting's row carries that IID paired difference of its
+model and cluster count (`iid_paired_noise`: per seed, its std and its largest |difference|), and says per arm
+whether the non-IID gain is beyond it.
 
 Runs go to <workdir>/<model>_<steps>steps/g<G>/<data>/seed<S>/<arm>; `--reuse` picks up every finished run
 with identical overrides (an interrupted grid resumes where it stopped). The JSON records the host's load
@@ -46,6 +59,8 @@ DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
 ARMS = ("default", "tokens", "skip")
+BALANCE_ARMS = ("fed", "fed_tokens")  # algo.router_balance=federation, without and with the expert weights
+SETTLED = 5  # intervals after which routing has settled (the skew is measured from there on)
 TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's per-cluster scalars (round.EXTRA)
 
 
@@ -56,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
     ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=["noniid", "iid"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS + BALANCE_ARMS)
     ap.add_argument("--min-tokens", type=int, default=512, help="expert_min_tokens of the `skip` arm")
     ap.add_argument("--steps", type=int, default=None, help="train.steps (default: tiny 320, small 160)")
     ap.add_argument("--eval-batches", type=int, default=32)
@@ -64,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json",
                     help="edit's tuned point (tune.best.edit)")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
+    ap.add_argument("--finished-only", action="store_true",
+                    help="report the grid's finished runs (identical overrides) and start none; list the rest")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "moe_sync")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
@@ -90,8 +107,10 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
            "algo.warmup_steps=0", *tuned_point(a.tuned)]
     if data == "noniid":
         out.append("data.split=by_family")
-    if arm != "default":
+    if arm in ("tokens", "skip", "fed_tokens"):
         out.append("algo.penalty.verified.expert_weights=tokens")
+    if arm in BALANCE_ARMS:
+        out.append("algo.router_balance=federation")
     if arm == "skip":
         out.append(f"algo.penalty.verified.expert_min_tokens={a.min_tokens}")
     return out
@@ -121,12 +140,38 @@ def formula(shape: dict[str, Any], clusters: int, unsent: int) -> int:
         + (p - 1) * (8 * (u + 1 + shape["counts"] + EXTRA + p) + TAG) + (p - 1) * (8 + TAG)
 
 
+def run_dir_of(a: argparse.Namespace, model: str, groups: int, data: str, seed: int, arm: str) -> Path:
+    return a.workdir / f"{model}_{a.steps or STEPS[model]}steps" / f"g{groups}" / data / f"seed{seed}" / arm
+
+
+def routing_skew(experts: list[dict[str, Any]]) -> float | None:
+    """How far from today's rule token weights would be: per settled interval (every cluster's `experts` event),
+    layer and expert, each cluster's token weight with equal backing, wᵢₑ = sᵢₑ / Σⱼ sⱼₑ (sᵢₑ its share of its
+    own routed tokens), against 1/P — the mean |wᵢₑ − 1/P|. 0: every cluster routes alike (IID, in expectation)."""
+    by: dict[int, dict[str, list[list[int]]]] = {}
+    for e in experts:
+        by.setdefault(e["interval"], {})[e["cluster"]] = e["counts"]
+    clusters = {c for row in by.values() for c in row}
+    devs: list[float] = []
+    for k, row in by.items():
+        if k < SETTLED or set(row) != clusters or len(clusters) < 2:
+            continue
+        p = len(clusters)
+        for layer in zip(*row.values()):  # per MoE layer: each cluster's counts
+            shares = [[c / max(sum(counts), 1) for c in counts] for counts in layer]
+            for col in zip(*shares):
+                total = sum(col)
+                devs += [abs(x / total - 1 / p) for x in col] if total > 0 else []
+    return statistics.fmean(devs) if devs else None
+
+
 def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int, arm: str,
             shape: dict[str, Any]) -> dict[str, Any]:
-    run_dir = a.workdir / f"{model}_{a.steps or STEPS[model]}steps" / f"g{groups}" / data / f"seed{seed}" / arm
+    run_dir = run_dir_of(a, model, groups, data, seed, arm)
     before = C.load()
     job = C.run_job(f"{model} x{groups} {data} seed {seed} {arm}", run_dir,
-                    overrides(a, model, groups, data, seed, arm), timeout=a.timeout, reuse=a.reuse)
+                    overrides(a, model, groups, data, seed, arm), timeout=a.timeout,
+                    reuse=a.reuse or a.finished_only)
     syncs = job.events("sync")
     off = [e for e in syncs if e["bytes"] != formula(shape, len(e["quorum"]), e.get("unsent_params", 0))]
     mine = [e for e in syncs if e.get("cluster") == "c0"]
@@ -137,6 +182,7 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
             "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
             if syncs else None,
             "sync_events": len(syncs), "off_formula": len(off), "anomalies": job.summary.get("anomalies"),
+            "routing_skew": routing_skew(job.events("experts")),
             "job_wall_s": job.wall_s, "load_before": before, "load_after": C.load(), "run_dir": str(run_dir)}
 
 
@@ -145,13 +191,24 @@ def spread(xs: list[float]) -> dict[str, Any]:
             "max": max(xs), "n": len(xs)} if xs else {}
 
 
+def paired_noise(runs: list[dict[str, Any]], model: str, clusters: int) -> dict[str, Any]:
+    """IID, `tokens` − `default` per seed: what a small change of the merge does to a run's final loss."""
+    loss = {(r["arm"], r["seed"]): r["final_val_loss"] for r in runs
+            if (r["model"], r["clusters"], r["data"]) == (model, clusters, "iid")}
+    diffs = [loss[("default", s)] - loss[("tokens", s)] for a, s in loss if a == "default" and ("tokens", s) in loss]
+    return {**spread(diffs), "max_abs": max(abs(d) for d in diffs)} if diffs else {}
+
+
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]:
-    """Per setting (model, clusters, data): each arm's losses by seed, its gain over default, its bytes."""
+    """Per setting (model, clusters, data): each arm's losses by seed, its gain over default, its bytes, and
+    (with the IID runs of its model and cluster count) whether the gain is beyond the IID paired noise."""
     out = []
     for key in sorted({(r["model"], r["clusters"], r["data"]) for r in runs}):
         rs = [r for r in runs if (r["model"], r["clusters"], r["data"]) == key]
         loss = {arm: {r["seed"]: r["final_val_loss"] for r in rs if r["arm"] == arm} for arm in arms}
-        row: dict[str, Any] = {"model": key[0], "clusters": key[1], "data": key[2], "loss": loss}
+        noise = paired_noise(runs, key[0], key[1])
+        row: dict[str, Any] = {"model": key[0], "clusters": key[1], "data": key[2], "loss": loss,
+                               "iid_paired_noise": noise or None}
         for arm in arms:
             rr = [r for r in rs if r["arm"] == arm]
             seeds = sorted(set(loss[arm]) & set(loss.get("default", {})))
@@ -159,8 +216,12 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any
             row[arm] = {"loss": spread(list(loss[arm].values())),
                         "gain": spread(gain) if arm != "default" else None,
                         "le_default_every_seed": all(g >= 0 for g in gain) if gain and arm != "default" else None,
+                        # a mean gain (or cost) larger than the largest IID paired difference
+                        "beyond_noise": (abs(statistics.fmean(gain)) > noise["max_abs"])
+                        if gain and noise and arm != "default" and key[2] == "noniid" else None,
                         "bytes_per_sync": spread([r["bytes_per_sync"] for r in rr if r["bytes_per_sync"]]),
                         "unsent_share": spread([r["unsent_share"] for r in rr if r["unsent_share"] is not None]),
+                        "routing_skew": spread([r["routing_skew"] for r in rr if r.get("routing_skew") is not None]),
                         "off_formula": sum(r["off_formula"] for r in rr),
                         "sync_events": sum(r["sync_events"] for r in rr)}
         out.append(row)
@@ -171,6 +232,11 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
     plt = C.pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     labels = [f"{r['model']} x{r['clusters']}\n{r['data']}" for r in rows]
+    for i, r in enumerate(rows):  # the IID paired noise of the setting's model and cluster count
+        n = r.get("iid_paired_noise")
+        if n:
+            ax.fill_between([i - 0.45, i + 0.45], -n["max_abs"], n["max_abs"], color="0.88", zorder=0,
+                            label="IID paired noise (largest |tokens − default|)" if i == 0 else None)
     for k, arm in enumerate(a for a in arms if a != "default"):
         for i, r in enumerate(rows):
             seeds = sorted(set(r["loss"][arm]) & set(r["loss"]["default"]))
@@ -208,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0, start_load = time.perf_counter(), C.load()
     plan = [(m, g, d, s, arm) for m in a.models for g in a.clusters for d in a.data for s in a.seeds for arm in a.arms]
+    if a.finished_only:
+        done = [p for p in plan if C.finished_run(run_dir_of(a, *p).resolve(), overrides(a, *p)) is not None]
+        for p in plan:
+            if p not in done:
+                print("  not run: {} x{} {} seed {} {}".format(*p))
+        plan = done
     print(f"{len(plan)} runs: models {a.models}, clusters {a.clusters}, data {a.data}, seeds {a.seeds}, arms {a.arms}")
     shapes = {m: model_shape(m) for m in a.models}
     runs: list[dict[str, Any]] = []
@@ -239,7 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"(min {C.fmt(gain.get('min'), '+.4f')}) ≤ default every seed: {C.fmt(x['le_default_every_seed'])}  "
                   f"B/sync {C.fmt((x['bytes_per_sync'] or {}).get('mean'), ',.0f')}  left out "
                   f"{C.fmt(100 * (x['unsent_share'] or {}).get('mean', 0), '.1f')} %  off formula {x['off_formula']}"
-                  f"/{x['sync_events']}")
+                  f"/{x['sync_events']}  routing skew {C.fmt((x['routing_skew'] or {}).get('mean'))}  beyond the IID "
+                  f"paired noise: {C.fmt(x.get('beyond_noise'))}")
+        if r["data"] == "noniid" and r["iid_paired_noise"]:
+            n = r["iid_paired_noise"]
+            print(f"{r['model']:5s} x{r['clusters']} IID paired noise (tokens − default per seed): std "
+                  f"{C.fmt(n['std'])}, largest |difference| {C.fmt(n['max_abs'])}")
     print(f"wrote {a.out} and {a.plot}")
     return 0
 

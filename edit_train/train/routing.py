@@ -2,12 +2,16 @@
 
 The MoE blocks add every training forward's counts to a device tensor (`CausalLM.expert_counts`, no host
 sync per step). `RoutedTally.take` closes an interval: it reads the counts, sums them over the cluster's ranks
-(each rank routed its own micro-batch), resets them and logs one `experts` event {step, cluster, group,
+(each rank routed its own micro-batch), resets them and logs one `experts` event {step, cluster, cluster_index,
 interval, steps, layers, counts [MoE layers][experts]}. An interval is the local steps one sync contributes —
 the sync core takes the counts itself when a round's exchange starts (`hook`, `local_sgd/experts.py`: they ride
 the exchange to every cluster and weigh the experts' rows; a missed sync does not close the interval) —, or
 `log_every` steps without local SGD (ddp, the synchronous warm-up: `due`). `edit-train-report` draws from these
 events which cluster feeds which expert (report/experts.py).
+
+With `algo.router_balance=federation` the tally also hands the sync core the model's ear: at every commit the
+other clusters' routed shares become each MoE block's balance prior (`MoEBlock.set_balance_prior`), so a site
+balances its experts against the federation's load, not its own batch's (docs/sync_math.md, "Experts").
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from edit_train.model.expert_params import sync_pieces
 
 class RoutedTally:
     def __init__(self, model: CausalLM, topo: Topology, emit: Callable[..., None], step: Callable[[], int],
-                 local_sgd: bool, warmup_steps: int, log_every: int) -> None:
+                 local_sgd: bool, warmup_steps: int, log_every: int, balance: str = "cluster") -> None:
         self.model, self.topo, self.emit, self.step = model, topo, emit, step
+        self.balance = balance  # algo.router_balance: cluster | federation
         self.local_sgd, self.warmup_steps, self.log_every = local_sgd, warmup_steps, max(log_every, 1)
         self.layers = model.moe_layers()
         self.steps = 0  # training steps in the open interval
@@ -38,7 +43,8 @@ class RoutedTally:
         if not self.layers or not self.local_sgd:
             return None
         self.hooked = True
-        return RoutedCounts(self.take, sync_pieces(self.model))
+        federation = self.model.set_balance_prior if self.balance == "federation" else None
+        return RoutedCounts(self.take, sync_pieces(self.model), federation)
 
     def counted(self) -> None:
         """One more training step in the open interval."""
