@@ -12,11 +12,9 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
   sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
   H · batch · seq · top-k / experts = 2048 for both models).
 
-Two more, on request (`--arms ... fed fed_tokens`): `fed` balances each MoE block against the federation's load
-(`algo.router_balance=federation`: the other clusters' routed shares of the last sync) instead of its own batch's,
-so a site may specialise its experts; `fed_tokens` adds the expert weights. Every run also reports its routing
-skew (`routing_skew`): how far, from the sixth interval on, token weights would be from today's rule — the mean
-|wᵢₑ − 1/P| of each cluster's equal-backing token weight per expert; 0 when every cluster routes alike.
+Every run also reports its routing skew (`routing_skew`): how far, from the sixth interval on, token weights would
+be from today's rule — the mean |wᵢₑ − 1/P| of each cluster's equal-backing token weight per expert; 0 when every
+cluster routes alike (the weighting then has nothing to work with).
 
 Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
 validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
@@ -59,7 +57,6 @@ DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
 ARMS = ("default", "tokens", "skip")
-BALANCE_ARMS = ("fed", "fed_tokens")  # algo.router_balance=federation, without and with the expert weights
 SETTLED = 5  # intervals after which routing has settled (the skew is measured from there on)
 TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's per-cluster scalars (round.EXTRA)
 
@@ -71,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
     ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=["noniid", "iid"])
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS + BALANCE_ARMS)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--min-tokens", type=int, default=512, help="expert_min_tokens of the `skip` arm")
     ap.add_argument("--steps", type=int, default=None, help="train.steps (default: tiny 320, small 160)")
     ap.add_argument("--eval-batches", type=int, default=32)
@@ -107,10 +104,8 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
            "algo.warmup_steps=0", *tuned_point(a.tuned)]
     if data == "noniid":
         out.append("data.split=by_family")
-    if arm in ("tokens", "skip", "fed_tokens"):
+    if arm != "default":
         out.append("algo.penalty.verified.expert_weights=tokens")
-    if arm in BALANCE_ARMS:
-        out.append("algo.router_balance=federation")
     if arm == "skip":
         out.append(f"algo.penalty.verified.expert_min_tokens={a.min_tokens}")
     return out
@@ -230,29 +225,38 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any
 
 def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
     plt = C.pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(18, 4.8))
     labels = [f"{r['model']} x{r['clusters']}\n{r['data']}" for r in rows]
     for i, r in enumerate(rows):  # the IID paired noise of the setting's model and cluster count
         n = r.get("iid_paired_noise")
         if n:
             ax.fill_between([i - 0.45, i + 0.45], -n["max_abs"], n["max_abs"], color="0.88", zorder=0,
                             label="IID paired noise (largest |tokens − default|)" if i == 0 else None)
-    for k, arm in enumerate(a for a in arms if a != "default"):
+    others = [a for a in arms if a != "default"]
+    width = 0.8 / max(len(others), 1)
+    for k, arm in enumerate(others):
         for i, r in enumerate(rows):
-            seeds = sorted(set(r["loss"][arm]) & set(r["loss"]["default"]))
+            seeds = sorted(set(r["loss"].get(arm, {})) & set(r["loss"].get("default", {})))
             gains = [r["loss"]["default"][s] - r["loss"][arm][s] for s in seeds]
-            x = i + (k - 0.5) * 0.3
+            x = i + (k - (len(others) - 1) / 2) * width
             ax.scatter([x] * len(gains), gains, color=f"C{k + 1}", s=18, label=arm if i == 0 else None)
             if gains:
                 ax.errorbar([x], [statistics.fmean(gains)], yerr=[statistics.stdev(gains) if len(gains) > 1 else 0],
                             color=f"C{k + 1}", fmt="_", markersize=14, capsize=4)
             b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
             if b and d:
-                bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=0.28, color=f"C{k + 1}",
+                bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=width * 0.9, color=f"C{k + 1}",
                        label=f"{arm}: bytes saved" if i == 0 else None)
             if u:
                 bx.scatter([x], [100 * u["mean"]], color="k", marker="x", s=30,
                            label="share of the model left out" if i == 0 and k == 1 else None)
+    cw = 0.8 / max(len(arms), 1)
+    for k, arm in enumerate(arms):  # routing skew: how far token weights would be from today's rule
+        for i, r in enumerate(rows):
+            sk = r[arm].get("routing_skew") or {}
+            if sk:
+                cx.bar(i + (k - (len(arms) - 1) / 2) * cw, sk["mean"], width=cw * 0.9, color=f"C{k}",
+                       yerr=[sk.get("std", 0.0)], capsize=3, label=arm if i == 0 else None)
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("val loss gain over default (default − arm)")
@@ -263,6 +267,10 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
     bx.set_ylabel("% of default's bytes per sync")
     bx.set_title("bytes saved per sync, and the untouched rows' share")
     bx.legend(fontsize=8)
+    cx.set_xticks(range(len(rows)), labels, fontsize=8)
+    cx.set_ylabel("mean |token weight − 1/P| (settled intervals)")
+    cx.set_title("routing skew: how differently the sites route")
+    cx.legend(fontsize=8)
     return C.save_fig(fig, path)
 
 

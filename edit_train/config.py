@@ -80,9 +80,6 @@ class AlgoConfig:
     warmup_steps: int = 0  # fully synchronous steps before local SGD starts
     sync_time_s: float = 10.0  # A-EDiT wall-clock budget tau (schedule=time)
     min_steps: int = 1
-    # an MoE model's balance loss: against this cluster's own load (cluster) or the federation's (federation:
-    # the other clusters' routed shares of the last sync, local SGD only; docs/sync_math.md "Experts")
-    router_balance: str = "cluster"
     outer: OuterConfig = field(default_factory=OuterConfig)
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
 
@@ -282,10 +279,6 @@ def validate(cfg: Config) -> None:
     _need(a.interval >= 1, "algo.interval", f"must be >= 1, got {a.interval}")
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
-    _need(a.router_balance in ("cluster", "federation"), "algo.router_balance",
-          f"must be cluster or federation, got {a.router_balance!r}")
-    _need(a.router_balance == "cluster" or a.local_sgd, "algo.router_balance",
-          f"federation needs local SGD (the others' routed shares come with a sync); algo={a.name} syncs every step")
     a.outer.validate()
     a.penalty.validate()
     if a.local_sgd:

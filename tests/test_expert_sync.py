@@ -26,7 +26,7 @@ from conftest import read_events, run_train, tiny_overrides
 from edit_train.config import Config, ConfigError, validate
 from edit_train.federation.seal import TAG
 from edit_train.local_sgd.aggregator import Evidence
-from edit_train.local_sgd.experts import Experts, RoutedCounts, others, unsent_rows
+from edit_train.local_sgd.experts import Experts, RoutedCounts, unsent_rows
 from edit_train.local_sgd.round import EXTRA
 from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule, token_weights
 from edit_train.plan import traffic
@@ -403,44 +403,6 @@ def test_counts_are_kept_until_the_round_commits() -> None:
     assert ex.pending is None and ex.take() == [100.0, 200.0]
 
 
-def test_the_others_shares_are_one_vote_per_cluster_that_routed_any() -> None:
-    """[P=3, L=2, E=2]: c0 is me; c1 routed 3:1 and 0:4, c2 claims 900:100 and 50:50 (a hundred times the tokens
-    buys no more of the mean), so the others' shares are the plain mean of their own normalised rows; their part
-    is 2 of 3 clusters. A cluster that routed nothing is no vote; alone, there is nobody to balance against."""
-    x = torch.tensor([[[1, 1], [1, 1]], [[3, 1], [0, 4]], [[900, 100], [50, 50]]], dtype=torch.float64)
-    shares, w = others(x, 0)
-    assert shares is not None
-    torch.testing.assert_close(shares, torch.tensor([[(0.75 + 0.9) / 2, (0.25 + 0.1) / 2], [0.25, 0.75]],
-                                                    dtype=torch.float64))
-    assert w == pytest.approx(2 / 3)
-    x[2] = 0.0  # c2 routed nothing: c1 alone speaks for the others, half the clusters that routed
-    shares, w = others(x, 0)
-    assert shares is not None and w == 0.5
-    torch.testing.assert_close(shares, torch.tensor([[0.75, 0.25], [0.0, 1.0]], dtype=torch.float64))
-    assert others(x[:1], 0) == (None, 0.0)
-    x[1, 0, 0] = float("nan")  # a non-finite claim counts as no tokens there
-    assert torch.isfinite(others(x, 0)[0]).all()  # type: ignore[arg-type]
-
-
-def test_every_commit_tells_the_model_the_other_clusters_shares() -> None:
-    """algo.router_balance=federation in miniature: three clusters routing COUNTS (expert 3: nobody) hear, at
-    every committed sync, the mean of the other two's normalised counts, with weight 2/3."""
-    heard: dict[int, list[tuple[torch.Tensor | None, float]]] = {0: [], 1: [], 2: []}
-
-    def routed(index: int) -> RoutedCounts:
-        base = _routed()(index)
-        return RoutedCounts(base.take, base.pieces, lambda s, w: heard[index].append((s, w)))
-
-    run_inproc(NAMES, _cfg("at_end", "verified", syncs=3), routed=routed)
-    shares = COUNTS / COUNTS.sum(1, keepdim=True)
-    for i in range(3):
-        rest = [j for j in range(3) if j != i]
-        assert len(heard[i]) == 3, i
-        for got, w in heard[i]:
-            assert got is not None and w == pytest.approx(2 / 3)
-            torch.testing.assert_close(got, shares[rest].mean(0)[None])
-
-
 # ------------------------------------------------------------------------------------------ config + a run
 def test_what_expert_weights_cannot_go_with_is_refused_in_one_line() -> None:
     cfg = Config()
@@ -453,12 +415,6 @@ def test_what_expert_weights_cannot_go_with_is_refused_in_one_line() -> None:
         validate(cfg)
     cfg.sync.compression, cfg.algo.penalty.verified.expert_weights = "none", "none"
     with pytest.raises((ConfigError, ValueError), match="expert_min_tokens"):
-        validate(cfg)
-    cfg.algo.penalty.verified.expert_min_tokens, cfg.algo.router_balance = 0, "global"
-    with pytest.raises(ConfigError, match="algo.router_balance: must be cluster or federation, got 'global'"):
-        validate(cfg)
-    cfg.algo.router_balance, cfg.algo.local_sgd = "federation", False
-    with pytest.raises(ConfigError, match="algo.router_balance: federation needs local SGD"):
         validate(cfg)
 
 

@@ -170,41 +170,6 @@ def test_balance_loss_non_uniform_matches_formula():
     torch.testing.assert_close(balance_loss(probs, counts, 2, 0.1), torch.tensor(want))
 
 
-def test_balance_loss_against_the_federations_load_matches_formula():
-    """algo.router_balance=federation: f = (1 − w)·f_local + w·prior; its gradient reaches the router only through
-    P (f carries none), so an expert the others use less costs this site less to load."""
-    probs = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.3, 0.2]], requires_grad=True)
-    counts = torch.tensor([2, 1, 1])
-    prior, w = torch.tensor([0.1, 0.6, 0.3]), 0.5
-    f = [0.5 * a + 0.5 * b for a, b in zip([0.5, 0.25, 0.25], prior.tolist())]
-    want = 0.1 * 3 * sum(a * b for a, b in zip(f, [0.6, 0.25, 0.15]))
-    got = balance_loss(probs, counts, 2, 0.1, prior, w)
-    torch.testing.assert_close(got, torch.tensor(want))
-    got.backward()
-    torch.testing.assert_close(probs.grad, (0.1 * 3 * torch.tensor(f) / 2).expand(2, 3))
-    torch.testing.assert_close(balance_loss(probs, counts, 2, 0.1, prior, 0.0), balance_loss(probs, counts, 2, 0.1))
-
-
-def test_a_block_balances_against_the_prior_it_was_given_until_it_is_cleared():
-    torch.manual_seed(5)
-    cfg = small_moe_cfg(num_experts=4, router_aux_loss_coef=0.2)
-    block = MoEBlock(cfg)
-    block.reset_parameters(0.3)
-    x = torch.randn(32, cfg.hidden_size)
-    block(x)
-    own = block.aux_loss.detach().clone()
-    logits, probs, _, _ = block.route(x)
-    prior = torch.tensor([0.7, 0.1, 0.1, 0.1])
-    block.set_balance_prior(prior, 0.75)
-    block(x)
-    torch.testing.assert_close(block.aux_loss, balance_loss(probs, block.last_expert_load, cfg.num_experts_per_tok,
-                                                            0.2, prior, 0.75))
-    assert not torch.allclose(block.aux_loss, own)
-    block.set_balance_prior(None, 0.0)
-    block(x)
-    torch.testing.assert_close(block.aux_loss, own)
-
-
 def test_z_loss_matches_independent_computation():
     torch.manual_seed(6)
     cfg = small_moe_cfg(router_z_loss_coef=0.5)

@@ -29,7 +29,7 @@ from edit_train.local_sgd.evidence import shard_range, snap
 from edit_train.local_sgd.penalty import weighted
 
 __all__ = ["Pieces", "RoutedCounts", "UnitExperts", "Experts", "pin", "merged_sqnorm", "token_shares",
-           "expert_weights", "Held", "unsent_rows", "others"]
+           "expert_weights", "Held", "unsent_rows"]
 
 Pieces = list[list[tuple[int, slice]]]  # per expert: (index into the unit's params, rows of that parameter)
 Held = list[tuple[int, Tensor, Tensor]]  # (parameter index, local dim-0 row indices, a copy of those rows of Δ)
@@ -41,26 +41,6 @@ class RoutedCounts:
 
     take: Callable[[], Tensor]  # [MoE layers, experts] int64 since the last take (sums over the cluster's ranks)
     pieces: Callable[[str, nn.Module, list[nn.Parameter]], tuple[int, Pieces] | None]
-    # given, at every commit: the other clusters' routed shares [MoE layers, experts] over the round (`others`),
-    # and their part of the federation's clusters (None, 0.0: nobody else routed a token) — what the model's
-    # balance loss weighs its own load against (`algo.router_balance=federation`)
-    federation: Callable[[Tensor | None, float], None] | None = None
-
-
-def others(exchanged: Tensor, me: int) -> tuple[Tensor | None, float]:
-    """The other clusters' routed shares per MoE layer (`exchanged`: [P, L, E] tokens): each cluster's counts
-    normalised to its own tokens per layer, then averaged over the clusters that routed any (one cluster, one
-    vote: claiming more tokens buys no more of the mean), and their part of the clusters that routed any
-    (this one included). None, 0.0 when no other cluster routed a token."""
-    x = exchanged.to(torch.float64).clamp_min(0.0).nan_to_num(0.0, 0.0, 0.0)
-    totals = x.sum(dim=2, keepdim=True)  # [P, L, 1]
-    routed = (totals > 0).all(dim=1).reshape(-1)  # routed tokens in every MoE layer
-    rest = [i for i in range(x.shape[0]) if i != me and bool(routed[i])]
-    if not rest:
-        return None, 0.0
-    shares = (x[rest] / totals[rest]).mean(dim=0)
-    mine = 1 if 0 <= me < x.shape[0] and bool(routed[me]) else 0
-    return shares, len(rest) / (len(rest) + mine)
 
 
 def _rowsize(p: Tensor) -> int:
@@ -168,7 +148,6 @@ class Experts:
     def __init__(self, routed: RoutedCounts, units: Sequence[tuple[str, nn.Module, list[nn.Parameter]]],
                  min_tokens: int = 0, weighs: bool = True) -> None:
         self.hook, self.min_tokens, self.weighs = routed.take, min_tokens, weighs
-        self.federation = routed.federation
         self.units: dict[str, UnitExperts] = {}
         self.shares: dict[str, list[float]] = {}  # unit -> each expert's share of its elements
         for name, module, params in units:
@@ -185,11 +164,8 @@ class Experts:
         self.pending = got if self.pending is None or self.pending.shape != got.shape else self.pending + got
         return self.pending.reshape(-1).tolist()
 
-    def committed(self, exchanged: Tensor | None = None, me: int = -1) -> None:
-        """The round committed: its counts are spent; the model hears the others' (`RoutedCounts.federation`)."""
+    def committed(self) -> None:
         self.pending = None
-        if self.federation is not None and exchanged is not None:
-            self.federation(*others(exchanged, me))
 
     @property
     def width(self) -> int:

@@ -541,7 +541,7 @@ class SyncRound:
         if self.core.retract is not None:
             self.core.retract.committed(self.applied)
         if self.core.experts is not None:
-            self.core.experts.committed(self.meta.get("expert_tokens"), self.report.position)
+            self.core.experts.committed()
 
     @torch.no_grad()
     def rollback(self) -> None:

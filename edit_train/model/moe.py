@@ -210,20 +210,15 @@ class _SortedMoE(torch.autograd.Function):
 
 
 def balance_loss(probs: torch.Tensor, counts: torch.Tensor, num_experts_per_tok: int,
-                 coef: float, prior: torch.Tensor | None = None, prior_weight: float = 0.0) -> torch.Tensor:
+                 coef: float) -> torch.Tensor:
     """Switch-style balance loss ``coef * E * sum_i f_i * P_i``.
 
     ``f_i`` is the fraction of (token, slot) assignments routed to expert ``i`` (``counts / (N*k)``, no
-    gradient) and ``P_i`` the mean router probability of expert ``i`` over the tokens. With a ``prior`` (the
-    other clusters' shares per expert, `algo.router_balance=federation`) the load is the federation's:
-    ``f = (1 - prior_weight) * f_local + prior_weight * prior`` — a site may route more to an expert the others
-    use less (its balance is the federation's, not its own batch's).
+    gradient) and ``P_i`` the mean router probability of expert ``i`` over the tokens.
     """
     n, e = probs.shape
     dtype = torch.promote_types(probs.dtype, torch.float32)
     f = counts.to(dtype) / max(n * num_experts_per_tok, 1)
-    if prior is not None and prior_weight > 0.0:
-        f = (1.0 - prior_weight) * f + prior_weight * prior.to(device=f.device, dtype=dtype)
     p = probs.to(dtype).mean(0)
     return coef * e * torch.sum(f * p)
 
@@ -269,9 +264,6 @@ class MoEBlock(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.last_expert_load: torch.Tensor | None = None
-        # the other clusters' routed shares [E] and their part of the federation's tokens (`set_balance_prior`)
-        self.balance_prior: torch.Tensor | None = None
-        self.balance_prior_weight = 0.0
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.gate.weight, mean=0.0, std=std)
@@ -288,15 +280,6 @@ class MoEBlock(nn.Module):
             self.logit_std.fill_(1.0)
             self.routed_tokens.zero_()
         self._batch_stats = None
-
-    def set_balance_prior(self, shares: torch.Tensor | None, weight: float) -> None:
-        """Balance against the federation's load: ``shares`` [E] the other clusters' routed shares (summing to
-        1), ``weight`` their part of the federation's tokens (None or 0: this block's own batch alone)."""
-        if shares is None or weight <= 0.0:
-            self.balance_prior, self.balance_prior_weight = None, 0.0
-            return
-        self.balance_prior = shares.detach().to(self.routed_tokens.device, torch.float32)
-        self.balance_prior_weight = float(weight)
 
     def set_step(self, step: int) -> None:
         """Set the optimizer step (drives the warmup) and fold the last batch's logit statistics into the
@@ -347,8 +330,7 @@ class MoEBlock(nn.Module):
         y, counts = self.experts(x, topk_idx, topk_weight)
         self.last_expert_load = counts.detach()  # CausalLM.forward adds it to routed_tokens (outside any
         # checkpointed or compiled region: an in-place update there would break the recompute)
-        self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef, self.balance_prior,
-                                     self.balance_prior_weight)
+        self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef)
         self.z_loss = z_loss(logits, self.z_coef)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -237,12 +237,6 @@ class CausalLM(nn.Module):
         for b in self.moe_blocks():
             b.routed_tokens.zero_()
 
-    def set_balance_prior(self, shares: torch.Tensor | None, weight: float) -> None:
-        """Every MoE block balances against the federation's load: ``shares`` [MoE layers, E] (rows in
-        `moe_layers` order) the other clusters' routed shares, ``weight`` their part of the tokens; None: its own."""
-        for i, b in enumerate(self.moe_blocks()):
-            b.set_balance_prior(None if shares is None else shares[i], weight)
-
     def moe_layers(self) -> list[int]:
         """The decoder-layer index of each MoE block (the rows of `expert_counts`)."""
         return [layer.layer_idx for layer in self.layers if isinstance(layer.mlp, MoEBlock)]

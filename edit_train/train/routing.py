@@ -8,10 +8,6 @@ the sync core takes the counts itself when a round's exchange starts (`hook`, `l
 the exchange to every cluster and weigh the experts' rows; a missed sync does not close the interval) —, or
 `log_every` steps without local SGD (ddp, the synchronous warm-up: `due`). `edit-train-report` draws from these
 events which cluster feeds which expert (report/experts.py).
-
-With `algo.router_balance=federation` the tally also hands the sync core the model's ear: at every commit the
-other clusters' routed shares become each MoE block's balance prior (`MoEBlock.set_balance_prior`), so a site
-balances its experts against the federation's load, not its own batch's (docs/sync_math.md, "Experts").
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ from edit_train.model.expert_params import sync_pieces
 
 class RoutedTally:
     def __init__(self, model: CausalLM, topo: Topology, emit: Callable[..., None], step: Callable[[], int],
-                 local_sgd: bool, warmup_steps: int, log_every: int, balance: str = "cluster") -> None:
+                 local_sgd: bool, warmup_steps: int, log_every: int) -> None:
         self.model, self.topo, self.emit, self.step = model, topo, emit, step
-        self.balance = balance  # algo.router_balance: cluster | federation
         self.local_sgd, self.warmup_steps, self.log_every = local_sgd, warmup_steps, max(log_every, 1)
         self.layers = model.moe_layers()
         self.steps = 0  # training steps in the open interval
@@ -43,8 +38,7 @@ class RoutedTally:
         if not self.layers or not self.local_sgd:
             return None
         self.hooked = True
-        federation = self.model.set_balance_prior if self.balance == "federation" else None
-        return RoutedCounts(self.take, sync_pieces(self.model), federation)
+        return RoutedCounts(self.take, sync_pieces(self.model))
 
     def counted(self) -> None:
         """One more training step in the open interval."""

@@ -106,8 +106,7 @@ class Trainer:
         self.metrics = MetricsLogger(self._sinks(resume_from))
         probe = self._usefulness_probe()
         self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
-                                 cfg.algo.warmup_steps, t.log_every,
-                                 cfg.algo.router_balance)  # routed tokens per expert and interval
+                                 cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
