@@ -234,6 +234,7 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
                             label="IID paired noise (largest |tokens − default|)" if i == 0 else None)
     others = [a for a in arms if a != "default"]
     width = 0.8 / max(len(others), 1)
+    labelled: set[str] = set()
     for k, arm in enumerate(others):
         for i, r in enumerate(rows):
             seeds = sorted(set(r["loss"].get(arm, {})) & set(r["loss"].get("default", {})))
@@ -246,10 +247,12 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
             b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
             if b and d:
                 bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=width * 0.9, color=f"C{k + 1}",
-                       label=f"{arm}: bytes saved" if i == 0 else None)
+                       label=f"{arm}: bytes saved" if f"{arm}: bytes saved" not in labelled else None)
+                labelled.add(f"{arm}: bytes saved")
             if u:
                 bx.scatter([x], [100 * u["mean"]], color="k", marker="x", s=30,
-                           label="share of the model left out" if i == 0 and k == 1 else None)
+                           label="share of the model left out" if "left" not in labelled else None)
+                labelled.add("left")
     cw = 0.8 / max(len(arms), 1)
     for k, arm in enumerate(arms):  # routing skew: how far token weights would be from today's rule
         for i, r in enumerate(rows):
