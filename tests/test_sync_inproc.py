@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from edit_train.cluster.group import RankGroup
 from edit_train.codec.dense import CompressionConfig
 from edit_train.federation.inproc import InProcessFederation
+from edit_train.local_sgd import membership
 from edit_train.local_sgd.algorithms import LocalSGDConfig
 from words import retired_in_events
 from toy_federation import H, Outcome, config, max_diff, reference, run_inproc, train_cluster
@@ -114,22 +116,36 @@ def test_a_late_cluster_heals_and_ends_on_the_same_anchor() -> None:
 
 @pytest.mark.parametrize("restarted", [True, False])
 def test_a_restarted_cluster_whose_peers_are_gone_waits_the_grace_window_not_the_quorum_timeout(
-        restarted: bool) -> None:
+        restarted: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """c1, started again by its launcher after c0 finished the run (and before its own first checkpoint: no steps
     to resume), meets nobody. A fresh federation would wait up to quorum_timeout_s for every configured cluster;
     a restarted one is not a fresh start: it waits the grace window (join_timeout_s) and trains alone. (Found on
-    the local launcher: the restarted a_edit cluster sat 300 s in start-up.)"""
+    the local launcher: the restarted a_edit cluster sat 300 s in start-up.) Membership's clock is a fake that
+    moves 1 s per reading, so what is asserted is which deadline ended the wait, not how long it took."""
+    clock = {"now": 0.0, "met": None}
+
+    def now() -> float:
+        clock["now"] += 1.0
+        return clock["now"]
+
+    monkeypatch.setattr(membership, "time", SimpleNamespace(time=now, sleep=lambda _s: None))
+    meet = membership.Membership.meet
+
+    def timed_meet(self: membership.Membership) -> Any:
+        out = meet(self)
+        clock["met"] = clock["now"]
+        return out
+
+    monkeypatch.setattr(membership.Membership, "meet", timed_meet)
     cfg = config("layerwise", "uniform", syncs=2)
     cfg.membership.expected, cfg.membership.restarted = ("c0", "c1"), restarted
-    # restarted: a quorum timeout far beyond the test's bound; fresh: one short enough to wait out
-    cfg.membership.join_timeout_s, cfg.membership.quorum_timeout_s = 0.3, 120.0 if restarted else 3.0
-    hub = InProcessFederation(min_clusters=1, join_timeout_s=0.05, timeout_s=30.0)
-    t0 = time.monotonic()
-    out = run_inproc(["c1"], cfg, hub=hub)["c1"]
-    waited = time.monotonic() - t0
+    cfg.membership.join_timeout_s, cfg.membership.quorum_timeout_s = 5.0, 40.0
+    out = run_inproc(["c1"], cfg, hub=InProcessFederation(min_clusters=1, join_timeout_s=0.02, timeout_s=30.0))["c1"]
     assert out.steps == 2 * H and [e["quorum"] for e in out.events if e["event"] == "sync"] == [["c1"]] * 2
-    # the fresh start asks until the quorum timeout runs out; the restart leaves after the 0.3 s window
-    assert (waited < 60.0) if restarted else (waited >= 3.0), waited
+    met = clock["met"]
+    assert met is not None
+    # restarted: past the 5 s grace window, long before the 40 s quorum timeout; fresh: asked until it ran out
+    assert (5 <= met < 40) if restarted else (met >= 40), met
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
