@@ -18,13 +18,14 @@ Every preset variant is exported and read by each: our logits = the transformers
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import types
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from edit_train.model import CausalLM, ModelConfig, load_preset  # noqa: E402
-from edit_train.model.hf import BAILING_DEFAULTS, CONFIG_NAME, TRAINED_HEAD_KEY, normalized_head  # noqa: E402
+from edit_train.model.hf import BAILING_DEFAULTS, CONFIG_NAME, TRAINED_HEAD_KEY  # noqa: E402
 from edit_train.model.hf_io import export_hf, load_hf_into, read_hf_weights  # noqa: E402
 
 VLLM_REV = "3a04cf8f14c971435137c3ec572a7803c663673d"
@@ -507,3 +508,115 @@ def test_export_names_no_host_path(tmp_path, tmp_path_factory, small_corpus):
         for f in out.glob("*.safetensors"):
             with safe_open(str(f), framework="pt") as st:
                 assert st.metadata()["edit_train_checkpoint"] == named, (what, st.metadata())
+
+
+# ------------------------------------------------------------------------ a public checkpoint, back (acc. 3)
+#: Ling-lite's config.json (inclusionAI/Ling-lite), its keys and values, with the sizes scaled down.
+LING_LITE_SHAPED: dict[str, Any] = {
+    "architectures": ["BailingMoeForCausalLM"], "model_type": "bailing_moe",
+    "auto_map": {"AutoConfig": "configuration_bailing_moe.BailingMoeConfig",
+                 "AutoModel": "modeling_bailing_moe.BailingMoeModel",
+                 "AutoModelForCausalLM": "modeling_bailing_moe.BailingMoeForCausalLM"},
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+    "use_qkv_bias": False, "use_bias": False, "rms_norm_eps": 1e-6, "norm_head": True, "tie_word_embeddings": False,
+    "embedding_dropout": 0.0, "attention_dropout": 0.0, "output_dropout": 0.0, "initializer_range": 0.006,
+    "max_position_embeddings": 16384, "rope_theta": 600000, "use_cache": True, "use_sliding_window": False,
+    "sliding_window": 4096, "max_window_layers": 3, "rope_scaling": None, "pad_token_id": 126081,
+    "eos_token_id": 126081, "num_experts": 8, "num_shared_experts": 2, "num_experts_per_tok": 2,
+    "norm_topk_prob": True, "moe_intermediate_size": 32, "first_k_dense_replace": 1, "output_router_logits": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.36.0",
+}
+PUBLIC_VARIANTS = {"ling_lite_shaped": {}, "plain_head": {"norm_head": False},
+                   "null_shared_experts": {"num_shared_experts": None, "norm_head": False}}
+
+
+def public_checkpoint(directory: Path, c: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """A BailingMoe directory in the public layout, from its documented names (one nn.Linear per expert, fused
+    query_key_value, lm_head beside the embeddings), random bf16 weights in two shards with the index."""
+    from safetensors.torch import save_file
+
+    h, v, hd = c["hidden_size"], c["vocab_size"], c["head_dim"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * hd
+    shapes = {"model.word_embeddings.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "attention.query_key_value.weight": (qkv, h),
+                   p + "attention.dense.weight": (h, c["num_attention_heads"] * hd)}
+        mlps = []
+        if i < c["first_k_dense_replace"]:
+            mlps.append((p + "mlp.", c["intermediate_size"]))
+        else:
+            shapes[p + "mlp.gate.weight"] = (c["num_experts"], h)
+            mlps += [(f"{p}mlp.experts.{e}.", c["moe_intermediate_size"]) for e in range(c["num_experts"])]
+            if c["num_shared_experts"]:
+                mlps.append((p + "mlp.shared_experts.", c["moe_intermediate_size"] * c["num_shared_experts"]))
+        for prefix, width in mlps:
+            shapes |= {prefix + "gate_proj.weight": (width, h), prefix + "up_proj.weight": (width, h),
+                       prefix + "down_proj.weight": (h, width)}
+    gen = torch.Generator().manual_seed(11)
+    tensors = {name: ((1 + 0.1 * torch.randn(shape, generator=gen)) if len(shape) == 1
+                      else torch.randn(shape, generator=gen) * (0.05 if name != "lm_head.weight" else 0.3))
+               .to(torch.bfloat16) for name, shape in shapes.items()}
+    directory.mkdir()
+    names = list(tensors)
+    files = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+             "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in files.items():
+        save_file({n: tensors[n] for n in part}, str(directory / file), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())},
+             "weight_map": {n: f for f, part in files.items() for n in part}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / CONFIG_NAME).write_text(json.dumps(c))
+    return tensors
+
+
+@pytest.mark.parametrize("variant", PUBLIC_VARIANTS)
+def test_public_checkpoint_imports_and_exports_back(tmp_path, variant):
+    """Acceptance 3: a BailingMoe checkpoint in the public layout imports (what model.init_from runs:
+    load_hf_into) and exports back bit-identically: every tensor, and with norm_head the head as Ling's own
+    eval-mode compute_logit makes it (the served encoding, bit for bit), so every consumer then serves what the
+    reference serves from the public files."""
+    from edit_train.model.hf import read_hf_config
+
+    public = {**LING_LITE_SHAPED, **PUBLIC_VARIANTS[variant]}
+    tensors = public_checkpoint(tmp_path / "ling", public)
+    cfg, _ = read_hf_config(tmp_path / "ling")
+    model = CausalLM(cfg).eval()
+    load_hf_into(model, tmp_path / "ling")
+    out = export_hf(model, None, tmp_path / "back", dtype="bfloat16", max_shard_size=60_000)
+
+    back, _ = read_hf_weights(out)
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        if name == "lm_head.weight" and public["norm_head"]:  # Ling: W.float() / (||W.float()||_col + 1e-7)
+            t = (t.float() / (torch.norm(t.float(), p=2, dim=0, keepdim=True) + 1e-7)).to(t.dtype)
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    written = json.loads((out / CONFIG_NAME).read_text())
+    same = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "use_qkv_bias", "use_bias", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+            "moe_intermediate_size", "first_k_dense_replace", "torch_dtype", "tie_word_embeddings")
+    assert {k: written[k] for k in same} == {k: public[k] for k in same}
+    assert written["num_shared_experts"] == (public["num_shared_experts"] or 0)
+    assert written["norm_head"] is False and written[TRAINED_HEAD_KEY]["norm_head"] is public["norm_head"]
+
+    # served in fp32 (the reference loaded with dtype=float32: its normalised head is not rounded to bf16), every
+    # consumer reading our fp32 export serves what the reference serves from the public files
+    out32 = export_hf(model, None, tmp_path / "back32", dtype="float32")
+    written32, back32 = json.loads((out32 / CONFIG_NAME).read_text()), read_hf_weights(out32)[0]
+    ids = torch.randint(0, public["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(3))
+    want = served_logits(reference_read(public, tensors), ids)
+    with torch.no_grad():
+        agree("our model, imported", model(ids).logits, want)
+    agree("Ling reference on the export", served_logits(reference_read(written32, back32), ids), want)
+    if importlib.util.find_spec("transformers") is not None:
+        config = engine_config(out32)
+        agree("vLLM on the export", served_logits(vllm_read(config, back32), ids), want)
+        agree("SGLang on the export", served_logits(sglang_read(config, back32), ids), want)
+
+    again = CausalLM(read_hf_config(out32)[0]).eval()  # and our export imports into the same architecture again
+    load_hf_into(again, out32)
+    with torch.no_grad():
+        agree("our model, re-imported", again(ids).logits, want)
