@@ -140,6 +140,8 @@ def test_from_hf_config_rejects_other_models():
     assert (got.rms_norm_eps, got.norm_head, got.first_k_dense_replace) == (1e-5, False, 0)
     with pytest.raises(ValueError, match=r"use_bias=True \(BailingMoe's default"):
         from_hf_config({k: v for k, v in d.items() if k != "use_bias"})
+    with pytest.raises(ValueError, match=r"x/config\.json: edit_train_trained_head must be"):
+        from_hf_config({**d, TRAINED_HEAD_KEY: {"norm_head": "yes"}}, "x/config.json")
     with pytest.raises(ValueError, match=r"x/config\.json: num_key_value_heads must be an integer"):
         from_hf_config({**d, "num_key_value_heads": "2"}, "x/config.json")
 

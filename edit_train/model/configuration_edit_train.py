@@ -4,7 +4,8 @@
 its ``auto_map``, so stock ``transformers`` (which has no ``bailing_moe`` model type) loads the directory with
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. Written for edit-train from the
 ``config.json`` contract (``edit_train/model/hf.py``), not copied from Ling's code: the keys and their defaults
-are BailingMoe's, so vLLM / SGLang, which read the same ``config.json`` natively, agree with it.
+are BailingMoe's. vLLM and SGLang build their config from this class too (``--trust-remote-code``) and read its
+attributes, some with no default (SGLang: ``rope_scaling``), so every key is always set.
 
 Self-contained: it imports only ``transformers`` (``transformers`` copies it into its modules cache). Not
 imported by edit-train itself.

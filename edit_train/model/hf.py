@@ -2,9 +2,10 @@
 
 A BailingMoe directory holds ``config.json`` (``architectures: ["BailingMoeForCausalLM"]``, ``model_type:
 "bailing_moe"``) and ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``). Loaders
-that read it: vLLM / SGLang natively, stock ``transformers`` through the modeling code an export ships
+that read it: vLLM / SGLang with their own model code (the config through the shipped config class:
+``--trust-remote-code``), stock ``transformers`` through the modeling code an export ships
 (``modeling_edit_train.py`` + ``configuration_edit_train.py``, named in ``config.json``'s ``auto_map``; loaded
-with ``trust_remote_code=True``).
+with ``trust_remote_code=True``), and Ling's public ``modeling_bailing_moe.py``.
 
 Name mapping (ours -> BailingMoe); every tensor keeps its layout except the routed experts, which we store
 stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) and BailingMoe stores as one
