@@ -248,7 +248,8 @@ def vllm_read(config: Any, weights: Mapping[str, torch.Tensor]) -> Served:
                      theta=rope.get("rope_theta", config.rope_theta))
 
 
-def _assemble(config: Any, p: Params, nq: int, nkv: int, hd: int, moe_layers: list[int], *, route, shared: Callable[[], bool], head: Callable[[], torch.Tensor], theta: float) -> Served:
+def _assemble(config: Any, p: Params, nq: int, nkv: int, hd: int, moe_layers: list[int], *, route,
+              shared: Callable[[], bool], head: Callable[[], torch.Tensor], theta: float) -> Served:
     """Served from an engine's fused parameters (gate_up stacked, experts w13/w2)."""
     def split(pre: str) -> Mlp:
         gu = p[pre + "gate_up_proj.weight"]
@@ -445,6 +446,11 @@ def test_every_consumer_serves_our_logits(tmp_path, variant):
     weights, _ = read_hf_weights(out)
     ids = torch.randint(0, src.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(7))
     want = our_logits(ours, ids)
+
+    if ours is src:  # model.init_from reads the export back into the same architecture (norm_topk_prob at k=1,
+        back = CausalLM(src.config).eval()  # a dense model's first_k_dense_replace, a tied norm_head head)
+        load_hf_into(back, out)
+        agree("ours, imported again (model.init_from)", our_logits(back, ids), want)
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32)
     with torch.no_grad():
