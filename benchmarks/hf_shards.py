@@ -70,8 +70,9 @@ class Peak:
 
 # ------------------------------------------------------------------------------------------ phases
 def phase_write(cfg: ModelConfig, directory: Path, shard_bytes: int) -> dict[str, Any]:
-    """A BailingMoe directory with random bf16 weights, written tensor by tensor into shards."""
-    from edit_train.model.hf import hf_param_shapes, to_hf_config
+    """A BailingMoe directory with random bf16 weights, written tensor by tensor into shards, in the public
+    (Ling) encoding: a raw head with ``norm_head`` as the config has it."""
+    from edit_train.model.hf import TRAINED_HEAD_KEY, hf_param_shapes, to_hf_config
     from edit_train.model.shards import ShardWriter
 
     directory.mkdir(parents=True)
@@ -81,7 +82,9 @@ def phase_write(cfg: ModelConfig, directory: Path, shard_bytes: int) -> dict[str
         for name, shape in hf_param_shapes(cfg).items():
             writer.add(name, torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=gen))
         files = writer.close()
-    (directory / "config.json").write_text(json.dumps(to_hf_config(cfg, torch.bfloat16)))
+    literal = {k: v for k, v in to_hf_config(cfg, torch.bfloat16).items() if k != TRAINED_HEAD_KEY}
+    literal.update(norm_head=cfg.norm_head, tie_word_embeddings=cfg.tie_word_embeddings)
+    (directory / "config.json").write_text(json.dumps(literal))
     return {"seconds": peak.seconds, "peak_above_baseline": peak.above, "files": len(files)}
 
 
@@ -114,10 +117,15 @@ def phase_round_trip(cfg: ModelConfig, src: Path, dst: Path, shard_bytes: int) -
 
 
 def phase_compare(src: Path, dst: Path) -> dict[str, Any]:
-    """Every tensor of ``src`` equals ``dst``'s of the same name (bit-exact), one pair in memory at a time."""
+    """Every tensor of ``src`` equals ``dst``'s of the same name (bit-exact), one pair in memory at a time; with
+    ``norm_head`` the export holds the head normalised (the served encoding), bit-exactly what Ling's code
+    multiplies with."""
     from safetensors import safe_open
 
+    from edit_train.model.hf import normalized_head
     from edit_train.model.shards import iter_tensors, weight_files
+
+    norm_head = bool(json.loads((src / "config.json").read_text()).get("norm_head"))
 
     src_files, _ = weight_files(src)
     dst_files, _ = weight_files(dst)
@@ -125,7 +133,8 @@ def phase_compare(src: Path, dst: Path) -> dict[str, Any]:
     n, differ = 0, []
     for name, t in iter_tensors(src_files):
         with safe_open(str(where[name]), framework="pt") as f:
-            if not torch.equal(t, f.get_tensor(name)):
+            want = normalized_head(t) if norm_head and name == "lm_head.weight" else t
+            if not torch.equal(want, f.get_tensor(name)):
                 differ.append(name)
         n += 1
     missing = set(where) - {name for names in src_files.values() for name in names}

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import cli_env, script_cmd
+from edit_train.model.hf import normalized_head
 
 SWEEP_OVERRIDES = ["model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
                    "train.eval_every=0", "train.eval_batches=1", "train.steps=8", "cluster=local", "cluster.count=2",
@@ -62,11 +63,11 @@ def export(*args: str | Path) -> subprocess.CompletedProcess[str]:
 
 def hf_params(out: Path):
     """Our parameter names -> tensors of an exported directory."""
-    from edit_train.model.hf import from_hf_state_dict, read_hf_config
+    from edit_train.model.hf import file_layout, from_hf_state_dict, read_hf_config
     from edit_train.model.hf_io import read_hf_weights
 
-    cfg, _ = read_hf_config(out)
-    return from_hf_state_dict(read_hf_weights(out)[0], cfg), cfg
+    cfg, raw = read_hf_config(out)
+    return from_hf_state_dict(read_hf_weights(out)[0], file_layout(cfg, raw)), cfg
 
 
 def rewrite(step_dir: Path, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -105,7 +106,8 @@ def test_export_run_dir_takes_the_common_final_anchor(sweep, tmp_path):
         ck = open_cluster(run / "checkpoints" / cluster / "step_00000008")
         assert ck.anchor is not None and ck.model_cfg == cfg
         for name, t in ck.anchor.items():
-            assert torch.equal(exported[name], t), (cluster, name)
+            served = normalized_head(t) if name == "lm_head.weight" and cfg.norm_head else t  # served encoding
+            assert torch.equal(exported[name], served), (cluster, name)
             assert torch.equal(ck.replica[name], t), (cluster, name)  # after the final sync: replica = anchor
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from conftest import run_train
 from edit_train.model import CausalLM, ModelConfig, load_preset
-from edit_train.model.hf import (CONFIG_NAME, WEIGHTS_NAME, from_hf_config, from_hf_state_dict, hf_param_shapes, param_shapes,
-                                 to_hf_config, to_hf_state_dict)
+from edit_train.model.hf import (CONFIG_NAME, TRAINED_HEAD_KEY, WEIGHTS_NAME, from_hf_config, from_hf_state_dict,
+                                 hf_param_shapes, normalized_head, param_shapes, to_hf_config, to_hf_state_dict)
 from edit_train.model.hf_io import export_hf, load_hf_into
 from edit_train.train.checkpoint_reader import gather_checkpoint
 
@@ -27,7 +27,8 @@ BAILING_KEYS = {
     "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
     "hidden_act", "use_bias", "use_qkv_bias", "embedding_dropout", "attention_dropout", "output_dropout",
     "rope_scaling", "use_cache", "use_sliding_window", "max_window_layers", "output_router_logits",
-    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "auto_map",
+    "pad_token_id", "bos_token_id", "eos_token_id", "torch_dtype", "dtype", "auto_map", "router_dtype",
+    TRAINED_HEAD_KEY,
 }
 
 
@@ -60,10 +61,11 @@ def logits_of(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-def expected_hf_names(cfg: ModelConfig) -> set[str]:
-    """The BailingMoe layout, written out independently of the code under test."""
+def expected_hf_names(cfg: ModelConfig, served: bool = False) -> set[str]:
+    """The BailingMoe layout, written out independently of the code under test; ``served``: an export's (a tied
+    head trained with norm_head is stored untied, normalised)."""
     names = {"model.word_embeddings.weight", "model.norm.weight"}
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings or (served and cfg.norm_head):
         names.add("lm_head.weight")
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -79,6 +81,24 @@ def expected_hf_names(cfg: ModelConfig) -> set[str]:
     return names
 
 
+def assert_same_model(src: CausalLM, dst: CausalLM, ids: torch.Tensor) -> None:
+    """``dst`` imported ``src``'s export: every tensor bit-identical except a norm_head head, which comes back
+    normalised (the served encoding), so the logits agree to rounding (normalising twice moves ~1e-7)."""
+    head = src.config.norm_head
+    for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+        if head and name in ("lm_head.weight", "word_embeddings.weight") and src.config.tie_word_embeddings:
+            assert torch.equal(a, b), name  # tied: the embeddings come back raw (the served head is derived)
+        elif head and name == "lm_head.weight":
+            assert torch.equal(normalized_head(a), b), name
+        else:
+            assert torch.equal(a, b), name
+    if head:
+        torch.testing.assert_close(logits_of(dst, ids), logits_of(src, ids), atol=1e-5, rtol=0)
+        assert torch.equal(logits_of(dst, ids).argmax(-1), logits_of(src, ids).argmax(-1))
+    else:
+        assert torch.equal(logits_of(src, ids), logits_of(dst, ids))
+
+
 # ------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_config_keys_and_round_trip(variant):
@@ -88,16 +108,22 @@ def test_config_keys_and_round_trip(variant):
     assert d["architectures"] == ["BailingMoeForCausalLM"] and d["model_type"] == "bailing_moe"
     assert d["hidden_act"] == "silu" and d["use_bias"] is False and d["use_qkv_bias"] is False
     assert d["torch_dtype"] == "float32" and d["eos_token_id"] == 256 and d["pad_token_id"] is None
-    assert d["tie_word_embeddings"] is (variant == "tied")
+    assert d["tie_word_embeddings"] is False and d["norm_head"] is False  # tiny trains norm_head: served normalised
+    assert d[TRAINED_HEAD_KEY] == {"norm_head": True, "tie_word_embeddings": variant == "tied"}
+    assert d["router_dtype"] == "fp32" and "rope_scaling" in d and d["rope_scaling"] is None
     assert d["first_k_dense_replace"] == 1 and d["num_experts"] == 8 and d["num_shared_experts"] == 1
     json.dumps(d)  # plain JSON
     back = from_hf_config(json.loads(json.dumps(d)))
     training_only = ("router_aux_loss_coef", "router_z_loss_coef", "routing_warmup_steps", "init_from")
     assert back == dataclasses.replace(cfg, **{f: getattr(ModelConfig(), f) for f in training_only})
-    # BailingMoe builds an MoE block / shared experts when the key is not null: our 0 is written as null
+    # "none" is 0, never null (the engines compare with > and range()); a dense model has only dense layers
     dense = to_hf_config(tiny(num_experts=0, num_shared_experts=0))
-    assert dense["num_experts"] is None and dense["num_shared_experts"] is None
+    assert dense["num_experts"] == 0 and dense["num_shared_experts"] == 0 and dense["first_k_dense_replace"] == 4
     assert from_hf_config(dense).num_experts == 0 and from_hf_config(dense).num_shared_experts == 0
+    # the older encoding (null for none, as our exports wrote it before) still reads the same
+    old = {**dense, "num_experts": None, "num_shared_experts": None, "first_k_dense_replace": 1}
+    del old[TRAINED_HEAD_KEY]
+    assert from_hf_config(old).num_experts == 0 and from_hf_config(old).num_shared_experts == 0
 
 
 def test_from_hf_config_rejects_other_models():
@@ -108,11 +134,14 @@ def test_from_hf_config_rejects_other_models():
         from_hf_config({**d, "use_qkv_bias": True})
     assert from_hf_config({**d, "some_future_key": 1, "head_dim": None}).head_dim == 128 // 4  # unknown ignored
     # a key left out means BailingMoeConfig's default, not ours
-    sparse = {k: v for k, v in d.items() if k not in ("rms_norm_eps", "norm_head", "first_k_dense_replace")}
+    sparse = {k: v for k, v in d.items()
+              if k not in ("rms_norm_eps", "norm_head", "first_k_dense_replace", TRAINED_HEAD_KEY)}
     got = from_hf_config(sparse)
     assert (got.rms_norm_eps, got.norm_head, got.first_k_dense_replace) == (1e-5, False, 0)
     with pytest.raises(ValueError, match=r"use_bias=True \(BailingMoe's default"):
         from_hf_config({k: v for k, v in d.items() if k != "use_bias"})
+    with pytest.raises(ValueError, match=r"x/config\.json: edit_train_trained_head must be"):
+        from_hf_config({**d, TRAINED_HEAD_KEY: {"norm_head": "yes"}}, "x/config.json")
     with pytest.raises(ValueError, match=r"x/config\.json: num_key_value_heads must be an integer"):
         from_hf_config({**d, "num_key_value_heads": "2"}, "x/config.json")
 
@@ -182,14 +211,15 @@ def test_export_then_load_gives_identical_logits(tmp_path, variant):
                                                "configuration_edit_train.py", "modeling_edit_train.py"}
     with safe_open(str(out / WEIGHTS_NAME), framework="pt") as f:
         assert f.metadata()["format"] == "pt"
-        assert set(f.keys()) == expected_hf_names(cfg)
+        assert set(f.keys()) == expected_hf_names(cfg, served=True)
+        assert torch.equal(f.get_tensor("lm_head.weight"), normalized_head(src.lm_head.weight))
     assert json.loads((out / CONFIG_NAME).read_text()) == to_hf_config(cfg, eos_token_id=256)
 
     dst = model_of(cfg, seed=2)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     assert not torch.equal(logits_of(src, ids), logits_of(dst, ids))
     load_hf_into(dst, out)
-    assert torch.equal(logits_of(src, ids), logits_of(dst, ids))
+    assert_same_model(src, dst, ids)
     if variant == "tied":
         assert dst.lm_head.weight is dst.word_embeddings.weight
 
@@ -347,7 +377,7 @@ def test_export_cli_matches_checkpoint(tiny_run, tmp_path, capsys):
     exported = CausalLM(from_hf_config(json.loads((out / CONFIG_NAME).read_text()), out / CONFIG_NAME))
     load_hf_into(exported, out)
     ids = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(logits_of(direct.eval(), ids), logits_of(exported.eval(), ids))
+    assert_same_model(direct.eval(), exported.eval(), ids)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256  # byte tokenizer
 
     # the step directory itself, and --step, name the same checkpoint
@@ -411,7 +441,8 @@ def test_sharded_export_and_import_round_trip(tmp_path):
     n = len(shards)
     assert n > 3 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     assert not (out / WEIGHTS_NAME).exists()
-    assert set(index["weight_map"]) == expected_hf_names(cfg) and set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == expected_hf_names(cfg, served=True)
+    assert set(index["weight_map"].values()) == set(shards)
     sizes = {}
     for shard in shards:
         with safe_open(str(out / shard), framework="pt") as f:
@@ -424,7 +455,7 @@ def test_sharded_export_and_import_round_trip(tmp_path):
     dst = model_of(cfg, seed=7)
     load_hf_into(dst, out)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
-    assert torch.equal(logits_of(src, ids), logits_of(dst, ids))
+    assert_same_model(src, dst, ids)
 
     (out / shards[1]).unlink()
     with pytest.raises(ValueError, match=rf"{shards[1]}: listed in {WEIGHTS_INDEX_NAME} but missing"):
@@ -440,7 +471,8 @@ def test_sharded_export_and_import_round_trip(tmp_path):
 def test_streaming_peak_memory_is_one_shard(tmp_path):
     """The small, fast version of benchmarks/hf_shards.py: a sharded checkpoint written by the test, imported
     into a model and exported again, each with peak RSS above the process's baseline (the model's own share)
-    within 1.5 x one shard — not the model's size (4 shards here) — and bit-exact."""
+    within 1.5 x one shard (+ the normalised copy of the norm_head head on export) — not the model's size (4 shards
+    here) — and bit-exact (the head: normalised, the served encoding)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -454,7 +486,8 @@ def test_streaming_peak_memory_is_one_shard(tmp_path):
     write = hf_shards.phase_write(cfg, tmp_path / "src", shard)
     trip = hf_shards.phase_round_trip(cfg, tmp_path / "src", tmp_path / "dst", shard)
     assert write["files"] >= 5 and trip["model_bytes"] > 3 * shard
-    for what in ("import", "export"):
-        assert trip[what]["peak_above_baseline"] <= 1.5 * shard, (what, trip[what])
+    head = 2 * cfg.vocab_size * cfg.hidden_size  # norm_head: the export writes a normalised copy of the head
+    for what, extra in (("import", 0), ("export", head)):
+        assert trip[what]["peak_above_baseline"] <= 1.5 * shard + extra, (what, trip[what])
     same = hf_shards.phase_compare(tmp_path / "src", tmp_path / "dst")
     assert same["equal"] and same["tensors"] == len(hf_param_shapes(cfg)), same

@@ -4,7 +4,8 @@
 its ``auto_map``, so stock ``transformers`` (which has no ``bailing_moe`` model type) loads the directory with
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)``. Written for edit-train from the
 ``config.json`` contract (``edit_train/model/hf.py``), not copied from Ling's code: the keys and their defaults
-are BailingMoe's, so vLLM / SGLang, which read the same ``config.json`` natively, agree with it.
+are BailingMoe's. vLLM and SGLang build their config from this class too (``--trust-remote-code``) and read its
+attributes, some with no default (SGLang: ``rope_scaling``), so every key is always set.
 
 Self-contained: it imports only ``transformers`` (``transformers`` copies it into its modules cache). Not
 imported by edit-train itself.
@@ -48,10 +49,15 @@ class BailingMoeConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
-        if rope_scaling is not None:  # (transformers 5 keeps it as rope_parameters; the model refuses scaling)
+        # always present, null included: SGLang reads config.rope_scaling with no default. transformers 5 makes
+        # it an alias of rope_parameters, which its __init__ standardises ({"rope_type": "default", ...} for
+        # null) and which must exist for the alias to read; 4.x keeps a plain attribute.
+        if isinstance(getattr(type(self), "rope_scaling", None), property):
+            self.rope_parameters = rope_scaling
+        else:
             self.rope_scaling = rope_scaling
-        self.num_experts = num_experts  # null: every layer is a dense MLP
-        self.num_shared_experts = num_shared_experts  # null: no shared experts
+        self.num_experts = num_experts  # 0 (or null): every layer is a dense MLP
+        self.num_shared_experts = num_shared_experts  # 0 (or null): no shared experts
         self.num_experts_per_tok = num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
         self.moe_intermediate_size = moe_intermediate_size

@@ -2,9 +2,10 @@
 
 A BailingMoe directory holds ``config.json`` (``architectures: ["BailingMoeForCausalLM"]``, ``model_type:
 "bailing_moe"``) and ``model.safetensors`` (or shards listed in ``model.safetensors.index.json``). Loaders
-that read it: vLLM / SGLang natively, stock ``transformers`` through the modeling code an export ships
+that read it: vLLM / SGLang with their own model code (the config through the shipped config class:
+``--trust-remote-code``), stock ``transformers`` through the modeling code an export ships
 (``modeling_edit_train.py`` + ``configuration_edit_train.py``, named in ``config.json``'s ``auto_map``; loaded
-with ``trust_remote_code=True``).
+with ``trust_remote_code=True``), and Ling's public ``modeling_bailing_moe.py``.
 
 Name mapping (ours -> BailingMoe); every tensor keeps its layout except the routed experts, which we store
 stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) and BailingMoe stores as one
@@ -22,8 +23,22 @@ stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) a
     norm.weight                                   model.norm.weight
     lm_head.weight                                lm_head.weight (absent when tie_word_embeddings)
 
-``lm_head.weight`` is exported raw (not column-normalised): with ``norm_head`` BailingMoe normalises it in
-its forward, exactly as our ``NormHead`` does.
+**The served encoding** (what :func:`to_hf_config` / :func:`serving_state` write): the one encoding that vLLM,
+SGLang, the shipped ``transformers`` code and Ling's public ``modeling_bailing_moe.py`` all read the same way
+(``tests/test_serving.py`` emulates each of them against our model):
+
+* ``norm_head``: ``lm_head.weight`` is stored already column-normalised (``W / (||W||_col + 1e-7)``, our
+  ``NormHead``) and ``config.json`` says ``norm_head: false`` — vLLM never normalises the head, SGLang and the
+  reference skip it for tied embeddings, and the reference rewrites the weight in place. Tied embeddings with
+  ``norm_head`` are written untied (the normalised head beside the raw embeddings).
+* ``num_experts: 0`` (never null) with ``first_k_dense_replace`` = layers for a dense model, and
+  ``num_shared_experts: 0`` (never null) for no shared experts: the engines compare them with ``>`` / ``range``.
+* ``norm_topk_prob: false`` when ``num_experts_per_tok`` is 1 (the engines renormalise a single weight to 1.0;
+  we and the reference keep the router probability), ``router_dtype: "fp32"`` (bf16 engines route in fp32), and
+  ``rope_scaling: null`` always present.
+* :data:`TRAINED_HEAD_KEY` records the head the model was trained with (``norm_head``, ``tie_word_embeddings``),
+  so :func:`from_hf_config` gives back the training architecture. Directories without it (our older exports,
+  public Ling checkpoints) are read literally: a raw head with ``norm_head: true``, nulls for "none".
 
 This module is the naming and config contract; reading and writing directories (``export_hf``,
 ``load_hf_into``) is :mod:`edit_train.model.hf_io`, the shard files :mod:`edit_train.model.shards`. Nothing unpickles: tensors are read with
@@ -52,6 +67,11 @@ ARCHITECTURE = "BailingMoeForCausalLM"
 MODEL_TYPE = "bailing_moe"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+#: config.json key of the head edit-train trained ({"norm_head": bool, "tie_word_embeddings": bool}); the served
+#: keys of the same names describe the stored tensors (see the module docstring).
+TRAINED_HEAD_KEY = "edit_train_trained_head"
+#: The column-norm epsilon of a normalised head (our ``NormHead``, Ling's ``compute_logit``).
+NORM_HEAD_EPS = 1e-7
 #: The code an export ships for ``transformers`` (``trust_remote_code``): files of this package, copied as they are.
 REMOTE_CODE_FILES: tuple[str, ...] = ("configuration_edit_train.py", "modeling_edit_train.py")
 AUTO_MAP: dict[str, str] = {"AutoConfig": "configuration_edit_train.BailingMoeConfig",
@@ -104,32 +124,97 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[key]
 
 
+def serving_config(cfg: ModelConfig) -> ModelConfig:
+    """The architecture the served files describe: the head already normalised (``norm_head`` off) and, when
+    tied embeddings were trained with ``norm_head``, untied (the normalised head stored beside the raw
+    embeddings); a dense model says so with ``first_k_dense_replace`` = layers. Same weights otherwise."""
+    served = dataclasses.replace(cfg, norm_head=False,
+                                 tie_word_embeddings=cfg.tie_word_embeddings and not cfg.norm_head)
+    if cfg.num_experts == 0:
+        served.first_k_dense_replace = cfg.num_hidden_layers
+    return served
+
+
+def normalized_head(weight: torch.Tensor) -> torch.Tensor:
+    """``W / (||W||_col + eps)`` computed in fp32 (at least), in ``weight``'s dtype: what our ``NormHead`` and
+    Ling's eval-mode ``compute_logit`` multiply the hidden states with (bit for bit: the same norm, then an
+    elementwise division). A low-precision head is divided a block of rows at a time, so an export holds about
+    one head beside the model, not an fp32 copy of it (its norms summed block by block: equal to rounding)."""
+    w = weight.detach()
+    compute = torch.promote_types(w.dtype, torch.float32)
+    if w.dtype == compute:
+        return w / (torch.linalg.vector_norm(w, ord=2, dim=0, keepdim=True) + NORM_HEAD_EPS)
+    rows = 4096
+    sumsq = torch.zeros((1, w.shape[1]), dtype=compute, device=w.device)
+    for start in range(0, w.shape[0], rows):
+        sumsq += w[start:start + rows].to(compute).square().sum(dim=0, keepdim=True)
+    denom = sumsq.sqrt() + NORM_HEAD_EPS
+    out = torch.empty_like(w, memory_format=torch.contiguous_format)
+    for start in range(0, w.shape[0], rows):
+        out[start:start + rows] = (w[start:start + rows].to(compute) / denom).to(w.dtype)
+    return out
+
+
+def serving_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Mapping[str, torch.Tensor]:
+    """Our parameters in the served encoding (:func:`serving_config`'s names): with ``norm_head`` the head is
+    normalised (from the embeddings when tied). Lazy: each tensor is read from ``state`` when asked for."""
+    if not cfg.norm_head:
+        return state
+    return _ServedState(state, cfg)
+
+
+class _ServedState(Mapping[str, torch.Tensor]):
+    def __init__(self, state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> None:
+        self._state, self._head_src = state, "word_embeddings.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self._names = [n for n in state.keys() if n != "lm_head.weight"] + ["lm_head.weight"]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "lm_head.weight":
+            return normalized_head(self._state[self._head_src])
+        if name not in self._names:
+            raise KeyError(name)
+        return self._state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def file_layout(cfg: ModelConfig, raw: Mapping[str, Any]) -> ModelConfig:
+    """The architecture a directory's tensors are stored in, for the trained ``cfg`` read from its ``config.json``
+    dict ``raw``: the served one when ``raw`` carries :data:`TRAINED_HEAD_KEY` (our exports), else ``cfg`` itself
+    (older exports, public Ling checkpoints: a raw head with ``norm_head``)."""
+    return serving_config(cfg) if TRAINED_HEAD_KEY in raw else cfg
+
+
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_token_id: int | None = None,
                  bos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
-    """The BailingMoe ``config.json`` of a model config, with the ``auto_map`` that points ``transformers`` at the
-    shipped :data:`REMOTE_CODE_FILES`.
-
-    BailingMoe builds an MoE block when ``num_experts is not None`` and shared experts when
-    ``num_shared_experts is not None``, so our ``0`` ("none") is written as ``null``. Every BailingMoe key whose
-    default would change the model (biases, dropouts, eps, pad id) is written explicitly.
+    """The BailingMoe ``config.json`` of a model config in the served encoding (module docstring), with the
+    ``auto_map`` that points ``transformers`` at the shipped :data:`REMOTE_CODE_FILES` and the trained head under
+    :data:`TRAINED_HEAD_KEY`. Every BailingMoe key whose default would change the model (biases, dropouts, eps,
+    pad id) is written explicitly.
     """
     cfg.validate()
     for name, tid in (("eos_token_id", eos_token_id), ("bos_token_id", bos_token_id),
                       ("pad_token_id", pad_token_id)):
         if tid is not None and not 0 <= tid < cfg.vocab_size:
             raise ValueError(f"{name}={tid} is outside the vocabulary (vocab_size={cfg.vocab_size})")
+    served = serving_config(cfg)
     d: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
         "auto_map": dict(AUTO_MAP),  # transformers has no bailing_moe: trust_remote_code loads the shipped files
-        **{f: getattr(cfg, f) for f in HF_FIELDS},
+        **{f: getattr(served, f) for f in HF_FIELDS},
         "hidden_act": "silu",
         "use_bias": False,
         "use_qkv_bias": False,
         "embedding_dropout": 0.0,
         "attention_dropout": 0.0,
         "output_dropout": 0.0,
-        "rope_scaling": None,
+        "rope_scaling": None,  # SGLang reads config.rope_scaling with no default: always present
+        "router_dtype": "fp32",  # vLLM / SGLang build the router in fp32 (as we train it) instead of the model dtype
         "use_cache": True,
         "use_sliding_window": False,
         "max_window_layers": cfg.num_hidden_layers,
@@ -141,11 +226,10 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         "eos_token_id": eos_token_id,
         "torch_dtype": dtype_name(dtype),  # what transformers 4.x and serving engines read
         "dtype": dtype_name(dtype),  # transformers 5.x's name for it
+        TRAINED_HEAD_KEY: {"norm_head": cfg.norm_head, "tie_word_embeddings": cfg.tie_word_embeddings},
     }
-    if cfg.num_experts == 0:
-        d["num_experts"] = None
-    if cfg.num_shared_experts == 0:
-        d["num_shared_experts"] = None
+    if cfg.num_experts_per_tok == 1:  # one expert: the weight is the router probability (engines would make it 1)
+        d["norm_topk_prob"] = False
     return d
 
 
@@ -200,6 +284,13 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
     nulls = [f for f, v in kw.items() if v is None]
     if nulls:
         raise ValueError(f"{source}: {nulls[0]} is null; it needs a value")
+    trained = d.get(TRAINED_HEAD_KEY)
+    if trained is not None:  # our served encoding: the head the model was trained with
+        if not (isinstance(trained, Mapping) and all(isinstance(trained.get(k), bool)
+                                                     for k in ("norm_head", "tie_word_embeddings"))):
+            raise ValueError(f"{source}: {TRAINED_HEAD_KEY} must be {{\"norm_head\": true|false, "
+                             f"\"tie_word_embeddings\": true|false}}, got {trained!r}")
+        kw["norm_head"], kw["tie_word_embeddings"] = trained["norm_head"], trained["tie_word_embeddings"]
     cfg = dataclasses.replace(defaults, **kw)
     try:
         cfg.validate()
@@ -234,6 +325,8 @@ def relevant_arch_fields(cfg: ModelConfig) -> list[str]:
         if f == "intermediate_size" and not has_dense:
             continue
         if f == "first_k_dense_replace" and cfg.num_experts == 0:
+            continue
+        if f == "norm_topk_prob" and cfg.num_experts_per_tok == 1:  # one expert: nothing to renormalise
             continue
         out.append(f)
     return out

@@ -23,8 +23,8 @@ from torch import nn
 from edit_train.fsutil import current_umask, fsync_file
 from edit_train.model.config import ModelConfig
 from edit_train.model.hf import (CONFIG_NAME, GENERATION_CONFIG_NAME, REMOTE_CODE_FILES, check_same_architecture,
-                                 hf_param_shapes, hf_targets, iter_hf_tensors, param_shapes, parse_dtype,
-                                 read_hf_config, to_hf_config)
+                                 file_layout, hf_param_shapes, hf_targets, iter_hf_tensors, param_shapes, parse_dtype,
+                                 read_hf_config, serving_config, serving_state, to_hf_config)
 from edit_train.offline import looks_like_hub_name, offline_hint
 from edit_train.model.shards import DEFAULT_SHARD_BYTES, ShardWriter, header_shapes, iter_tensors, weight_files
 
@@ -96,13 +96,10 @@ def export_hf(model_or_state: nn.Module | Mapping[str, torch.Tensor], cfg: Model
         raise ValueError(f"{out}: directory exists and is not empty; choose a new output directory or pass "
                          f"overwrite=True")
     hf_cfg = to_hf_config(cfg, dtype, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
-    if cfg.tie_word_embeddings and cfg.norm_head:
-        log.warning("export: tie_word_embeddings with norm_head: BailingMoe's eval-mode head normalises "
-                    "lm_head.weight in place, which also rewrites the tied embeddings")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_weights(state, cfg, tmp, dtype, max_shard_size, metadata)
+        _write_weights(serving_state(state, cfg), serving_config(cfg), tmp, dtype, max_shard_size, metadata)
         (tmp / CONFIG_NAME).write_text(json.dumps(hf_cfg, indent=2) + "\n")
         for name in REMOTE_CODE_FILES:
             (tmp / name).write_bytes(resources.files("edit_train.model").joinpath(name).read_bytes())
@@ -170,7 +167,10 @@ def load_hf_into(model: nn.Module, directory: str | os.PathLike[str]) -> None:
 
     ``config.json`` must agree with ``model.config`` on every architecture field, and the files' headers must
     hold exactly the tensors and shapes the model needs (ValueError naming the field or file otherwise, before
-    any weight is changed); tensors are cast to each parameter's dtype and device.
+    any weight is changed); tensors are cast to each parameter's dtype and device. Both encodings load: our
+    served one (``edit_train.model.hf`` docstring: a normalised head, loaded into ``NormHead`` as it is — the
+    same logits, since normalising it again changes it by about 1e-7) and the literal one of older exports and
+    public Ling checkpoints.
     """
     d = Path(directory)
     if not d.is_dir():
@@ -178,20 +178,23 @@ def load_hf_into(model: nn.Module, directory: str | os.PathLike[str]) -> None:
             raise ValueError(offline_hint(str(directory), "model.init_from"))
         raise ValueError(f"{d}: not a directory; model.init_from must name a Hugging Face BailingMoe directory")
     ours: ModelConfig = model.config  # type: ignore[assignment]
-    theirs, _ = read_hf_config(d)
+    theirs, raw = read_hf_config(d)
     check_same_architecture(ours, theirs, d / CONFIG_NAME)
+    # the files' own layout: the served encoding (our exports: head already normalised, a tied norm_head stored
+    # untied) or, without the trained-head key (older exports, public checkpoints), the architecture as it reads
+    layout = file_layout(ours, raw)
     files, src = weight_files(d)
-    _check_names(files, src, ours)
+    _check_names(files, src, layout)
     params = dict(model.named_parameters())
     for name, _ in params.items():
         if hasattr(params[name], "to_local"):
             raise ValueError(f"load_hf_into: parameter {name!r} is already sharded (DTensor); "
                              f"load the weights before parallelize()")
-    targets = hf_targets(ours)
+    targets = hf_targets(layout)
     n = 0
     for hf_name, value in iter_tensors(files):
-        if hf_name not in targets:  # a stray lm_head.weight beside tied embeddings
-            continue
+        if hf_name not in targets or targets[hf_name][0] not in params:
+            continue  # a stray lm_head.weight beside tied embeddings, or the served copy of a tied normalised head
         name, expert = targets[hf_name]
         p = params[name]
         (p if expert is None else p[expert]).copy_(value)

@@ -135,7 +135,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        moe = cfg.num_experts is not None and layer_idx >= cfg.first_k_dense_replace
+        moe = bool(cfg.num_experts) and layer_idx >= cfg.first_k_dense_replace  # 0 / null: dense
         self.mlp = MoE(cfg) if moe else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,

@@ -70,8 +70,8 @@ def pick_common(root: Path, clusters: dict[str, Path], step: int | None) -> Pick
         what = f"the common weights of cluster{'s' if n > 1 else ''} {label} ({agree}; {algo}: no anchor)"
     where = f"{root}/{{{','.join(names)}}}/step_{s:08d}" if n > 1 else str(clusters[names[0]] / f"step_{s:08d}")
     meta = {"edit_train_step": str(s), "edit_train_clusters": label,
-            "edit_train_checkpoint": str((clusters[names[0]] / f"step_{s:08d}").resolve()) if n == 1
-            else f"{root.resolve()}/{{{','.join(names)}}}/step_{s:08d}",
+            "edit_train_checkpoint": f"checkpoints/{names[0]}/step_{s:08d}" if n == 1
+            else f"checkpoints/{{{','.join(names)}}}/step_{s:08d}",
             "edit_train_tensor": "anchor" if first.anchor is not None else "replica"}
     return Picked(first.anchor or first.replica, first.model_cfg, first.run_cfg, s, what, where, meta)
 
@@ -101,9 +101,18 @@ def pick_replica(step_dir: Path, cluster: str | None) -> Picked:
         ck = open_group(step_dir, index)
         what, who = f"cluster c{index}'s replica", {"edit_train_clusters": f"c{index}"}
     step = step_of(step_dir)
-    meta = {"edit_train_step": str(step), **who, "edit_train_checkpoint": str(step_dir.resolve()),
+    meta = {"edit_train_step": str(step), **who, "edit_train_checkpoint": run_relative(step_dir),
             "edit_train_tensor": "replica"}
     return Picked(ck.replica, ck.model_cfg, ck.run_cfg, step, what, str(step_dir), meta)
+
+
+def run_relative(step_dir: Path) -> str:
+    """A step directory named from the run's ``checkpoints/`` on (``checkpoints/c0/step_00000008``), never the
+    host path: exports travel to other machines and the Hub."""
+    parts = step_dir.resolve().parts
+    if "checkpoints" in parts:
+        return "/".join(parts[len(parts) - 1 - parts[::-1].index("checkpoints"):])
+    return step_dir.name
 
 
 def pick(source: Path, step: int | None, cluster: str | None) -> Picked:
