@@ -129,7 +129,10 @@ def local_steps_text(steps: list[int]) -> str:
 def _run_line(rec: dict[str, Any], run_dir: str) -> str:
     init = rec.get("initial_val_loss")
     val = f"{init:.3f} -> {rec['final_val_loss']:.3f}" if init is not None else f"{rec['final_val_loss']:.3f}"
-    return f"{rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s']:.1f}s, val loss {val}; run dir {run_dir}"
+    down = rec.get("downtime_s") or 0.0  # between launches: not run time (train/summary.py)
+    down_text = f" (and {down:.1f}s down between launches)" if down >= 0.05 else ""
+    return (f"{rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s']:.1f}s{down_text}, val loss {val}; "
+            f"run dir {run_dir}")
 
 
 def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = None,

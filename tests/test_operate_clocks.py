@@ -1,0 +1,138 @@
+"""Honest clocks (issue 48, problem 3): wall time, tokens/s and goodput count live time only; the downtime
+between two launches of a cluster is its own bucket in its record, `summary.json` and the closing block.
+
+The clock is a fake (`progress.now`), so a 25-minute break costs no test time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edit_train.cli.train import closing_block
+from edit_train.cluster.group import RankGroup
+from edit_train.train import progress
+from edit_train.train.progress import Carried, TrainingState, record_path
+from edit_train.train.summary import cluster_record, merge, write_cluster_summary
+
+TOKENS_PER_STEP = 1000
+STATS = {"bytes_sent": 0, "blocked_s": 0.0, "syncs": 1, "syncs_missed": 0, "syncs_aborted": 0, "anomalies": 0,
+         "local_steps_per_sync": [10], "healed_from": None}
+
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock(10_000.0)
+    monkeypatch.setattr(progress, "now", c)
+    return c
+
+
+def incarnation(run_dir: Path, clock: Clock, name: str, steps: int, startup_s: float = 5.0,
+                step_s: float = 1.0) -> TrainingState:
+    """One launch of cluster `name`: start-up, `steps` steps of `step_s` each, a record after every step."""
+    state = TrainingState.begin(run_dir, name, TOKENS_PER_STEP, restarted=False)
+    clock.t += startup_s
+    state.t0 = clock.t
+    for _ in range(steps):
+        clock.t += step_s
+        state.trained()
+        state.carried.useful_s += step_s
+        state.save()
+    return state
+
+
+def record(state: TrainingState, index: int = 0) -> dict:
+    return cluster_record(state, RankGroup(), STATS, index=index, device="cpu", algo="diloco",
+                          param_counts={"total_params": 1, "active_params": 1}, val_loss=2.0, restarts=0,
+                          slowdown_slept_s=0.0, time_split={})
+
+
+def test_downtime_excluded_from_tokens_per_s(tmp_path: Path, clock: Clock) -> None:
+    """Killed after 100 steps, relaunched 25 minutes later (healed from a peer: no checkpoint restored), 100 more:
+    200 steps in 200 s of loop, not both launches' tokens over the last launch's seconds, nor over the break."""
+    incarnation(tmp_path, clock, "b", 100)
+    clock.t += 1500.0  # down 25 minutes
+    state = incarnation(tmp_path, clock, "b", 100)
+    rec = record(state)
+    assert rec["tokens"] == 200 * TOKENS_PER_STEP
+    assert rec["wall_s"] == pytest.approx(200.0)
+    assert rec["tokens_per_s"] == pytest.approx(TOKENS_PER_STEP, rel=1e-6)  # today: 2,000 (last launch's 100 s)
+    assert rec["downtime_s"] == pytest.approx(1500.0)
+    assert rec["live_s"] == pytest.approx(210.0)  # two start-ups of 5 s and 200 s of steps
+
+
+def test_summary_wall_and_goodput_count_live_time(tmp_path: Path, clock: Clock) -> None:
+    """A finished single-cluster run resumed 25 minutes later: summary.json's wall, tokens/s and goodput are the
+    live time's; the 1500 s are `downtime_s`, and the closing block says them apart."""
+    first = incarnation(tmp_path, clock, "c0", 100)
+    write_cluster_summary(tmp_path, record(first), ["c0"])
+    clock.t += 1500.0
+    second = incarnation(tmp_path, clock, "c0", 20)
+    summary = write_cluster_summary(tmp_path, record(second), ["c0"])
+    assert summary["wall_s"] == pytest.approx(130.0)  # 2 start-ups + 120 s of steps; today 1630
+    assert summary["downtime_s"] == pytest.approx(1500.0)
+    assert summary["tokens_per_s"] == pytest.approx(120 * TOKENS_PER_STEP / 130.0)
+    assert summary["goodput"] == pytest.approx(120.0 / 130.0)  # today 0.07
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["downtime_s"] == pytest.approx(1500.0)
+    block = closing_block(summary, str(tmp_path))
+    assert "120,000 tokens in 130.0s (and 1500.0s down between launches)" in block.splitlines()[0]
+
+
+def test_federation_downtime_is_when_no_cluster_was_alive(tmp_path: Path, clock: Clock) -> None:
+    """One cluster down while the other trains is not the federation's downtime; the cluster's own is its own."""
+    a = incarnation(tmp_path, clock, "a", 50)  # 10_000 .. 10_055
+    b_first = TrainingState.begin(tmp_path, "b", TOKENS_PER_STEP, restarted=False)
+    b_first.t0 = clock.t
+    b_first.save()
+    clock.t = 10_000.0 + 55.0
+    b_first.save()  # b alive 10_000 .. 10_055 too (its clock saved at its own pace)
+    rec_a = record(a, 0)
+    clock.t += 100.0  # both down for 100 s
+    b = incarnation(tmp_path, clock, "b", 10)
+    rec_b = {**record(b, 1), "end": clock.t}
+    summary = merge([{**rec_a, "end": 10_055.0}, rec_b], ["a", "b"])
+    assert summary["downtime_s"] == pytest.approx(100.0)
+    assert summary["wall_s"] == pytest.approx(55.0 + 15.0)
+    assert rec_b["downtime_s"] == pytest.approx(100.0)
+
+
+def test_old_record_without_live_spans_still_reads(tmp_path: Path, clock: Clock) -> None:
+    """A progress record and a cluster record written before live spans were kept: read as one span from the
+    first start (after the downtime it counted) to the last record, and merged without them."""
+    path = record_path(tmp_path, "c0")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"tokens": 5000, "steps_trained": 5, "useful_s": 40.0, "downtime_s": 100.0,
+                                "first_start": 9_000.0, "incarnations": 2, "restarts": 0, "saved_at": 9_200.0}))
+    old = Carried.load(path)
+    assert old is not None and old.live_s == pytest.approx(100.0) and old.wall_s is None
+    state = TrainingState.begin(tmp_path, "c0", TOKENS_PER_STEP, restarted=False)
+    assert state.carried.downtime_s == pytest.approx(100.0 + 800.0)
+    old_record = {"name": "c0", "algo": "ddp", "steps": 5, "tokens": 5000, "wall_s": 90.0, "first_start": 9_000.0,
+                  "downtime_s": 100.0, "end": 9_200.0, "useful_s": 40.0, "final_val_loss": 2.0,
+                  "initial_val_loss": None, "cross_cluster_bytes": 0, "syncs": 0, "anomalies": 0, "blocked_s": 0.0,
+                  "total_params": 1, "active_params": 1}
+    summary = merge([old_record], ["c0"])
+    assert summary["wall_s"] == pytest.approx(100.0) and summary["goodput"] == pytest.approx(0.4)
+
+
+def test_report_table_has_the_downtime_apart(tmp_path: Path, clock: Clock) -> None:
+    """The report's table: wall_s and tokens/s of the live time, the downtime in its own column."""
+    from edit_train.report.model import load_run, table_rows
+
+    first = incarnation(tmp_path, clock, "c0", 100)
+    write_cluster_summary(tmp_path, record(first), ["c0"])
+    clock.t += 1500.0
+    write_cluster_summary(tmp_path, record(incarnation(tmp_path, clock, "c0", 20)), ["c0"])
+    (tmp_path / "metrics.jsonl").write_text("")
+    row = table_rows([load_run(tmp_path)])[0]
+    assert (row["wall_s"], row["tokens/s"], row["downtime_s"]) == ("130.0", "923", "1,500.0")
