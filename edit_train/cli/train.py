@@ -151,6 +151,9 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
         lines = [f"done: cluster {cluster}, {_run_line(own, run_dir)}"]
     else:
         lines = [f"done: {_run_line(summary, run_dir)}"]
+    # the configured clusters and those that joined mid-run (a record of their own, or this job's cluster)
+    expected = list(dict.fromkeys([*(expected or []), *clusters, *([cluster] if cluster else [])])) if expected \
+        else expected
     if len(clusters) > 1 or (own is not None and not completed):
         n = (f"{len(clusters)} of {len(expected)} clusters so far" if expected and not completed
              else f"{len(clusters)} cluster{'s' if len(clusters) > 1 else ''}" + ("" if completed else " so far"))
