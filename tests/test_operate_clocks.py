@@ -136,3 +136,42 @@ def test_report_table_has_the_downtime_apart(tmp_path: Path, clock: Clock) -> No
     (tmp_path / "metrics.jsonl").write_text("")
     row = table_rows([load_run(tmp_path)])[0]
     assert (row["wall_s"], row["tokens/s"], row["downtime_s"]) == ("130.0", "923", "1,500.0")
+
+
+# ------------------------------------------------------------------ issue 48, problem 8's smaller items
+def test_a_40_file_corpus_gets_a_validation_set_of_val_fraction(tmp_path: Path, caplog) -> None:
+    """40 files at val_fraction=0.02: the hash alone picks (at most) one document, here the smallest — today a
+    0.1 % validation set, said nowhere. Split by size instead: at least 2 % of the tokens, and one line says so."""
+    import logging
+
+    from edit_train.data.corpus import split_score
+    from edit_train.data.prepare import ensure_dataset
+
+    keys = [f"doc{i:02d}.txt" for i in range(40)]
+    lowest = min(keys, key=lambda k: split_score(k, 0))
+    for key in keys:
+        small = key == lowest or split_score(key, 0) < 0.02
+        (tmp_path / key).write_text(("x = 1\n" * (20 if small else 1000)))
+    with caplog.at_level(logging.INFO, logger="edit_train.data.corpus"):
+        out = ensure_dataset(str(tmp_path / "*.txt"), cache_dir=tmp_path / "cache", progress=False, workers=1)
+    splits = json.loads((out / "meta.json").read_text())["splits"]
+    val, total = splits["val"]["tokens"], splits["val"]["tokens"] + splits["train"]["tokens"]
+    assert val >= 0.02 * total, (val, total)  # today: 121 of ~234k tokens
+    assert val < 0.06 * total
+    line = next(r.getMessage() for r in caplog.records if "too few to split by hash" in r.getMessage())
+    assert "40 documents" in line and "val_fraction=0.02" in line, line
+
+
+def test_val_loss_vs_tokens_counts_every_clusters_tokens(tmp_path: Path) -> None:
+    """Each cluster logs a world eval with its own tokens; the x of val_loss_vs_tokens.png ("tokens (all
+    clusters)") is the federation's: today c1's 1,000 at step 10, not c0's and c1's 2,000."""
+    from edit_train.report.model import Run
+
+    events = []
+    for step in (10, 20):
+        for g in (0, 1):
+            events.append({"event": "train", "step": step, "cluster_index": g, "tokens": step * 100, "loss": 3.0})
+        for g in (0, 1):
+            events.append({"event": "eval", "step": step, "cluster_index": g, "tokens": step * 100,
+                           "val_loss": 4.0 - step / 10})
+    assert Run(tmp_path, events).evals_vs_tokens() == [(2000.0, 3.0), (4000.0, 2.0)]

@@ -161,6 +161,20 @@ class Run:
         by_step = {e.get("step"): e for e in chosen if isinstance(e.get("step"), (int, float))}
         return [by_step[s] for s in sorted(by_step)]
 
+    def evals_vs_tokens(self) -> list[tuple[float, float]]:
+        """(tokens all clusters had trained, val loss) of each world evaluation, by step (last record wins). Each
+        cluster logs its own tokens; the others' are their latest `train`/`eval` record before it in
+        metrics.jsonl (one file every cluster appends to, in the order things happened)."""
+        latest: dict[Any, float] = {}
+        by_step: dict[Any, tuple[float, float]] = {}
+        for e in self.events:
+            if e.get("event") not in ("train", "eval") or not math.isfinite(tokens := _num(e.get("tokens"))):
+                continue
+            latest[e.get("cluster_index", 0)] = tokens
+            if e["event"] == "eval" and e.get("scope", "world") != "cluster" and isinstance(e.get("step"), (int, float)):
+                by_step[e["step"]] = (sum(latest.values()), _num(e.get("val_loss")))
+        return [by_step[s] for s in sorted(by_step)]
+
     def eval_clusters(self) -> list[int]:
         return sorted({e["cluster_index"] for e in self.of("eval") if e.get("scope") == "cluster"
                        and isinstance(e.get("cluster_index"), int)})
