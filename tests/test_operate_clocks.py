@@ -175,3 +175,38 @@ def test_val_loss_vs_tokens_counts_every_clusters_tokens(tmp_path: Path) -> None
             events.append({"event": "eval", "step": step, "cluster_index": g, "tokens": step * 100,
                            "val_loss": 4.0 - step / 10})
     assert Run(tmp_path, events).evals_vs_tokens() == [(2000.0, 3.0), (4000.0, 2.0)]
+
+
+def test_plan_calibrate_says_what_it_times(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """`edit-train plan calibrate` spends ~a minute timing codecs: a line before each (today: silence until the
+    end). The codec's timing itself is faked here (its numbers are not what this test is about)."""
+    from edit_train.cli import codec_cost
+    from edit_train.cli.plan import run_calibrate
+    from edit_train.codec import compiled
+    from test_plan import _synthetic_run
+
+    _synthetic_run(tmp_path / "a", 0.004, 50e6, "none", 0.05)
+    _synthetic_run(tmp_path / "b", 0.004, 50e6, "int8", 0.05)
+    timed = []
+    monkeypatch.setattr(codec_cost, "time_codec", lambda c: timed.append(c.label) or {"encode": [1e-4, 1e-9],
+                                                                                         "decode": [1e-4, 1e-9]})
+    monkeypatch.setattr(compiled, "available", lambda: False)  # no top-k compile timing (its own test below)
+    run_calibrate([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "p.json")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("calibrate [")]
+    assert len(lines) == len(timed) >= 3, lines
+    assert lines[0].endswith(f"timing the {timed[0]} codec (1 of {len(timed)})"), lines
+
+
+def test_the_top_k_compile_timing_says_it_is_still_compiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child that compiles a new top-k format (tens of seconds): a line when it starts and every `every_s`
+    while it runs. The child here is a stand-in that sleeps and prints its CPU seconds, as the real one does."""
+    from edit_train.cli import codec_cost
+    from edit_train.codec import compiled
+    from edit_train.plan.spec import Scenario, TopK, topk_codec
+
+    monkeypatch.setattr(compiled, "available", lambda: True)
+    monkeypatch.setattr(codec_cost, "_COMPILE", "import time; time.sleep(1.5); print(0.25)")
+    said: list[str] = []
+    codec = topk_codec(Scenario("codecs", [], block_size=256, scale_dtype="fp32"), TopK())
+    assert codec_cost.compile_seconds(codec, say=said.append, every_s=0.4) == 0.25
+    assert said[0].startswith("timing how long a new top-k format") and said[1].startswith("still compiling"), said
