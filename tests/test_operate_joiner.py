@@ -103,3 +103,12 @@ def test_the_closing_block_counts_a_joiner() -> None:
     block = closing_block(summary, "runs/fed", cluster="c", expected=["a", "b"])
     assert "2 of 3 clusters so far" in block and "b still training" in block, block
     assert json.dumps(summary)  # the summary itself is untouched
+
+
+def test_a_joiner_has_no_simulated_slowdown_of_another_cluster() -> None:
+    """Its index is past the configured clusters' factors: its own hardware's speed (today an IndexError at
+    start once the index is its own; with crc32 % 2 it took a or b's factor)."""
+    from edit_train.sim.hetero import Slowdown
+
+    assert Slowdown(2, [1.0, 3.0], groups=2).base == 1.0 and not Slowdown(2, [1.0, 3.0], groups=2).active
+    assert Slowdown(1, [1.0, 3.0], groups=2).base == 3.0
