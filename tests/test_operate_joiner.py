@@ -112,3 +112,28 @@ def test_a_joiner_has_no_simulated_slowdown_of_another_cluster() -> None:
 
     assert Slowdown(2, [1.0, 3.0], groups=2).base == 1.0 and not Slowdown(2, [1.0, 3.0], groups=2).active
     assert Slowdown(1, [1.0, 3.0], groups=2).base == 3.0
+
+
+def test_an_a_edit_cluster_stops_at_its_target_not_an_interval_past_it() -> None:
+    """A-EDiT plans a fast cluster's interval from τ (36 steps in the issue's run): today it syncs — and votes to
+    stop — only at the end of that interval, 35 steps past train.steps=20 ("step 30/20"). Now the step that
+    reaches the target starts the sync that carries its stop vote."""
+    from edit_train.cluster.group import RankGroup
+    from edit_train.local_sgd.pacer import PaceConfig, Pacer
+    from edit_train.local_sgd.schedule import ScheduleConfig
+
+    pacer = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=1e6), local_sgd=True, total_steps=20),
+                  RankGroup())
+    pacer.planned = 36  # what τ gave this fast cluster at its last sync
+    pacer.total_steps = 5  # healed at step 5 (a joiner adopts the others' step)
+    due_at = None
+    for step in range(5, 60):
+        pacer.total_steps = step + 1
+        pacer.local_step(step, 0.01)
+        if pacer.due:
+            due_at = step + 1
+            break
+    assert due_at == 20 and pacer.vote  # its stop vote goes with that sync
+    lockstep = Pacer(PaceConfig(ScheduleConfig(kind="step", interval=8), local_sgd=True, total_steps=20), RankGroup())
+    lockstep.total_steps = 20
+    assert not lockstep.at_target  # a step schedule stops at train.steps on its own
