@@ -210,3 +210,23 @@ def test_the_top_k_compile_timing_says_it_is_still_compiling(monkeypatch: pytest
     codec = topk_codec(Scenario("codecs", [], block_size=256, scale_dtype="fp32"), TopK())
     assert codec_cost.compile_seconds(codec, say=said.append, every_s=0.4) == 0.25
     assert said[0].startswith("timing how long a new top-k format") and said[1].startswith("still compiling"), said
+
+
+def test_an_incarnation_is_live_from_its_process_start(tmp_path: Path, clock: Clock) -> None:
+    """The seconds a relaunched process spends importing and building before its trainer count as live, not as
+    downtime: the span starts where the process did (`process_start`, /proc/self/stat on Linux)."""
+    incarnation(tmp_path, clock, "c0", 10)
+    clock.t += 100.0
+    state = TrainingState.begin(tmp_path, "c0", TOKENS_PER_STEP, restarted=False, started=clock.t - 30.0)
+    assert state.carried.downtime_s == pytest.approx(70.0)
+    assert state.carried.live_spans[-1] == [clock.t - 30.0, clock.t - 30.0]
+
+
+def test_process_start_is_this_processs_start() -> None:
+    import os
+    import time
+
+    started = progress.process_start()
+    assert started <= time.time()
+    if os.path.exists("/proc/self/stat"):  # pytest has run for a while: its process began before this test
+        assert started < time.time() - 0.5 and started > time.time() - 86_400

@@ -37,6 +37,19 @@ def now() -> float:
     return time.time()
 
 
+def process_start() -> float:
+    """When this process started (Linux: /proc/self/stat, to the second), else now: an incarnation is live from
+    then (its imports and start-up included), not from when its trainer was built."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return now()
+    return min(started, now())
+
+
 def record_path(run_dir: Path, name: str) -> Path:
     return run_dir / "clusters" / f"{name}.progress.json"
 
@@ -115,19 +128,24 @@ class TrainingState:
     schedule: LrSchedule | None = None  # the learning-rate schedule (checkpointed: a resume may have re-planned it)
 
     @staticmethod
-    def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None) -> TrainingState:
+    def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None,
+              started: float | None = None) -> TrainingState:
         """A new incarnation of cluster `name` (the first, or after a restart / resume). `restarted`: this
-        start follows a failure (default: what the launcher's environment says, `restart_count`)."""
+        start follows a failure (default: what the launcher's environment says, `restart_count`); `started`:
+        when this incarnation's process started (default: now), where its live span begins."""
         state = TrainingState(name, run_dir, tokens_per_step)
+        started = state.t_start if started is None else min(started, state.t_start)
         earlier = Carried.load(record_path(run_dir, name))
         if earlier is not None:
             if earlier.incarnations > 0 and earlier.saved_at:
-                earlier.downtime_s += max(state.t_start - earlier.saved_at, 0.0)
+                earlier.downtime_s += max(started - earlier.saved_at, 0.0)
             state.carried = earlier
             state.initial_val_loss = earlier.initial_val_loss  # a step-0 eval of this incarnation replaces it
             state.wall_offset = earlier.wall_s or 0.0  # a checkpoint's (restore) when the record has none
+        else:
+            state.carried.first_start = started
         state.carried.incarnations += 1
-        state.carried.live_spans.append([state.t_start, state.t_start])
+        state.carried.live_spans.append([started, started])
         if restarted is None:
             restarted = restart_count() > 0
         if restarted:
