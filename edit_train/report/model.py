@@ -224,7 +224,7 @@ class Run:
         if not math.isfinite(final):
             final = self._last_val()
         return {"steps": s.get("steps"), "tokens": s.get("tokens"), "wall_s": wall,
-                "downtime_s": _num(s.get("downtime_s", 0.0)),  # live time only: downtime is its own bucket
+                "downtime_s": _num(s.get("downtime_s")),  # live time only: downtime is its own bucket (n/a: older)
                 "tokens_per_s": _num(s.get("tokens_per_s")), "final_val_loss": final,
                 "cross_cluster_bytes": s.get("cross_cluster_bytes"), "syncs": s.get("syncs"),
                 "anomalies": s.get("anomalies"), "blocked_frac": blocked_frac, "per_cluster": per_cluster}
