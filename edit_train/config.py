@@ -46,7 +46,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 420  # a_edit: the run ends at the first sync after any cluster has taken this many steps
+    steps: int = 420  # a_edit: the run ends once any cluster has taken this many steps (it syncs right there)
     time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128
