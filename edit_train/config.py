@@ -294,7 +294,8 @@ def validate(cfg: Config) -> None:
         _check_experts(cfg)
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
-    _need(cfg.data.parts >= 0, "data.parts", f"must be >= 0 (0 = one part per configured cluster), got {cfg.data.parts}")
+    _need(cfg.data.parts >= 0, "data.parts",
+          f"must be >= 0 (0 = one part per configured cluster), got {cfg.data.parts}")
     _need(c.count >= 1, "cluster.count", f"must be >= 1, got {c.count}")
     _need(c.ranks >= 1, "cluster.ranks", f"must be >= 1, got {c.ranks}")
     specs = cluster_specs(cfg)

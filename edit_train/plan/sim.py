@@ -23,8 +23,9 @@ Semantics followed (docs/architecture.md §3–4, `local_sgd/pacer.py`, `drivers
 * a killed cluster loses the compute no sync committed, is back `restart_s` later, meets (the grace window),
   trains from scratch and heals + adopts the step at its next joint sync;
 * a fixed run ends at `steps` (step schedules: each cluster; A-EDiT: everyone at the first sync at which
-  any has reached it — the one that reaches it syncs right there), the last sync blocking, then the final eval. A horizon run stops simulating once the
-  throughput has converged and scales the steady state to the horizon (`extrapolated`).
+  any has reached it — the one that reaches it syncs right there), the last sync blocking, then the final
+  eval. A horizon run stops simulating once the throughput has converged and scales the steady state to the
+  horizon (`extrapolated`).
 """
 
 from __future__ import annotations

@@ -171,7 +171,8 @@ class Run:
             if e.get("event") not in ("train", "eval") or not math.isfinite(tokens := _num(e.get("tokens"))):
                 continue
             latest[e.get("cluster_index", 0)] = tokens
-            if e["event"] == "eval" and e.get("scope", "world") != "cluster" and isinstance(e.get("step"), (int, float)):
+            world = e["event"] == "eval" and e.get("scope", "world") != "cluster"
+            if world and isinstance(e.get("step"), (int, float)):
                 by_step[e["step"]] = (sum(latest.values()), _num(e.get("val_loss")))
         return [by_step[s] for s in sorted(by_step)]
 
