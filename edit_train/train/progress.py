@@ -37,9 +37,16 @@ def now() -> float:
     return time.time()
 
 
+_started_once = [False]  # a process's start belongs to its first incarnation only
+
+
 def process_start() -> float:
     """When this process started (Linux: /proc/self/stat, to the second), else now: an incarnation is live from
-    then (its imports and start-up included), not from when its trainer was built."""
+    then (its imports and start-up included), not from when its trainer was built. Only the first call of a
+    process: a later run in the same process (a Hydra sweep's next job, a test's) starts now."""
+    if _started_once[0]:
+        return now()
+    _started_once[0] = True
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
