@@ -39,11 +39,14 @@ class DataConfig:
     # shared: the clusters split `source` (or their own cluster.clusters[i].data.source); by_family: cluster i of
     # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all
     split: str = "shared"
+    # how many parts the clusters sharing a source cut it into (0: one per configured cluster); the parts beyond
+    # the configured clusters are kept for clusters added mid-run (edit-train-keygen add), in the order added
+    parts: int = 0
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 420  # a_edit: the run ends at the first sync after any cluster has taken this many steps
+    steps: int = 420  # a_edit: the run ends once any cluster has taken this many steps (it syncs right there)
     time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128
@@ -291,6 +294,8 @@ def validate(cfg: Config) -> None:
         _check_experts(cfg)
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
+    _need(cfg.data.parts >= 0, "data.parts",
+          f"must be >= 0 (0 = one part per configured cluster), got {cfg.data.parts}")
     _need(c.count >= 1, "cluster.count", f"must be >= 1, got {c.count}")
     _need(c.ranks >= 1, "cluster.ranks", f"must be >= 1, got {c.ranks}")
     specs = cluster_specs(cfg)

@@ -108,10 +108,11 @@ def test_partitioned_cluster_rejoins_without_any_exit(tmp_path: Path, corpus: st
 @pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     run_dir = tmp_path / "join"
-    proc = start(run_dir, corpus, *THREE)
+    proc = start(run_dir, corpus, *THREE, "data.parts=4")  # a part of the corpus kept for the cluster added later
     wait_for(run_dir, lambda e: e["event"] == "sync" and e["sync"] >= 3, proc=proc)
     lighthouse = json.loads((run_dir / "federation.json").read_text())["lighthouse"]
-    late = start(run_dir, corpus, *THREE, "cluster.only=c3", f"federation.lighthouse={lighthouse}", "resume=auto")
+    late = start(run_dir, corpus, *THREE, "data.parts=4", "cluster.only=c3", f"federation.lighthouse={lighthouse}",
+                 "resume=auto")
     finish(late)
     finish(proc)
     evs = events(run_dir)
@@ -119,6 +120,7 @@ def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     assert c3 and len(c3[0]["quorum"]) == 4
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["per_cluster"]["c3"]["healed_from"]
+    assert summary["per_cluster"]["c3"]["index"] == 3  # its own index (and data part 3 of 4), not c0..c2's
     _ends_on_one_anchor(run_dir, ["c0", "c1", "c2", "c3"])
 
 

@@ -128,15 +128,17 @@ def test_report_on_three_runs(runs, tmp_path, capsys):
     rows = _table_rows(md)
     assert [r[0] for r in rows] == ["edit", "ddp", "crashed (incomplete)", "empty (incomplete)"]
     by_run = {r[0]: r for r in rows}
-    # run, algo, steps, tokens, wall_s, tokens/s, final val loss, cross-cluster bytes, syncs, anomalies, blocked %
-    assert by_run["edit"][1:] == ["edit", "24", "6,144", "2.5", "2,458", "3.600", "5.9 KiB", "3", "1", "6.0%"]
+    # run, algo, steps, tokens, wall_s, tokens/s, final val loss, cross-cluster bytes, syncs, anomalies, blocked %,
+    # downtime_s (n/a: a summary.json written before it was kept)
+    assert by_run["edit"][1:] == ["edit", "24", "6,144", "2.5", "2,458", "3.600", "5.9 KiB", "3", "1", "6.0%", "n/a"]
     assert by_run["ddp"][1] == "ddp" and by_run["ddp"][7] == "5.0 GiB" and by_run["ddp"][8] == "0"
     crashed = by_run["crashed (incomplete)"]
     assert crashed[1] == "diloco"  # from config.json
     assert crashed[2] == "12"  # the torn last line is skipped
     assert crashed[6] == "n/a" and crashed[7] == "n/a"  # no evals; bytes unknown without sync events
     assert "incomplete" in md and "no summary.json" in md
-    assert by_run["empty (incomplete)"][1:] == ["?", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "0", "0", "n/a"]
+    assert by_run["empty (incomplete)"][1:] == ["?", "n/a", "n/a", "n/a", "n/a", "n/a", "n/a", "0", "0", "n/a",
+                                                "n/a"]
 
     printed = capsys.readouterr().out
     assert _table_rows(printed) == rows  # the same table on stdout

@@ -319,8 +319,12 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
             from edit_train.config import cluster_specs
             from edit_train.train.build import my_cluster
 
-            spec = my_cluster(cfg, cluster_specs(cfg))
+            from edit_train.train.site_data import site_data
+
+            specs = cluster_specs(cfg)
+            spec = my_cluster(cfg, specs)  # a cluster added mid-run: its index (or one line why it has none)
             check_shape(int(os.environ["WORLD_SIZE"]), spec.ranks, spec.name)
+            site_data(cfg, specs, spec)  # ... and its data part
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from edit_train.plan.traffic import Codec
 
@@ -70,15 +70,20 @@ def time_codec(codec: Codec, sizes: tuple[int, int] = SIZES, reps: int = REPS) -
     return out
 
 
-def time_codecs(codecs: Iterable[Codec]) -> dict[str, dict[str, list[float]]]:
-    """`time_codec` for every lossy codec (by label); fp8 only where this torch build has float8."""
+def time_codecs(codecs: Iterable[Codec], say: Callable[[str], None] | None = None) -> dict[str, dict[str, list[float]]]:
+    """`time_codec` for every lossy codec (by label); fp8 only where this torch build has float8. `say`: told
+    which codec is being timed, before each (a few seconds apiece)."""
     from edit_train.codec.dense import fp8_supported
 
-    out: dict[str, dict[str, list[float]]] = {}
+    todo: dict[str, Codec] = {}
     for c in codecs:
-        if not c.lossy or c.label in out or (c.scheme == "fp8" and not fp8_supported()):
-            continue
-        out[c.label] = time_codec(c)
+        if c.lossy and c.label not in todo and not (c.scheme == "fp8" and not fp8_supported()):
+            todo[c.label] = c
+    out: dict[str, dict[str, list[float]]] = {}
+    for i, (label, c) in enumerate(todo.items(), start=1):
+        if say is not None:
+            say(f"timing the {label} codec ({i} of {len(todo)})")
+        out[label] = time_codec(c)
     return out
 
 
@@ -96,10 +101,12 @@ print(time.process_time() - t0)
 """
 
 
-def compile_seconds(codec: Codec, timeout_s: float = 600.0) -> float:
+def compile_seconds(codec: Codec, timeout_s: float = 600.0, say: Callable[[str], None] | None = None,
+                    every_s: float = 15.0) -> float:
     """CPU seconds one process spends compiling a top-k format's kernels it has never compiled (numba's cache
     pointed at an empty directory in a child process, so nothing of this host's cache is used or touched);
-    0.0 where the fused codec does not run (no numba)."""
+    0.0 where the fused codec does not run (no numba). `say`: told when it starts and every `every_s` seconds
+    while the child compiles (tens of seconds)."""
     from edit_train.codec import compiled
 
     if not codec.sparse or not compiled.available():
@@ -107,6 +114,23 @@ def compile_seconds(codec: Codec, timeout_s: float = 600.0) -> float:
     with tempfile.TemporaryDirectory(prefix="edit-train-compile-") as tmp:
         env = {**os.environ, "NUMBA_CACHE_DIR": tmp, "OMP_NUM_THREADS": "1"}
         args = [str(codec.block_size), str(codec.density), str(codec.bits), codec.scale_dtype, str(codec.group)]
-        out = subprocess.run([sys.executable, "-c", _COMPILE, *args], env=env, capture_output=True, text=True,
-                             timeout=timeout_s, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+        if say is not None:
+            say(f"timing how long a new top-k format ({codec.label}) takes to compile, in a child process")
+        t0 = time.monotonic()
+        with subprocess.Popen([sys.executable, "-c", _COMPILE, *args], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) as proc:
+            while True:
+                left = timeout_s - (time.monotonic() - t0)
+                try:
+                    stdout, stderr = proc.communicate(timeout=max(min(every_s, left), 0.01))
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - t0 >= timeout_s:
+                        proc.kill()
+                        proc.communicate()
+                        raise
+                    if say is not None:
+                        say(f"still compiling ({time.monotonic() - t0:.0f} s)")
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, proc.args, stdout, stderr)
+    return float(stdout.strip().splitlines()[-1])

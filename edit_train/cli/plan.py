@@ -16,6 +16,8 @@ hold on this host now, 1 when its predictions no longer apply.
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,16 @@ def run_check(args: list[str]) -> int:
     return 1 if stale else 0
 
 
+def progress_lines(what: str) -> Callable[[str], None]:
+    """A function that writes `what [12s] text` lines to stderr (seconds since it was made)."""
+    t0 = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"{what} [{time.monotonic() - t0:.0f}s] {text}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_calibrate(args: list[str]) -> Path:
     from edit_train.cli.codec_cost import compile_seconds, time_codecs
     from edit_train.plan.calibrate import calibrate, codec_of_run, read_run
@@ -118,8 +130,9 @@ def run_calibrate(args: list[str]) -> Path:
     base = Scenario("codecs", [], block_size=codecs[0].block_size, scale_dtype=codecs[0].scale_dtype)
     codecs += [topk_codec(base, TopK(**t)) for t in CandidateSet().topk]
     sparse = next((c for c in codecs if c.sparse), None)
-    prof = calibrate(dirs, codec=time_codecs(codecs) if time_codec else None,
-                     compile_s=compile_seconds(sparse) if time_codec and sparse is not None else 0.0)
+    say = progress_lines("calibrate")  # the codec's timing takes ~a minute: say what is being timed
+    prof = calibrate(dirs, codec=time_codecs(codecs, say) if time_codec else None,
+                     compile_s=compile_seconds(sparse, say=say) if time_codec and sparse is not None else 0.0)
     path = prof.save(out)
     fit = prof.fit
     sync = fit.get("sync", {})

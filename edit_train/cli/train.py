@@ -129,7 +129,10 @@ def local_steps_text(steps: list[int]) -> str:
 def _run_line(rec: dict[str, Any], run_dir: str) -> str:
     init = rec.get("initial_val_loss")
     val = f"{init:.3f} -> {rec['final_val_loss']:.3f}" if init is not None else f"{rec['final_val_loss']:.3f}"
-    return f"{rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s']:.1f}s, val loss {val}; run dir {run_dir}"
+    down = rec.get("downtime_s") or 0.0  # between launches: not run time (train/summary.py)
+    down_text = f" (and {down:.1f}s down between launches)" if down >= 0.05 else ""
+    return (f"{rec['steps']} steps, {rec['tokens']:,} tokens in {rec['wall_s']:.1f}s{down_text}, val loss {val}; "
+            f"run dir {run_dir}")
 
 
 def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = None,
@@ -148,6 +151,9 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
         lines = [f"done: cluster {cluster}, {_run_line(own, run_dir)}"]
     else:
         lines = [f"done: {_run_line(summary, run_dir)}"]
+    # the configured clusters and those that joined mid-run (a record of their own, or this job's cluster)
+    expected = list(dict.fromkeys([*(expected or []), *clusters, *([cluster] if cluster else [])])) if expected \
+        else expected
     if len(clusters) > 1 or (own is not None and not completed):
         n = (f"{len(clusters)} of {len(expected)} clusters so far" if expected and not completed
              else f"{len(clusters)} cluster{'s' if len(clusters) > 1 else ''}" + ("" if completed else " so far"))

@@ -241,14 +241,21 @@ def split_score(key: str, seed: int) -> float:
     return int.from_bytes(h[:8], "big") / 2.0**64
 
 
+# Below this many expected validation documents (documents x val_fraction) a split by each document's hash is
+# mostly luck (a 40-file corpus at 0.02 expects 0.8: one forced document, maybe 0.4 % of the tokens), so a corpus
+# of whole-file documents this small is split by size instead: its validation holds val_fraction of the bytes.
+SMALL_CORPUS_VAL_DOCS = 20.0
+
+
 def planned_sides(source: str | None, pieces: list[dict], val_fraction: float, seed: int) -> dict[str, str]:
     """``{key: "train" | "val"}`` for the documents whose side is decided over their whole source before any is
     tokenized: a standard-library family source (``pieces``: its text pieces, as dicts) splits each family on its
     own by size (`split_by_size`), so every source holding a document puts it on the same side (``stdlib:net+
-    systems``'s val is exactly ``stdlib:net``'s and ``stdlib:systems``'s). Empty for any other source: each
-    document's `split_score` decides as it is read."""
+    systems``'s val is exactly ``stdlib:net``'s and ``stdlib:systems``'s); a small corpus of text files (fewer
+    than ``SMALL_CORPUS_VAL_DOCS / val_fraction`` of them) is split by size as a whole, said in one line. Empty
+    for any other source: each document's `split_score` decides as it is read."""
     if not is_family_source(source):
-        return {}
+        return small_corpus_sides(source, pieces, val_fraction, seed)
     by_family: dict[str, list[tuple[str, int]]] = {}
     for piece in pieces:
         for path, key in zip(piece["paths"], piece["keys"]):
@@ -256,6 +263,22 @@ def planned_sides(source: str | None, pieces: list[dict], val_fraction: float, s
     sides: dict[str, str] = {}
     for docs in by_family.values():
         sides.update(split_by_size(docs, val_fraction, seed))
+    return sides
+
+
+def small_corpus_sides(source: str | None, pieces: list[dict], val_fraction: float, seed: int) -> dict[str, str]:
+    """A small corpus of text files: split by size (validation = val_fraction of its bytes, at least one
+    document), with one line saying so; empty for a larger one or one of JSONL / Parquet rows."""
+    if val_fraction <= 0 or not pieces or any(p.get("kind") != "text" for p in pieces):
+        return {}
+    docs = [(key, os.path.getsize(path)) for p in pieces for path, key in zip(p["paths"], p["keys"])]
+    if len(docs) < 2 or len(docs) * val_fraction >= SMALL_CORPUS_VAL_DOCS:
+        return {}
+    sides = split_by_size(docs, val_fraction, seed)
+    val = [size for key, size in docs if sides[key] == "val"]
+    log.info("corpus %s: %d documents are too few to split by hash at val_fraction=%g: validation is the %d "
+             "document(s) holding %.1f%% of its bytes", source, len(docs), val_fraction, len(val),
+             100 * sum(val) / max(sum(size for _, size in docs), 1))
     return sides
 
 

@@ -66,7 +66,8 @@ def remove(directory: str | Path, name: str) -> Path:
         raise ValueError(f"cluster {name!r} is not on the roster {d / ROSTER} (version {roster.version})")
     clusters = {n: k for n, k in roster.clusters.items() if n != name}
     return save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, roster.fingerprint,
-                                               roster.total_steps, roster.algorithm, roster.version + 1))
+                                               roster.total_steps, roster.algorithm, roster.version + 1,
+                                               roster.added))  # its place is kept: nobody else takes its index
 
 
 def ensure(directory: str | Path, names: list[str], terms: tuple[str, int, str]) -> Path:
@@ -76,11 +77,13 @@ def ensure(directory: str | Path, names: list[str], terms: tuple[str, int, str])
     if not (d / ROSTER).exists():
         return make(d, names, terms)
     operator, roster = _operator(d)
-    clusters = dict(roster.clusters)
+    clusters, added = dict(roster.clusters), list(roster.added)
     for n in names:
         if n not in clusters:
             clusters[n] = new_identity(identity_path(d, n), n, "cluster", operator.public).public
+            added.append(n)  # a cluster joining the running federation (cluster.only=<a name not configured>)
     if clusters != roster.clusters or terms != (roster.fingerprint, roster.total_steps, roster.algorithm):
-        save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, *terms, version=roster.version + 1))
+        save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, *terms, version=roster.version + 1,
+                                            added=tuple(added)))
         log.info("roster %s: version %d (clusters %s)", d / ROSTER, roster.version + 1, sorted(clusters))
     return d / ROSTER

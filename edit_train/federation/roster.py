@@ -4,7 +4,7 @@ federation is (configuration fingerprint, total steps, algorithm) — signed by 
     {"kind": "edit-train-roster",
      "body": {"version": 1, "operator": "<hex>", "gate": "<hex>",
               "federation": {"fingerprint": "...", "total_steps": 1000, "algorithm": "a_edit"},
-              "clusters": {"c0": "<hex>", "c1": "<hex>"}},
+              "clusters": {"c0": "<hex>", "c1": "<hex>"}, "added": ["c2"]},
      "sig": "<hex: the operator's signature of body>"}
 
 A roster is accepted only when its body names the operator whose public key the reader holds (the pin in the
@@ -12,7 +12,9 @@ reader's identity file) and that key signed it. It is public (mode 0644 is fine)
 others. The gate and every cluster accept a record under a name only with that name's signature; a name not
 on the roster is a stranger. Adding a cluster is the operator's act: a new version signed with the operator's
 key (`edit-train-keygen add`); the gate rereads its roster file when it changes and hands a newer version to
-every cluster in its answers (each checks the operator's signature before adopting it).
+every cluster in its answers (each checks the operator's signature before adopting it). `added` lists the
+clusters added after the roster was made, in the order the operator added them (a removed one keeps its place):
+a cluster that joins a running federation takes its index and data part from that order (train/build.py).
 """
 
 from __future__ import annotations
@@ -44,23 +46,27 @@ class Roster:
     gate: bytes | None
     operator: bytes
     doc: dict[str, Any]  # the signed document, as it travels
+    added: tuple[str, ...] = ()  # clusters added to a running federation, in order (a removed one keeps its place)
 
     def key(self, name: str) -> bytes | None:
         return self.clusters.get(name)
 
     @staticmethod
     def make(operator: Identity, clusters: dict[str, bytes], gate: bytes | None, fingerprint: str,
-             total_steps: int, algorithm: str, version: int = 1) -> Roster:
+             total_steps: int, algorithm: str, version: int = 1, added: tuple[str, ...] = ()) -> Roster:
         assert operator.role == "operator"
-        body = {"version": version, "operator": operator.public.hex(), "gate": gate.hex() if gate else "",
-                "federation": {"fingerprint": fingerprint, "total_steps": total_steps, "algorithm": algorithm},
-                "clusters": {n: k.hex() for n, k in sorted(clusters.items())}}
+        body: dict[str, Any] = {
+            "version": version, "operator": operator.public.hex(), "gate": gate.hex() if gate else "",
+            "federation": {"fingerprint": fingerprint, "total_steps": total_steps, "algorithm": algorithm},
+            "clusters": {n: k.hex() for n, k in sorted(clusters.items())}}
+        if added:  # absent from a roster nobody was added to (its signed body is what it always was)
+            body["added"] = list(added)
         return parse({"kind": KIND, "body": body, "sig": operator.sign(CONTEXT, body)}, operator.public)
 
     def add(self, operator: Identity, name: str, public: bytes) -> Roster:
-        """The next version, with cluster `name` (signed by the operator)."""
+        """The next version, with cluster `name` (signed by the operator), last in `added`."""
         return Roster.make(operator, {**self.clusters, name: public}, self.gate, self.fingerprint, self.total_steps,
-                           self.algorithm, self.version + 1)
+                           self.algorithm, self.version + 1, (*[n for n in self.added if n != name], name))
 
 
 def parse(doc: Any, pin: bytes, where: str = "the roster") -> Roster:
@@ -79,7 +85,7 @@ def parse(doc: Any, pin: bytes, where: str = "the roster") -> Roster:
     try:
         out = Roster(int(body["version"]), str(fed["fingerprint"]), int(fed["total_steps"]), str(fed["algorithm"]),
                      {str(n): _key(k) for n, k in clusters.items()}, _key(body["gate"]) if body["gate"] else None,
-                     pin, doc)
+                     pin, doc, tuple(str(n) for n in body.get("added", [])))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise bad(f"malformed ({exc})") from None
     return out

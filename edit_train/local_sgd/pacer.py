@@ -4,7 +4,8 @@ The pacer counts local steps and measures seconds per step (compute only: time b
 is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
 `Hᵢ = ⌊τ / secs_per_stepᵢ⌋` from the speeds exchanged at the last sync (its first interval ends once τ has
 been spent). What the exchange carries back (every cluster's steps, speed, total steps and stop vote) moves
-the agreed global step, the eval cadence and the stop.
+the agreed global step, the eval cadence and the stop. A time schedule's cluster that reaches `total_steps`
+syncs at once with its stop vote (`at_target`), so the run ends at train.steps, not an interval past it.
 
 Checkpoints of a time schedule (`checkpoint_due`): each cluster at its own pace, right after a sync (the
 trainer lands it before saving, so the anchor, outer state and sync index saved are a committed sync's).
@@ -107,7 +108,15 @@ class Pacer:
     @property
     def due(self) -> bool:
         first_timed = self.planned == 0 and self.timer.mean() * self.local_steps >= self.cfg.schedule.sync_time_s
-        return (self.planned > 0 and self.local_steps >= self.planned) or first_timed
+        return (self.planned > 0 and self.local_steps >= self.planned) or first_timed or self.at_target
+
+    @property
+    def at_target(self) -> bool:
+        """A time schedule's cluster that has just taken its `total_steps`-th step syncs now, with its stop vote,
+        instead of at the end of its planned interval: the run ends at train.steps, not up to one (fast
+        cluster's) interval past it."""
+        return (not self.lockstep and not self.stopped and self.cfg.total_steps > 0 and self.local_steps > 0
+                and self.total_steps >= self.cfg.total_steps)
 
     def extra(self) -> list[float]:
         """What this cluster tells the others at a sync (round.EXTRA)."""

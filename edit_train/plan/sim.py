@@ -22,9 +22,10 @@ Semantics followed (docs/architecture.md §3–4, `local_sgd/pacer.py`, `drivers
   for) at the next sync point;
 * a killed cluster loses the compute no sync committed, is back `restart_s` later, meets (the grace window),
   trains from scratch and heals + adopts the step at its next joint sync;
-* a fixed run ends at `steps` (step schedules: each cluster; A-EDiT: everyone after the first sync at which
-  any has reached it), the last sync blocking, then the final eval. A horizon run stops simulating once the
-  throughput has converged and scales the steady state to the horizon (`extrapolated`).
+* a fixed run ends at `steps` (step schedules: each cluster; A-EDiT: everyone at the first sync at which
+  any has reached it — the one that reaches it syncs right there), the last sync blocking, then the final
+  eval. A horizon run stops simulating once the throughput has converged and scales the steady state to the
+  horizon (`extrapolated`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     h = s.planned[idx].copy()
     if opt.steps and not s.cand.timed:
         h = np.maximum(np.minimum(h, opt.steps - s.steps[idx]), 0).astype(int)
+    elif opt.steps:  # A-EDiT: a cluster reaching `steps` syncs there with its stop vote (local_sgd/pacer.py)
+        h = np.where(s.steps[idx] < opt.steps, np.minimum(h, opt.steps - s.steps[idx]), h).astype(int)
     dur = fed.draw_sums(s.rng, idx, h)
     if fed.scenario.host_cores > 0:  # one shared host: the cores go to whoever computes (contention.py)
         others = np.setdiff1d(np.nonzero(s.alive & (s.busy_until > s.t[idx].min()))[0], idx)

@@ -24,7 +24,7 @@ import numpy as np
 from edit_train.retired import as_index, current_event, current_summary
 
 COLUMNS = ("run", "algo", "steps", "tokens", "wall_s", "tokens/s", "final val loss", "cross-cluster bytes",
-           "syncs", "anomalies", "blocked %")
+           "syncs", "anomalies", "blocked %", "downtime_s")
 NUMERIC_COLUMNS = frozenset(COLUMNS[2:])
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,21 @@ class Run:
         by_step = {e.get("step"): e for e in chosen if isinstance(e.get("step"), (int, float))}
         return [by_step[s] for s in sorted(by_step)]
 
+    def evals_vs_tokens(self) -> list[tuple[float, float]]:
+        """(tokens all clusters had trained, val loss) of each world evaluation, by step (last record wins). Each
+        cluster logs its own tokens; the others' are their latest `train`/`eval` record before it in
+        metrics.jsonl (one file every cluster appends to, in the order things happened)."""
+        latest: dict[Any, float] = {}
+        by_step: dict[Any, tuple[float, float]] = {}
+        for e in self.events:
+            if e.get("event") not in ("train", "eval") or not math.isfinite(tokens := _num(e.get("tokens"))):
+                continue
+            latest[e.get("cluster_index", 0)] = tokens
+            world = e["event"] == "eval" and e.get("scope", "world") != "cluster"
+            if world and isinstance(e.get("step"), (int, float)):
+                by_step[e["step"]] = (sum(latest.values()), _num(e.get("val_loss")))
+        return [by_step[s] for s in sorted(by_step)]
+
     def eval_clusters(self) -> list[int]:
         return sorted({e["cluster_index"] for e in self.of("eval") if e.get("scope") == "cluster"
                        and isinstance(e.get("cluster_index"), int)})
@@ -210,6 +225,7 @@ class Run:
         if not math.isfinite(final):
             final = self._last_val()
         return {"steps": s.get("steps"), "tokens": s.get("tokens"), "wall_s": wall,
+                "downtime_s": _num(s.get("downtime_s")),  # live time only: downtime is its own bucket (n/a: older)
                 "tokens_per_s": _num(s.get("tokens_per_s")), "final_val_loss": final,
                 "cross_cluster_bytes": s.get("cross_cluster_bytes"), "syncs": s.get("syncs"),
                 "anomalies": s.get("anomalies"), "blocked_frac": blocked_frac, "per_cluster": per_cluster}
@@ -236,6 +252,7 @@ class Run:
         blocked_fracs = [v["blocked_frac"] for v in per_cluster.values() if math.isfinite(v["blocked_frac"])]
         sync_ids = {e.get("sync") for e in syncs}
         return {"steps": max(steps) if steps else None, "tokens": int(tokens) if steps else None, "wall_s": wall,
+                "downtime_s": math.nan,  # the events' `wall` is live time; the downtime is in summary.json only
                 "tokens_per_s": tokens / wall if steps and wall > 0 else math.nan,
                 "final_val_loss": self._last_val(),
                 # without sync events the bytes moved are unknown (DDP all-reduces every step, unlogged)
@@ -319,6 +336,7 @@ def table_rows(runs: list[Run]) -> list[dict[str, str]]:
             "syncs": _fmt_int(s["syncs"]),
             "anomalies": _fmt_int(s["anomalies"]),
             "blocked %": f"{100 * frac:.1f}%" if math.isfinite(frac) else "n/a",
+            "downtime_s": _fmt_float(s["downtime_s"], 1),  # between launches: not in wall_s, not in tokens/s
         })
     return rows
 

@@ -45,7 +45,7 @@ def plot_val_loss(runs: list[Run], out: Path, x: str) -> Path:
     ax = fig.add_subplot()
     drawn = False
     for r, color in zip(runs, _colors(len(runs))):
-        pts = [(_num(e.get(x)), _num(e.get("val_loss"))) for e in r.evals()]
+        pts = r.evals_vs_tokens() if x == "tokens" else [(_num(e.get(x)), _num(e.get("val_loss"))) for e in r.evals()]
         pts = [(a, b) for a, b in pts if math.isfinite(a) and math.isfinite(b)]
         if pts:
             xs, ys = zip(*pts)

@@ -50,7 +50,8 @@ class Slowdown(StepHooks):
     def __init__(self, group: int, factors: list[float] | None, schedule: list[dict[str, Any]] | None = None,
                  groups: int = 1) -> None:
         self.group = group
-        self.base = float(factors[group]) if factors else 1.0
+        # a cluster added mid-run (its index after the configured clusters') has no simulated slowdown
+        self.base = float(factors[group]) if factors and 0 <= group < len(factors) else 1.0
         self.changes = [c for c in parse_schedule(schedule, groups) if c.group == group]
         self.slept_s = 0.0
 

@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import os
-import zlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -59,9 +58,25 @@ def my_cluster(cfg: Config, specs: list[ClusterSpec]) -> ClusterSpec:
     for s in specs:
         if s.name == name:
             return s
-    # a cluster that joins a running federation without being in its list: its own data part by name
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    return ClusterSpec(name, ranks, zlib.crc32(name.encode()) % max(len(specs), 1), 1.0)
+    return ClusterSpec(name, int(os.environ.get("WORLD_SIZE", "1")), joiner_index(cfg, specs, name), 1.0)
+
+
+def joiner_index(cfg: Config, specs: list[ClusterSpec], name: str) -> int:
+    """The index of cluster `name`, added to a running federation without being in its configured list: after
+    the configured clusters, in the order the operator added clusters to the roster (`Roster.added`; a removed
+    one keeps its place, so no two clusters ever share an index). Without a roster nothing orders the clusters
+    that join: refused in one line."""
+    configured = [s.name for s in specs]
+    creds = credentials(cfg, name)
+    if creds is None:
+        raise ConfigError(f"cluster {name} is not one of the configured clusters ({', '.join(configured)}) and the "
+                          "federation has no roster to give it an index of its own: list it in cluster.clusters, or "
+                          f"add it to the roster (edit-train-keygen add DIR {name}) and start it with "
+                          "federation.roster_file and federation.identity_file")
+    roster = creds.roster
+    added = [n for n in roster.added if n not in configured]
+    others = sorted(n for n in roster.clusters if n not in configured and n not in added)  # on it from the start
+    return len(specs) + (added + others).index(name)
 
 
 def own_tokenizer(cfg: Config, name: str) -> str | None:

@@ -4,8 +4,10 @@ Resume and the summary read this object, not the trainer.
 
 The counters across incarnations live in `run.dir/clusters/<name>.progress.json`, written by the cluster's
 leader at every committed sync and every logged step (atomically): tokens and steps this cluster trained,
-the compute seconds a sync committed (goodput), the downtime between incarnations, the restarts after a
-failure and the first incarnation's initial val loss.
+the compute seconds a sync committed (goodput), its clocks — the loop's seconds (`wall_s`), each incarnation's
+live span (process start to its last record) and the downtime between them — the restarts after a failure and
+the first incarnation's initial val loss. Only live time is run time: tokens/s and goodput never count the
+minutes a cluster was down between two launches (`downtime_s` is its own bucket).
 
 `Progress` is what a person watching sees while clusters train: a bar per cluster on a terminal, periodic
 log lines anywhere else (a Slurm .out file, a pipe).
@@ -28,6 +30,31 @@ from edit_train.train.lr import LrSchedule
 
 
 log = logging.getLogger(__name__)
+
+
+def now() -> float:
+    """The wall clock every counter here reads (tests replace it)."""
+    return time.time()
+
+
+_started_once = [False]  # a process's start belongs to its first incarnation only
+
+
+def process_start() -> float:
+    """When this process started (Linux: /proc/self/stat, to the second), else now: an incarnation is live from
+    then (its imports and start-up included), not from when its trainer was built. Only the first call of a
+    process: a later run in the same process (a Hydra sweep's next job, a test's) starts now."""
+    if _started_once[0]:
+        return now()
+    _started_once[0] = True
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return now()
+    return min(started, now())
 
 
 def record_path(run_dir: Path, name: str) -> Path:
@@ -60,7 +87,9 @@ class Carried:
     steps_trained: int = 0
     useful_s: float = 0.0  # compute seconds whose progress a sync committed
     downtime_s: float = 0.0  # between an incarnation's last record and the next one's start
-    first_start: float = field(default_factory=time.time)
+    first_start: float = field(default_factory=lambda: now())
+    wall_s: float | None = None  # the loop's seconds, every incarnation, up to the last record (None: an old record)
+    live_spans: list[list[float]] = field(default_factory=list)  # [start, last record] of each incarnation
     incarnations: int = 0  # every start: restarts after a failure, and new launches that resume
     restarts: int = 0  # starts after a failure only (see `restart_count`), not a deliberate resume=auto
     initial_val_loss: float | None = None  # the first incarnation's step-0 eval (a resumed run has none of its own)
@@ -76,9 +105,17 @@ class Carried:
             return None
         known = {f.name for f in fields(Carried)}
         try:
-            return Carried(**{k: v for k, v in data.items() if k in known})
+            out = Carried(**{k: v for k, v in data.items() if k in known})
         except TypeError:
             return None
+        if not out.live_spans and out.saved_at:  # a record written before live spans: its one span, less downtime
+            out.live_spans = [[float(out.first_start) + float(out.downtime_s), float(out.saved_at)]]
+        return out
+
+    @property
+    def live_s(self) -> float:
+        """Seconds this cluster was alive, every incarnation (start-up included, downtime not)."""
+        return sum(max(end - start, 0.0) for start, end in self.live_spans)
 
 
 @dataclass
@@ -90,7 +127,7 @@ class TrainingState:
     skipped_steps: int = 0  # inner steps skipped for a non-finite loss/gradient (checkpointed)
     wall_offset: float = 0.0  # wall seconds of earlier segments of this run (checkpointed)
     carried: Carried = field(default_factory=Carried)
-    t_start: float = field(default_factory=time.time)  # this process
+    t_start: float = field(default_factory=lambda: now())  # this process
     t0: float = 0.0  # this incarnation's loop
     startup_s: float = 0.0
     initial_val_loss: float | None = None
@@ -98,17 +135,24 @@ class TrainingState:
     schedule: LrSchedule | None = None  # the learning-rate schedule (checkpointed: a resume may have re-planned it)
 
     @staticmethod
-    def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None) -> TrainingState:
+    def begin(run_dir: Path, name: str, tokens_per_step: int, restarted: bool | None = None,
+              started: float | None = None) -> TrainingState:
         """A new incarnation of cluster `name` (the first, or after a restart / resume). `restarted`: this
-        start follows a failure (default: what the launcher's environment says, `restart_count`)."""
+        start follows a failure (default: what the launcher's environment says, `restart_count`); `started`:
+        when this incarnation's process started (default: now), where its live span begins."""
         state = TrainingState(name, run_dir, tokens_per_step)
+        started = state.t_start if started is None else min(started, state.t_start)
         earlier = Carried.load(record_path(run_dir, name))
         if earlier is not None:
             if earlier.incarnations > 0 and earlier.saved_at:
-                earlier.downtime_s += max(state.t_start - earlier.saved_at, 0.0)
+                earlier.downtime_s += max(started - earlier.saved_at, 0.0)
             state.carried = earlier
             state.initial_val_loss = earlier.initial_val_loss  # a step-0 eval of this incarnation replaces it
+            state.wall_offset = earlier.wall_s or 0.0  # a checkpoint's (restore) when the record has none
+        else:
+            state.carried.first_start = started
         state.carried.incarnations += 1
+        state.carried.live_spans.append([started, started])
         if restarted is None:
             restarted = restart_count() > 0
         if restarted:
@@ -130,15 +174,22 @@ class TrainingState:
         self.carried.steps_trained += 1
 
     def wall(self) -> float:
-        return self.wall_offset + time.time() - self.t0
+        """The loop's seconds, every incarnation (live time only: not the downtime between two launches)."""
+        return self.wall_offset + (now() - self.t0 if self.t0 else 0.0)
+
+    def live(self) -> None:
+        """The clocks as of now: this incarnation's live span and the loop's seconds."""
+        self.carried.live_spans[-1][1] = now()
+        self.carried.wall_s = self.wall()
 
     def save(self, every_s: float = 0.0) -> None:
         """The counters across incarnations, for the next one (the leader calls this); with `every_s`, only
         if that long has passed since the last save."""
-        now = time.time()
-        if every_s > 0 and self.carried.saved_at is not None and now - self.carried.saved_at < every_s:
+        t = now()
+        if every_s > 0 and self.carried.saved_at is not None and t - self.carried.saved_at < every_s:
             return
-        self.carried.saved_at = now
+        self.live()
+        self.carried.saved_at = t
         atomic_write_json(record_path(self.run_dir, self.name), asdict(self.carried))
 
     # ------------------------------------------------------------ checkpoint
@@ -153,7 +204,8 @@ class TrainingState:
         """The loop's position from a checkpoint; its token count only when no record survived (the record
         also counts what was trained after that checkpoint)."""
         self.step, self.skipped_steps = int(saved["step"]), int(saved["skipped_steps"])
-        self.wall_offset = float(saved["wall_s"])
+        if not record_found or self.carried.wall_s is None:  # the record's clock also counts what came after
+            self.wall_offset = float(saved["wall_s"])
         if self.initial_val_loss is None and isinstance(saved.get("initial_val_loss"), (int, float)):
             self.set_initial_val_loss(float(saved["initial_val_loss"]))
         if not record_found:

@@ -50,11 +50,27 @@ def val_sources(cfg: Config) -> tuple[str, ...]:
 
 
 def site_data(cfg: Config, specs: list[ClusterSpec], spec: ClusterSpec) -> SiteData:
-    """This cluster's data: its source, and its part of it among the clusters that train on the same one."""
+    """This cluster's data: its source, and its part of it among the clusters that train on the same one
+    (`data.parts` of it, at least one per configured cluster). A cluster added mid-run (not configured, its index
+    after theirs: train/build.py `joiner_index`) takes the first part kept for such clusters — or is refused in
+    one line when the plan kept none for it."""
     mine = train_source(cfg, spec, len(specs))
     sharing = [s.name for s in specs if train_source(cfg, s, len(specs)) == mine]
-    part = sharing.index(spec.name) if spec.name in sharing else spec.index % max(len(sharing), 1)
-    return SiteData(mine, spec.tokenizer or cfg.data.tokenizer, part, max(len(sharing), 1), val_sources(cfg))
+    parts = max(cfg.data.parts, len(sharing), 1)
+    if spec.name in sharing:
+        part = sharing.index(spec.name)
+    else:
+        part = len(sharing) + spec.index - len(specs)  # the joiners come in order after the configured clusters
+        if cfg.data.split == "by_family":
+            raise ConfigError(f"cluster {spec.name} joins the federation, but data.split=by_family gives every family "
+                              f"to the {len(specs)} configured clusters and none to it: list it in cluster.clusters")
+        if part >= parts:
+            kept = f" and keeps {parts - len(sharing)} for clusters added later" if parts > len(sharing) else ""
+            raise ConfigError(f"cluster {spec.name} joins the federation, but the data plan has no part of {mine} for "
+                              f"it: data.parts={cfg.data.parts} cuts it into one part per configured cluster{kept}; "
+                              f"start the federation with data.parts={part + 1} (or more) to keep a part for every "
+                              "cluster added mid-run, or list it in cluster.clusters")
+    return SiteData(mine, spec.tokenizer or cfg.data.tokenizer, part, parts, val_sources(cfg))
 
 
 def check_tokenizers(cfg: Config, specs: list[ClusterSpec]) -> None:

@@ -4,19 +4,23 @@ Clusters are independent jobs that finish at different times, so no single proce
 every cluster leader writes `run.dir/clusters/<name>.json` when it finishes and then rewrites
 `summary.json` from all records present (under a file lock), so the last one to finish leaves the
 complete merge. `completed` is true once every configured cluster has finished.
+
+Clocks count live time only (train/progress.py): `wall_s` is the time some cluster of the federation was
+alive (the union of the clusters' live spans), `downtime_s` the time between its first start and its end when
+none was (a federation resumed 25 minutes after it stopped), and goodput divides the committed compute by the
+clusters' live seconds, never by their downtime.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from edit_train.fsutil import atomic_write_json
 from edit_train.local_sgd.protocols import ClusterGroup
-from edit_train.train.progress import TrainingState
+from edit_train.train.progress import TrainingState, now
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -24,21 +28,44 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def live_spans(record: dict[str, Any]) -> list[tuple[float, float]]:
+    """A cluster record's live spans ([start, end] of each incarnation); a record written before they were kept:
+    its first start (after its downtime) to its end."""
+    spans = record.get("live_spans")
+    if isinstance(spans, list) and spans:
+        return [(float(a), float(b)) for a, b in spans]
+    end = float(record.get("end", 0.0))
+    start = float(record.get("first_start", end - float(record["wall_s"])))
+    return [(min(start + float(record.get("downtime_s", 0.0)), end), end)]
+
+
+def union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by at least one span."""
+    total, reach = 0.0, -float("inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def merge(records: list[dict[str, Any]], configured: list[str]) -> dict[str, Any]:
     order = {n: i for i, n in enumerate(configured)}
     records = sorted(records, key=lambda r: (order.get(r["name"], len(order)), r["name"]))
     first = records[0]
-    start = min(r.get("first_start", r.get("end", 0) - r["wall_s"]) for r in records)
-    end = max(r.get("end", start) for r in records)
-    wall = max(end - start, max(r["wall_s"] for r in records))
+    spans = [s for r in records for s in live_spans(r)]
+    start, end = min(a for a, _ in spans), max(b for _, b in spans)
+    live = union_s(spans)  # some cluster was alive
+    wall = max(live, max(r["wall_s"] for r in records))
     tokens = sum(r["tokens"] for r in records)
     useful = sum(r.get("useful_s", 0.0) for r in records)
-    reserved = sum(r.get("end", end) - r.get("first_start", start) for r in records)
+    reserved = sum(b - a for a, b in spans)  # every cluster's live seconds
     per_cluster = {r["name"]: r for r in records}
     return {
         "algo": first["algo"],
         "completed": all(n in per_cluster for n in configured),
         "steps": max(r["steps"] for r in records), "tokens": tokens, "wall_s": wall,
+        "downtime_s": max(end - start - live, 0.0),
         "tokens_per_s": tokens / max(wall, 1e-9),
         "final_val_loss": first["final_val_loss"],
         "initial_val_loss": next((r["initial_val_loss"] for r in records if r.get("initial_val_loss") is not None),
@@ -56,7 +83,7 @@ def merge(records: list[dict[str, Any]], configured: list[str]) -> dict[str, Any
 def write_cluster_summary(run_dir: Path, record: dict[str, Any], configured: list[str]) -> dict[str, Any]:
     folder = run_dir / "clusters"
     folder.mkdir(parents=True, exist_ok=True)
-    record = {**record, "end": time.time()}
+    record = {**record, "end": now()}
     atomic_write_json(folder / f"{record['name']}.json", record)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -77,6 +104,7 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
                    algo: str, param_counts: dict[str, int], val_loss: float, restarts: int, slowdown_slept_s: float,
                    time_split: dict[str, float]) -> dict[str, Any]:
     """This cluster's record for the summary (every rank takes part: its bytes and blocked time count)."""
+    state.live()
     wall = state.wall()
     from edit_train.federation import auth, identity
     from edit_train.local_sgd.healing import DIGEST_S
@@ -97,7 +125,8 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
         "slowdown_slept_s": slowdown_slept_s, "local_steps": stats["local_steps_per_sync"],
         "restarts": max(restarts, c.restarts), "healed_from": stats["healed_from"],  # not a deliberate resume
         "wall_s": wall, "useful_s": c.useful_s, "first_start": c.first_start, "downtime_s": c.downtime_s,
-        "alive_s": time.time() - state.t_start, "startup_s": state.startup_s,
+        "live_s": c.live_s, "live_spans": c.live_spans, "alive_s": now() - state.t_start,
+        "startup_s": state.startup_s,
         "final_val_loss": val_loss, "initial_val_loss": state.initial_val_loss, "algo": algo,
         "total_params": param_counts["total_params"], "active_params": param_counts["active_params"],
         "mfu": sum(state.mfu) / len(state.mfu) if state.mfu else None, "time": time_split,

@@ -30,7 +30,7 @@ from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.train.build import build_algorithm, my_cluster
-from edit_train.train.progress import Progress, TrainingState, record_path, restart_count
+from edit_train.train.progress import Progress, TrainingState, process_start, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
 from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import LrSchedule
@@ -80,7 +80,8 @@ class Trainer:
         self.cluster_batch = self.rank_batch * topo.ranks
         # this cluster's counters across its incarnations (restarted, resumed or healed: it keeps counting)
         self.record_found = record_path(self.run_dir, topo.name).exists()
-        self.state = TrainingState.begin(self.run_dir, topo.name, self.cluster_batch * t.seq_len * t.grad_accum)
+        self.state = TrainingState.begin(self.run_dir, topo.name, self.cluster_batch * t.seq_len * t.grad_accum,
+                                         started=process_start())
         self.state.schedule = LrSchedule.of(t)  # a resume may continue the checkpoint's instead
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
@@ -385,6 +386,7 @@ class Trainer:
                                 time_split=self.timing.snapshot())
         if not self.is_leader:
             return {}
+        self.state.save()  # the clocks up to the end: the next incarnation's downtime starts here
         return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
 
     def _log_moe(self, step: int) -> None:
