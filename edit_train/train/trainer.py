@@ -254,7 +254,10 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32 if device_type == "mps" else torch.float64, device=topo.device)
         with self.timing.span("data"):
             batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
-        with self.precision.optimizer_step(device_type):  # bf16 working copies: one cast per optimizer step
+        # bf16 working copies: one cast per optimizer step (one micro-batch casts once anyway, and frees the copies
+        # during its backward: no region, no copies kept to the step's end)
+        region = self.precision.optimizer_step(device_type) if len(batches) > 1 else contextlib.nullcontext()
+        with region:
             for x, y in batches:
                 x, y = self.sim.batch(step, x, y)
                 try:
