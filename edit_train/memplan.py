@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from edit_train.local_sgd.errors import ClusterError
 from edit_train.model.config import ModelConfig
 
 USABLE_FRACTION = 0.9
@@ -195,3 +196,23 @@ def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]
                        offload=o.offload, gpu_mem_gb=gpu_mem_gb, grad_accum=t.grad_accum,
                        clusters=max(len(cluster_specs(cfg)), 1),
                        codec_residual=sync.compression != "none" and sync.error_feedback)
+
+
+class OutOfMemory(ClusterError):
+    """A cluster ran out of device memory: it stops with one line (`out_of_memory_line`), exit 1, and the other
+    clusters of the federation go on without it (as after any `ClusterError`)."""
+
+
+def out_of_memory_line(cfg: Any, step: int | None, device: torch.device) -> str:
+    """What ran out, what the plan said this rank needs, and what to change."""
+    plan = plan_for_config(cfg)
+    have = ""
+    if device.type == "cuda":
+        have = f" of the device's {torch.cuda.get_device_properties(device).total_memory / GIB:.1f} GiB"
+    where = f"at step {step}" if step is not None else "while building the model"
+    fixes = ["train.activation_checkpointing=full" if cfg.train.activation_checkpointing != "full" else None,
+             "algo.outer.offload=true" if cfg.algo.local_sgd and not cfg.algo.outer.offload else None,
+             f"a smaller train.batch_size (now {cfg.train.batch_size}; train.grad_accum keeps the tokens per step)"]
+    return (f"out of device memory {where}: the memory plan says {plan['total_gib']:.1f} GiB per rank{have} "
+            f"(peak: {plan['peak_phase']}); to fit, set {', '.join(f for f in fixes if f)} "
+            f"(`edit-train-info --gpu-mem-gb N` prints the plan)")

@@ -57,3 +57,31 @@ def test_plan_within_ten_percent_of_the_cpu_peak(tmp_path, small_corpus, extra: 
     peak = measured_peak(trainer, 1)
     plan = plan_for_config(cfg)
     assert 0.9 <= plan["total_bytes"] / peak <= 1.1, (plan["total_bytes"], peak, plan["phases"])
+
+
+def test_out_of_memory_is_one_line_naming_the_plan(tmp_path, small_corpus, monkeypatch, capsys) -> None:
+    """A cluster that runs out of device memory (simulated: `torch.OutOfMemoryError` from its step) stops with
+    one line naming the plan's figure and what to change, exit 1 — not 2, the code that stops every cluster of
+    a local federation: the launcher lets the others go on."""
+    from omegaconf import OmegaConf
+
+    from edit_train.cli.common import compose
+    from edit_train.cli.train import _task
+    from edit_train.memplan import OutOfMemory
+    from edit_train.train.trainer import Trainer
+
+    def oom(self: Any, step: int) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Trainer, "train_step", oom)
+    monkeypatch.setattr("edit_train.cli.train._multirun_dir", lambda cfg: None)  # no Hydra app around it here
+    cfg = compose(tiny_overrides(tmp_path, small_corpus, "train.steps=2", "train.batch_size=4"))
+    with pytest.raises(SystemExit) as exc:
+        _task(OmegaConf.structured(cfg))
+    assert exc.value.code == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    plan = plan_for_config(cfg)
+    assert len(err) == 1 and f"the memory plan says {plan['total_gib']:.1f} GiB per rank" in err[0], err
+    assert "train.activation_checkpointing=full" in err[0] and "train.batch_size (now 4" in err[0]
+    assert "Traceback" not in capsys.readouterr().err
+    assert issubclass(OutOfMemory, RuntimeError)

@@ -29,6 +29,7 @@ from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
+from edit_train.memplan import OutOfMemory, out_of_memory_line
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
@@ -436,9 +437,16 @@ class Trainer:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    trainer = Trainer(cfg)
+    """Train this rank; out of device memory is one line naming the memory plan's figure (`OutOfMemory`)."""
+    try:
+        trainer = Trainer(cfg)
+    except torch.OutOfMemoryError:
+        device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+        raise OutOfMemory(out_of_memory_line(cfg, None, torch.device(device))) from None
     try:
         return trainer.run()
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(out_of_memory_line(trainer.cfg, trainer.state.step, trainer.topo.device)) from None
     finally:
         trainer.algo.close()
         if trainer.topo.distributed and dist.is_initialized():
