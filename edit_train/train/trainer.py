@@ -29,7 +29,7 @@ from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
-from edit_train.memplan import OutOfMemory, out_of_memory_line
+from edit_train.memplan import OutOfMemory, out_of_memory_line, plan_for_config
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
@@ -425,6 +425,9 @@ class Trainer:
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
+        record["memory_plan_gib"] = plan_for_config(self.cfg)["total_gib"]  # per rank (edit-train-info's plan)
+        if self.topo.device.type == "cuda":  # this rank's peak, to hold against the plan
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.topo.device) / 1024 ** 3
         if not self.is_leader:
             return {}
         return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
