@@ -54,8 +54,9 @@ class SpikeGuard:
         """Whether this step's update must be skipped: a 0-d bool tensor on ``loss``'s device, computed there
         (no host read). The caller re-queues the step's batches once it has read it (`requeue`)."""
         if self._state is None or self._state.device != loss.device:
-            self._state = torch.tensor([self.mean or 0.0, float(self.mean is not None), self.seen, self.run,
-                                        self.skipped_run, self.skipped], dtype=torch.float64, device=loss.device)
+            host = torch.tensor([self.mean or 0.0, float(self.mean is not None), self.seen, self.run,
+                                 self.skipped_run, self.skipped], dtype=torch.float64)
+            self._state = host.to(loss.device, non_blocking=True)  # no wait for the device
         mean, has_mean, seen, run, skipped_run, skipped = self._state.unbind()
         loss = loss.detach().to(torch.float64).reshape(())
         spiking = (has_mean > 0) & (seen >= self.warmup) & (loss > self.factor * mean)

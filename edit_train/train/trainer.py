@@ -263,12 +263,12 @@ class Trainer:
                 x, y = self.sim.batch(step, x, y)
                 try:
                     with self._autocast():
-                        out = self.model(x.to(topo.device), y.to(topo.device))
+                        out = self.model(x.to(topo.device, non_blocking=True), y.to(topo.device, non_blocking=True))
                 except SyncAborted:  # a participant was lost in the layer-wise sync: rolled back, run the forward again
                     reshard(self.model)
                     torch.clear_autocast_cache()  # copies of the weights before the rollback
                     with self._autocast():
-                        out = self.model(x.to(topo.device), y.to(topo.device))
+                        out = self.model(x.to(topo.device, non_blocking=True), y.to(topo.device, non_blocking=True))
                 with self.precision.backward(device_type):
                     (out.loss / len(batches)).backward()
                 loss_sum += out.ce_loss.detach().to(loss_sum.dtype) / len(batches)
