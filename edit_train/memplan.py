@@ -16,8 +16,8 @@ and what a step holds for a while (the *transient* terms):
 
 * ``param_compute`` compute copies: with ``precision=bf16`` and S > 1, FSDP2 gathers bf16 units — the
                     current and the prefetched one, ``2 * 2 * max_unit``; unsharded bf16 runs autocast: the
-                    bf16 working copies of the weights, ``2 P`` (with ``grad_accum > 1`` kept through the
-                    whole optimizer step, `PrecisionPolicy.optimizer_step`); S > 1 in fp32 gathers fp32
+                    bf16 working copies of the weights, ``2 P`` (with ``grad_accum > 1`` and no ``train.compile``
+                    kept through the whole optimizer step, `PrecisionPolicy.optimizer_step`); S > 1 in fp32 gathers fp32
                     units, ``2 * 4 * max_unit``; otherwise 0
 * ``grads``         fp32 sharded gradients ``4 P / S`` (+ the unsharded gradient of one unit before its
                     reduce-scatter, ``c * max_unit`` with c the compute dtype's bytes, when S > 1)
@@ -115,7 +115,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
 def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len: int, precision: str = "fp32",
                 checkpointing: str = "none", local_sgd: bool = False, outer_optimizer: str = "SGD",
                 outer_momentum: float = 0.0, offload: bool = False, gpu_mem_gb: float | None = None,
-                grad_accum: int = 1, clusters: int = 1, codec_residual: bool = False) -> dict[str, Any]:
+                grad_accum: int = 1, clusters: int = 1, codec_residual: bool = False, compiled: bool = False
+                ) -> dict[str, Any]:
     """The per-rank plan (bytes) described in the module docstring."""
     units = _unit_params(model)
     p_total = units.pop("total")
@@ -129,7 +130,8 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
         param_compute = 2 * c * max_unit
     else:
         param_compute = 2 * p_total if bf16 else 0
-    copies_kept = s == 1 and bf16 and grad_accum > 1  # the working copies live through the optimizer step
+    # the working copies live through the optimizer step (eager: a compiled layer casts inside its graph)
+    copies_kept = s == 1 and bf16 and grad_accum > 1 and not compiled
     outer_states = 0
     if local_sgd:
         outer_states = 1 + ((1 if outer_momentum > 0 else 0) if outer_optimizer == "SGD" else 2)
@@ -195,7 +197,7 @@ def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]
                        local_sgd=cfg.algo.local_sgd, outer_optimizer=o.optimizer, outer_momentum=o.momentum,
                        offload=o.offload, gpu_mem_gb=gpu_mem_gb, grad_accum=t.grad_accum,
                        clusters=max(len(cluster_specs(cfg)), 1),
-                       codec_residual=sync.compression != "none" and sync.error_feedback)
+                       codec_residual=sync.compression != "none" and sync.error_feedback, compiled=t.compile)
 
 
 class OutOfMemory(ClusterError):
