@@ -91,6 +91,18 @@ def test_no_host_read_on_steps_that_do_not_log(tmp_path, small_corpus, extra: li
     assert [e["step"] for e in logged] == [4, 8] and all(math.isfinite(e["loss"]) for e in logged)
 
 
+def test_local_sgd_steps_between_syncs_read_nothing(tmp_path, small_corpus) -> None:
+    """A local-SGD cluster (EDiT, one cluster, interval 4): the sync reads its norms and decisions (step 3's
+    exchange, step 4's forward that applies the units); the local steps between syncs read nothing."""
+    trainer = _trainer(tiny_overrides(tmp_path, small_corpus, "algo=edit", "algo.interval=4", "train.steps=8",
+                                      "train.log_every=8", "train.eval_every=0", "model.expert_impl=grouped"))
+    per_step = _count_per_step(trainer, HostReads)
+    where = per_step.pop(-1)
+    assert trainer.algo.stats()["syncs"] == 2
+    assert [per_step[s] for s in (1, 2, 5, 6)] == [0, 0, 0, 0], (per_step, where[:6])
+    assert per_step[3] > 0  # the sync's own reads (not this issue's)
+
+
 def test_a_non_finite_step_is_skipped_on_the_device_and_logged_at_the_log_step(tmp_path, small_corpus) -> None:
     """Step 2's gradients are NaN: the fused optimizer leaves the weights and its state as they were (decided on
     the device), and the `skip` event and the count come at the next log step."""
