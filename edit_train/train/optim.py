@@ -28,7 +28,7 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """``optimizer.step()`` unless the 0-d bool ``skip`` is true, decided on ``skip``'s device: a fused
     optimizer gets it as ``found_inf`` (its kernel leaves parameters, moments and step counters as they
     were); any other optimizer reads it on the host (one sync)."""
-    if optimizer.defaults.get("fused"):
+    if all(group.get("fused") for group in optimizer.param_groups):  # (a resumed state dict may say otherwise)
         optimizer.found_inf = skip.to(torch.float32).reshape(())  # type: ignore[attr-defined]
         try:
             optimizer.step()
