@@ -24,6 +24,8 @@ and what a step holds for a while (the *transient* terms):
 * ``activations``   for ``t = batch_size * seq_len`` tokens of one micro-batch (see ``activation_bytes``)
 * ``unit_grads``    the gradients of one unit computed before they are added to (or reduce-scattered into)
                     ``grads``: ``4 max_unit`` unsharded (``c max_unit`` when S > 1)
+* ``layer_activations`` the largest decoder layer's activations: what the backward of the first layer (the
+                    last one backward reaches, when every other gradient exists) holds, or its recompute
 * ``sync``          local SGD, while a layer-wise sync runs inside the forward: the undo record of every unit
                     until the vote (parameters + anchor + outer state, ``4 (1 + k) P / S`` with k the outer
                     buffers on the device), and the contributions of the unit being applied and the one in
@@ -33,7 +35,8 @@ These do not all peak together. The plan is the static terms plus the largest of
 
 * ``forward_backward``: activations + compute copies + one unit's gradients (+ all the gradients from the
   second micro-batch on, ``grad_accum > 1``)
-* ``backward_end``: all the gradients + one unit's gradients (+ the working copies when they are kept)
+* ``backward_end``: all the gradients + one unit's gradients + one layer's activations (+ the working
+  copies when they are kept)
 * ``sync`` (local SGD): ``forward_backward`` + ``sync``
 
 Measured on the CPU allocator (tests/test_memplan_peak.py) the plan is within 10 % of a step's peak. ``fits``
@@ -82,8 +85,9 @@ def _unit_params(cfg: ModelConfig) -> dict[str, int]:
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_bytes: int,
-                     residual_bytes: int) -> int:
-    """Activation memory of one micro-batch of ``tokens`` tokens (the estimate in ``ACTIVATION_FORMULA``)."""
+                     residual_bytes: int, one_layer: bool = False) -> int:
+    """Activation memory of one micro-batch of ``tokens`` tokens (the estimate in ``ACTIVATION_FORMULA``);
+    ``one_layer``: the largest decoder layer's alone (what its backward, or its recompute, holds)."""
     c, r, h = compute_bytes, residual_bytes, cfg.hidden_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -102,6 +106,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
         a_head = r * h + c * v + 8 * v
     is_moe = [cfg.num_experts > 0 and i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
     per_layer = [a_att + (a_moe if m else a_mlp) for m in is_moe]
+    if one_layer:
+        return int(tokens * max(per_layer, default=0))
     if checkpointing == "full":
         per_tok = cfg.num_hidden_layers * r * h + max(per_layer, default=0)
     elif checkpointing == "moe":
@@ -139,6 +145,7 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
     grads = 4 * p_total / s + (c * max_unit if s > 1 else 0)
     unit_grads = (c if s > 1 else 4) * max_unit
     activations = activation_bytes(model, batch_size * seq_len, checkpointing, c, r)
+    layer_activations = activation_bytes(model, batch_size * seq_len, checkpointing, c, r, one_layer=True)
     sync = 0.0
     if local_sgd:
         on_device = 0 if offload else outer_states  # the undo record's anchor + outer state
@@ -152,12 +159,13 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
         "codec": 4 * p_total / s if local_sgd and codec_residual else 0,
         "activations": activations,
         "unit_grads": unit_grads,
+        "layer_activations": layer_activations,
         "sync": sync,
     }
     static = plan["params"] + plan["inner_optimizer"] + plan["outer_state"] + plan["codec"]
     forward_backward = activations + param_compute + unit_grads + (grads if grad_accum > 1 else 0)
     phases = {"forward_backward": forward_backward,
-              "backward_end": grads + unit_grads + (param_compute if copies_kept else 0)}
+              "backward_end": grads + unit_grads + layer_activations + (param_compute if copies_kept else 0)}
     if local_sgd:
         phases["sync"] = forward_backward + sync
     peak_phase = max(phases, key=lambda k: phases[k])

@@ -46,7 +46,8 @@ def measured_peak(trainer: Any, step: int) -> int:
     ["train.grad_accum=2"],
     ["train.precision=bf16"],
     ["train.precision=bf16", "train.grad_accum=3", "model.expert_impl=grouped"],
-], ids=["fp32", "fp32-accum2", "bf16", "bf16-accum3-grouped"])
+    ["train.activation_checkpointing=full", "train.seq_len=128"],
+], ids=["fp32", "fp32-accum2", "bf16", "bf16-accum3-grouped", "full-checkpointing"])
 def test_plan_within_ten_percent_of_the_cpu_peak(tmp_path, small_corpus, extra: list[str]) -> None:
     from edit_train.cli.common import compose
     from edit_train.train.trainer import Trainer
