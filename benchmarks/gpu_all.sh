@@ -4,10 +4,10 @@
 #   bash benchmarks/gpu_all.sh [OUT_DIR]        # default OUT_DIR: docs/
 #   FULL=1 bash benchmarks/gpu_all.sh           # also issue 40's grid, profile and checkpointing rows (+~6 min)
 #
-# 1. train (240 s): benchmarks/gpu_train.py -> OUT_DIR/gpu_step_<device>.json: the Trainer itself on the Ling-Lite
+# 1. train (270 s): benchmarks/gpu_train.py -> OUT_DIR/gpu_step_<device>.json: the Trainer itself on the Ling-Lite
 #    slice (compiled, grouped experts, bf16) at grad_accum 1 and 4, the harness row at the same shape, and two
 #    ling_1b clusters on the one GPU through three syncs (each cluster's peak vs its plan)
-# 2. tests (100 s): pytest -m cuda (tests/test_cuda.py, tests/test_step_sync_free.py's sync-debug twin, ...)
+# 2. tests (90 s): pytest -m cuda (tests/test_cuda.py, tests/test_step_sync_free.py's sync-debug twin, ...)
 # With FULL=1 also: gpu_step.py's rows (ling_lite_slice and ling_1b, compiled and eager, no checkpointing, then
 # full checkpointing appended) and benchmarks/gpu_profile.py -> OUT_DIR/gpu_profile_<device>.txt.
 # Each stage has a wall-clock limit (seconds; override with LIMIT_TRAIN, LIMIT_TESTS, LIMIT_STEP, LIMIT_PROFILE,
@@ -37,8 +37,8 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-stage train "${LIMIT_TRAIN:-240}" "$PY" benchmarks/gpu_train.py --out-dir "$OUT"
-stage tests "${LIMIT_TESTS:-100}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
+stage train "${LIMIT_TRAIN:-270}" "$PY" benchmarks/gpu_train.py --out-dir "$OUT"
+stage tests "${LIMIT_TESTS:-90}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
 if [ "${FULL:-0}" = 1 ]; then
     ROWS=(--models ling_lite_slice ling_1b --modes compiled eager --experts grouped --out-dir "$OUT" --append)
     stage step "${LIMIT_STEP:-180}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing none

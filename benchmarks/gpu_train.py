@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=8, help="measured steps (after as many warm-up steps)")
     ap.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--data-source", default=None, help="data.source (default: the config's: the stdlib)")
-    ap.add_argument("--federation-timeout", type=float, default=240.0)
+    ap.add_argument("--federation-timeout", type=float, default=150.0)
     ap.add_argument("--peak-flops", type=float, default=0.0)
     ap.add_argument("--smoke", action="store_true", help="without a GPU: toy sizes on the CPU (no GPU figures)")
     ap.add_argument("--out", type=Path, default=None)
