@@ -252,7 +252,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.set_step(step)
-        loss_sum = torch.zeros((), dtype=torch.float32 if device_type == "mps" else torch.float64, device=topo.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
         with self.timing.span("data"):
             batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
         # bf16 working copies: one cast per optimizer step (one micro-batch casts once anyway, and frees the copies
