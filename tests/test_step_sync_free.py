@@ -135,6 +135,36 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_logged_at_the_log_step(t
     assert trainer.state.skipped_steps == 1 and summary
 
 
+def test_a_spike_is_decided_on_the_device_and_requeued_at_the_log_step(tmp_path, small_corpus) -> None:
+    """The spike guard's decision is taken on the device: step 3's agreed loss is 1000 (injected), the update is
+    skipped (weights unchanged), and the log step logs the `spike` event with that loss and re-queues the batch
+    `requeue_after` steps after step 3."""
+    trainer = _trainer(tiny_overrides(tmp_path, small_corpus, "train.steps=6", "train.log_every=6",
+                                      "train.eval_every=0", "train.spike_factor=2", "train.spike_patience=1",
+                                      "train.spike_requeue_after=10"))
+    trainer.spike.warmup = 1
+    after_backward, train_step = trainer.algo.after_backward, trainer.train_step
+    params: dict[int, list[torch.Tensor]] = {}
+
+    def agreed(step: int, loss: Any) -> Any:
+        out = after_backward(step, loss)
+        return out * 0 + 1000.0 if step == 3 else out
+
+    def step_and_keep(step: int) -> Any:
+        out = train_step(step)
+        params[step] = [p.detach().clone() for p in trainer.model.parameters()]
+        return out
+
+    trainer.algo.after_backward, trainer.train_step = agreed, step_and_keep
+    trainer.run()
+    assert all(torch.equal(a, b) for a, b in zip(params[2], params[3]))  # step 3's update was skipped
+    assert not all(torch.equal(a, b) for a, b in zip(params[3], params[4]))
+    spikes = [e for e in read_events(tmp_path / "metrics.jsonl") if e.get("event") == "spike"]
+    assert [(e["step"], e["loss"], e["requeued_for"]) for e in spikes] == [(4, 1000.0, 13)]
+    assert [due for due, _ in trainer.spike.queue] == [13] and trainer.spike.skipped == 1
+    assert not [e for e in read_events(tmp_path / "metrics.jsonl") if e.get("event") == "skip"]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_no_device_sync_on_steps_that_do_not_log_cuda(tmp_path, small_corpus) -> None:

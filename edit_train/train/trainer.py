@@ -85,8 +85,8 @@ class Trainer:
         self.state.schedule = LrSchedule.of(t)  # a resume may continue the checkpoint's instead
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
-        # steps whose outcome (loss, applied, spike, batches) is still on the device: read by `_settle`
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]] = []
+        # steps whose outcome (loss, agreed loss, applied, spike, batches) is still on the device: read by `_settle`
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]] = []
         self._last_applied = True
 
         # ---- data: this cluster's own part (site_data.py), prepared once by rank 0, cached for everyone else
@@ -273,11 +273,12 @@ class Trainer:
                     (out.loss / len(batches)).backward()
                 loss_sum += out.ce_loss.detach().to(loss_sum.dtype) / len(batches)
         self.sim.grads(step, self.model)
-        spike = None
+        spike, shared = None, loss_sum
         if self.spike.enabled:  # the spike decision needs the loss every rank sharing the update agrees on
             with self.timing.span("sync"):
-                shared = self.algo.after_backward(step, self._cluster_mean(loss_sum.reshape(1))[0])
-            spike = self.spike.decide(torch.as_tensor(shared, device=topo.device))
+                agreed = self.algo.after_backward(step, self._cluster_mean(loss_sum.reshape(1))[0])
+            shared = torch.as_tensor(agreed, device=topo.device)
+            spike = self.spike.decide(shared)
         else:
             with self.timing.span("sync"):
                 self.algo.after_backward(step, None)
@@ -286,8 +287,8 @@ class Trainer:
         step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
         self.optimizer.zero_grad(set_to_none=True)
         applied = finite if spike is None else finite | spike  # a spike's skip is not a non-finite step
-        self._pending.append((step, loss_sum, applied, spike, [(x.clone(), y.clone()) for x, y in batches]
-                              if spike is not None else []))
+        self._pending.append((step, loss_sum, shared, applied, spike,
+                              [(x.clone(), y.clone()) for x, y in batches] if spike is not None else []))
         self._last_out = out
         self._lr = lr
         return loss_sum, applied
@@ -300,15 +301,16 @@ class Trainer:
             return self._last_applied
         topo, pending, self._pending = self.topo, self._pending, []
         zero = torch.zeros((), dtype=torch.bool, device=topo.device)
-        rows = torch.stack([torch.stack([loss.double(), applied.double(), (zero if spike is None else spike).double()])
-                            for _, loss, applied, spike, _ in pending]).tolist()
+        rows = torch.stack([torch.stack([loss.double(), shared.double(), applied.double(),
+                                         (zero if spike is None else spike).double()])
+                            for _, loss, shared, applied, spike, _ in pending]).tolist()
         if self.spike.enabled:
             self.spike.read()
-        for (step, _, _, _, batches), (loss, applied, spiked) in zip(pending, rows):
+        for (step, *_, batches), (loss, shared, applied, spiked) in zip(pending, rows):
             if spiked:
                 self.spike.requeue(step, batches)
                 if topo.is_leader:
-                    self.metrics.log("spike", step=step + 1, cluster_index=topo.index, cluster=topo.name, loss=loss,
+                    self.metrics.log("spike", step=step + 1, cluster_index=topo.index, cluster=topo.name, loss=shared,
                                      running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
             elif not applied:
                 self.state.skipped_steps += 1
@@ -316,7 +318,7 @@ class Trainer:
                 if topo.is_leader:
                     self.metrics.log("skip", step=step + 1, cluster_index=topo.index, cluster=topo.name,
                                      reason="non_finite", loss=loss)
-        self._last_applied = bool(rows[-1][1])
+        self._last_applied = bool(rows[-1][2])
         return self._last_applied
 
     def run(self) -> dict[str, Any]:
