@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Every GPU figure of edit-train in one command, sized for ~8 minutes of one lent H100/H200:
+# Every GPU figure of edit-train's issue 52 in one command, sized for 6 minutes of one lent H100/H200:
 #
 #   bash benchmarks/gpu_all.sh [OUT_DIR]        # default OUT_DIR: docs/
+#   FULL=1 bash benchmarks/gpu_all.sh           # also issue 40's grid, profile and checkpointing rows (+~6 min)
 #
-# 1. gpu_step rows at the widths that matter (benchmarks/gpu_step.py): ling_lite_slice and ling_1b, compiled and
-#    eager, grouped experts, bf16, no activation checkpointing -> OUT_DIR/gpu_step_<device>.json
-# 2. the profile of the slice's compiled step (benchmarks/gpu_profile.py) -> OUT_DIR/gpu_profile_<device>.txt
-# 3. pytest -m cuda (every test marked cuda: tests/test_cuda.py, tests/test_experts.py, ...)
-# 4. the same gpu_step rows with full activation checkpointing, appended to the JSON
-# Each stage has a wall-clock limit (seconds; override with LIMIT_STEP, LIMIT_PROFILE, LIMIT_TESTS, LIMIT_CKPT) and
-# the next stage runs whatever the last one did; gpu_step writes each row as it finishes, so a stage cut short
-# keeps what it measured. Logs: OUT_DIR/gpu_all_<stage>.log. PYTHON picks the interpreter (default: python).
+# 1. train (270 s): benchmarks/gpu_train.py -> OUT_DIR/gpu_step_<device>.json: the Trainer itself on the Ling-Lite
+#    slice (compiled, grouped experts, bf16) at grad_accum 1 and 4, the harness row at the same shape, and two
+#    ling_1b clusters on the one GPU through three syncs (each cluster's peak vs its plan)
+# 2. tests (90 s): pytest -m cuda (tests/test_cuda.py, tests/test_step_sync_free.py's sync-debug twin, ...)
+# With FULL=1 also: gpu_step.py's rows (ling_lite_slice and ling_1b, compiled and eager, no checkpointing, then
+# full checkpointing appended) and benchmarks/gpu_profile.py -> OUT_DIR/gpu_profile_<device>.txt.
+# Each stage has a wall-clock limit (seconds; override with LIMIT_TRAIN, LIMIT_TESTS, LIMIT_STEP, LIMIT_PROFILE,
+# LIMIT_CKPT) and the next stage runs whatever the last one did; rows are written as they finish, so a stage cut
+# short keeps what it measured. Logs: OUT_DIR/gpu_all_<stage>.log. PYTHON picks the interpreter (default: python).
 # Without a CUDA device it refuses with one line (exit 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,11 +37,14 @@ stage() {  # stage NAME LIMIT_S COMMAND...
     [ "$rc" -eq 0 ] || failed=1
 }
 
-ROWS=(--models ling_lite_slice ling_1b --modes compiled eager --experts grouped --out-dir "$OUT")
-stage step "${LIMIT_STEP:-180}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing none
-stage profile "${LIMIT_PROFILE:-60}" "$PY" benchmarks/gpu_profile.py --out-dir "$OUT"
-stage tests "${LIMIT_TESTS:-120}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
-stage ckpt "${LIMIT_CKPT:-100}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing full --append
+stage train "${LIMIT_TRAIN:-270}" "$PY" benchmarks/gpu_train.py --out-dir "$OUT"
+stage tests "${LIMIT_TESTS:-90}" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
+if [ "${FULL:-0}" = 1 ]; then
+    ROWS=(--models ling_lite_slice ling_1b --modes compiled eager --experts grouped --out-dir "$OUT" --append)
+    stage step "${LIMIT_STEP:-180}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing none
+    stage profile "${LIMIT_PROFILE:-60}" "$PY" benchmarks/gpu_profile.py --out-dir "$OUT"
+    stage ckpt "${LIMIT_CKPT:-100}" "$PY" benchmarks/gpu_step.py "${ROWS[@]}" --checkpointing full
+fi
 
 echo "== summary"
 "$PY" - "$OUT" <<'PY'
@@ -52,9 +57,12 @@ for f in sorted(out.glob("gpu_step_*.json")):
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else r["status"]
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        print(f"  {r['model']:<16} L{r['layers']:<3} {'compile' if r['compile'] else 'eager':<8}"
-              f"{r['checkpointing']:<5} {tps:>10} tok/s  MFU {mfu:>6}  peak {peak} / plan {r['plan_gib']:.1f} GiB"
+        what = f"{r.get('what', 'harness')} ga{r.get('grad_accum', 1)}"
+        print(f"  {what:<14} {r['model']:<16} L{r.get('layers') or '-':<3} {'compile' if r['compile'] else 'eager':<8}"
+              f"{r['checkpointing']:<5} {tps:>10} tok/s  MFU {mfu:>6}  peak {peak} / plan {r.get('plan_gib') or 0:.1f} GiB"
               + (f"  {r['error']}" if r.get("error") else ""))
+        for name, c in (r.get("clusters") or {}).items():
+            print(f"      {name}: syncs {c['syncs']}, peak {c['peak_gib']} / plan {c['plan_gib']} GiB")
 for f in sorted(out.glob("gpu_profile_*.txt")):
     print(f"{f}:")
     print("\n".join(line for line in f.read_text().splitlines() if line.startswith("#")))

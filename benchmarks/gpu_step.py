@@ -43,7 +43,7 @@ from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
 
 HEADER = ("| model | layers | batch x seq | compile | checkpointing | experts | tokens/s | MFU | peak GiB | plan GiB |"
           "\n|---|---|---|---|---|---|---|---|---|---|")
-KEY = ("model", "compile", "checkpointing", "experts", "batch", "seq", "layers", "loss_chunk")
+KEY = ("model", "compile", "checkpointing", "experts", "batch", "seq", "layers", "loss_chunk", "what", "grad_accum")
 
 
 def run_variant(v: Variant, device: torch.device, iters: int, warmup: int, peak: float | None) -> dict[str, Any]:

@@ -1,23 +1,47 @@
 """Per-rank GPU memory plan of a launch, from the config alone (model built on the meta device).
 
 Every figure is bytes on one rank of a cluster that shards one replica over ``cluster.ranks`` ranks
-(FSDP2, fp32 sharded master weights), planned as if the rank were a CUDA device:
+(FSDP2, fp32 sharded master weights), planned as if the rank were a CUDA device. What a rank holds all the
+time (the *static* terms):
 
 * ``params``        fp32 shard: ``4 P / S``
-* ``param_compute`` compute copies: with ``precision=bf16`` and S > 1, FSDP2 gathers bf16 units — the
-                    current and the prefetched one, ``2 * 2 * max_unit``; unsharded bf16 runs autocast,
-                    whose cache holds a bf16 copy of every weight during forward, ``2 P``; S > 1 in fp32
-                    gathers fp32 units, ``2 * 4 * max_unit``; otherwise 0
-* ``grads``         fp32 sharded gradients ``4 P / S`` (+ the unsharded gradient of one unit before its
-                    reduce-scatter, ``c * max_unit`` with c the compute dtype's bytes, when S > 1)
 * ``inner_optimizer`` AdamW ``exp_avg`` + ``exp_avg_sq``: ``8 P / S``
 * ``outer_state``   local SGD only: anchor ``4 P / S`` + outer optimizer state (SGD with momentum: one
                     buffer, without: none; other torch.optim classes: counted as two); on the host when
                     ``algo.outer.offload`` (then only one unit's anchor + state is staged on the device)
-* ``activations``   for ``t = batch_size * seq_len`` tokens of one micro-batch (see ``activation_bytes``)
+* ``codec``         local SGD with a lossy ``sync.compression`` and ``sync.error_feedback``: the residuals
+                    kept between syncs, ``4 P / S``
 
-``fits`` compares the total with 90% of ``--gpu-mem-gb`` GiB (the rest is for the CUDA context, NCCL
-buffers and allocator fragmentation).
+and what a step holds for a while (the *transient* terms):
+
+* ``param_compute`` compute copies: with ``precision=bf16`` and S > 1, FSDP2 gathers bf16 units — the
+                    current and the prefetched one, ``2 * 2 * max_unit``; unsharded bf16 runs autocast: the
+                    bf16 working copies of the weights, ``2 P`` (with ``grad_accum > 1`` and no ``train.compile``
+                    kept through the whole optimizer step, `PrecisionPolicy.optimizer_step`); S > 1 in fp32 gathers fp32
+                    units, ``2 * 4 * max_unit``; otherwise 0
+* ``grads``         fp32 sharded gradients ``4 P / S`` (+ the unsharded gradient of one unit before its
+                    reduce-scatter, ``c * max_unit`` with c the compute dtype's bytes, when S > 1)
+* ``activations``   for ``t = batch_size * seq_len`` tokens of one micro-batch (see ``activation_bytes``)
+* ``unit_grads``    the gradients of one unit computed before they are added to (or reduce-scattered into)
+                    ``grads``: ``4 max_unit`` unsharded (``c max_unit`` when S > 1)
+* ``layer_activations`` the largest decoder layer's activations: what the backward of the first layer (the
+                    last one backward reaches, when every other gradient exists) holds, or its recompute
+* ``sync``          local SGD, while a layer-wise sync runs inside the forward: the undo record of every unit
+                    until the vote (parameters + anchor + outer state, ``4 (1 + k) P / S`` with k the outer
+                    buffers on the device), and the contributions of the unit being applied and the one in
+                    flight, ``2 (n + 1) 4 max_unit / S`` for n clusters
+
+These do not all peak together. The plan is the static terms plus the largest of three phases:
+
+* ``forward_backward``: activations + compute copies + one unit's gradients (+ all the gradients from the
+  second micro-batch on, ``grad_accum > 1``)
+* ``backward_end``: all the gradients + one unit's gradients + one layer's activations (+ the working
+  copies when they are kept)
+* ``sync`` (local SGD): ``forward_backward`` + ``sync``
+
+Measured on the CPU allocator (tests/test_memplan_peak.py) the plan is within 10 % of a step's peak. ``fits``
+compares the total with 90% of ``--gpu-mem-gb`` GiB (the rest is for the CUDA context, NCCL buffers and
+allocator fragmentation).
 """
 
 from __future__ import annotations
@@ -26,6 +50,7 @@ from typing import Any
 
 import torch
 
+from edit_train.local_sgd.errors import ClusterError
 from edit_train.model.config import ModelConfig
 
 USABLE_FRACTION = 0.9
@@ -60,8 +85,9 @@ def _unit_params(cfg: ModelConfig) -> dict[str, int]:
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_bytes: int,
-                     residual_bytes: int) -> int:
-    """Activation memory of one micro-batch of ``tokens`` tokens (the estimate in ``ACTIVATION_FORMULA``)."""
+                     residual_bytes: int, one_layer: bool = False) -> int:
+    """Activation memory of one micro-batch of ``tokens`` tokens (the estimate in ``ACTIVATION_FORMULA``);
+    ``one_layer``: the largest decoder layer's alone (what its backward, or its recompute, holds)."""
     c, r, h = compute_bytes, residual_bytes, cfg.hidden_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -80,6 +106,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
         a_head = r * h + c * v + 8 * v
     is_moe = [cfg.num_experts > 0 and i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
     per_layer = [a_att + (a_moe if m else a_mlp) for m in is_moe]
+    if one_layer:
+        return int(tokens * max(per_layer, default=0))
     if checkpointing == "full":
         per_tok = cfg.num_hidden_layers * r * h + max(per_layer, default=0)
     elif checkpointing == "moe":
@@ -92,7 +120,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
 
 def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len: int, precision: str = "fp32",
                 checkpointing: str = "none", local_sgd: bool = False, outer_optimizer: str = "SGD",
-                outer_momentum: float = 0.0, offload: bool = False, gpu_mem_gb: float | None = None
+                outer_momentum: float = 0.0, offload: bool = False, gpu_mem_gb: float | None = None,
+                grad_accum: int = 1, clusters: int = 1, codec_residual: bool = False, compiled: bool = False
                 ) -> dict[str, Any]:
     """The per-rank plan (bytes) described in the module docstring."""
     units = _unit_params(model)
@@ -107,21 +136,44 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
         param_compute = 2 * c * max_unit
     else:
         param_compute = 2 * p_total if bf16 else 0
+    # the working copies live through the optimizer step (eager: a compiled layer casts inside its graph)
+    copies_kept = s == 1 and bf16 and grad_accum > 1 and not compiled
     outer_states = 0
     if local_sgd:
         outer_states = 1 + ((1 if outer_momentum > 0 else 0) if outer_optimizer == "SGD" else 2)
     outer_bytes = 4 * outer_states * p_total / s
+    grads = 4 * p_total / s + (c * max_unit if s > 1 else 0)
+    unit_grads = (c if s > 1 else 4) * max_unit
+    activations = activation_bytes(model, batch_size * seq_len, checkpointing, c, r)
+    layer_activations = activation_bytes(model, batch_size * seq_len, checkpointing, c, r, one_layer=True)
+    sync = 0.0
+    if local_sgd:
+        on_device = 0 if offload else outer_states  # the undo record's anchor + outer state
+        sync = 4 * (1 + on_device) * p_total / s + 2 * (clusters + 1) * 4 * max_unit / s
     plan: dict[str, float] = {
         "params": 4 * p_total / s,
         "param_compute": param_compute,
-        "grads": 4 * p_total / s + (c * max_unit if s > 1 else 0),
+        "grads": grads,
         "inner_optimizer": 8 * p_total / s,
         "outer_state": (4 * outer_states * max_unit / s) if offload else outer_bytes,
-        "activations": activation_bytes(model, batch_size * seq_len, checkpointing, c, r),
+        "codec": 4 * p_total / s if local_sgd and codec_residual else 0,
+        "activations": activations,
+        "unit_grads": unit_grads,
+        "layer_activations": layer_activations,
+        "sync": sync,
     }
-    total = int(sum(plan.values()))
+    static = plan["params"] + plan["inner_optimizer"] + plan["outer_state"] + plan["codec"]
+    forward_backward = activations + param_compute + unit_grads + (grads if grad_accum > 1 else 0)
+    phases = {"forward_backward": forward_backward,
+              "backward_end": grads + unit_grads + layer_activations + (param_compute if copies_kept else 0)}
+    if local_sgd:
+        phases["sync"] = forward_backward + sync
+    peak_phase = max(phases, key=lambda k: phases[k])
+    total = int(static + phases[peak_phase])
     out: dict[str, Any] = {
         "bytes": {k: int(v) for k, v in plan.items()},
+        "phases": {k: int(static + v) for k, v in phases.items()},
+        "peak_phase": peak_phase,
         "total_bytes": total,
         "total_gib": round(total / GIB, 3),
         "host_bytes": {"outer_state": int(outer_bytes) if offload else 0},
@@ -130,6 +182,7 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
         "fsdp_mixed_precision": fsdp_mp,
         "activation_checkpointing": checkpointing,
         "tokens_per_microbatch": batch_size * seq_len,
+        "grad_accum": grad_accum,
         "largest_unit_params": int(max_unit),
         "activation_formula": ACTIVATION_FORMULA,
     }
@@ -143,9 +196,33 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
 
 def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]:
     """``memory_plan`` for a composed ``Config`` (train/cluster/algo sections)."""
-    t, o = cfg.train, cfg.algo.outer
+    from edit_train.config import cluster_specs
+
+    t, o, sync = cfg.train, cfg.algo.outer, cfg.sync
     return memory_plan(cfg.model, shard_size=cfg.cluster.ranks, batch_size=t.batch_size,
                        seq_len=t.seq_len, precision=t.precision,
                        checkpointing=getattr(t, "activation_checkpointing", "none"),
                        local_sgd=cfg.algo.local_sgd, outer_optimizer=o.optimizer, outer_momentum=o.momentum,
-                       offload=o.offload, gpu_mem_gb=gpu_mem_gb)
+                       offload=o.offload, gpu_mem_gb=gpu_mem_gb, grad_accum=t.grad_accum,
+                       clusters=max(len(cluster_specs(cfg)), 1),
+                       codec_residual=sync.compression != "none" and sync.error_feedback, compiled=t.compile)
+
+
+class OutOfMemory(ClusterError):
+    """A cluster ran out of device memory: it stops with one line (`out_of_memory_line`), exit 1, and the other
+    clusters of the federation go on without it (as after any `ClusterError`)."""
+
+
+def out_of_memory_line(cfg: Any, step: int | None, device: torch.device) -> str:
+    """What ran out, what the plan said this rank needs, and what to change."""
+    plan = plan_for_config(cfg)
+    have = ""
+    if device.type == "cuda":
+        have = f" of the device's {torch.cuda.get_device_properties(device).total_memory / GIB:.1f} GiB"
+    where = f"at step {step}" if step is not None else "while building the model"
+    fixes = ["train.activation_checkpointing=full" if cfg.train.activation_checkpointing != "full" else None,
+             "algo.outer.offload=true" if cfg.algo.local_sgd and not cfg.algo.outer.offload else None,
+             f"a smaller train.batch_size (now {cfg.train.batch_size}; train.grad_accum keeps the tokens per step)"]
+    return (f"out of device memory {where}: the memory plan says {plan['total_gib']:.1f} GiB per rank{have} "
+            f"(peak: {plan['peak_phase']}); to fit, set {', '.join(f for f in fixes if f)} "
+            f"(`edit-train-info --gpu-mem-gb N` prints the plan)")

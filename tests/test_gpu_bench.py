@@ -16,6 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 import gpu_profile  # noqa: E402
 import gpu_step  # noqa: E402
+import gpu_train  # noqa: E402
 from _gpu import device_slug  # noqa: E402
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -69,3 +70,37 @@ def test_gpu_profile_quick_smoke(tmp_path) -> None:
     assert "self CPU time per category" in text and "dense GEMMs" in text
     assert "lm_head_loss range" in text  # the fused head loss is timed on its own
     assert "aten::mm" in text  # the torch.profiler table itself
+
+
+@no_gpu
+def test_gpu_train_smoke_trainer_and_harness_rows(tmp_path, small_corpus) -> None:
+    """`gpu_train.py --smoke`: the Trainer's own rows at grad_accum 1 and 4 beside the harness row, appended to the
+    gpu_step JSON with the plan's figure; no GPU figure is written on the CPU (no MFU, no peak)."""
+    out = tmp_path / "gpu_step_cpu.json"
+    assert gpu_train.main(["--smoke", "--rows", "trainer", "harness", "--out", str(out),
+                           "--data-source", small_corpus]) == 0
+    assert gpu_train.main(["--smoke", "--rows", "harness", "--out", str(out), "--data-source", small_corpus]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["what"], r["grad_accum"]) for r in rows] == [("trainer", 1), ("trainer", 4), ("harness", 1)]
+    for r in rows:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["plan_gib"] > 0, r
+        assert r["mfu"] is None and r["peak_gib"] is None
+    trainer = [r for r in rows if r["what"] == "trainer"]
+    assert trainer[1]["plan_gib"] > trainer[0]["plan_gib"]  # grad_accum 4: gradients live beside the activations
+
+
+@no_gpu
+def test_gpu_train_refuses_without_a_gpu_in_one_line(capsys) -> None:
+    assert gpu_train.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]
+
+
+@no_gpu
+@pytest.mark.slow  # a Lighthouse and two cluster processes on the CPU: about a minute on two loaded cores
+def test_gpu_train_smoke_federation_row(tmp_path, small_corpus) -> None:
+    out = tmp_path / "gpu_step_cpu.json"
+    assert gpu_train.main(["--smoke", "--rows", "federation", "--out", str(out), "--data-source", small_corpus]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and row["completed"], row
+    assert all(c["syncs"] == 3 and c["plan_gib"] > 0 and c["peak_gib"] is None for c in row["clusters"].values())

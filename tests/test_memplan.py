@@ -38,7 +38,13 @@ def test_state_terms_scale_with_shards_and_offload() -> None:
     assert ddp["bytes"]["outer_state"] == 0
     no_mom = memory_plan(cfg, shard_size=1, batch_size=2, seq_len=64, local_sgd=True, outer_momentum=0.0)
     assert no_mom["bytes"]["outer_state"] == 4 * p  # the anchor alone
-    assert one["total_bytes"] == sum(one["bytes"].values())
+    static = sum(one["bytes"][k] for k in ("params", "inner_optimizer", "outer_state", "codec"))
+    phases = one["phases"]
+    assert one["total_bytes"] == max(phases.values()) == phases[one["peak_phase"]]
+    b = one["bytes"]  # a sync's undo records and contributions ride the forward
+    assert phases["sync"] - phases["forward_backward"] == b["sync"] and phases["sync"] > static
+    assert b["sync"] >= 12 * p  # parameters + anchor + momentum of every unit until the vote
+    assert off["bytes"]["sync"] < b4["sync"]  # offloaded: the undo record's anchor and state are on the host
 
 
 def test_bf16_compute_copies() -> None:
@@ -108,9 +114,9 @@ def test_ling_lite_slice_is_ling_lite_layers_on_one_gpu(capsys) -> None:
     assert dataclasses.replace(piece, num_hidden_layers=lite.num_hidden_layers) == lite
     shape = {"shard_size": 1, "batch_size": 2, "seq_len": 4096, "precision": "bf16", "gpu_mem_gb": 80}
     assert memory_plan(piece, **shape)["fits"]
-    assert not memory_plan(dataclasses.replace(piece, num_hidden_layers=piece.num_hidden_layers + 1), **shape)["fits"]
+    assert not memory_plan(dataclasses.replace(piece, num_hidden_layers=piece.num_hidden_layers + 2), **shape)["fits"]
     main(["model=ling_lite_slice", "train.precision=bf16", "train.batch_size=2", "train.seq_len=4096",
-          "model.num_hidden_layers=3", "--gpu-mem-gb", "80"])  # the depth is an ordinary override
+          "model.num_hidden_layers=3", "algo=ddp", "--gpu-mem-gb", "80"])  # the depth is an ordinary override
     info = json.loads(capsys.readouterr().out.strip())
     per_layer = (count_params(lite)["total_params"] - 2 * lite.vocab_size * lite.hidden_size - lite.hidden_size) // 28
     assert info["total_params"] == 3 * per_layer + 2 * lite.vocab_size * lite.hidden_size + lite.hidden_size
@@ -125,8 +131,9 @@ def test_info_prints_memory_plan(monkeypatch, capsys) -> None:
     assert 0.9e9 < info["total_params"] < 1.2e9 and 0.3e9 < info["active_params"] < 0.5e9
     plan = info["memory_plan"]
     assert plan["fits"] is True and plan["activation_checkpointing"] == "full"
-    assert set(plan["bytes"]) == {"params", "param_compute", "grads", "inner_optimizer", "outer_state",
-                                  "activations"}
+    assert set(plan["bytes"]) == {"params", "param_compute", "grads", "inner_optimizer", "outer_state", "codec",
+                                  "activations", "unit_grads", "layer_activations", "sync"}
+    assert plan["total_bytes"] == plan["phases"][plan["peak_phase"]]
     main(["model=ling_lite", "--gpu-mem-gb=24"])
     assert json.loads(capsys.readouterr().out.strip())["memory_plan"]["fits"] is False
     with pytest.raises(SystemExit) as exc:

@@ -121,7 +121,7 @@ class LocalSGD:
             self._run_sync(q)
         return self.membership.take_adopted()
 
-    def after_backward(self, step: int, loss: float | None = None) -> float | None:
+    def after_backward(self, step: int, loss: float | Tensor | None = None) -> float | Tensor | None:
         """ddp / warm-up: average the gradients over the quorum. Returns the loss every cluster agrees on."""
         if self.cfg.local_sgd and not self.warmup.is_warmup(step):
             return loss

@@ -42,12 +42,16 @@ class GradientExchange:
     def __init__(self, transport: Transport, membership: Membership) -> None:
         self.t, self.membership = transport, membership
 
-    def exchange(self, model: nn.Module, step: int, loss: float | None, vote: bool | None) -> tuple[float | None, bool]:
-        """Average this step's gradients over the quorum. Returns (the agreed loss, any cluster's stop vote)."""
+    def exchange(self, model: nn.Module, step: int, loss: float | Tensor | None, vote: bool | None
+                 ) -> tuple[float | Tensor | None, bool]:
+        """Average this step's gradients over the quorum. Returns (the agreed loss, any cluster's stop vote). A
+        loss given as a tensor stays on the device (no host read): the agreed loss is then a 0-d tensor."""
         tensors = local_grads(model)
         extra: list[Tensor] = []
         for value in (loss, None if vote is None else float(vote)):
-            if value is not None:
+            if isinstance(value, Tensor):
+                extra.append(value.detach().reshape(1).to(device=self.t.cluster.device, dtype=torch.float32))
+            elif value is not None:
                 extra.append(torch.tensor([value], dtype=torch.float32, device=self.t.cluster.device))
         if self.t.federated:
             try:  # a quorum every step, gradients averaged over it
@@ -61,7 +65,7 @@ class GradientExchange:
                 log.warning("cluster %s: gradient exchange failed (%s); step taken with local gradients",
                             self.t.name, exc)
                 self.t.abort()
-        agreed = float(extra[0].item()) if loss is not None else None
+        agreed = None if loss is None else extra[0].reshape(()) if isinstance(loss, Tensor) else float(extra[0].item())
         stop = vote is not None and float(extra[-1].item()) > 0
         return agreed, stop
 

@@ -28,7 +28,9 @@ non-deterministic on CUDA in bf16 — where the inverse permutation turns it int
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 EXPERT_IMPLS = ("auto", "grouped", "sorted")
+# One optimizer step's working copies of the expert weights (`working_copies`): id -> (weight, version, copy)
+_working: dict[int, tuple[torch.Tensor, int, torch.Tensor]] | None = None
 _warned: set[str] = set()
 _capability: dict[int | None, tuple[int, int]] = {}  # CUDA device index -> compute capability
 
@@ -101,6 +105,40 @@ def resolve_impl(requested: str, device: torch.device, dtype: torch.dtype, dims:
         _warned.add(key)
         log.warning("model.expert_impl=auto: sorted experts on %s (%s)", device, why)
     return "sorted"
+
+
+@contextlib.contextmanager
+def working_copies() -> Iterator[None]:
+    """Within it (the trainer: one optimizer step, all its micro-batches) an expert weight is cast to the compute
+    dtype once, at its first use, and that copy is used again by the later micro-batches (`working_copy`). Its
+    end drops the copies; the optimizer then changes the weights."""
+    global _working
+    outer = _working is None
+    if outer:
+        _working = {}
+    try:
+        yield
+    finally:
+        if outer:
+            _working = None
+
+
+def working_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight`` in ``dtype``: the step's copy inside `working_copies` while the weight is unchanged (same
+    tensor, same in-place version: a sync that re-bases the weight before this forward makes a new copy),
+    else a fresh cast. The copy is differentiable: its gradient reaches the fp32 weight through the cast.
+    Under ``torch.compile`` or without autograd the cast is the traced/plain one."""
+    if weight.dtype == dtype:
+        return weight
+    cache = _working
+    if cache is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return weight.to(dtype)
+    hit = cache.get(id(weight))
+    if hit is not None and hit[0] is weight and hit[1] == weight._version and hit[2].dtype == dtype:
+        return hit[2]
+    copy = weight.to(dtype)
+    cache[id(weight)] = (weight, weight._version, copy)
+    return copy
 
 
 def grouped_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,

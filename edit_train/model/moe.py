@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from edit_train.model.config import ModelConfig
-from edit_train.model.experts import grouped_experts, resolve_impl
+from edit_train.model.experts import grouped_experts, resolve_impl, working_copy
 
 
 class DenseMLP(nn.Module):
@@ -83,8 +83,7 @@ class RoutedExperts(nn.Module):
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-        weights = [p if p.dtype == dtype else p.to(dtype)
-                   for p in (self.gate_proj, self.up_proj, self.down_proj)]
+        weights = [working_copy(p, dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)]
         impl = resolve_impl(self.impl, x.device, dtype, tuple(self.gate_proj.shape[1:]))
         self.last_impl = impl
         with torch.autocast(device_type=device_type, enabled=False):

@@ -44,6 +44,28 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type, dtype=self.autocast_dtype)
 
+    def optimizer_step(self, device_type: str) -> contextlib.AbstractContextManager:
+        """Around all the micro-batches of one optimizer step (forward and backward): the bf16 working copies
+        of the weights are made once per optimizer step, not once per micro-batch. Autocast caches its casts
+        of the weights until its outermost region ends — this region, held open across the micro-batches —
+        and the expert weights, which the MoE block casts itself, use ``model.experts.working_copies``. The
+        copies are the same casts of the same fp32 weights, so the numerics are those of per-micro-batch
+        casts (tests/test_working_copies.py). Backward runs inside it with autocast off (`backward`)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        from edit_train.model.experts import working_copies
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device_type, dtype=self.autocast_dtype))
+        stack.enter_context(working_copies())
+        return stack
+
+    def backward(self, device_type: str) -> contextlib.AbstractContextManager:
+        """Backward inside `optimizer_step`: autocast off (as outside any region), its cache kept."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, enabled=False)
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.fsdp_param_dtype or self.autocast_dtype or torch.float32

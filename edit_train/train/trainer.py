@@ -29,6 +29,7 @@ from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.errors import SyncAborted
+from edit_train.memplan import OutOfMemory, out_of_memory_line, plan_for_config
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, process_start, record_path, restart_count
 from edit_train.train.summary import cluster_record, write_cluster_summary
@@ -36,7 +37,7 @@ from edit_train.train.checkpoint import CheckpointManager
 from edit_train.train.lr import LrSchedule
 from edit_train.train.metrics import JsonlSink, MetricsLogger
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
-from edit_train.train.optim import build_optimizer
+from edit_train.train.optim import build_optimizer, step_unless
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, reshard
 from edit_train.train.spike import SpikeGuard
@@ -85,6 +86,9 @@ class Trainer:
         self.state.schedule = LrSchedule.of(t)  # a resume may continue the checkpoint's instead
         self._compute_since_commit = 0.0
         self._syncs_seen = 0
+        # steps whose outcome (loss, agreed loss, applied, spike, batches) is still on the device: read by `_settle`
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, list[Any]]] = []
+        self._last_applied = True
 
         # ---- data: this cluster's own part (site_data.py), prepared once by rank 0, cached for everyone else
         check_tokenizers(cfg, [self.spec])
@@ -186,10 +190,11 @@ class Trainer:
         return self.precision.autocast(self.topo.device.type)  # no-op under FSDP2 bf16 params or fp32
 
     def _cluster_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` over the cluster's ranks, on the device (no host read)."""
         if self.topo.ranks > 1:
-            value = value.to(self.topo.device)
+            value = value.to(self.topo.device).clone()
             dist.all_reduce(value, group=self.topo.shard_pg)
-            value = value.cpu() / self.topo.ranks
+            value = value / self.topo.ranks
         return value
 
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +225,7 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoint
     def save_checkpoint(self, final: bool = False) -> None:
+        self._settle()  # the skipped steps and re-queued batches it saves
         with self.timing.span("checkpoint"):
             # a checkpoint is named by this cluster's own step (it lives in this cluster's directory): under a
             # time schedule the clusters' step counts differ and each saves at its own pace. The end-of-run one
@@ -234,47 +240,87 @@ class Trainer:
             log.info("checkpoint saved: %s", path)
 
     # ------------------------------------------------------------------- loop
-    def train_step(self, step: int) -> tuple[float, bool]:
-        """One inner step (with gradient accumulation). Returns (loss, applied)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One inner step (with gradient accumulation). Returns (loss, applied) as 0-d tensors on the device.
+
+        Nothing here reads the device back (no host sync: the CPU queues the next step while the GPU runs this
+        one): the loss accumulates on the device, the finite-gradient check and the spike guard decide there and
+        the fused optimizer skips on that decision (`step_unless`). `_settle` reads the outcomes at the next log
+        step, checkpoint or the end, and logs the `skip` / `spike` events then."""
         t, topo = self.cfg.train, self.topo
+        device_type = topo.device.type
         lr = self.sim.lr(step, self.state.schedule.at(step))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.set_step(step)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=topo.device)
         with self.timing.span("data"):
             batches = self.spike.pop_due(step) or [self._local_batch() for _ in range(t.grad_accum)]
-        for x, y in batches:
-            x, y = self.sim.batch(step, x, y)
-            try:
-                with self._autocast():
-                    out = self.model(x.to(topo.device), y.to(topo.device))
-            except SyncAborted:  # a participant was lost in the layer-wise sync: rolled back, run the forward again
-                reshard(self.model)
-                with self._autocast():
-                    out = self.model(x.to(topo.device), y.to(topo.device))
-            (out.loss / len(batches)).backward()
-            loss_sum += float(out.ce_loss.detach()) / len(batches)
+        # bf16 working copies: one cast per optimizer step (one micro-batch casts once anyway, and frees the copies
+        # during its backward: no region, no copies kept to the step's end)
+        region = self.precision.optimizer_step(device_type) if len(batches) > 1 else contextlib.nullcontext()
+        with region:
+            for x, y in batches:
+                x, y = self.sim.batch(step, x, y)
+                try:
+                    with self._autocast():
+                        out = self.model(x.to(topo.device, non_blocking=True), y.to(topo.device, non_blocking=True))
+                except SyncAborted:  # a participant was lost in the layer-wise sync: rolled back, run the forward again
+                    reshard(self.model)
+                    torch.clear_autocast_cache()  # copies of the weights before the rollback
+                    with self._autocast():
+                        out = self.model(x.to(topo.device, non_blocking=True), y.to(topo.device, non_blocking=True))
+                with self.precision.backward(device_type):
+                    (out.loss / len(batches)).backward()
+                loss_sum += out.ce_loss.detach().to(loss_sum.dtype) / len(batches)
         self.sim.grads(step, self.model)
-        # the spike decision needs the loss every rank sharing the update agrees on
-        shared = float(self._cluster_mean(loss_sum.clone().reshape(1))[0]) if self.spike.enabled else None
-        with self.timing.span("sync"):
-            shared = self.algo.after_backward(step, shared)
-        if self.spike.enabled and shared is not None and self.spike.check(shared, step, batches):
-            self.optimizer.zero_grad(set_to_none=True)
-            if topo.is_leader:
-                self.metrics.log("spike", step=step + 1, cluster_index=topo.index, cluster=topo.name, loss=shared,
-                                 running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
-            self._last_out, self._lr = out, lr
-            return float(loss_sum), True
+        spike, shared = None, loss_sum
+        if self.spike.enabled:  # the spike decision needs the loss every rank sharing the update agrees on
+            with self.timing.span("sync"):
+                agreed = self.algo.after_backward(step, self._cluster_mean(loss_sum.reshape(1))[0])
+            shared = torch.as_tensor(agreed, device=topo.device)
+            spike = self.spike.decide(shared)
+        else:
+            with self.timing.span("sync"):
+                self.algo.after_backward(step, None)
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
-        finite = bool(torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm)))
-        if finite:
-            self.optimizer.step()
+        finite = torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
+        step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
         self.optimizer.zero_grad(set_to_none=True)
+        applied = finite if spike is None else finite | spike  # a spike's skip is not a non-finite step
+        self._pending.append((step, loss_sum, shared, applied, spike,
+                              [(x.clone(), y.clone()) for x, y in batches] if spike is not None else []))
         self._last_out = out
         self._lr = lr
-        return float(loss_sum), finite
+        return loss_sum, applied
+
+    def _settle(self) -> bool:
+        """Read the outcomes of the steps since the last read (one host read) and act on them: a non-finite step
+        is counted and logged (`skip`), a spike's batches are re-queued and logged (`spike`). Returns whether
+        the last step's update was applied."""
+        if not self._pending:
+            return self._last_applied
+        topo, pending, self._pending = self.topo, self._pending, []
+        zero = torch.zeros((), dtype=torch.bool, device=topo.device)
+        rows = torch.stack([torch.stack([loss.double(), shared.double(), applied.double(),
+                                         (zero if spike is None else spike).double()])
+                            for _, loss, shared, applied, spike, _ in pending]).tolist()
+        if self.spike.enabled:
+            self.spike.read()
+        for (step, *_, batches), (loss, shared, applied, spiked) in zip(pending, rows):
+            if spiked:
+                self.spike.requeue(step, batches)
+                if topo.is_leader:
+                    self.metrics.log("spike", step=step + 1, cluster_index=topo.index, cluster=topo.name, loss=shared,
+                                     running_mean=self.spike.mean, requeued_for=step + self.spike.requeue_after)
+            elif not applied:
+                self.state.skipped_steps += 1
+                log.warning("cluster %s step %d: non-finite loss/gradient, inner step skipped", topo.name, step)
+                if topo.is_leader:
+                    self.metrics.log("skip", step=step + 1, cluster_index=topo.index, cluster=topo.name,
+                                     reason="non_finite", loss=loss)
+        self._last_applied = bool(rows[-1][2])
+        return self._last_applied
 
     def run(self) -> dict[str, Any]:
         cfg, t, topo, p = self.cfg, self.cfg.train, self.topo, self.state
@@ -296,22 +342,18 @@ class Trainer:
             if self.stop.signum is not None:
                 bar.close()
                 log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop.signum, p.step)
+                self._settle()
                 self.metrics.close(None)
                 raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
             step = p.step
             self.sim.before_step(step, self.algo)  # the simulation may end this process or cut the cluster off here
             step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
             with self.timing.span("compute"):
-                loss, applied = self.train_step(step)
+                loss, _ = self.train_step(step)  # on the device: read at log steps only (`_settle`)
             # after the compute, its own bucket: simulated slower hardware stretches compute only
             # (forward/backward/optimizer), not the data, the sync's own work or the waits on other clusters
             with self.timing.span("slowdown"):
                 self.sim.after_step(step, self.timing.totals["compute"] - compute0)
-            if not applied:
-                p.skipped_steps += 1
-                log.warning("cluster %s step %d: non-finite loss/gradient, inner step skipped", topo.name, step)
-                if topo.is_leader:
-                    self.metrics.log("skip", step=step + 1, cluster_index=topo.index, cluster=topo.name, reason="non_finite", loss=loss)
             p.trained()
             window_tokens += tokens_per_step
             self.tally.counted()  # before the sync that may close the interval (RoutedTally.hook)
@@ -323,7 +365,8 @@ class Trainer:
                 self.tally.take()
             self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
-                loss_t = self._cluster_mean(torch.tensor([loss], dtype=torch.float64))
+                applied = self._settle()
+                loss_t = self._cluster_mean(loss.reshape(1))
                 now, split = time.time(), self.timing.snapshot()
                 window_split, window_time = window(split, window_time), split
                 tps, window_tokens = window_tokens / max(window_split["wall_s"], 1e-9), 0
@@ -354,6 +397,7 @@ class Trainer:
         bar.close()
         with self.timing.span("sync"):
             self.algo.finish()
+        self._settle()
         if self.tally.steps:  # the last interval (the final sync's)
             self.tally.take()
         self._account_useful(0.0, final=True)
@@ -384,6 +428,9 @@ class Trainer:
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
+        record["memory_plan_gib"] = plan_for_config(self.cfg)["total_gib"]  # per rank (edit-train-info's plan)
+        if self.topo.device.type == "cuda":  # this rank's peak, to hold against the plan
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.topo.device) / 1024 ** 3
         if not self.is_leader:
             return {}
         self.state.save()  # the clocks up to the end: the next incarnation's downtime starts here
@@ -397,9 +444,16 @@ class Trainer:
 
 
 def train(cfg: Config) -> dict[str, Any]:
-    trainer = Trainer(cfg)
+    """Train this rank; out of device memory is one line naming the memory plan's figure (`OutOfMemory`)."""
+    try:
+        trainer = Trainer(cfg)
+    except torch.OutOfMemoryError:
+        device = "cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+        raise OutOfMemory(out_of_memory_line(cfg, None, torch.device(device))) from None
     try:
         return trainer.run()
+    except torch.OutOfMemoryError:
+        raise OutOfMemory(out_of_memory_line(trainer.cfg, trainer.state.step, trainer.topo.device)) from None
     finally:
         trainer.algo.close()
         if trainer.topo.distributed and dist.is_initialized():
