@@ -113,6 +113,12 @@ if [[ -n $ROSTER_FILE ]]; then trust_env+=(EDIT_TRAIN_ROSTER_FILE="$ROSTER_FILE"
 overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
 python=${PYTHON:-python3}
+# Every python this script starts (the checks below, torchrun, its workers) imports the installed edit_train, never
+# an edit_train/ in the working directory (started inside another checkout: two code versions in one job).
+export PYTHONSAFEPATH=1
+if [[ ${EDIT_DRY_RUN:-0} != 1 ]]; then # the first line at once, not after the checks and torch's import
+    echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: checking the configuration and the Lighthouse, then starting $NPROC_PER_NODE worker(s) with torchrun"
+fi
 
 # This node's cross-cluster address: HOST_ADDR, or the source address of this node's route to the
 # Lighthouse (connecting a UDP socket picks the route and sends nothing). Never a loopback address when
@@ -157,12 +163,15 @@ import os, sys
 try:
     from edit_train.cli.common import compose, one_line
     from edit_train.config import cluster_specs
+    from edit_train.sim.switch import check_real_network
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: cannot import edit_train ({exc}); install it (pip install -e .) on every node",
           file=sys.stderr)
     raise SystemExit(2)
 try:
-    specs = cluster_specs(compose(sys.argv[1:]))
+    cfg = compose(sys.argv[1:])
+    check_real_network(cfg)  # a real cluster job simulates no link / slowdown / faults unless sim.force=true
+    specs = cluster_specs(cfg)
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: {one_line(exc)}", file=sys.stderr)
     raise SystemExit(2)

@@ -111,7 +111,8 @@ def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     proc = start(run_dir, corpus, *THREE)
     wait_for(run_dir, lambda e: e["event"] == "sync" and e["sync"] >= 3, proc=proc)
     lighthouse = json.loads((run_dir / "federation.json").read_text())["lighthouse"]
-    late = start(run_dir, corpus, *THREE, "cluster.only=c3", f"federation.lighthouse={lighthouse}", "resume=auto")
+    late = start(run_dir, corpus, *THREE, "cluster.only=c3", f"federation.lighthouse={lighthouse}", "resume=auto",
+                 "sim.force=true")  # a joiner is a real cluster job: its simulated slowdown is asked for
     finish(late)
     finish(proc)
     evs = events(run_dir)
