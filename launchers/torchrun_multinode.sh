@@ -5,7 +5,7 @@
 # launchers/README.md).
 #
 #   CLUSTER=a LIGHTHOUSE=lh0:29510 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 RDZV_ENDPOINT=a0:29500 \
-#     launchers/torchrun_multinode.sh 'cluster.clusters=[{name:a,ranks:16},{name:b,ranks:8}]' algo=a_edit
+#     launchers/torchrun_multinode.sh cluster=real 'cluster.clusters=[{name:a,ranks:16},{name:b,ranks:8}]' algo=a_edit
 #
 # Environment:
 #   CLUSTER         this cluster's name (one of cluster.clusters, or a new name: it joins the
