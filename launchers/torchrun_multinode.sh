@@ -33,6 +33,8 @@
 #                   restarted cluster heals from a live peer, the others never stop   (default: 3)
 #   RDZV_BACKEND    static (node rank = NODE_RANK) | c10d (elastic)          (default: static)
 #   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)      (optional)
+#   PYTHON          the Python with edit_train installed: it runs the checks, torchrun (python -m
+#                   torch.distributed.run) and so every worker                       (default: python3)
 #   EDIT_DRY_RUN=1  print the command (one shell-quoted line) instead of running it
 #   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check the cluster's rank count
 #   EDIT_SKIP_KEY_CHECK=1  do not ask the Lighthouse whether it holds KEY_FILE's key before starting
@@ -197,11 +199,9 @@ if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
     env EDIT_TRAIN_CLUSTER="$CLUSTER" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    cmd=(torchrun)
-else
-    cmd=("$python" -m torch.distributed.run)
-fi
+# torchrun of the python that ran the checks above: its workers import the same edit_train (a `torchrun` first on
+# PATH may belong to another Python, with another edit_train installed)
+cmd=("$python" -m torch.distributed.run)
 cmd+=(--nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend="$RDZV_BACKEND"
     --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --max-restarts="$MAX_RESTARTS")
 if [[ $RDZV_BACKEND == static ]]; then

@@ -126,3 +126,25 @@ def test_launched_workers_import_the_launchers_edit_train(tmp_path: Path, no_job
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                            env={k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"})
     assert Path(plain.stdout.strip()).resolve() == (shadow / "__init__.py").resolve()  # what today's env did
+
+
+def test_the_cluster_launchers_torchrun_is_its_own_pythons(tmp_path: Path) -> None:
+    """A `torchrun` first on PATH may belong to another Python (another edit_train installed): the workers of the
+    hosts test imported /work/main's while the checks ran this one's. The job runs `$PYTHON -m
+    torch.distributed.run`: the Python that ran its checks starts every worker."""
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "torchrun").write_text("#!/bin/sh\necho another python's torchrun\n")
+    (other / "torchrun").chmod(0o755)
+    env = cli_env(CLUSTER="a", LIGHTHOUSE="127.0.0.1:29510", NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
+                  RDZV_ENDPOINT="127.0.0.1:29500", HOST_ADDR="127.0.0.1", EDIT_DRY_RUN="1",
+                  EDIT_SKIP_TOPOLOGY_CHECK="1", PYTHON=sys.executable,
+                  PATH=os.pathsep.join([str(other), os.environ.get("PATH", "")]))
+    for var in ("EDIT_TRAIN_CLUSTER", *JOB_ENV):
+        env.pop(var, None)
+    proc = subprocess.run(["bash", str(MULTINODE), "cluster=real"], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.split()
+    i = argv.index("-m")
+    assert argv[i - 1] == sys.executable and argv[i + 1] == "torch.distributed.run", proc.stdout
