@@ -37,6 +37,9 @@ RECIPE = "README.md"  # its block is docs/across_sites.md's "Multi-node" block, 
 RESTART = ("docs/across_sites.md", "lh0$ edit-train-lighthouse --bind 10.0.0.5:29510 federation.key_file=$KEY_FILE "
            "federation.roster_file=$ROSTER_FILE federation.identity_file=/shared/fed/gate.identity "
            "federation.min_clusters=2")
+WORKED = ("launchers/README.md", "# the same arguments for every cluster")
+SLURM = ("launchers/README.md", "export KEY_FILE=/secrets/fed/federation.key ROSTER_FILE=/secrets/fed/roster.json   "
+                                "# sbatch passes them on")
 # (document, the block's first line) -> why the hosts test does not run it
 NOT_RUN = {
     ("docs/across_sites.md", "edit-train cluster=local_2x2 algo=edit          # a Lighthouse + 2 clusters of 2 "
@@ -49,12 +52,6 @@ NOT_RUN = {
         "copies run directories from two sites over ssh (rsync); the merge block after it is plain files",
     ("docs/across_sites.md", "mkdir -p runs/exp1/clusters"): "merges two sites' run directories, which the "
                                                              "recipe run (one shared run.dir) does not make",
-    ("launchers/README.md", "# the same arguments for every cluster"): "NOT RUN YET: three clusters on five "
-                                                                        "hosts (the recipe's two-cluster block "
-                                                                        "runs the same lines)",
-    ("launchers/README.md", "export KEY_FILE=/secrets/fed/federation.key ROSTER_FILE=/secrets/fed/roster.json   "
-                            "# sbatch passes them on"): "NOT RUN YET: lighthouse.sbatch and a two-node "
-                                                        "edit.sbatch job need a stand-in Slurm of several nodes",
 }
 
 
@@ -80,7 +77,7 @@ def shell_blocks(doc: str) -> list[list[str]]:
 
 
 def test_every_doc_block_is_run_or_says_why_not() -> None:
-    run = {(RECIPE, shell_blocks(RECIPE)[0][0]), ("docs/across_sites.md", shell_blocks(RECIPE)[0][0]), RESTART}
+    run = {(RECIPE, shell_blocks(RECIPE)[0][0]), ("docs/across_sites.md", shell_blocks(RECIPE)[0][0]), RESTART, WORKED, SLURM}
     seen = set()
     for doc in DOCS:
         for block in shell_blocks(doc):
@@ -112,40 +109,61 @@ TEST_RUN = ["model=tiny", "logger=none", "train.steps=400", "train.seq_len=32", 
 LONG = ("edit-train-lighthouse", "launchers/torchrun_multinode.sh")  # run in the background; the rest to the end
 
 FAKE_SBATCH = r"""#!/usr/bin/env bash
-# A stand-in sbatch of one node ($FAKE_SLURM_NODE, network namespace $FAKE_SLURM_NS): runs the batch script
-# there in the background with the job's Slurm environment; its output goes to $FAKE_SLURM_DIR/slurm-<id>.out.
+# A stand-in sbatch: the job's nodes are FAKE_SLURM_NODES_<cluster> (FAKE_SLURM_NODES_lighthouse for
+# lighthouse.sbatch; comma-separated), each node the network namespace FAKE_SLURM_NS_<node>. The batch script runs
+# on the first node in the background with the job's Slurm environment: $FAKE_SLURM_DIR/<cluster>-<id>.out, and
+# its exit code in <cluster>-<id>.rc.
 set -euo pipefail
 nodes=1
 while [[ $# -gt 0 && $1 == -* ]]; do
     case $1 in --nodes=*) nodes=${1#--nodes=} ;; esac
     shift
 done
-[[ $nodes == 1 ]] || { echo "fake sbatch: one node only" >&2; exit 1; }
-id=$((4200 + $(ls "$FAKE_SLURM_DIR" | grep -c '^slurm-' || true)))
+if [[ $1 == *lighthouse.sbatch ]]; then job=lighthouse; else job=${CLUSTER:?fake sbatch: CLUSTER is not set}; fi
+var=FAKE_SLURM_NODES_$job
+list=${!var:?fake sbatch: no nodes for $job}
+IFS=, read -ra hosts <<<"$list"
+((${#hosts[@]} == nodes)) || { echo "fake sbatch: $job has ${#hosts[@]} node(s), asked for $nodes" >&2; exit 1; }
+id=$((4200 + $(ls "$FAKE_SLURM_DIR" | grep -c '\.out$' || true)))
+ns=FAKE_SLURM_NS_${hosts[0]}
+: >"$FAKE_SLURM_DIR/$job-$id.out"
 (
     rc=0
-    ip netns exec "$FAKE_SLURM_NS" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$FAKE_SLURM_NODE" \
-        env SLURM_JOB_ID=$id SLURM_JOB_NODELIST="$FAKE_SLURM_NODE" SLURM_NNODES=1 SLURM_SUBMIT_DIR="$PWD" \
-        SLURM_JOB_NAME=edit-train bash "$@" >"$FAKE_SLURM_DIR/slurm-$id.out" 2>&1 </dev/null || rc=$?
-    echo $rc >"$FAKE_SLURM_DIR/slurm-$id.rc"
+    ip netns exec "${!ns}" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "${hosts[0]}" \
+        env SLURM_JOB_ID=$id SLURM_JOB_NODELIST="$list" SLURM_NNODES=$nodes SLURM_SUBMIT_DIR="$PWD" \
+        SLURM_JOB_NAME=edit-train bash "$@" >"$FAKE_SLURM_DIR/$job-$id.out" 2>&1 </dev/null || rc=$?
+    echo $rc >"$FAKE_SLURM_DIR/$job-$id.rc"
 ) &
 echo "Submitted batch job $id"
 """
 FAKE_SRUN = r"""#!/usr/bin/env bash
+# A stand-in srun: the command once on every node of the job (in its namespace, SLURM_NODEID = its index).
 while [[ $# -gt 0 && $1 == -* ]]; do shift; done
-exec env SLURM_NODEID=0 "$@"
+IFS=, read -ra hosts <<<"$SLURM_JOB_NODELIST"
+pids=()
+for i in "${!hosts[@]}"; do
+    ns=FAKE_SLURM_NS_${hosts[$i]}
+    ip netns exec "${!ns}" unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "${hosts[$i]}" \
+        env SLURM_NODEID=$i SLURMD_NODENAME="${hosts[$i]}" "$@" &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
 """
 FAKE_SCONTROL = r"""#!/usr/bin/env bash
-[[ $1 == show && $2 == hostnames ]] && echo "$3"
+[[ $1 == show && $2 == hostnames ]] && tr , '\n' <<<"$3"
 """
 
 
 def substitute(line: str, shared: Path, lh_addr: str, data: str) -> str:
     """What the docs say is the user's: the paths, the Lighthouse's address, the run (ARGS), the GPUs per node."""
     line = line.replace("/shared/", f"{shared}/").replace("10.0.0.5", lh_addr)
-    line = line.replace("NPROC_PER_NODE=8", "NPROC_PER_NODE=1")
+    # the key's two places (made in /secure/fed, copied to /secrets/fed) are one directory on these hosts
+    line = line.replace("/secure/fed", f"{shared}/fed").replace("/secrets/fed", f"{shared}/fed")
+    line = re.sub(r"NPROC_PER_NODE=\d+", "NPROC_PER_NODE=1", line)
     if line.startswith("ARGS="):
-        line = line.replace("ranks:16", "ranks:2").replace("ranks:4", "ranks:1")
+        line = re.sub(r"ranks:(\d+)", lambda m: f"ranks:{2 if m.group(1) == '16' else 1}", line)
         line = re.sub(r'"(  #.*)?$', " " + " ".join([*TEST_RUN, f"data.source={data}"]) + '"', line)
     return line
 
@@ -193,6 +211,77 @@ def _log_tail(logs: Path) -> str:
     return "\n".join(f"--- {p.name}:\n{p.read_text()[-2500:]}" for p in sorted(logs.glob("*")) if p.is_file())
 
 
+class Site:
+    """Namespace hosts, the stand-in Slurm (`slurm_nodes`: each job's nodes) and a shell that runs a doc block's
+    lines on them."""
+
+    def __init__(self, tmp_path: Path, net: Any, data: str, slurm_nodes: dict[str, str] | None = None) -> None:
+        self.net, self.data = net, data
+        self.shared, self.logs, bin_dir, self.slurm, cwd = (tmp_path / d for d in ("shared", "logs", "bin", "slurm",
+                                                                                   "cwd"))
+        for d in (self.shared, self.logs, bin_dir, self.slurm, cwd):
+            d.mkdir()
+        (cwd / "launchers").symlink_to(REPO / "launchers")  # `launchers/…` from the repository root; writes stay here
+        for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+            (bin_dir / name).write_text(text)
+            (bin_dir / name).chmod(0o755)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("EDIT_TRAIN_", "EDIT_DRY", "KEY_FILE", "ROSTER_FILE", "IDENTITY_FILE", "SLURM_",
+                                    "TORCHELASTIC_", "LOCAL_RANK", "WORLD_SIZE", "RANK", "LIGHTHOUSE"))}
+        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")]),
+                    "FAKE_SLURM_DIR": str(self.slurm), **{f"FAKE_SLURM_NS_{h}": net.ns(h) for h in net.names},
+                    **{f"FAKE_SLURM_NODES_{job}": nodes for job, nodes in (slurm_nodes or {}).items()}})
+        self.cwd = cwd
+        self.shell = Shell(net, cwd, env, self.logs)
+
+    def run(self, block: list[str], tag: str = "") -> None:
+        """Every line of `block`, in order, as written (but for the substitutions); a Lighthouse is waited for until
+        it serves, as a user would before starting the clusters."""
+        for i, (host, cmd) in enumerate(commands(block)):
+            cmd = substitute(cmd, self.shared, self.net.address("lh0"), self.data)
+            addr = sorted(self.cwd.glob("lighthouse-*.addr"))
+            if addr:  # the job id sbatch printed, where the docs say <jobid>
+                cmd = cmd.replace("<jobid>", addr[0].name[len("lighthouse-"):-len(".addr")])
+            log = f"{tag}{i:02d}-{host or 'local'}"
+            self.shell.run(host, cmd, log)
+            if "lighthouse.sbatch" in cmd:  # a user waits for the job to start and write its address
+                deadline = time.time() + 90
+                while not list(self.cwd.glob("lighthouse-*.addr")) or "serving at" not in "".join(
+                        p.read_text() for p in self.slurm.glob("lighthouse-*.out")):
+                    assert time.time() < deadline, self.tail()
+                    time.sleep(0.2)
+            if "edit-train-lighthouse" in cmd:
+                deadline = time.time() + 90
+                while "serving at" not in (self.logs / f"{log}.log").read_text():
+                    assert time.time() < deadline, self.tail()
+                    time.sleep(0.2)
+
+    def jobs(self) -> list[subprocess.Popen]:
+        return [p for name, p in self.shell.bg.items() if "lh0" not in name]
+
+    def finish(self) -> list[int]:
+        """Every cluster job's exit code (the stand-in sbatch's jobs write theirs)."""
+        codes = [p.wait(timeout=600) for p in self.jobs()]
+        submitted = [p.with_suffix(".rc") for p in self.slurm.glob("*.out") if not p.name.startswith("lighthouse-")]
+        deadline = time.time() + 600
+        while not all(rc.exists() for rc in submitted):
+            assert time.time() < deadline, self.tail()
+            time.sleep(0.5)
+        return codes + [int(rc.read_text()) for rc in sorted(submitted)]
+
+    def tail(self) -> str:
+        return _log_tail(self.logs) + "\n" + "\n".join(p.read_text()[-3000:] for p in self.slurm.glob("*.out"))
+
+
+def _no_simulation(run_dir: Path) -> None:
+    """Acceptance 1: the run's config.json has no simulated link, slowdown or fault."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["cluster"]["name"] == "real" and cfg["cluster"]["link"] == {"bandwidth_mbps": 0.0, "latency_ms": 0.0}
+    assert cfg["cluster"]["slowdown"] == [] and not cfg["faults"] and not cfg["cluster"]["slowdown_schedule"]
+    assert all(float(c.get("slowdown", 1.0)) == 1.0 for c in cfg["cluster"]["clusters"])
+
+
 @pytest.mark.slow
 @pytest.mark.hosts
 def test_the_recipe_runs_as_written_on_hosts(tmp_path: Path, small_corpus: str) -> None:
@@ -203,73 +292,95 @@ def test_the_recipe_runs_as_written_on_hosts(tmp_path: Path, small_corpus: str) 
         pytest.skip(f"multi-host tier: {why}")
     from fed_utils import events
 
-    shared, logs, bin_dir, slurm_dir, cwd = (tmp_path / d for d in ("shared", "logs", "bin", "slurm", "cwd"))
-    for d in (shared, logs, bin_dir, slurm_dir, cwd):
-        d.mkdir()
-    (cwd / "launchers").symlink_to(REPO / "launchers")  # `launchers/…` as from the repository root; writes stay here
-    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
     with sim_hosts.Hosts(["lh0", "a0", "a1", "b0"], rate_mbit=RATE_MBIT) as net:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("EDIT_TRAIN_", "EDIT_DRY", "KEY_FILE", "ROSTER_FILE", "IDENTITY_FILE", "SLURM_",
-                                    "TORCHELASTIC_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
-        env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "PATH": os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env.get("PATH", "")]),
-                    "FAKE_SLURM_NODE": "b0", "FAKE_SLURM_NS": net.ns("b0"), "FAKE_SLURM_DIR": str(slurm_dir)})
-        shell = Shell(net, cwd, env, logs)
+        site = Site(tmp_path, net, small_corpus, slurm_nodes={"b": "b0"})
         started = time.time()
-        for i, (host, cmd) in enumerate(commands(shell_blocks(RECIPE)[0])):
-            cmd = substitute(cmd, shared, net.address("lh0"), small_corpus)
-            log = {None: f"{i:02d}-local"}.get(host, f"{i:02d}-{host}")
-            shell.run(host, cmd, log)
-            if "edit-train-lighthouse" in cmd:  # the clusters start once it serves (a user sees its line)
-                deadline = time.time() + 90
-                while "serving at" not in (logs / f"{log}.log").read_text():
-                    assert time.time() < deadline, _log_tail(logs)
-                    time.sleep(0.2)
-        run_dir = shared / "exp1"
-        jobs = [p for name, p in shell.bg.items() if "lh0" not in name]
+        site.run(shell_blocks(RECIPE)[0])
+        run_dir = site.shared / "exp1"
 
         def both() -> list[dict[str, Any]]:
             return [e for e in events(run_dir) if e["event"] == "sync" and sorted(e["quorum"]) == ["a", "b"]]
 
         deadline = time.time() + 400
         while len({e["sync"] for e in both()}) < 3:
-            assert time.time() < deadline and all(p.poll() is None for p in jobs), _log_tail(logs)
+            assert time.time() < deadline and all(p.poll() is None for p in site.jobs()), site.tail()
             time.sleep(0.5)
 
         # docs/across_sites.md, "When the Lighthouse dies": restart it where it was, with its roster and identity
         net.kill("lh0")
         n_before = len({e["sync"] for e in both()})
-        for host, cmd in commands(next(b for b in shell_blocks(RESTART[0]) if b[0] == RESTART[1])):
-            shell.run(host, substitute(cmd, shared, net.address("lh0"), small_corpus), "lh0-restarted")
+        site.run(next(b for b in shell_blocks(RESTART[0]) if b[0] == RESTART[1]), tag="restart-")
         deadline = time.time() + 180
         while len({e["sync"] for e in both()}) <= n_before:
-            assert time.time() < deadline, "no sync of a and b after the Lighthouse restart\n" + _log_tail(logs)
+            assert time.time() < deadline, "no sync of a and b after the Lighthouse restart\n" + site.tail()
             time.sleep(0.5)
-
-        codes = [p.wait(timeout=600) for p in jobs]
-        deadline = time.time() + 300
-        while not list(slurm_dir.glob("slurm-*.rc")):  # b's job (the stand-in sbatch writes its exit code)
-            assert time.time() < deadline, _log_tail(logs)
-            time.sleep(0.5)
-        codes += [int(f.read_text()) for f in slurm_dir.glob("slurm-*.rc")]
+        codes = site.finish()
         took = time.time() - started
-    all_logs = _log_tail(logs) + "\n" + "\n".join(p.read_text()[-3000:] for p in slurm_dir.glob("*.out"))
+    all_logs = site.tail()
     assert codes == [0, 0, 0], all_logs
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["completed"] and set(summary["per_cluster"]) == {"a", "b"}, all_logs
     assert "Traceback" not in all_logs, all_logs
     print(f"the recipe on hosts: {took:.0f}s")
-
-    # acceptance 1: no simulated link or slowdown in config.json ...
-    cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["cluster"]["name"] == "real" and cfg["cluster"]["link"] == {"bandwidth_mbps": 0.0, "latency_ms": 0.0}
-    assert cfg["cluster"]["slowdown"] == [] and not cfg["faults"]
-    assert all(float(c.get("slowdown", 1.0)) == 1.0 for c in cfg["cluster"]["clusters"])
+    _no_simulation(run_dir)
     b_syncs = [e for e in both() if e["cluster"] == "b"]
     print("b's syncs: bytes", [e["bytes"] for e in b_syncs], "blocked_s", [round(e["blocked_s"], 3) for e in b_syncs])
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_the_worked_example_runs_as_written_on_hosts(tmp_path: Path, small_corpus: str) -> None:
+    """launchers/README.md's three clusters: a on a0 + a1, b on b0, c on c0, the Lighthouse on lh0."""
+    from edit_train.sim import hosts as sim_hosts
+
+    why = sim_hosts.unavailable() if sys.platform == "linux" else "needs Linux network namespaces"
+    if why:
+        pytest.skip(f"multi-host tier: {why}")
+    with sim_hosts.Hosts(["lh0", "a0", "a1", "b0", "c0"], rate_mbit=RATE_MBIT) as net:
+        site = Site(tmp_path, net, small_corpus)
+        started = time.time()
+        site.run(next(b for b in shell_blocks(WORKED[0]) if b[0] == WORKED[1]))
+        codes = site.finish()
+        took = time.time() - started
+    all_logs = site.tail()
+    assert codes == [0, 0, 0, 0], all_logs
+    run_dir = site.shared / "edit" / "ab1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] and set(summary["per_cluster"]) == {"a", "b", "c"}, all_logs
+    assert "Traceback" not in all_logs, all_logs
+    print(f"the worked example on hosts: {took:.0f}s")
+    _no_simulation(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.hosts
+def test_the_slurm_example_runs_as_written_on_hosts(tmp_path: Path, small_corpus: str) -> None:
+    """launchers/README.md "With Slurm", after the worked example's ARGS, keygen and key (its lines before the
+    Lighthouse): lighthouse.sbatch on lh0, edit.sbatch for a (two nodes: a0, a1), b (b0) and c (c0), under a
+    stand-in Slurm (sbatch, srun, scontrol) that places each job on its nodes' network namespaces."""
+    from edit_train.sim import hosts as sim_hosts
+
+    why = sim_hosts.unavailable() if sys.platform == "linux" else "needs Linux network namespaces"
+    if why:
+        pytest.skip(f"multi-host tier: {why}")
+    worked = next(b for b in shell_blocks(WORKED[0]) if b[0] == WORKED[1])
+    once = worked[:next(i for i, ln in enumerate(worked) if ln.startswith("lh0$"))]
+    with sim_hosts.Hosts(["lh0", "a0", "a1", "b0", "c0"], rate_mbit=RATE_MBIT) as net:
+        site = Site(tmp_path, net, small_corpus,
+                    slurm_nodes={"lighthouse": "lh0", "a": "a0,a1", "b": "b0", "c": "c0"})
+        started = time.time()
+        site.run(once)
+        site.run(next(b for b in shell_blocks(SLURM[0]) if b[0] == SLURM[1]), tag="slurm-")
+        codes = site.finish()
+        took = time.time() - started
+    all_logs = site.tail()
+    assert codes == [0, 0, 0], all_logs
+    run_dir = site.shared / "edit" / "ab1"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["completed"] and set(summary["per_cluster"]) == {"a", "b", "c"}, all_logs
+    assert "Traceback" not in all_logs, all_logs
+    print(f"the Slurm example on hosts: {took:.0f}s")
+    _no_simulation(run_dir)
 
 
 def _federation(net: Any, tmp_path: Path, tag: str, key: str, data: str, *extra: str) -> list[dict[str, Any]]:
