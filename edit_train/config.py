@@ -125,6 +125,13 @@ class ClusterConfig:
 
 
 @dataclass
+class SimConfig:
+    # apply the simulated settings (cluster.slowdown, cluster.link, cluster.slowdown_schedule, faults) in a cluster
+    # job of a real federation too; by default only a local run applies them (edit_train/sim/switch.py)
+    force: bool = False
+
+
+@dataclass
 class FederationConfig:
     lighthouse: str = ""  # host:port of torchft's Lighthouse; "" = edit-train starts one for a local run
     min_clusters: int = 1  # a sync needs at least this many clusters
@@ -169,6 +176,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     faults: list[dict[str, Any]] = field(default_factory=list)
+    sim: SimConfig = field(default_factory=SimConfig)
     resume: str = "false"  # false | auto (true is accepted as auto)
     seed: int = 0
 
@@ -261,6 +269,9 @@ def _check_experts(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Check cross-field rules; raise ConfigError naming the field and what to do."""
+    from edit_train.sim.switch import check_real_network
+
+    check_real_network(cfg)  # a cluster job of a real federation simulates nothing unless sim.force=true
     cfg.model.validate()
     t, a, c = cfg.train, cfg.algo, cfg.cluster
     _need(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}")

@@ -5,7 +5,7 @@
 # launchers/README.md).
 #
 #   CLUSTER=a LIGHTHOUSE=lh0:29510 NNODES=2 NODE_RANK=0 NPROC_PER_NODE=8 RDZV_ENDPOINT=a0:29500 \
-#     launchers/torchrun_multinode.sh 'cluster.clusters=[{name:a,ranks:16},{name:b,ranks:8}]' algo=a_edit
+#     launchers/torchrun_multinode.sh cluster=real 'cluster.clusters=[{name:a,ranks:16},{name:b,ranks:8}]' algo=a_edit
 #
 # Environment:
 #   CLUSTER         this cluster's name (one of cluster.clusters, or a new name: it joins the
@@ -33,6 +33,8 @@
 #                   restarted cluster heals from a live peer, the others never stop   (default: 3)
 #   RDZV_BACKEND    static (node rank = NODE_RANK) | c10d (elastic)          (default: static)
 #   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)      (optional)
+#   PYTHON          the Python with edit_train installed: it runs the checks, torchrun (python -m
+#                   torch.distributed.run) and so every worker                       (default: python3)
 #   EDIT_DRY_RUN=1  print the command (one shell-quoted line) instead of running it
 #   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check the cluster's rank count
 #   EDIT_SKIP_KEY_CHECK=1  do not ask the Lighthouse whether it holds KEY_FILE's key before starting
@@ -113,6 +115,12 @@ if [[ -n $ROSTER_FILE ]]; then trust_env+=(EDIT_TRAIN_ROSTER_FILE="$ROSTER_FILE"
 overrides+=("federation.lighthouse=${LIGHTHOUSE#http://}")
 
 python=${PYTHON:-python3}
+# Every python this script starts (the checks below, torchrun, its workers) imports the installed edit_train, never
+# an edit_train/ in the working directory (started inside another checkout: two code versions in one job).
+export PYTHONSAFEPATH=1
+if [[ ${EDIT_DRY_RUN:-0} != 1 ]]; then # the first line at once, not after the checks and torch's import
+    echo "$me: cluster $CLUSTER, node $NODE_RANK/$NNODES: checking the configuration and the Lighthouse, then starting $NPROC_PER_NODE worker(s) with torchrun"
+fi
 
 # This node's cross-cluster address: HOST_ADDR, or the source address of this node's route to the
 # Lighthouse (connecting a UDP socket picks the route and sends nothing). Never a loopback address when
@@ -157,12 +165,15 @@ import os, sys
 try:
     from edit_train.cli.common import compose, one_line
     from edit_train.config import cluster_specs
+    from edit_train.sim.switch import check_real_network
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: cannot import edit_train ({exc}); install it (pip install -e .) on every node",
           file=sys.stderr)
     raise SystemExit(2)
 try:
-    specs = cluster_specs(compose(sys.argv[1:]))
+    cfg = compose(sys.argv[1:])
+    check_real_network(cfg)  # a real cluster job simulates no link / slowdown / faults unless sim.force=true
+    specs = cluster_specs(cfg)
 except Exception as exc:  # noqa: BLE001
     print(f"torchrun_multinode.sh: error: {one_line(exc)}", file=sys.stderr)
     raise SystemExit(2)
@@ -188,11 +199,9 @@ if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
     env EDIT_TRAIN_CLUSTER="$CLUSTER" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
-if command -v torchrun >/dev/null 2>&1; then
-    cmd=(torchrun)
-else
-    cmd=("$python" -m torch.distributed.run)
-fi
+# torchrun of the python that ran the checks above: its workers import the same edit_train (a `torchrun` first on
+# PATH may belong to another Python, with another edit_train installed)
+cmd=("$python" -m torch.distributed.run)
 cmd+=(--nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" --rdzv-backend="$RDZV_BACKEND"
     --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="$RDZV_ID" --max-restarts="$MAX_RESTARTS")
 if [[ $RDZV_BACKEND == static ]]; then

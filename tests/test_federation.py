@@ -112,7 +112,7 @@ def test_fourth_cluster_joins_mid_run(tmp_path: Path, corpus: str) -> None:
     wait_for(run_dir, lambda e: e["event"] == "sync" and e["sync"] >= 3, proc=proc)
     lighthouse = json.loads((run_dir / "federation.json").read_text())["lighthouse"]
     late = start(run_dir, corpus, *THREE, "data.parts=4", "cluster.only=c3", f"federation.lighthouse={lighthouse}",
-                 "resume=auto")
+                 "resume=auto", "sim.force=true")  # a joiner is a real cluster job: its simulated slowdown is asked for
     finish(late)
     finish(proc)
     evs = events(run_dir)

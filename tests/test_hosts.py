@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.hosts, pytest.mark.skipif(_why is not None, reason=f"m
 # a_edit (the default) with test-sized steps: a 2 s sync budget, steps stretched by the simulated slowdown
 RUN = ["algo=a_edit", "algo.sync_time_s=2", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
        "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2", "train.threads=1",
-       "cluster.clusters=[{name:a,ranks:1,slowdown:4},{name:b,ranks:1,slowdown:4}]",
+       "cluster.clusters=[{name:a,ranks:1,slowdown:4},{name:b,ranks:1,slowdown:4}]", "sim.force=true",
        "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=3", "federation.collective_timeout_s=10"]
 
 

@@ -176,7 +176,8 @@ def test_multinode_checks_the_cluster_size_before_launching() -> None:
 
 FED_RUN = ["algo=edit", "algo.interval=4", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
            "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
-           "cluster.clusters=[{name:a,ranks:1,slowdown:3},{name:b,ranks:1,slowdown:3}]", "federation.min_clusters=1",
+           "cluster.clusters=[{name:a,ranks:1,slowdown:3},{name:b,ranks:1,slowdown:3}]", "sim.force=true",
+           "federation.min_clusters=1",
            "federation.heartbeat_timeout_s=2", "federation.join_timeout_s=5", "federation.collective_timeout_s=15"]
 
 

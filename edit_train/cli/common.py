@@ -106,12 +106,14 @@ def compose(overrides: list[str]) -> Any:
 
     from edit_train.config import register_configs
     from edit_train.retired import renamed_overrides
+    from edit_train.sim.switch import real_preset
 
     register_configs()
     GlobalHydra.instance().clear()
     overrides = renamed_overrides(list(overrides))
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        dcfg = hydra_compose(config_name="config", overrides=[*overrides, *equal_clusters(overrides)])
+        dcfg = hydra_compose(config_name="config",
+                             overrides=[*overrides, *equal_clusters(overrides), *real_preset(overrides)])
     return OmegaConf.to_object(dcfg)
 
 

@@ -52,6 +52,24 @@ class ClusterJob:
     exit_codes: list[int] = field(default_factory=list)
 
 
+def same_package(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process that must import this launcher's `edit_train`, whatever its working directory:
+    PYTHONSAFEPATH=1 keeps `python -m` from putting the working directory first on sys.path (where another
+    checkout's `edit_train/` would shadow ours: two code versions in one run), and a package not installed in
+    site-packages (an editable install, PYTHONPATH) has its root first on PYTHONPATH."""
+    import sysconfig
+
+    import edit_train
+
+    root = str(Path(edit_train.__file__).resolve().parents[1])
+    installed = {str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("purelib", "platlib")}
+    out = {**env, "PYTHONSAFEPATH": "1"}
+    if root not in installed:
+        rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+        out["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return out
+
+
 class LocalFederation:
     def __init__(self, cfg: Any, cfg_path: Path, lighthouse: str, only: str = "", key_file: str = "",
                  roster_file: str = "") -> None:
@@ -89,7 +107,7 @@ class LocalFederation:
         if "OMP_NUM_THREADS" not in env:  # the user's own setting wins
             env.update({"OMP_NUM_THREADS": str(self.threads), AUTO: "1"})
         env.pop("TORCHELASTIC_RUN_ID", None)
-        return env
+        return same_package(env)  # the workers run this launcher's edit_train, not one in the working directory
 
     def start(self, job: ClusterJob) -> None:
         port = free_port()

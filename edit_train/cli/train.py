@@ -187,6 +187,7 @@ def main() -> None:
     from edit_train.cli.help import help_text, wants_help
     from edit_train.config import register_configs
     from edit_train.retired import renamed_overrides
+    from edit_train.sim.switch import real_preset
 
     if sys.argv[1:2] == ["plan"]:  # `edit-train plan ...`: the planner (its own config tree, conf/plan/)
         from edit_train.cli.plan import main as plan_main
@@ -195,9 +196,13 @@ def main() -> None:
     if wants_help(sys.argv[1:]):
         print(help_text())
         return
+    if under_torchrun() and os.environ.get("RANK", "0") == "0":  # the job's first line at once, not after the imports
+        print(f"edit-train: cluster {os.environ.get('EDIT_TRAIN_CLUSTER') or '-'}: rank 0 starting (reading the "
+              "config, loading torch, the data and the model)", flush=True)
     register_configs()
     sys.argv[1:] = renamed_overrides(sys.argv[1:])  # `cluster.groups=2`: read as cluster.count=2, with a warning
     sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
+    sys.argv[1:1] = real_preset(sys.argv[1:])  # a cluster job of a real federation: cluster=real, not the demo's
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
     guard, pin = checks.precheck(sys.argv[1:])
     if pin:
