@@ -176,6 +176,24 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
 
 
 def main() -> None:
+    """The console entry point. Ctrl-C before the run's own handlers are up (imports, composing the config,
+    Hydra's start) is one line, never an import traceback; a torchrun worker dies with its torchrun."""
+    guards: list[checks.RunDirGuard] = []
+    try:
+        if under_torchrun():
+            from edit_train.cli.parent import die_with_parent
+
+            die_with_parent()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
+        _main(guards)
+    except KeyboardInterrupt:
+        for guard in guards:
+            guard.cleanup()  # Hydra may have created run.dir already: a start-up Ctrl-C leaves nothing behind
+        run_dir = guards[0].path if guards else None
+        fail(checks.interrupted_message(run_dir, detail="during start-up") if run_dir is not None and run_dir.is_dir()
+             else "interrupted during start-up: nothing was written", code=130)
+
+
+def _main(guards: list[checks.RunDirGuard]) -> None:
     import hydra
 
     from edit_train.cli.help import help_text, wants_help
@@ -196,6 +214,8 @@ def main() -> None:
     guard, pin = checks.precheck(sys.argv[1:])
     if pin:
         sys.argv.append(pin)
+    if guard is not None:
+        guards.append(guard)
     try:
         hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
     except SystemExit as exc:
