@@ -35,6 +35,7 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     """One rank of one cluster (under torchrun / our launcher), a lone one-rank cluster in this process,
     or a local federation: a Lighthouse and one supervised job per cluster."""
     from edit_train.config import cluster_specs, validate
+    from edit_train.train.build import my_cluster
     from edit_train.train.runlock import job_lock
     from edit_train.train.trainer import train
 
@@ -43,11 +44,13 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     specs = cluster_specs(cfg)
     if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER") or (
             len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only):
+        _nothing_left(cfg, specs, my_cluster(cfg, specs).name)
         with job_lock(cfg, specs):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
             return train(cfg)
     from edit_train.cli.launcher import run_local
 
     checks.check_run_lock(cfg)  # (again: a sweep skips the precheck) before the launcher writes anything
+    _nothing_left(cfg, specs, None)
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
@@ -59,6 +62,23 @@ def launch(cfg: Any) -> dict[str, Any] | None:
              "see the messages above", code=1)
     summary = run_dir / "summary.json"
     return json.loads(summary.read_text()) if summary.exists() else None
+
+
+def _nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
+    """Exit 0 with one line when there is nothing left to do: the run finished, or (a cluster job, `cluster`)
+    its federation finished without it (train/finished.py)."""
+    from edit_train.train.finished import finished_line, run_finished_line
+
+    configured = [s.name for s in specs]
+    if cluster is None:
+        line = run_finished_line(cfg.run.dir, configured, cfg.train.steps)
+    else:
+        federated = len(specs) > 1 or bool(cfg.federation.lighthouse)
+        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated)
+    if line is not None:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(0)
 
 
 def _multirun_dir(cfg: Any) -> None:
@@ -211,9 +231,8 @@ def _main(guards: list[checks.RunDirGuard]) -> None:
     sys.argv[1:] = renamed_overrides(sys.argv[1:])  # `cluster.groups=2`: read as cluster.count=2, with a warning
     sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
-    guard, pin = checks.precheck(sys.argv[1:])
-    if pin:
-        sys.argv.append(pin)
+    guard, added = checks.precheck(sys.argv[1:])
+    sys.argv.extend(added)
     if guard is not None:
         guards.append(guard)
     try:
