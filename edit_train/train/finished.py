@@ -74,3 +74,23 @@ def run_finished_line(run_dir: str | Path, configured: list[str], steps: int) ->
     done = ", ".join(f"{n} at step {r['steps']:,}" for n, r in records.items())
     return (f"run.dir {run_dir} holds a finished run (every cluster finished: {done}; train.steps={steps:,}): "
             "nothing to resume; raise train.steps to train further or choose a new run.dir")
+
+
+def peer_news(run_dir: str | Path, name: str, configured: list[str]) -> str:
+    """What run.dir's records say of the other clusters, for a wait's progress line: `a finished (step 20), c
+    last trained 12 s ago` ("" when it holds none of theirs: clusters on their own filesystems)."""
+    import time
+
+    run_dir = Path(run_dir).expanduser()
+    out = []
+    for peer in dict.fromkeys([*configured, *_recorded(run_dir)]):
+        if peer == name:
+            continue
+        rec = _record(run_dir, peer)
+        if rec is not None:
+            out.append(f"{peer} finished (step {rec['steps']:,}, its record)")
+            continue
+        carried = Carried.load(record_path(run_dir, peer))
+        if carried is not None and carried.saved_at is not None:
+            out.append(f"{peer} last trained {max(time.time() - carried.saved_at, 0.0):.0f} s ago")
+    return ", ".join(out)
