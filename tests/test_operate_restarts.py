@@ -108,3 +108,144 @@ def test_a_relaunched_cluster_job_resumes_its_own_run(tmp_path: Path, small_corp
     assert "resume=auto" in added
     with pytest.raises(SystemExit):
         precheck([*argv, "resume=false"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# under torchrun_multinode.sh
+
+REPO = Path(__file__).resolve().parents[1]
+MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
+JOB = ["algo=edit", "algo.interval=2", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
+       "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
+       "cluster.clusters=[{name:a,ranks:1}]", "federation.min_clusters=1", "federation.heartbeat_timeout_s=2",
+       "federation.join_timeout_s=2", "checkpoint.every=2"]
+
+
+def _job_env(address: str, key: str) -> dict[str, str]:
+    from test_launchers import free_port
+
+    env = cli_env(CLUSTER="a", LIGHTHOUSE=address, NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
+                  RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", HOST_ADDR="127.0.0.1", MAX_RESTARTS="0",
+                  GLOO_SOCKET_IFNAME="lo", KEY_FILE=key, EDIT_SKIP_TOPOLOGY_CHECK="1")
+    for var in ("EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER"):
+        env.pop(var, None)
+    return env
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status  # a zombie nobody reaped yet has ended
+
+
+@pytest.mark.slow  # two launches of a cluster job around a Lighthouse (~1-2 min on 2 busy cores)
+def test_kill_9_of_the_launcher_takes_the_worker_and_the_relaunch_resumes_in_one_try(tmp_path: Path,
+                                                                                    small_corpus: str) -> None:
+    """SIGKILL of a cluster's launcher (torchrun_multinode.sh, i.e. the torchrun it runs) left its worker training
+    and holding the run lock; the relaunch was refused 4 times, then by "already holds cluster a's run". Now the
+    worker is gone within 5 s, and the same command again resumes the cluster's run, in one line, at once."""
+    from conftest import start_lighthouse
+    from test_launchers import KEY
+
+    run = tmp_path / "run"
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
+    cmd = ["bash", str(MULTINODE), *JOB, f"data.source={small_corpus}", f"run.dir={run}"]
+    try:
+        first = subprocess.Popen([*cmd, "train.steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=_job_env(address, KEY), cwd=tmp_path, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and not list((run / "checkpoints" / "a").glob("step_*/manifest.json")):
+                assert first.poll() is None, first.communicate()[0][-3000:]
+                time.sleep(0.5)
+            lock = json.loads((run / "clusters" / "a.lock").read_text())
+            worker = int(lock["pid"])
+            assert worker != first.pid and not _gone(worker)
+            first.kill()  # kill -9 of the launcher (exec'd into torchrun's wrapper): nothing else is signalled
+            first.wait()
+            t0 = time.monotonic()
+            while not _gone(worker) and time.monotonic() - t0 < 10:
+                time.sleep(0.1)
+            assert _gone(worker) and time.monotonic() - t0 <= 5.0, "the worker outlived its launcher"
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+                first.wait()
+        saved = max(int(p.parent.name.split("_")[1]) for p in (run / "checkpoints" / "a").glob("step_*/manifest.json"))
+        again = subprocess.run([*cmd, f"train.steps={saved + 2}"], capture_output=True, text=True,
+                               env=_job_env(address, KEY), cwd=tmp_path, timeout=300)
+    finally:
+        house.send_signal(signal.SIGTERM)
+        house.wait(timeout=30)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-4000:]
+    assert "cluster a: run.dir" in out and "resuming it (resume=auto)" in out, out[-4000:]
+    assert f"(step {saved})" in out and "is being written by" not in out and "Traceback" not in out, out[-4000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["per_cluster"]["a"]["steps"] == saved + 2
+
+
+def test_a_held_run_lock_is_refused_before_torchrun_starts(tmp_path: Path) -> None:
+    """The launcher checks the cluster's run lock before torchrun starts: one line naming the holder, exit 2, no
+    torchrun traceback (it used to be refused inside the worker, then 41 lines of torchrun)."""
+    from edit_train.train import runlock
+
+    run = tmp_path / "run"
+    key = runlock.acquire(run, "a")
+    try:
+        env = _job_env("127.0.0.1:9", "")
+        env.pop("KEY_FILE")
+        out = subprocess.run(["bash", str(MULTINODE), *JOB, f"run.dir={run}"], capture_output=True, text=True,
+                             env=env, cwd=tmp_path, timeout=120)
+    finally:
+        runlock.release(key)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert lines[-1].startswith("error: run.dir") and f"PID {os.getpid()}" in lines[-1], out.stderr
+    assert "Traceback" not in out.stderr and "torchrun" not in lines[-1]
+    assert not (run / "clusters" / "a.node0.torchrun.log").exists()
+
+
+TORCHRUN_FAILED = """\
+error: interrupted (stopped by signal 2 at step 7); the newest complete checkpoint run/checkpoints/a/step_6 is intact
+W1128 01:02:03.456000 4242 torch/distributed/elastic/agent/server/api.py:704] Received 2 death signal, shutting down workers
+W1128 01:02:03.457000 4242 torch/distributed/elastic/multiprocessing/api.py:897] Sending process 4243 closing signal SIGINT
+Traceback (most recent call last):
+  File "/usr/bin/torchrun", line 8, in <module>
+    sys.exit(main())
+  File "/usr/lib/python3/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 355, in wrapper
+    return f(*args, **kwargs)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+edit_train.cli.train FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+============================================================
+"""
+
+WORKER_BUG = """\
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/src/edit_train/cli/train.py", line 1, in <module>
+ZeroDivisionError: division by zero
+"""
+
+
+def test_torchruns_own_report_goes_to_the_log_only(tmp_path: Path) -> None:
+    """What the console shows of a failed cluster job: the worker's one line (and a worker's own traceback, a
+    bug worth seeing), never torchrun's report; the log keeps everything."""
+    import io
+
+    from edit_train.cli.torchrun_wrap import Filter
+
+    console, log = io.StringIO(), io.StringIO()
+    out = Filter(console, log)
+    for line in (WORKER_BUG + TORCHRUN_FAILED).splitlines(keepends=True):
+        out.line(line)
+    out.close()
+    assert console.getvalue() == WORKER_BUG + TORCHRUN_FAILED.splitlines(keepends=True)[0]
+    assert log.getvalue() == WORKER_BUG + TORCHRUN_FAILED
+    assert out.said and out.hidden == len(TORCHRUN_FAILED.splitlines()) - 1
