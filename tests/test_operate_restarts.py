@@ -115,7 +115,7 @@ def test_a_relaunched_cluster_job_resumes_its_own_run(tmp_path: Path, small_corp
 
 REPO = Path(__file__).resolve().parents[1]
 MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
-JOB = ["algo=edit", "algo.interval=2", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
+JOB = ["cluster=local", "algo=edit", "algo.interval=2", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
        "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.log_every=2",
        "cluster.clusters=[{name:a,ranks:1}]", "federation.min_clusters=1", "federation.heartbeat_timeout_s=2",
        "federation.join_timeout_s=2", "checkpoint.every=2"]
