@@ -249,3 +249,18 @@ def test_torchruns_own_report_goes_to_the_log_only(tmp_path: Path) -> None:
     assert console.getvalue() == WORKER_BUG + TORCHRUN_FAILED.splitlines(keepends=True)[0]
     assert log.getvalue() == WORKER_BUG + TORCHRUN_FAILED
     assert out.said and out.hidden == len(TORCHRUN_FAILED.splitlines()) - 1
+
+
+def test_a_whole_run_is_finished_when_every_cluster_is(tmp_path: Path) -> None:
+    """The local launcher's check (`resume=auto` of a finished local federation): every configured cluster's
+    record, one of them at train.steps; a cluster without its record, or with steps still to go, trains."""
+    from edit_train.train.finished import run_finished_line
+
+    (tmp_path / "clusters").mkdir()
+    now = time.time()
+    (tmp_path / "clusters" / "c0.json").write_text(json.dumps({"name": "c0", "steps": 20, "end": now}))
+    assert run_finished_line(tmp_path, ["c0", "c1"], 20) is None
+    (tmp_path / "clusters" / "c1.json").write_text(json.dumps({"name": "c1", "steps": 14, "end": now}))
+    line = run_finished_line(tmp_path, ["c0", "c1"], 20)
+    assert line is not None and "every cluster finished: c0 at step 20, c1 at step 14; train.steps=20" in line
+    assert run_finished_line(tmp_path, ["c0", "c1"], 30) is None  # train.steps raised: it continues

@@ -8,6 +8,8 @@
   (`clusters/<name>.lock`, edit_train/train/runlock.py): refused in one line naming its PID and host.
 * `RunDirGuard`: a run directory this invocation created is removed again when the run fails before writing
   anything into it (Hydra creates `run.dir` before the task runs).
+* `relaunched`: a cluster job started again over its own run continues it (`resume=auto`, one line).
+* `nothing_left`: a finished run, or a cluster whose federation finished without it, exits 0 in one line.
 * `interrupted_message`: what Ctrl-C leaves behind, said truthfully (a checkpoint exists or it does not).
 * `fail_once`: under torchrun every rank hits the same config/topology error; only rank 0 says it.
 * `adopt_tokenizer_vocab`: `model.vocab_size` follows the tokenizer unless it was set explicitly.
@@ -297,6 +299,23 @@ def check_init_from(init_from: str | None) -> None:
         raise ConfigError(offline_hint(init_from, "model.init_from"))
     raise ConfigError(f"model.init_from={init_from}: not a directory; give a Hugging Face BailingMoe directory "
                       f"(config.json + safetensors), e.g. one written by edit-train-export")
+
+
+def nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
+    """Exit 0 with one line when there is nothing left to do: the run finished, or (a cluster job, `cluster`)
+    its federation finished without it (train/finished.py)."""
+    from edit_train.train.finished import finished_line, run_finished_line
+
+    configured = [s.name for s in specs]
+    if cluster is None:
+        line = run_finished_line(cfg.run.dir, configured, cfg.train.steps)
+    else:
+        federated = len(specs) > 1 or bool(cfg.federation.lighthouse)
+        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated)
+    if line is not None:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(0)
 
 
 def relaunched(cfg: Any) -> str | None:

@@ -44,13 +44,13 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     specs = cluster_specs(cfg)
     if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER") or (
             len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only):
-        _nothing_left(cfg, specs, my_cluster(cfg, specs).name)
+        checks.nothing_left(cfg, specs, my_cluster(cfg, specs).name)
         with job_lock(cfg, specs):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
             return train(cfg)
     from edit_train.cli.launcher import run_local
 
     checks.check_run_lock(cfg)  # (again: a sweep skips the precheck) before the launcher writes anything
-    _nothing_left(cfg, specs, None)
+    checks.nothing_left(cfg, specs, None)
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
@@ -62,23 +62,6 @@ def launch(cfg: Any) -> dict[str, Any] | None:
              "see the messages above", code=1)
     summary = run_dir / "summary.json"
     return json.loads(summary.read_text()) if summary.exists() else None
-
-
-def _nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
-    """Exit 0 with one line when there is nothing left to do: the run finished, or (a cluster job, `cluster`)
-    its federation finished without it (train/finished.py)."""
-    from edit_train.train.finished import finished_line, run_finished_line
-
-    configured = [s.name for s in specs]
-    if cluster is None:
-        line = run_finished_line(cfg.run.dir, configured, cfg.train.steps)
-    else:
-        federated = len(specs) > 1 or bool(cfg.federation.lighthouse)
-        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated)
-    if line is not None:
-        if int(os.environ.get("RANK", "0") or 0) == 0:
-            print(line, file=sys.stderr, flush=True)
-        raise SystemExit(0)
 
 
 def _multirun_dir(cfg: Any) -> None:
