@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -127,3 +128,49 @@ def test_a_stop_ends_the_wait_at_once_and_is_cleared_by_the_next_run() -> None:
         waits.STOP.clear()
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
+
+
+def test_joining_says_who_is_missing_and_how_it_ended(monkeypatch, caplog) -> None:
+    """A fresh cluster c1 joining a federation whose c0 never comes: while it waits (quorum_timeout_s) it says
+    who the last quorum held and who is missing, and it ends in one sentence (it used to be silent for minutes)."""
+    import logging
+
+    from edit_train.federation.inproc import InProcessFederation
+    from toy_federation import H, config, run_inproc
+
+    monkeypatch.setenv("EDIT_TRAIN_WAIT_EVERY_S", "0.5")
+    cfg = config("layerwise", "uniform", syncs=1)
+    cfg.membership.expected, cfg.membership.quorum_timeout_s = ("c0", "c1"), 2.5
+    with caplog.at_level(logging.INFO, logger="edit_train.local_sgd.waits"):
+        out = run_inproc(["c1"], cfg, hub=InProcessFederation(min_clusters=1, join_timeout_s=0.02, timeout_s=30.0))
+    assert out["c1"].steps == H
+    said = [r.getMessage() for r in caplog.records if r.name == "edit_train.local_sgd.waits"]
+    progress = [m for m in said if m.startswith("waiting for the federation (cluster c1 joining): ")]
+    assert progress and all(" of 2 s; in the last quorum: c1; missing: c0" in m for m in progress), said
+    assert said[-1].startswith("the federation (cluster c1 joining): nobody else came: training alone"), said
+
+
+def test_joining_yields_to_a_stop(monkeypatch) -> None:
+    """A signal while a cluster waits for the federation at start: the wait ends at once (the loop then stops at
+    its first step boundary) instead of running out quorum_timeout_s."""
+    from edit_train.federation.inproc import InProcessFederation
+    from edit_train.local_sgd import membership
+    from toy_federation import config, run_inproc
+
+    meet = membership.Membership.meet
+    took: list[float] = []
+
+    def stopped_meet(self: membership.Membership):  # type: ignore[no-untyped-def]
+        threading.Timer(0.5, waits.STOP.set).start()
+        t0 = time.monotonic()
+        try:
+            return meet(self)
+        finally:
+            took.append(time.monotonic() - t0)
+            waits.STOP.clear()
+
+    monkeypatch.setattr(membership.Membership, "meet", stopped_meet)
+    cfg = config("layerwise", "uniform", syncs=1)
+    cfg.membership.expected, cfg.membership.quorum_timeout_s = ("c0", "c1"), 60.0
+    run_inproc(["c1"], cfg, hub=InProcessFederation(min_clusters=1, join_timeout_s=0.02, timeout_s=30.0))
+    assert took and took[0] < 5.0, took
