@@ -187,6 +187,42 @@ def test_kill_9_of_the_launcher_takes_the_worker_and_the_relaunch_resumes_in_one
     assert summary["per_cluster"]["a"]["steps"] == saved + 2
 
 
+@pytest.mark.slow  # a cluster job around a Lighthouse (~1 min on 2 busy cores)
+def test_ctrl_c_of_a_cluster_job_under_torchrun_is_one_line(tmp_path: Path, small_corpus: str) -> None:
+    """Ctrl-C of torchrun_multinode.sh while it trains: the worker's one line, not ~30 lines of torchrun's
+    traceback after it (those are in the torchrun log the launcher keeps)."""
+    from conftest import start_lighthouse
+    from test_launchers import KEY
+
+    run = tmp_path / "run"
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
+    try:
+        proc = subprocess.Popen(["bash", str(MULTINODE), *JOB, f"data.source={small_corpus}", f"run.dir={run}",
+                                 "train.steps=100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_job_env(address, KEY), cwd=tmp_path, start_new_session=True)
+        try:
+            deadline = time.time() + 240
+            while time.time() < deadline and not list((run / "checkpoints" / "a").glob("step_*/manifest.json")):
+                assert proc.poll() is None, proc.communicate()[1][-3000:]
+                time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finally:
+        house.send_signal(signal.SIGTERM)
+        house.wait(timeout=30)
+    console = out + err
+    assert proc.returncode != 0, console[-3000:]
+    assert "Traceback" not in console and "ChildFailedError" not in console, console[-3000:]
+    last = console.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted") and "intact" in last, console[-3000:]
+    kept = (run / "clusters" / "a.node0.torchrun.log").read_text()
+    assert "error: interrupted" in kept
+
+
 def test_a_held_run_lock_is_refused_before_torchrun_starts(tmp_path: Path) -> None:
     """The launcher checks the cluster's run lock before torchrun starts: one line naming the holder, exit 2, no
     torchrun traceback (it used to be refused inside the worker, then 41 lines of torchrun)."""

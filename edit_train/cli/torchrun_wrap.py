@@ -8,8 +8,8 @@ ends in our one line, not in torchrun's own traceback.
   the `ChildFailedError` table), which only LOG keeps; the workers already said what happened in one line;
 * when torchrun fails and no worker said why (`error: …`), one line names its exit and LOG;
 * torchrun dies with this process (parent-death signal) and its workers with torchrun (cli/parent.py), so
-  `kill -9` of the launcher leaves no worker training and holding its cluster's run lock; SIGINT/SIGTERM sent to
-  this process are passed on to torchrun, which stops its workers.
+  `kill -9` of the launcher leaves no worker training and holding its cluster's run lock; SIGTERM sent to this
+  process is passed on to torchrun, which stops its workers (Ctrl-C reaches torchrun itself).
 """
 
 from __future__ import annotations
@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                 proc.send_signal(signum)
 
         signal.signal(signal.SIGTERM, forward)
-        signal.signal(signal.SIGINT, forward)  # a terminal's Ctrl-C reaches torchrun too: it stops its workers
+        # Ctrl-C reaches torchrun directly (one process group), and torchrun passes it on to its workers: a second
+        # SIGINT from here would make them give up their clean stop. Read on until torchrun has ended.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         out = Filter(sys.stderr, log)
         assert proc.stdout is not None
         for text in proc.stdout:
