@@ -121,7 +121,8 @@ class Membership:
         deadline = time.time() + self.cfg.quorum_timeout_s
         regroup = time.time() + self.cfg.join_timeout_s
         seen = [""]  # who the last quorum held, who it missed: the wait's progress lines say it
-        limit = self.cfg.join_timeout_s if self.cfg.restarted else self.cfg.quorum_timeout_s
+        regrouping = self.cfg.restarted or self.pacer.total_steps > 0  # the grace window, not the quorum timeout
+        limit = self.cfg.join_timeout_s if regrouping else self.cfg.quorum_timeout_s
         wait = Wait(f"the federation (cluster {self.t.name} joining)", limit, detail=lambda: seen[0])
         while True:
             try:
@@ -139,6 +140,8 @@ class Membership:
                     return None
                 level = logging.WARNING if isinstance(exc, HealError) else logging.INFO  # a refused heal: said
                 log.log(level, "cluster %s: joining: %s; trying again", self.t.name, exc)
+                seen[0] = f"the last try: {exc}"
+                wait.tick()
                 continue
             total_steps = self.pacer.total_steps
             missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
