@@ -83,10 +83,12 @@ def test_a_cluster_whose_federation_finished_exits_0_with_one_line(tmp_path: Pat
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stderr.strip().splitlines() if "resuming it" not in line]
     assert len(said) == 1 and "its federation finished without it (a at step 20, c at step 20" in said[0], out.stderr
-    # a peer that resumed since its record (it trains again) is not finished: b does not stop for it
-    (run / "clusters" / "c.progress.json").write_text(json.dumps({"tokens": 1, "saved_at": time.time()}))
     from edit_train.train.finished import finished_line
 
+    # restarted by its launcher after a failure (the run counts on it): it finishes its part
+    assert finished_line(run, "b", ["a", "b", "c"], 20, federated=True, restarted=True) is None
+    # a peer that resumed since its record (it trains again) is not finished: b does not stop for it
+    (run / "clusters" / "c.progress.json").write_text(json.dumps({"tokens": 1, "saved_at": time.time()}))
     assert finished_line(run, "b", ["a", "b", "c"], 20, federated=True) is None
 
 

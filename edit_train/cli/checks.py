@@ -311,7 +311,9 @@ def nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
         line = run_finished_line(cfg.run.dir, configured, cfg.train.steps)
     else:
         federated = len(specs) > 1 or bool(cfg.federation.lighthouse)
-        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated)
+        from edit_train.train.progress import restart_count
+
+        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated, restart_count() > 0)
     if line is not None:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(line, file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ cluster when it was written after the cluster's last progress save (a cluster re
 again). A run is finished for a cluster when its own record says so and it reached `train.steps` (or another
 cluster did: under a time schedule the first to reach it ends the run); a federation is finished for a
 cluster that did not get there when every other configured cluster's record says it finished and one of
-them reached `train.steps`. Either way the cluster says so in one line and exits 0 (`resume=auto` of a
+them reached `train.steps` (a new launch of it; one its launcher restarts after a failure finishes its part).
+Either way the cluster says so in one line and exits 0 (`resume=auto` of a
 finished run, a cluster relaunched after its peers finished), instead of training one more interval or
 training alone from its last checkpoint. Raising `train.steps` continues a finished run.
 """
@@ -42,8 +43,12 @@ def _recorded(run_dir: Path) -> list[str]:
                   if not p.name.endswith((".progress.json", ".useful.json")))
 
 
-def finished_line(run_dir: str | Path, name: str, configured: list[str], steps: int, federated: bool) -> str | None:
-    """The line a cluster `name` (or a lone run) that has nothing left to do says, or None when it trains."""
+def finished_line(run_dir: str | Path, name: str, configured: list[str], steps: int, federated: bool,
+                  restarted: bool = False) -> str | None:
+    """The line a cluster `name` (or a lone run) that has nothing left to do says, or None when it trains.
+    `restarted`: its launcher started it again after a failure (run.max_restarts, torchrun's --max-restarts): a
+    run in progress counts on it, so it finishes its part even when the others are done (the summary waits for
+    its record); only a new launch stops for a federation that finished without it."""
     run_dir = Path(run_dir).expanduser()
     records = {n: r for n in dict.fromkeys([*configured, *_recorded(run_dir), name]) if (r := _record(run_dir, n))}
     reached = sorted(n for n, r in records.items() if r["steps"] >= steps)
@@ -56,7 +61,7 @@ def finished_line(run_dir: str | Path, name: str, configured: list[str], steps: 
         return (f"cluster {name} already finished this run ({where}, {run_dir / 'clusters' / (name + '.json')}): "
                 "nothing to resume; raise train.steps to train further")
     others = [n for n in configured if n != name]
-    if federated and mine is None and reached and others and all(n in records for n in others):
+    if federated and not restarted and mine is None and reached and others and all(n in records for n in others):
         done = ", ".join(f"{n} at step {records[n]['steps']:,}" for n in others)
         return (f"cluster {name}: its federation finished without it ({done}; records in {run_dir / 'clusters'}): "
                 "nothing to join; choose a new run.dir to train again")
