@@ -216,5 +216,7 @@ if [[ ${EDIT_DRY_RUN:-0} == 1 ]]; then
 fi
 # torchrun under our wrapper (edit_train/cli/torchrun_wrap.py): its own failure report goes to TORCHRUN_LOG only,
 # it dies with this process (kill -9 of the launcher leaves no worker behind), signals are passed on to it
-TORCHRUN_LOG=${TORCHRUN_LOG:-$run_dir/clusters/$CLUSTER.node$NODE_RANK.torchrun.log}
+log_dir=$run_dir/clusters
+[[ $run_dir == *'$'* ]] && log_dir=${TMPDIR:-/tmp}  # run.dir=${…}: Hydra resolves it, not this script
+TORCHRUN_LOG=${TORCHRUN_LOG:-$log_dir/$CLUSTER.node$NODE_RANK.torchrun.log}
 exec env "${envs[@]}" "$python" -m edit_train.cli.torchrun_wrap "$TORCHRUN_LOG" -- "${cmd[@]}"
