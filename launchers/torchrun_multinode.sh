@@ -35,6 +35,9 @@
 #   RDZV_CONF       extra --rdzv-conf key=value pairs (comma separated)      (optional)
 #   PYTHON          the Python with edit_train installed: it runs the checks, torchrun (python -m
 #                   torch.distributed.run) and so every worker                       (default: python3)
+#   TORCHRUN_LOG    where torchrun's own output goes: everything torchrun and the workers print is appended
+#                   there; the console shows all of it but torchrun's failure report (the workers' one line
+#                   says what happened)        (default: <run.dir>/clusters/$CLUSTER.node$NODE_RANK.torchrun.log)
 #   EDIT_DRY_RUN=1  print the command (one shell-quoted line) instead of running it
 #   EDIT_SKIP_TOPOLOGY_CHECK=1  do not compose the config to check the cluster's rank count
 #   EDIT_SKIP_KEY_CHECK=1  do not ask the Lighthouse whether it holds KEY_FILE's key before starting
@@ -78,11 +81,11 @@ case $RDZV_BACKEND in
 esac
 
 overrides=("$@")
-has_run_dir=0 insecure=0
+has_run_dir=0 insecure=0 run_dir=runs/edit-train
 for a in "${overrides[@]}"; do
     case $a in
         -m | --multirun) die "Hydra multirun (-m) cannot run under torchrun; launch one job per configuration" ;;
-        run.dir=* | +run.dir=* | ++run.dir=*) has_run_dir=1 ;;
+        run.dir=* | +run.dir=* | ++run.dir=*) has_run_dir=1 run_dir=${a#*run.dir=} run_dir=${run_dir#[\'\"]} run_dir=${run_dir%[\'\"]} ;;
         federation.lighthouse=* | cluster.only=*) die "$a: set LIGHTHOUSE / CLUSTER instead (this script passes them)" ;;
         federation.key_file=*) die "$a: set KEY_FILE instead (this script passes it)" ;;
         federation.identity_file=* | federation.roster_file=*) die "$a: set IDENTITY_FILE / ROSTER_FILE instead (this script passes them)" ;;
@@ -196,7 +199,7 @@ fi
 # stops here with one line (a refusing gate: after federation.join_timeout_s + 20 s of refusals) instead of
 # being restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
 if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
-    env EDIT_TRAIN_CLUSTER="$CLUSTER" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
+    env EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_NODE_RANK="$NODE_RANK" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
 # torchrun of the python that ran the checks above: its workers import the same edit_train (a `torchrun` first on
@@ -220,4 +223,9 @@ if [[ ${EDIT_DRY_RUN:-0} == 1 ]]; then
     echo
     exit 0
 fi
-exec env "${envs[@]}" "${cmd[@]}"
+# torchrun under our wrapper (edit_train/cli/torchrun_wrap.py): its own failure report goes to TORCHRUN_LOG only,
+# it dies with this process (kill -9 of the launcher leaves no worker behind), signals are passed on to it
+log_dir=$run_dir/clusters
+[[ $run_dir == *'$'* ]] && log_dir=${TMPDIR:-/tmp}  # run.dir=${…}: Hydra resolves it, not this script
+TORCHRUN_LOG=${TORCHRUN_LOG:-$log_dir/$CLUSTER.node$NODE_RANK.torchrun.log}
+exec env "${envs[@]}" "$python" -m edit_train.cli.torchrun_wrap "$TORCHRUN_LOG" -- "${cmd[@]}"

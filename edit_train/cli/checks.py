@@ -8,6 +8,8 @@
   (`clusters/<name>.lock`, edit_train/train/runlock.py): refused in one line naming its PID and host.
 * `RunDirGuard`: a run directory this invocation created is removed again when the run fails before writing
   anything into it (Hydra creates `run.dir` before the task runs).
+* `relaunched`: a cluster job started again over its own run continues it (`resume=auto`, one line).
+* `nothing_left`: a finished run, or a cluster whose federation finished without it, exits 0 in one line.
 * `interrupted_message`: what Ctrl-C leaves behind, said truthfully (a checkpoint exists or it does not).
 * `fail_once`: under torchrun every rank hits the same config/topology error; only rank 0 says it.
 * `adopt_tokenizer_vocab`: `model.vocab_size` follows the tokenizer unless it was set explicitly.
@@ -20,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
@@ -298,19 +301,61 @@ def check_init_from(init_from: str | None) -> None:
                       f"(config.json + safetensors), e.g. one written by edit-train-export")
 
 
-def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
+def nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
+    """Exit 0 with one line when there is nothing left to do: the run finished, or (a cluster job, `cluster`)
+    its federation finished without it (train/finished.py)."""
+    from edit_train.train.finished import finished_line, run_finished_line
+
+    configured = [s.name for s in specs]
+    if cluster is None:
+        line = run_finished_line(cfg.run.dir, configured, cfg.train.steps)
+    else:
+        federated = len(specs) > 1 or bool(cfg.federation.lighthouse)
+        from edit_train.train.progress import restart_count
+
+        line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated, restart_count() > 0)
+    if line is not None:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+
+def relaunched(cfg: Any) -> str | None:
+    """A cluster job started again over its own run (`clusters/<name>.progress.json` in run.dir) without
+    `resume`: it continues that run, as `resume=auto` would; returns the line that says so (None: nothing to
+    continue, or `resume` already set). A whole run is still refused over an earlier one (check_run_dir)."""
+    from edit_train.train.progress import record_path
+
+    name = job_cluster(cfg)
+    if name is None or str(cfg.resume).lower() in ("true", "auto") or _restarted():
+        return None
+    record = record_path(Path(cfg.run.dir).expanduser(), name)
+    if not record.is_file():
+        return None
+    return f"cluster {name}: run.dir {cfg.run.dir} holds its earlier run ({record.name}): resuming it (resume=auto)"
+
+
+def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
     """Compose and validate the config of a single run and check its `run.dir` before Hydra creates it, so
-    a user mistake fails in one line and leaves nothing behind. Returns the guard of `run.dir` and, when
-    `run.dir` was not given, an override pinning the directory checked here (the default holds `${now:}`)."""
+    a user mistake fails in one line and leaves nothing behind. Returns the guard of `run.dir` and overrides
+    to add: `run.dir=<the directory checked>` when it was not given (the default holds `${now:}`), and
+    `resume=auto` for a cluster job relaunched over its own run (`relaunched`)."""
     from edit_train.cli.common import compose, one_line
     from edit_train.config import validate
 
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
-        return None, None
+        return None, []
+    added: list[str] = []
     try:
         cfg = compose(argv)
         validate(cfg)
         check_run_lock(cfg)  # another process writing one of our clusters: say who, before anything else
+        line = None if explicit_override(argv, "resume") else relaunched(cfg)
+        if line is not None:
+            if not _torchrun_rank():
+                print(line, file=sys.stderr, flush=True)
+            cfg.resume = "auto"
+            added.append("resume=auto")
         check_run_dir(cfg.run.dir, cfg.resume, job_cluster(cfg))
         check_data(cfg)
         check_init_from(cfg.model.init_from)
@@ -329,7 +374,8 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, str | None]:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line
         fail_once(one_line(exc))
-    return RunDirGuard.before(cfg.run.dir), None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
+    pin = None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
+    return RunDirGuard.before(cfg.run.dir), added + ([pin] if pin else [])
 
 
 def _pin(run_dir: str) -> str | None:

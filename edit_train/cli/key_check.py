@@ -1,4 +1,5 @@
-"""`python -m edit_train.cli.key_check OVERRIDES…`: before a cluster job starts its ranks, check its identity and
+"""`python -m edit_train.cli.key_check OVERRIDES…`: before a cluster job starts its ranks, check that no other job
+still writes this cluster into run.dir (its run lock, on the node of rank 0), its identity and
 roster files (missing, unreadable, too open, not this cluster's, another configuration than the roster's: one
 line, exit 2) and ask the federation's gate whether it holds this cluster's key and accepts its identity (a
 signed hello the Lighthouse never sees).
@@ -32,6 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     name = os.environ.get("EDIT_TRAIN_CLUSTER", "") or cfg.cluster.only
     if not f.lighthouse:
         fail("federation.lighthouse is not set")
+    if os.environ.get("EDIT_TRAIN_NODE_RANK", "0") == "0":  # the node of the cluster's rank 0, which takes the lock
+        from edit_train.train.runlock import RunLocked, check_free
+
+        try:
+            check_free(cfg.run.dir, [name])  # another job still writes this cluster: say who, before torchrun
+        except RunLocked as exc:
+            fail(one_line(exc))
     try:
         key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
         creds = credentials(cfg, name)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from edit_train.cli.parent import die_with_parent
 from edit_train.cluster.threads import AUTO, cores_available, plan, training_processes
 from edit_train.config import ClusterSpec, cluster_specs, to_container
 
@@ -30,16 +31,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """Linux: a cluster process gets SIGKILL if the launcher itself dies (no orphans, even on kill -9)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 @dataclass
@@ -113,7 +104,7 @@ class LocalFederation:
         port = free_port()
         pipe = subprocess.PIPE if self.relay is not None else None
         job.procs = [subprocess.Popen([sys.executable, "-m", "edit_train.cli.worker", str(self.cfg_path)],
-                                      env=self._env(job, r, port), preexec_fn=_die_with_parent,
+                                      env=self._env(job, r, port), preexec_fn=die_with_parent,
                                       stdout=pipe, stderr=pipe)
                      for r in range(job.spec.ranks)]
         if self.relay is not None:

@@ -35,6 +35,7 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     """One rank of one cluster (under torchrun / our launcher), a lone one-rank cluster in this process,
     or a local federation: a Lighthouse and one supervised job per cluster."""
     from edit_train.config import cluster_specs, validate
+    from edit_train.train.build import my_cluster
     from edit_train.train.runlock import job_lock
     from edit_train.train.trainer import train
 
@@ -43,11 +44,13 @@ def launch(cfg: Any) -> dict[str, Any] | None:
     specs = cluster_specs(cfg)
     if under_torchrun() or os.environ.get("EDIT_TRAIN_CLUSTER") or (
             len(specs) == 1 and specs[0].ranks == 1 and not cfg.federation.lighthouse and not cfg.cluster.only):
+        checks.nothing_left(cfg, specs, my_cluster(cfg, specs).name)
         with job_lock(cfg, specs):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
             return train(cfg)
     from edit_train.cli.launcher import run_local
 
     checks.check_run_lock(cfg)  # (again: a sweep skips the precheck) before the launcher writes anything
+    checks.nothing_left(cfg, specs, None)
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
@@ -182,6 +185,24 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
 
 
 def main() -> None:
+    """The console entry point. Ctrl-C before the run's own handlers are up (imports, composing the config,
+    Hydra's start) is one line, never an import traceback; a torchrun worker dies with its torchrun."""
+    guards: list[checks.RunDirGuard] = []
+    try:
+        if under_torchrun():
+            from edit_train.cli.parent import die_with_parent
+
+            die_with_parent()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
+        _main(guards)
+    except KeyboardInterrupt:
+        for guard in guards:
+            guard.cleanup()  # Hydra may have created run.dir already: a start-up Ctrl-C leaves nothing behind
+        run_dir = guards[0].path if guards else None
+        fail(checks.interrupted_message(run_dir, detail="during start-up") if run_dir is not None and run_dir.is_dir()
+             else "interrupted during start-up: nothing was written", code=130)
+
+
+def _main(guards: list[checks.RunDirGuard]) -> None:
     import hydra
 
     from edit_train.cli.help import help_text, wants_help
@@ -204,9 +225,10 @@ def main() -> None:
     sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
     sys.argv[1:1] = real_preset(sys.argv[1:])  # a cluster job of a real federation: cluster=real, not the demo's
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
-    guard, pin = checks.precheck(sys.argv[1:])
-    if pin:
-        sys.argv.append(pin)
+    guard, added = checks.precheck(sys.argv[1:])
+    sys.argv.extend(added)
+    if guard is not None:
+        guards.append(guard)
     try:
         hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")(_task)()
     except SystemExit as exc:

@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from edit_train.cli.train import _user_errors
-    from edit_train.config import from_container
+    from edit_train.cli.checks import nothing_left
+    from edit_train.config import cluster_specs, from_container
+    from edit_train.train.build import my_cluster
     from edit_train.local_sgd.errors import ClusterError
     from edit_train.train.signals import Interrupted
     from edit_train.train.runlock import job_lock
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         cfg = from_container(json.loads(open(args[0]).read()))
+        specs = cluster_specs(cfg)
+        nothing_left(cfg, specs, my_cluster(cfg, specs).name)  # finished (a restart after the end): exit 0
         with job_lock(cfg):  # rank 0 holds run.dir/clusters/<cluster>.lock while it trains
             train(cfg)
     except ClusterError as exc:  # this cluster's ranks lost each other: restartable (exit 1), alone

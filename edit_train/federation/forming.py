@@ -25,6 +25,7 @@ import torch
 from edit_train.federation.link import LinkClock
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.protocols import ClusterGroup, Quorum
+from edit_train.local_sgd.waits import Wait, WaitInterrupted
 
 
 class Background:
@@ -65,8 +66,9 @@ class Forming:
 
     def __init__(self, cluster: ClusterGroup, clock: LinkClock, ask: Callable[[], dict[str, Any]] | None,
                  connect: Callable[[Quorum], bool], abort: Callable[[], None],
-                 deadlines: tuple[float, float] = (330.0, 60.0)) -> None:
+                 deadlines: tuple[float, float] = (330.0, 60.0), label: str = "this cluster") -> None:
         self.cluster, self.clock, self.connect, self.abort = cluster, clock, connect, abort
+        self.label = label  # "cluster b, sync 3": whose wait the progress lines are
         self.deadlines = {"asking": deadlines[0], "connecting": deadlines[1]}  # seconds per phase
         self.started = time.monotonic()
         self.phase = "asking"
@@ -80,11 +82,23 @@ class Forming:
         phase's deadline on any rank, FederationError naming what never came (every rank raises it)."""
         limit = self.deadlines[self.phase]
         if block:
-            done = True
+            done, stopped = True, False
             if job is not None:
                 with self.clock.waiting():
-                    done = job.join(max(0.0, self.started + limit - time.monotonic()))
-            late = self.cluster.max_(torch.tensor([0.0 if done else 1.0], device=self.cluster.device))
+                    wait = self._wait(limit)
+                    try:
+                        done = wait.until(job.join)
+                        if done:
+                            wait.done("it came")
+                    except WaitInterrupted:
+                        done, stopped = False, True
+            # 1: this rank's job is late; 2: a signal asked this rank to stop (every rank gives the sync up)
+            late = self.cluster.max_(torch.tensor([2.0 if stopped else 0.0 if done else 1.0],
+                                                  device=self.cluster.device))
+            if float(late[0]) > 1:
+                self.abort()
+                raise WaitInterrupted(f"{self.label}: stopped waiting for {self._what()}: a signal asked this "
+                                      "cluster to stop")
             if float(late[0]) > 0:
                 self._expired(limit)
             return True
@@ -95,10 +109,17 @@ class Forming:
             self._expired(limit)
         return not pending
 
+    def _what(self) -> str:
+        return {"asking": "the Lighthouse's answer to this cluster's quorum request",
+                "connecting": f"every peer of quorum {self._issued.quorum_id if self._issued else '?'} to connect its "
+                              "lanes"}[self.phase]
+
+    def _wait(self, limit: float) -> Wait:
+        """This phase's wait: progress lines while it lasts (the leader's; its ranks wait for it silently)."""
+        return Wait(f"{self._what()} ({self.label})", limit, started=self.started)
+
     def _expired(self, limit: float) -> None:
-        what = {"asking": "the Lighthouse's answer to this cluster's quorum request",
-                "connecting": f"every peer of quorum {self._issued.quorum_id if self._issued else '?'} to connect "
-                              "its lanes"}[self.phase]
+        what = self._what()
         self.abort()
         raise FederationError(f"{what} did not come within {limit:g} s: this sync is skipped")
 

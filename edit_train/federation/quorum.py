@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -104,12 +105,8 @@ class QuorumClient:
                 raise FederationError(f"cluster {self.name}: {exc}") from None
         self.refusals.verified()
         if answer.get("kind") == "error":
-            msg = str(answer.get("error", ""))
-            if "timed out" in msg.lower() or "deadline" in msg.lower():
-                raise FederationError(f"cluster {self.name}: no quorum within {timeout_s:.0f}s "
-                                      f"(federation.quorum_timeout_s) from the Lighthouse at {self.lighthouse}: "
-                                      "are the other clusters running?")
-            raise FederationError(f"cluster {self.name}: Lighthouse at {self.lighthouse} failed: {msg}")
+            raise FederationError(lighthouse_error(str(answer.get("error", "")), self.name, self.lighthouse,
+                                                   timeout_s))
         return self._quorum(answer, data)
 
     def _quorum(self, answer: dict[str, Any], data: dict[str, Any]) -> Quorum:
@@ -212,6 +209,24 @@ def _check_reachable(lighthouse: str, timeout_s: float) -> None:
         raise FederationError(f"cannot reach the Lighthouse at {lighthouse} (federation.lighthouse): "
                               f"{_first_line(exc)}; start one (edit-train starts it for local runs, or "
                               "`edit-train-lighthouse --bind HOST:29510`) or fix the address") from None
+
+
+# how torchft's Lighthouse client says that no quorum came in time: its own words, and gRPC's status text
+# (`status: Cancelled, message: "Timeout expired", details: [], metadata: MetadataMap { headers: {} }`)
+_TIMEOUT_WORDS = ("timed out", "deadline", "timeout expired", "status: cancelled", "deadlineexceeded")
+
+
+def lighthouse_error(raw: str, name: str, lighthouse: str, timeout_s: float) -> str:
+    """The one plain line for an error torchft's Lighthouse answered a quorum request with: its raw status text
+    (gRPC's `status: Cancelled, … MetadataMap …`) never reaches the user."""
+    low = raw.lower()
+    if any(w in low for w in _TIMEOUT_WORDS):
+        return (f"cluster {name}: no quorum within {timeout_s:.0f} s (federation.quorum_timeout_s) from the "
+                f"Lighthouse at {lighthouse}: no other cluster asked in that time (are they running, or has the "
+                "federation finished?)")
+    status = re.search(r'message: "([^"]*)"', raw)  # a gRPC status: its message, not the record around it
+    text = status.group(1) if status else raw.strip().splitlines()[0] if raw.strip() else "no reason given"
+    return f"cluster {name}: the Lighthouse at {lighthouse} failed: {text}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -132,7 +132,8 @@ class LaneTransport:
         # every wait has an end: the gate answers within quorum_timeout_s (+ its own connect), lanes connect
         # within connect_timeout_s; past those, the sync is skipped with a line that says what never came
         self._forming = Forming(self.cluster, self.clock, ask, self._connect, self.lanes.abort,
-                                deadlines=(self.quorum_timeout_s + 15.0, self.connect_timeout_s))
+                                deadlines=(self.quorum_timeout_s + 15.0, self.connect_timeout_s),
+                                label=f"cluster {self.name}, sync {sync}")
 
     @property
     def forming(self) -> bool:

@@ -29,6 +29,7 @@ from edit_train.local_sgd.errors import FederationError, FederationRefused, Heal
 from edit_train.local_sgd.healing import Healer
 from edit_train.local_sgd.pacer import Pacer
 from edit_train.local_sgd.protocols import Quorum, Transport
+from edit_train.local_sgd.waits import STOP, Wait
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,10 @@ class Membership:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
         deadline = time.time() + self.cfg.quorum_timeout_s
         regroup = time.time() + self.cfg.join_timeout_s
+        seen = [""]  # who the last quorum held, who it missed: the wait's progress lines say it
+        regrouping = self.cfg.restarted or self.pacer.total_steps > 0  # the grace window, not the quorum timeout
+        limit = self.cfg.join_timeout_s if regrouping else self.cfg.quorum_timeout_s
+        wait = Wait(f"the federation (cluster {self.t.name} joining)", limit, detail=lambda: seen[0])
         while True:
             try:
                 q = self.form(0)
@@ -126,12 +131,17 @@ class Membership:
                 raise
             except (FederationError, SyncAborted) as exc:
                 self.t.abort()
+                if STOP.is_set():  # a signal: the loop stops at its first step boundary
+                    log.warning("cluster %s: not joining: %s", self.t.name, exc)
+                    return None
                 if time.time() >= deadline:
                     log.warning("cluster %s: could not join at start (%s); training alone until the next sync",
                                 self.t.name, exc)
                     return None
                 level = logging.WARNING if isinstance(exc, HealError) else logging.INFO  # a refused heal: said
                 log.log(level, "cluster %s: joining: %s; trying again", self.t.name, exc)
+                seen[0] = f"the last try: {exc}"
+                wait.tick()
                 continue
             total_steps = self.pacer.total_steps
             missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
@@ -139,10 +149,17 @@ class Membership:
                 and time.time() < deadline
             resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
                 and time.time() < regroup
-            if missing and (fresh or resumed):
+            if missing and (fresh or resumed) and not STOP.is_set():
                 self.t.abort()
+                absent = sorted(set(self.cfg.expected) - {*q.names, *q.left_out}) if q is not None else []
+                seen[0] = f"in the last quorum: {', '.join(q.names) if q else '-'}; missing: {', '.join(absent)}"
+                wait.tick()
                 time.sleep(0.1)
                 continue
+            if q is not None and len(q.names) > 1:
+                wait.done(f"met {', '.join(q.names)}")
+            elif wait.reported:
+                wait.done("nobody else came: training alone until the next sync")
             return q
 
     def take_adopted(self) -> int | None:

@@ -43,6 +43,8 @@ from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, resha
 from edit_train.train.spike import SpikeGuard
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
+from edit_train.train.finished import peer_news
+from edit_train.local_sgd import waits
 from edit_train.train.routing import RoutedTally
 from edit_train.train.site_data import check_tokenizers, open_data, site_data
 
@@ -102,6 +104,7 @@ class Trainer:
         self.sim = step_hooks(cfg, topo, self.specs, self.run_dir, step=lambda: self.state.step)
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
         self.stop = StopSignal()
+        waits.NEWS[:] = [lambda: peer_news(self.run_dir, topo.name, [s.name for s in self.specs])]  # waits say it
 
         # ---- output
         ckpt_root = self.run_dir / "checkpoints" / topo.name if self.federated else self.run_dir / "checkpoints"
