@@ -86,10 +86,15 @@ def test_a_healer_is_not_sent_again_to_a_source_it_refused() -> None:
     assert q.source_for(1) == 0  # the only holder: asked again
 
 
-def test_the_step_a_joiner_adopts_is_the_lower_median_of_the_others() -> None:
+def test_the_step_a_joiner_adopts_is_the_lower_median_of_every_claim_bounded_by_the_sync_count() -> None:
     assert agreed_steps(_q((5, D, {"total_steps": 40}), (5, D, {"total_steps": 2**50}), (0, E, {"total_steps": 0}),
                            me=2)) == 40
-    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1)) == 40
+    # two clusters: the joiner's own claim counts, raised to what the agreed sync implies (5 syncs of 8 steps)
+    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1), per_sync=8) == 40
+    # a claim of the run's end (64) from the only other member: bounded by sync 0's one interval, not adopted
+    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), me=1), per_sync=8) == 0
+    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), (0, D, {"total_steps": 0}),
+                           me=1), per_sync=8) == 0
 
 
 # ------------------------------------------------------------------ heal payloads

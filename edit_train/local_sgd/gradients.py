@@ -43,7 +43,8 @@ class GradientExchange:
         self.t, self.membership = transport, membership
 
     def exchange(self, model: nn.Module, step: int, loss: float | None, vote: bool | None) -> tuple[float | None, bool]:
-        """Average this step's gradients over the quorum. Returns (the agreed loss, any cluster's stop vote)."""
+        """Average this step's gradients over the quorum. Returns (the agreed loss, the stop: a strict majority of
+        the quorum's votes, the mean of the votes past one half — one member's vote never stops the others)."""
         tensors = local_grads(model)
         extra: list[Tensor] = []
         for value in (loss, None if vote is None else float(vote)):
@@ -62,7 +63,7 @@ class GradientExchange:
                             self.t.name, exc)
                 self.t.abort()
         agreed = float(extra[0].item()) if loss is not None else None
-        stop = vote is not None and float(extra[-1].item()) > 0
+        stop = vote is not None and float(extra[-1].item()) > 0.5
         return agreed, stop
 
     def join(self, q: Quorum, model: nn.Module, riders: int) -> None:

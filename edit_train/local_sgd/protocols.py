@@ -40,6 +40,7 @@ class Member:
     size: int  # ranks
     store: str  # host:port of the member leader's store (lanes rendezvous there)
     data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fp, total_steps, anchor (digest)
+    signer: str = ""  # the id of the roster key that signed this record, as the receiver checked it ("": no roster)
 
     @property
     def contributes(self) -> bool:
@@ -48,11 +49,13 @@ class Member:
         return int(self.data.get("local_steps", 0)) > 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data}
+        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data,
+                "signer": self.signer}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Member:
-        return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}))
+        return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}),
+                      str(d.get("signer", "")))
 
 
 @dataclass
