@@ -140,8 +140,8 @@ def test_a_healer_refuses_a_source_whose_anchor_is_not_the_agreed_one_and_says_s
     assert applied == [] and healer.refused == ["c2"]
     good = encode({"sync_index": 5, "local_phase": True, "total_steps": 40}, _state())
     healer.t = _HostileTransport(good)  # type: ignore[assignment]
-    assert healer.run(q, 64) == "c2" and healer.refused == []
-    assert applied[0]["total_steps"] == 40  # the others' claim (here the source's: the only other)
+    assert healer.run(q, 64, agreed_steps(q, per_sync=8)) == "c2" and healer.refused == []
+    assert applied[0]["total_steps"] == 40  # what sync 5 of 8-step intervals implies (the source's claim agrees)
 
 
 def test_a_sharded_healer_takes_its_shard_of_state_it_does_not_hold_yet() -> None:
