@@ -10,6 +10,7 @@ the run in which the liar tells the truth, and a log line names the liar and the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -89,8 +90,10 @@ class _Into:
             t.copy_(s)
 
 
-def federation(root: Path, clusters: int, lie: str | None, rule: str = "edit_norm") -> dict[str, Outcome]:
-    """`clusters` clusters train the toy model over a gate with a roster; the last one lies (`lie`, or None)."""
+def federation(root: Path, clusters: int, lie: str | None, rule: str = "edit_norm", late: float = 0.0,
+               ) -> dict[str, Outcome]:
+    """`clusters` clusters train the toy model over a gate with a roster; the last one lies (`lie`, or None);
+    with 3, c1 starts `late` seconds after the others (the first quorum the others see lacks it)."""
     names = [f"c{i}" for i in range(clusters)]
     run = GateRun(root, names, honest=clusters).start()
     try:
@@ -101,7 +104,15 @@ def federation(root: Path, clusters: int, lie: str | None, rule: str = "edit_nor
                              f"inproc:{n}", key=KEY, quorum_timeout_s=30.0, connect_timeout_s=10.0) for n in names}
         if lie is not None:
             transports[names[-1]] = LyingMember(transports[names[-1]], lie)
-        return run_threads({n: (lambda i=i, n=n: train_cluster(i, transports[n], cfg)) for i, n in enumerate(names)})
+
+        def job(i: int, n: str) -> Callable[[], Outcome]:
+            def go() -> Outcome:
+                if n == "c1" and clusters > 2:
+                    time.sleep(late)
+                return train_cluster(i, transports[n], cfg)
+            return go
+
+        return run_threads({n: job(i, n) for i, n in enumerate(names)})
     finally:
         run.close()
 
@@ -159,10 +170,10 @@ def test_a_stop_vote_at_every_exchange_stops_nobody(tmp_path: Path, clean: dict[
 @pytest.mark.parametrize("clusters", [2, 3])
 def test_a_claim_of_the_whole_run_moves_nobody(tmp_path: Path, clean: dict[int, dict[str, float]],
                                                caplog: pytest.LogCaptureFixture, clusters: int) -> None:
-    """total_steps = train.steps (within the roster's bound): no honest cluster adopts it (today every cluster
-    trains 0 steps); the liar itself is held to what the sync count implies."""
+    """total_steps = train.steps (within the roster's bound): no honest cluster adopts it, not even from a
+    start-up quorum asked again for because c1 was not in it yet (today every cluster trains 0 steps)."""
     with caplog.at_level(logging.WARNING):
-        outs = federation(tmp_path, clusters, "total_steps")
+        outs = federation(tmp_path, clusters, "total_steps", late=1.5)
     liar = f"c{clusters - 1}"
     _honest_unharmed(outs, clean[clusters], liar, syncs_with_liar=True)
     _named(caplog.records, liar, f"claims total_steps = {TOTAL}", "bounded")
