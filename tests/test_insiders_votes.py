@@ -199,3 +199,16 @@ def clean_verified(tmp_path: Path, clusters: int) -> dict[str, float]:
         outs = federation(tmp_path / "clean", clusters, None, rule="verified")
         _VERIFIED[clusters] = {f"c{i}": final_loss(outs[f"c{i}"], i) for i in range(clusters - 1)}
     return _VERIFIED[clusters]
+
+
+@pytest.mark.parametrize("clusters", [2, 3])
+def test_a_consistent_tenfold_payload_counts_for_the_bound_from_the_first_sync(
+        tmp_path: Path, clean: dict[int, dict[str, float]], caplog: pytest.LogCaptureFixture, clusters: int) -> None:
+    """The liar sends 10x its pseudo-gradient and reports the norms of what it sends (the verified rule, whose
+    norm test is off for its warm-up of 10 syncs): from sync 1, being over `scale_bound` times the quorum's
+    median norm per √step, it counts as the median (today +5.9 % / +8.8 % loss here)."""
+    with caplog.at_level(logging.WARNING):
+        outs = federation(tmp_path, clusters, "scale", rule="verified")
+    liar = f"c{clusters - 1}"
+    _honest_unharmed(outs, clean_verified(tmp_path, clusters), liar, syncs_with_liar=True)
+    _named(caplog.records, liar, "times the quorum's median norm", "clipped to the median")

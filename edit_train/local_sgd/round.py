@@ -311,7 +311,7 @@ class SyncRound:
             if len(d.evidence) == len(ev.names):
                 d.evidence[i] = {**d.evidence[i], "scale_clip": f}
             self._name(i, f"sent a pseudo-gradient over {self.core.scale_bound:g} times the quorum's median norm "
-                          f"per √step at sync {self.report.sync} (clipped to it)", "scale")
+                          f"per √step at sync {self.report.sync} (clipped to the median)", "scale")
         return d
 
     def _evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
