@@ -212,3 +212,28 @@ def test_a_consistent_tenfold_payload_counts_for_the_bound_from_the_first_sync(
     liar = f"c{clusters - 1}"
     _honest_unharmed(outs, clean_verified(tmp_path, clusters), liar, syncs_with_liar=True)
     _named(caplog.records, liar, "times the quorum's median norm", "clipped to the median")
+
+
+def test_a_veto_at_every_sync_is_outvoted_by_a_majority(tmp_path: Path, clean: dict[int, dict[str, float]],
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """c2 votes no at every commit vote: the two honest clusters are a strict majority of three and commit every
+    sync without it (today nothing commits: 0 syncs joined)."""
+    with caplog.at_level(logging.WARNING):
+        outs = federation(tmp_path, 3, "veto")
+    _honest_unharmed(outs, clean[3], "c2", syncs_with_liar=True)
+    _named(caplog.records, "c2", "voted no at sync", "the majority committed without it")
+
+
+def test_with_two_clusters_a_veto_still_rolls_every_sync_back_and_is_named(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """One "no" of two is no majority (a tie keeps what you have): what an insider can still do with two clusters
+    (docs/security.md, with its cost). The honest cluster trains all its steps, its own replica, and names the
+    vetoer at every rolled-back sync."""
+    with caplog.at_level(logging.WARNING):
+        outs = federation(tmp_path, 2, "veto")
+    o = outs["c0"]
+    assert o.steps == TOTAL
+    aborted = [e for e in o.events if e["event"] == "sync_aborted"]
+    assert len(aborted) == SYNCS and not [e for e in o.events if e["event"] == "sync"]
+    assert all(s["cluster"] == "c1" and len(s["key"]) == 12 for e in aborted for s in e["suspects"])
+    _named(caplog.records, "c1", "voted no at sync", "no strict majority")

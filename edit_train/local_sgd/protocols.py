@@ -236,7 +236,9 @@ class Transport(Protocol):
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                rows: list[list[Tensor | None]] | None = None) -> Handle[Contributions]: ...
 
-    def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
+    # every participant's commit vote, [members]: 1.0 when every rank of it says ok (the round commits on a strict
+    # majority, round.py); raises when a participant is lost
+    def vote(self, ok: bool) -> Handle[Tensor]: ...
 
     # `sync.unsent=keep`: what this cluster's last send of module `key` left out (laid out like `tensors`), and
     # forgotten by the transport; None when nothing was left out

@@ -528,13 +528,27 @@ class SyncRound:
         if handle is None:
             return self.ok
         if self.check is None:
-            return bool(self._wait(handle)) and self.ok
+            return self._majority(self._wait(handle).cpu().flatten()) and self.ok
         rows = self._wait(handle).cpu()
         why = self._verdict(rows)
         if why:
             self.report.regathered = why
             return False
         return True
+
+    def _majority(self, votes: Tensor) -> bool:
+        """The commit: a strict majority of the quorum voted yes (an honest "no" — a non-finite merged unit —
+        is everyone's, since every cluster merges the same contributions). A member that votes no while the
+        majority commits is named and rolls itself back (it heals at its next sync); with two clusters one "no"
+        is no majority: the sync rolls back, and the one who said no is named (docs/security.md)."""
+        yes = [bool(v > 0) for v in votes.tolist()]
+        commit = 2 * sum(yes) > len(yes)
+        if yes[self.report.position]:
+            for i, said in enumerate(yes):
+                if not said:
+                    outcome = "the majority committed without it" if commit else "no strict majority: rolled back"
+                    self._name(i, f"voted no at sync {self.report.sync} ({outcome})", "veto")
+        return commit
 
     def _verdict(self, rows: Tensor) -> str:
         """"" when the sketched SUM checks out and the rule, deciding again on the proven sketches, agrees with
