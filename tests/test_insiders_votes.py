@@ -237,3 +237,49 @@ def test_with_two_clusters_a_veto_still_rolls_every_sync_back_and_is_named(tmp_p
     assert len(aborted) == SYNCS and not [e for e in o.events if e["event"] == "sync"]
     assert all(s["cluster"] == "c1" and len(s["key"]) == 12 for e in aborted for s in e["suspects"])
     _named(caplog.records, "c1", "voted no at sync", "no strict majority")
+
+
+# ---------------------------------------------------------------- the stop under a time schedule or budget
+class _Lone:
+    size, device = 1, "cpu"
+
+
+def _votes(*rows: tuple[float, float]) -> Tensor:
+    """Exchange rows [local_steps, s/step, total_steps, stop vote] from (total_steps, vote) pairs."""
+    return torch.tensor([[4.0, 0.1, total, vote] for total, vote in rows], dtype=torch.float64)
+
+
+def test_under_a_time_schedule_one_vote_is_not_a_majority_and_a_vote_must_fit_the_terms() -> None:
+    from edit_train.local_sgd.pacer import PaceConfig, Pacer
+    from edit_train.local_sgd.schedule import ScheduleConfig
+
+    p = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=0.4), total_steps=100), _Lone())  # type: ignore[arg-type]
+    assert p.exchanged(_votes((10, 0), (10, 0), (100, 1)), 0, False) == {2: "1 of 3 votes to stop count: not a "
+                                                                           "strict majority"} and not p.stopped
+    # a vote for train.steps from a member whose own count has not reached it does not count
+    stop, ignored = p.stop_votes(_votes((10, 0), (10, 1), (10, 1)), 0)
+    assert not stop and set(ignored) == {1, 2} and "not past train.steps" in ignored[1]
+    p.exchanged(_votes((100, 1), (10, 0), (100, 1)), 0, False)
+    assert p.stopped  # two of three reached it
+
+
+def test_under_a_time_budget_votes_count_only_near_this_clusters_own_clock() -> None:
+    from edit_train.local_sgd.pacer import PaceConfig, Pacer
+    from edit_train.local_sgd.schedule import ScheduleConfig
+
+    p = Pacer(PaceConfig(ScheduleConfig(interval=4), total_steps=100, time_budget_s=3600.0), _Lone())  # type: ignore[arg-type]
+    stop, ignored = p.stop_votes(_votes((8, 0), (8, 1), (8, 1)), 0)
+    assert not stop and "not near the time budget" in ignored[1]  # an hour to go here: two liars cannot stop it
+    p._t0 -= 3600.0  # this cluster's own clock reaches the budget
+    assert p.stop_votes(_votes((8, 0), (8, 1), (8, 1)), 0) == (True, {})
+    assert p.stop_votes(_votes((8, 0), (8, 1)), 0)[0] is False  # one of two is no strict majority
+
+
+def test_under_a_step_schedule_no_vote_stops_anyone() -> None:
+    from edit_train.local_sgd.pacer import PaceConfig, Pacer
+    from edit_train.local_sgd.schedule import ScheduleConfig
+
+    p = Pacer(PaceConfig(ScheduleConfig(interval=4), total_steps=100), _Lone())  # type: ignore[arg-type]
+    assert p.exchanged(_votes((8, 1), (8, 1), (8, 1)), 0, False) == {1: "a step schedule ends at train.steps",
+                                                                      2: "a step schedule ends at train.steps"}
+    assert not p.stopped and not p.should_stop(99) and p.should_stop(100)
