@@ -1,5 +1,9 @@
 """When this cluster syncs, evaluates and stops: step or wall-clock (A-EDiT) intervals, the agreed stop.
 
+The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes; under a time
+schedule or a time budget a strict majority of the quorum must vote to stop, each vote checked against this
+cluster's own clock (`stop_votes`): nothing one member says stops the others.
+
 The pacer counts local steps and measures seconds per step (compute only: time blocked on other clusters
 is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
 `Hᵢ = ⌊τ / secs_per_stepᵢ⌋` from the speeds exchanged at the last sync (its first interval ends once τ has
@@ -89,9 +93,14 @@ class Pacer:
         return float(t[0].item()), bool(t[1].item() > 0)
 
     def should_stop(self, step: int) -> bool:
+        """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own at
+        twice train.steps (`claims.Terms` bounds the claims there: a fast cluster waiting for most clusters to
+        reach train.steps never outruns what the others accept from it)."""
         if self.stopped:
             return not self.finishing
-        return self.lockstep and step >= self.cfg.total_steps
+        if self.lockstep:
+            return step >= self.cfg.total_steps
+        return self.cfg.total_steps > 0 and step >= 2 * self.cfg.total_steps
 
     def local_step(self, step: int, compute_s: float) -> None:
         """A local-SGD step was taken (`compute_s`: its seconds, minus any time blocked on other clusters)."""
