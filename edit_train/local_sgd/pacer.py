@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from edit_train.local_sgd.claims import TIME_MARGIN
 from edit_train.local_sgd.protocols import ClusterGroup
 from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 
@@ -93,14 +94,14 @@ class Pacer:
         return float(t[0].item()), bool(t[1].item() > 0)
 
     def should_stop(self, step: int) -> bool:
-        """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own at
-        twice train.steps (`claims.Terms` bounds the claims there: a fast cluster waiting for most clusters to
-        reach train.steps never outruns what the others accept from it)."""
+        """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own where
+        the others' bound on its claims is (`claims.Terms.max_steps`: twice train.steps plus `TIME_MARGIN`): a
+        fast cluster waiting for most clusters to reach train.steps never outruns what they accept from it."""
         if self.stopped:
             return not self.finishing
         if self.lockstep:
             return step >= self.cfg.total_steps
-        return self.cfg.total_steps > 0 and step >= 2 * self.cfg.total_steps
+        return self.cfg.total_steps > 0 and step >= 2 * self.cfg.total_steps + TIME_MARGIN
 
     def local_step(self, step: int, compute_s: float) -> None:
         """A local-SGD step was taken (`compute_s`: its seconds, minus any time blocked on other clusters)."""
