@@ -127,11 +127,12 @@ def agreed_steps(q: Quorum, per_sync: int = 0, base: int = 0) -> int:
     per_sync steps, and a member behind that heals to S has at least base + S x per_sync (its own claim is
     raised to that). So a liar can hold a joiner back by an interval at most, never send it to the end of the
     run; with two clusters the joiner keeps what the sync count implies (a tie keeps what you have).
-    `per_sync` 0 (a time schedule): the claims are not bounded here (`Terms.max_steps` bounds them)."""
+    `per_sync` 0 (no sync count to bound by: a time schedule, ddp, where the sync index is the step): the lower
+    median of the others' claims, its own if alone (`Terms.max_steps` bounds them)."""
     me = q.members[q.me]
     own = int(me.data.get("total_steps", 0))
     if per_sync <= 0:
-        claims = [int(m.data.get("total_steps", 0)) for m in q.members]
+        claims = [int(m.data.get("total_steps", 0)) for i, m in enumerate(q.members) if i != q.me] or [own]
     else:
         sync = q.agreed_sync
         bound = base + (sync + 1) * per_sync
