@@ -86,10 +86,15 @@ def test_a_healer_is_not_sent_again_to_a_source_it_refused() -> None:
     assert q.source_for(1) == 0  # the only holder: asked again
 
 
-def test_the_step_a_joiner_adopts_is_the_lower_median_of_the_others() -> None:
+def test_the_step_a_joiner_adopts_is_the_lower_median_of_every_claim_bounded_by_the_sync_count() -> None:
     assert agreed_steps(_q((5, D, {"total_steps": 40}), (5, D, {"total_steps": 2**50}), (0, E, {"total_steps": 0}),
                            me=2)) == 40
-    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1)) == 40
+    # two clusters: the joiner's own claim counts, raised to what the agreed sync implies (5 syncs of 8 steps)
+    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1), per_sync=8) == 40
+    # a claim of the run's end (64) from the only other member: bounded by sync 0's one interval, not adopted
+    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), me=1), per_sync=8) == 0
+    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), (0, D, {"total_steps": 0}),
+                           me=1), per_sync=8) == 0
 
 
 # ------------------------------------------------------------------ heal payloads
@@ -135,8 +140,8 @@ def test_a_healer_refuses_a_source_whose_anchor_is_not_the_agreed_one_and_says_s
     assert applied == [] and healer.refused == ["c2"]
     good = encode({"sync_index": 5, "local_phase": True, "total_steps": 40}, _state())
     healer.t = _HostileTransport(good)  # type: ignore[assignment]
-    assert healer.run(q, 64) == "c2" and healer.refused == []
-    assert applied[0]["total_steps"] == 40  # the others' claim (here the source's: the only other)
+    assert healer.run(q, 64, agreed_steps(q, per_sync=8)) == "c2" and healer.refused == []
+    assert applied[0]["total_steps"] == 40  # what sync 5 of 8-step intervals implies (the source's claim agrees)
 
 
 def test_a_sharded_healer_takes_its_shard_of_state_it_does_not_hold_yet() -> None:

@@ -359,7 +359,8 @@ def test_every_cluster_accounts_its_wall_time(slowing_run: Path) -> None:
         assert t["blocked"] <= c["blocked_s"] + 1e-6  # start-up's wait for the federation is start-up
     slow = summary["per_cluster"]["c1"]["time"]
     assert slow["slowdown"] > slow["compute"]  # 8x from step 100 on (7 s of sleep per s of compute)
-    assert summary["per_cluster"]["c0"]["time"]["slowdown"] < 0.01
+    fast = summary["per_cluster"]["c0"]["time"]  # not slowed: the hook's own cost, under 1 % of its compute (it
+    assert fast["slowdown"] < 0.01 * fast["compute"]  # trains on until most clusters reached train.steps)
     windows = [e["time_s"] for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
                if e["event"] == "train"]
     assert len(windows) >= 10

@@ -15,6 +15,8 @@ signature checked: docs/architecture.md, "Security model").
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 import threading
 from typing import Any
@@ -82,6 +84,11 @@ class Credentials:
             self.adopt(answer["roster"])
         gate = self.roster.gate
         return gate is not None and verify(gate, ANSWER, unsigned(answer), answer.get("sig"))
+
+    def key_id(self, name: str) -> str:
+        """The short public id of cluster `name`'s roster key ("" when it has none): what names a liar."""
+        key = self.roster.key(name)
+        return hashlib.sha256(b"edit-train roster key" + key).hexdigest()[:12] if key is not None else ""
 
     def member_why(self, m: dict[str, Any]) -> str | None:
         """Why a member record of an issued quorum is not its cluster's (None when it is)."""

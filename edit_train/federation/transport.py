@@ -189,10 +189,10 @@ class LaneTransport:
         """[members, n] rows of a small float64 vector (lane 0 among the leaders, then inside the cluster)."""
         return self._gather(vec, what, lambda rows: rows)
 
-    def vote(self, ok: bool) -> Pending[bool]:
-        """should_commit: True only if every rank of every participant says ok (and nobody is lost)."""
+    def vote(self, ok: bool) -> Pending[Tensor]:
+        """Every participant's commit vote, [members] (1.0: every rank of it says ok; raises when one is lost)."""
         ok = self.cluster.agree(ok)
-        return self._gather(torch.tensor([1.0 if ok else 0.0]), "commit vote", lambda rows: bool(rows.min() > 0))
+        return self._gather(torch.tensor([1.0 if ok else 0.0]), "commit vote", lambda rows: rows.flatten())
 
     def _gather(self, vec: Tensor, what: str, result: Callable[[Tensor], T]) -> Pending[T]:
         vec = vec.detach().to("cpu", torch.float64).contiguous()

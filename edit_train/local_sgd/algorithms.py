@@ -37,6 +37,7 @@ from edit_train.local_sgd.round import SyncCore, SyncReport, build_units, land_o
 from edit_train.local_sgd.rules import PenaltyConfig, make_rule
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule
 from edit_train.local_sgd.state import SyncState
+from edit_train.local_sgd.suspects import Suspects
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,15 @@ class LocalSGDConfig:
     penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
-    total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
+    total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
     checkpoint_every: int = 0  # time schedule: a crash loses at most this many of a cluster's steps (Pacer)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     shares_loss: bool = False  # ddp exchanges the loss with the gradients (the loss-spike guard is on)
     tokens_per_step: int = 0  # this cluster's tokens per step (weights by tokens); 0: count steps
+    max_tokens_per_step: int = 0  # the most tokens any configured cluster takes per step (0: tokens_per_step):
+    # what another cluster's claimed tokens are bounded by (local steps x this)
     gather_max: int = 4  # a rule that needs measurements gathers up to this many clusters, sketches above
 
 
@@ -80,13 +83,14 @@ class LocalSGD:
                                       cfg.tokens_per_step, cfg.checkpoint_every), transport.cluster)
         self.rule = make_rule(cfg.penalty)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
-        self.records = Records(transport, emit, cluster_index)
+        self.suspects = Suspects(transport.name)  # the liars this cluster names (log + `sync` events)
+        self.records = Records(transport, emit, cluster_index, self.suspects)
         self.probe = Probe(self.replica.units, probe_loss, span, transport.name)  # usefulness (verified rule)
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
         self.membership = Membership(cfg.membership, transport, healer, self.pacer,
-                                     digest=lambda: self.state.anchor_digest())
+                                     digest=lambda: self.state.anchor_digest(), suspects=self.suspects)
         self.state = SyncState(self.replica, self.rule, self.pacer, self.membership, self.records, transport, outer,
                                self.start_local_phase)
         self.grads = GradientExchange(transport, self.membership)
@@ -102,7 +106,9 @@ class LocalSGD:
                         getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
                         retract=Retraction(pen.verified.probe_tolerance) if self.probe.enabled and pen.verified.retract
                         else None, experts=Experts(self.routed, [(u.name, u.module, u.params) for u in units],
-                                                   **pen.experts) if self.routed is not None else None)
+                                                   **pen.experts) if self.routed is not None else None,
+                        scale_bound=pen.scale_bound, suspects=self.suspects,
+                        max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1))
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 
@@ -231,7 +237,10 @@ class LocalSGD:
 
     def _exchanged(self, rows: Tensor | None) -> None:
         if rows is not None and (q := self.t.quorum) is not None:
-            self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
+            ignored = self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
+            for i, why in ignored.items():
+                self.suspects.name(q, i, f"voted to stop at sync {self.membership.sync_index}, not followed: {why}",
+                                   kind="stop vote")
 
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)

@@ -14,8 +14,9 @@ others' view exists:
   when a strict majority of the others runs one other configuration; in a tie each side leaves the other out.
 * `Quorum.agreed` (protocols.py) is the state everyone continues from, and the heal source holds it: the
   (sync, anchor digest) most members hold.
-* `agreed_steps`: the step a cluster that is behind adopts is the lower median of the others' claims (a liar
-  can hold a joiner back, never send it to the end of the run).
+* `agreed_steps`: the step a cluster that is behind adopts is the lower median of every member's claim, its
+  own counted, each bounded by what the agreed sync count implies (a liar can hold a joiner back by an
+  interval at most, never send it — or anyone — to the end of the run).
 """
 
 from __future__ import annotations
@@ -119,9 +120,25 @@ def nonce_of(nonce: str, members: list[Member]) -> str:
     return hashlib.sha256(f"{nonce}|{names}".encode()).hexdigest()[:32]
 
 
-def agreed_steps(q: Quorum) -> int:
-    """The steps a member behind takes from the others: the lower median of their claims (its own if alone)."""
-    others = sorted(int(m.data.get("total_steps", 0)) for i, m in enumerate(q.members) if i != q.me)
-    if not others:
-        return int(q.members[q.me].data.get("total_steps", 0))
-    return others[(len(others) - 1) // 2]
+def agreed_steps(q: Quorum, per_sync: int = 0, base: int = 0) -> int:
+    """The step a member behind takes: the lower median of every member's claim, this cluster's own counted,
+    each bounded by what the agreed sync count implies. Under a step schedule (`per_sync`: its interval,
+    `base`: the warm-up steps) a member asking with the agreed anchor S has taken at most base + (S + 1) x
+    per_sync steps, and a member behind that heals to S has at least base + S x per_sync (its own claim is
+    raised to that). So a liar can hold a joiner back by an interval at most, never send it to the end of the
+    run; with two clusters the joiner keeps what the sync count implies (a tie keeps what you have).
+    `per_sync` 0 (no sync count to bound by: a time schedule, ddp, where the sync index is the step): the lower
+    median of the others' claims, its own if alone (`Terms.max_steps` bounds them)."""
+    me = q.members[q.me]
+    own = int(me.data.get("total_steps", 0))
+    if per_sync <= 0:
+        claims = [int(m.data.get("total_steps", 0)) for i, m in enumerate(q.members) if i != q.me] or [own]
+    else:
+        sync = q.agreed_sync
+        bound = base + (sync + 1) * per_sync
+        if me.sync != sync:
+            own = max(own, base + sync * per_sync)
+        claims = [min(own if i == q.me else int(m.data.get("total_steps", 0)), bound)
+                  for i, m in enumerate(q.members)]
+    claims.sort()
+    return claims[(len(claims) - 1) // 2]

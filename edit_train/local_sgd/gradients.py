@@ -44,7 +44,8 @@ class GradientExchange:
 
     def exchange(self, model: nn.Module, step: int, loss: float | Tensor | None, vote: bool | None
                  ) -> tuple[float | Tensor | None, bool]:
-        """Average this step's gradients over the quorum. Returns (the agreed loss, any cluster's stop vote). A
+        """Average this step's gradients over the quorum. Returns (the agreed loss, the stop: a strict majority of
+        the quorum's votes, the mean of the votes past one half — one member's vote never stops the others). A
         loss given as a tensor stays on the device (no host read): the agreed loss is then a 0-d tensor."""
         tensors = local_grads(model)
         extra: list[Tensor] = []
@@ -66,7 +67,7 @@ class GradientExchange:
                             self.t.name, exc)
                 self.t.abort()
         agreed = None if loss is None else extra[0].reshape(()) if isinstance(loss, Tensor) else float(extra[0].item())
-        stop = vote is not None and float(extra[-1].item()) > 0
+        stop = vote is not None and float(extra[-1].item()) > 0.5
         return agreed, stop
 
     def join(self, q: Quorum, model: nn.Module, riders: int) -> None:

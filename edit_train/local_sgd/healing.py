@@ -53,9 +53,10 @@ class Healer:
         self.encode, self.decode = encode, decode
         self.refused: list[str] = []  # sources whose payload this cluster refused (it says so when it asks again)
 
-    def run(self, q: Quorum, max_steps: int = 0) -> str | None:
-        """Heal whoever is behind in `q` (`max_steps`: the federation's steps, 0 = no bound). Returns the
-        source's name if this cluster healed."""
+    def run(self, q: Quorum, max_steps: int = 0, steps: int | None = None) -> str | None:
+        """Heal whoever is behind in `q` (`max_steps`: the federation's steps, 0 = no bound; `steps`: the step
+        a healed cluster continues from, default `agreed_steps(q)`). Returns the source's name if this cluster
+        healed."""
         sources = {i: q.source_for(i) for i in q.behind()}
         mine = [i for i, s in sources.items() if s == q.me]
         if mine:
@@ -64,7 +65,7 @@ class Healer:
             return None
         src = q.members[sources[q.me]].name
         try:
-            self._receive(q, sources[q.me], max_steps)
+            self._receive(q, sources[q.me], max_steps, agreed_steps(q) if steps is None else steps)
         except HealError:
             self.refused = [*[n for n in self.refused if n != src], src][-4:]
             raise
@@ -89,7 +90,7 @@ class Healer:
         if not c.agree(ok):
             raise FederationError("healing a peer failed")
 
-    def _receive(self, q: Quorum, source: int, max_steps: int) -> None:
+    def _receive(self, q: Quorum, source: int, max_steps: int, steps: int) -> None:
         c, src = self.t.cluster, q.members[source].name
         _, local = self.collect()
         payload: bytes | None = None
@@ -105,7 +106,7 @@ class Healer:
         meta, tensors = self.decode(payload, f"cluster {src}")
         sync, digest = q.agreed
         check_payload(meta, tensors, local, f"cluster {src}", Expect(sync, max_steps, digest))
-        meta = {**meta, "total_steps": agreed_steps(q)}  # what the others claim, not what the source says
+        meta = {**meta, "total_steps": steps}  # what the quorum's claims agree on, not what the source says
         mine: dict[str, Tensor] = {}
         for k, t in tensors.items():  # optimizer state this rank does not hold yet is sharded like its owner
             entry = None if k.startswith("penalty/") else local.get(k) or _owner(k, local)  # rule state: whole

@@ -5,8 +5,10 @@ A quorum is vetted before its lanes connect (`claims.vet`: a member whose claims
 left out alone; this cluster refuses itself only when it is the odd one, `FederationRefused`: retrying cannot
 help); then whoever is not at the agreed anchor heals from a member holding it (`Quorum.agreed`, `healing.py`).
 Under a step schedule every cluster ends at `train.steps`, so a cluster that fell behind (joined late, lost a
-quorum race) adopts the federation's step — the lower median of the others' claims — rather than syncing one
-interval late forever.
+quorum race) adopts the federation's step — the lower median of the quorum's claims, its own counted, each
+bounded by what the agreed sync count implies (`claims.agreed_steps`) — rather than syncing one interval late
+forever. No claim moves a cluster past what the sync count implies, so a claim of train.steps from a start-up
+quorum (one asked again for, or one the liar is in) sends nobody to the end of the run.
 
 Joining (`meet`): a fresh federation starts together (ask again until every configured cluster is in the
 quorum or was left out of it, bounded by `quorum_timeout_s`); a resumed one regroups within the grace window
@@ -29,6 +31,7 @@ from edit_train.local_sgd.errors import FederationError, FederationRefused, Heal
 from edit_train.local_sgd.healing import Healer
 from edit_train.local_sgd.pacer import Pacer
 from edit_train.local_sgd.protocols import Quorum, Transport
+from edit_train.local_sgd.suspects import Suspects
 from edit_train.local_sgd.waits import STOP, Wait
 
 log = logging.getLogger(__name__)
@@ -47,10 +50,10 @@ class MembershipConfig:
 
 class Membership:
     def __init__(self, cfg: MembershipConfig, transport: Transport, healer: Healer, pacer: Pacer,
-                 digest: Callable[[], str] = lambda: "") -> None:
+                 digest: Callable[[], str] = lambda: "", suspects: Suspects | None = None) -> None:
         self.cfg, self.t, self.healer, self.pacer = cfg, transport, healer, pacer
+        self.suspects = suspects if suspects is not None else Suspects(transport.name)
         self.digest = digest  # of this cluster's anchor ("" before the local-SGD phase): what it claims to hold
-        self._warned: set[tuple[str, str]] = set()
         # a step-scheduled local-SGD run: every cluster ends at train.steps
         self.lockstep_sgd = pacer.lockstep and pacer.cfg.local_sgd
         self.incarnation = uuid.uuid4().hex[:12]
@@ -88,10 +91,9 @@ class Membership:
         cluster and reason); FederationRefused when this cluster is the odd one. On the leader, before the
         lanes connect."""
         kept, why = claims.vet(q, self.terms)
-        for name, reason in why.items():
-            if (name, reason) not in self._warned:
-                self._warned.add((name, reason))
-                log.warning("cluster %s: cluster %s left out of the sync: it %s", self.t.name, name, reason)
+        for i, m in enumerate(q.members):
+            if m.name in why:
+                self.suspects.name(q, i, f"left out of the sync: it {why[m.name]}")
         return kept
 
     def poll(self, block: bool = False) -> tuple[bool, Quorum | None]:
@@ -107,14 +109,28 @@ class Membership:
         """A vetted quorum: heal whoever is not at the agreed anchor, adopt the agreed step."""
         if q is None:
             return None
-        healed = self.healer.run(q, self.terms.max_steps)
+        agreed = self.agreed_steps(q)
+        healed = self.healer.run(q, self.terms.max_steps, agreed)
         if healed is not None:
             self.healed_from.append(healed)
-        if self.lockstep_sgd:
-            agreed = claims.agreed_steps(q)
-            if agreed > self.pacer.total_steps:
-                self.adopt_step = self.pacer.total_steps = agreed
+        if self.lockstep_sgd and agreed > self.pacer.total_steps:
+            self.adopt_step = self.pacer.total_steps = agreed
         return q
+
+    def agreed_steps(self, q: Quorum) -> int:
+        """The step the quorum's claims agree on (`claims.agreed_steps`): bounded by the sync count under a step
+        schedule; every claim bounded above by it is named."""
+        sched = self.pacer.cfg.schedule
+        per_sync = sched.interval if self.lockstep_sgd else 0
+        agreed = claims.agreed_steps(q, per_sync, sched.warmup_steps)
+        if per_sync > 0:
+            bound = sched.warmup_steps + (q.agreed_sync + 1) * per_sync
+            for i, m in enumerate(q.members):
+                claim = m.data.get("total_steps", 0)
+                if i != q.me and isinstance(claim, int) and claim > bound:
+                    self.suspects.name(q, i, f"claims total_steps = {claim}, more than the {bound} that sync "
+                                       f"{q.agreed_sync} implies (bounded)", kind="total_steps")
+        return agreed
 
     def meet(self) -> Quorum | None:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
@@ -125,7 +141,7 @@ class Membership:
         limit = self.cfg.join_timeout_s if regrouping else self.cfg.quorum_timeout_s
         wait = Wait(f"the federation (cluster {self.t.name} joining)", limit, detail=lambda: seen[0])
         while True:
-            try:
+            try:  # what a quorum asked again for adopts is bounded like any other (`agreed_steps`)
                 q = self.form(0)
             except FederationRefused:
                 raise
@@ -143,13 +159,7 @@ class Membership:
                 seen[0] = f"the last try: {exc}"
                 wait.tick()
                 continue
-            total_steps = self.pacer.total_steps
-            missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
-            fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and not self.cfg.restarted \
-                and time.time() < deadline
-            resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
-                and time.time() < regroup
-            if missing and (fresh or resumed) and not STOP.is_set():
+            if self._discard(q, deadline, regroup) and not STOP.is_set():
                 self.t.abort()
                 absent = sorted(set(self.cfg.expected) - {*q.names, *q.left_out}) if q is not None else []
                 seen[0] = f"in the last quorum: {', '.join(q.names) if q else '-'}; missing: {', '.join(absent)}"
@@ -161,6 +171,16 @@ class Membership:
             elif wait.reported:
                 wait.done("nobody else came: training alone until the next sync")
             return q
+
+    def _discard(self, q: Quorum | None, deadline: float, regroup: float) -> bool:
+        """Is this start-up quorum one to ask again for (a configured cluster is still missing)?"""
+        total_steps = self.pacer.total_steps
+        missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
+        fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and not self.cfg.restarted \
+            and time.time() < deadline
+        resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
+            and time.time() < regroup
+        return missing and (fresh or resumed)
 
     def take_adopted(self) -> int | None:
         """The step this cluster moved to (once): the loop continues from there."""

@@ -1,5 +1,9 @@
 """When this cluster syncs, evaluates and stops: step or wall-clock (A-EDiT) intervals, the agreed stop.
 
+The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes; under a time
+schedule or a time budget a strict majority of the quorum must vote to stop, each vote checked against this
+cluster's own clock (`stop_votes`): nothing one member says stops the others.
+
 The pacer counts local steps and measures seconds per step (compute only: time blocked on other clusters
 is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
 `Hᵢ = ⌊τ / secs_per_stepᵢ⌋` from the speeds exchanged at the last sync (its first interval ends once τ has
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from edit_train.local_sgd.claims import TIME_MARGIN
 from edit_train.local_sgd.protocols import ClusterGroup
 from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 
@@ -32,7 +37,7 @@ from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 class PaceConfig:
     schedule: ScheduleConfig
     local_sgd: bool = True
-    total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
+    total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
     tokens_per_step: int = 0  # this cluster's tokens per local step (what its contribution is worth)
@@ -90,9 +95,14 @@ class Pacer:
         return float(t[0].item()), bool(t[1].item() > 0)
 
     def should_stop(self, step: int) -> bool:
+        """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own where
+        the others' bound on its claims is (`claims.Terms.max_steps`: twice train.steps plus `TIME_MARGIN`): a
+        fast cluster waiting for most clusters to reach train.steps never outruns what they accept from it."""
         if self.stopped:
             return not self.finishing
-        return self.lockstep and step >= self.cfg.total_steps
+        if self.lockstep:
+            return step >= self.cfg.total_steps
+        return self.cfg.total_steps > 0 and step >= 2 * self.cfg.total_steps + TIME_MARGIN
 
     def local_step(self, step: int, compute_s: float) -> None:
         """A local-SGD step was taken (`compute_s`: its seconds, minus any time blocked on other clusters)."""
@@ -138,14 +148,16 @@ class Pacer:
         self.planned = self.local_steps + base
         self._plan_checkpoint()  # cut off for long: its local progress is saved too
 
-    def exchanged(self, rows: Tensor, position: int, background_quorum: bool) -> None:
-        """Every participant's [local_steps, secs/step, total_steps, stop vote] from a committed exchange."""
+    def exchanged(self, rows: Tensor, position: int, background_quorum: bool) -> dict[int, str]:
+        """Every participant's [local_steps, secs/step, total_steps, stop vote] from a committed exchange.
+        Returns the stop votes not followed ({row: why}): nothing one member says stops the others (`stop_votes`)."""
         if not self.lockstep:
             before = self.global_step
             self.global_step = int(rows[:, 2].max().item())
             every = self.cfg.eval_every
             self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
-        if rows[:, 3].max().item() > 0 and not self.stopped:
+        stop, ignored = self.stop_votes(rows, position)
+        if stop and not self.stopped:
             self.stopped = True
             # ask for the final quorum in the background and keep training until every cluster has asked:
             # the cluster that learns of the stop first does not wait for the others to learn of it
@@ -153,6 +165,33 @@ class Pacer:
         if self.planner is not None:
             self.planned = self.planner.steps_for(float(rows[position, 1]))
             self._plan_checkpoint()
+        return ignored
+
+    def stop_votes(self, rows: Tensor, position: int) -> tuple[bool, dict[int, str]]:
+        """(stop now?, the other members' yes votes not followed and why). A step schedule ends at train.steps,
+        each cluster's own count: no vote stops it. Under a time schedule or a time budget the stop needs a
+        strict majority of the quorum, each vote checked against this cluster's own clock and the terms: a vote
+        for the budget counts once this cluster's own clock is within an interval of it, a vote for train.steps
+        only from a member whose own count reached it. This cluster's own vote is its own clock's."""
+        yes = [i for i in range(rows.shape[0]) if float(rows[i, 3]) > 0 and i != position]
+        if not self.clocked:
+            return False, {i: "a step schedule ends at train.steps" for i in yes}
+        now = time.time()
+        near_budget = self.cfg.time_budget_s > 0 and \
+            (now - self._t0) + (now - self.last_exchange_t) >= self.cfg.time_budget_s
+        ignored: dict[int, str] = {}
+        counted = 1 if float(rows[position, 3]) > 0 else 0
+        for i in yes:
+            if near_budget or (not self.lockstep and float(rows[i, 2]) >= self.cfg.total_steps > 0):
+                counted += 1
+            else:
+                ignored[i] = "this cluster's own clock is not near the time budget and its step count is not " \
+                    "past train.steps"
+        stop = 2 * counted > rows.shape[0]
+        if not stop:
+            for i in yes:
+                ignored.setdefault(i, f"{counted} of {rows.shape[0]} votes to stop count: not a strict majority")
+        return stop, ignored
 
     def take_due(self) -> tuple[bool, bool]:
         """(eval due, checkpoint due) once each, since the last call; neither after the agreed stop."""

@@ -40,6 +40,7 @@ class Member:
     size: int  # ranks
     store: str  # host:port of the member leader's store (lanes rendezvous there)
     data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fp, total_steps, anchor (digest)
+    signer: str = ""  # the id of the roster key that signed this record, as the receiver checked it ("": no roster)
 
     @property
     def contributes(self) -> bool:
@@ -48,11 +49,13 @@ class Member:
         return int(self.data.get("local_steps", 0)) > 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data}
+        return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data,
+                "signer": self.signer}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Member:
-        return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}))
+        return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}),
+                      str(d.get("signer", "")))
 
 
 @dataclass
@@ -233,7 +236,9 @@ class Transport(Protocol):
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                rows: list[list[Tensor | None]] | None = None) -> Handle[Contributions]: ...
 
-    def vote(self, ok: bool) -> Handle[bool]: ...  # True only if every rank of every participant says ok
+    # every participant's commit vote, [members]: 1.0 when every rank of it says ok (the round commits on a strict
+    # majority, round.py); raises when a participant is lost
+    def vote(self, ok: bool) -> Handle[Tensor]: ...
 
     # `sync.unsent=keep`: what this cluster's last send of module `key` left out (laid out like `tensors`), and
     # forgotten by the transport; None when nothing was left out

@@ -12,11 +12,14 @@ import torch
 from edit_train.local_sgd.aggregator import Decision
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.round import SyncReport
+from edit_train.local_sgd.suspects import Suspects
 
 
 class Records:
-    def __init__(self, transport: Transport, emit: Callable[..., None] | None, cluster_index: int) -> None:
+    def __init__(self, transport: Transport, emit: Callable[..., None] | None, cluster_index: int,
+                 suspects: Suspects | None = None) -> None:
         self.t, self.emit, self.index = transport, emit, cluster_index
+        self.suspects = suspects if suspects is not None else Suspects(transport.name)
         self.syncs_done = self.syncs_missed = self.syncs_aborted = self.anomalies = 0
         self.history: list[int] = []  # local steps of each completed sync
         self.step = 0  # the step at which the sync in progress started
@@ -36,11 +39,13 @@ class Records:
         record["bytes"], record["blocked_s"] = int(b.item()), float(m.item())
         if record["anomalous"]:
             self.anomalies += 1
-        self._log("sync", **record)
+        # the clusters this one named since its last sync event, by roster key (suspects.py)
+        self._log("sync", **record, suspects=self.suspects.take())
 
     def aborted(self, report: SyncReport, why: str) -> None:
         self.syncs_aborted += 1
-        self._log("sync_aborted", sync=report.sync, quorum=list(report.quorum), reason=why)
+        self._log("sync_aborted", sync=report.sync, quorum=list(report.quorum), reason=why,
+                  suspects=self.suspects.take())
 
     def missed(self, sync: int, local_steps: int, step: int) -> None:
         self.syncs_missed += 1

@@ -41,7 +41,9 @@ from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import clip_factor, weighted
 from edit_train.local_sgd.protocols import Contributions, Handle, Quorum, Transport
 from edit_train.local_sgd.retract import NONE, Applied, Retraction, marker_of
+from edit_train.local_sgd.scale import bound_scale
 from edit_train.local_sgd.sketch_check import DIGEST_DIM, EXACT_TOLERANCE, SketchCheck
+from edit_train.local_sgd.suspects import Suspects
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ class SyncCore:
     kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep, unsent experts)
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
+    scale_bound: float = 0.0  # a contribution counts for at most this many times the quorum's median (scale.py)
+    max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
+    suspects: Suspects | None = None  # who this cluster names (suspects.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -255,8 +260,8 @@ class SyncRound:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
-        self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": rows[:, n + EXTRA.index("tokens")],
-                     "probe": probe_medians(scores)}
+        self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": self._tokens(rows[:, n].clone(),
+                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe_medians(scores)}
         if experts is not None and experts.pending is not None:  # [P, MoE layers, experts]
             self.meta["expert_tokens"] = full[:, n + 1:n + 1 + m].reshape(full.shape[0], *experts.pending.shape)
         if self.core.retract is not None and self.gather:
@@ -270,7 +275,7 @@ class SyncRound:
         if not self.gather:
             for i, unit in enumerate(self.core.units):
                 self.report.decisions[unit.name] = self._pin(
-                    self.core.rule.decide(self._evidence(unit.name, norms[:, i], {})), None)
+                    self._decide(self._evidence(unit.name, norms[:, i], {})), None)
         if self.provisional is not None:
             self.core.rule.load(*_copy_state(self.provisional))
             if any(d.expert_weights is not None for d in self.report.decisions.values()):
@@ -278,6 +283,36 @@ class SyncRound:
                 self.report.decisions.clear()
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return rows[:, n:n + k]
+
+    def _tokens(self, steps: Tensor, claimed: Tensor) -> Tensor:
+        """The claimed tokens, each bounded by the cluster's local steps x the most tokens per step any configured
+        cluster takes (a claim of 10^12 tokens weighs what its steps can hold); those over it are named."""
+        cap = self.core.max_tokens_per_step
+        if cap <= 0:
+            return claimed
+        most = steps.clamp_min(0) * cap
+        over = ~(claimed <= most)  # NaN is over too
+        for i in over.nonzero().flatten().tolist():
+            self._name(i, f"claims {float(claimed[i]):.4g} tokens for {float(steps[i]):.0f} local steps, more than "
+                          f"{cap} per step (bounded to {float(most[i]):.4g})", "tokens")
+        return torch.where(over, most, claimed)
+
+    def _name(self, i: int, what: str, kind: str) -> None:
+        q = self.core.transport.quorum
+        if self.core.suspects is not None and q is not None and i != self.report.position:
+            self.core.suspects.name(q, i, what, kind)
+
+    def _decide(self, ev: Evidence) -> Decision:
+        """The rule's decision, every contribution then bounded by the quorum's median scale (scale.py)."""
+        d = self.core.rule.decide(ev)
+        if isinstance(self.core.rule, Combiner):
+            return d
+        for i, f in bound_scale(d, ev, self.core.scale_bound).items():
+            if len(d.evidence) == len(ev.names):
+                d.evidence[i] = {**d.evidence[i], "scale_clip": f}
+            self._name(i, f"sent a pseudo-gradient over {self.core.scale_bound:g} times the quorum's median norm "
+                          f"per √step at sync {self.report.sync} (clipped to the median)", "scale")
+        return d
 
     def _evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
         steps = self.meta["steps"]
@@ -374,7 +409,7 @@ class SyncRound:
         if m.sketches is not None:
             measured["sketches"] = m.sketches
         ev = self._evidence(name, m.norms, measured)
-        decision = c.rule.decide(ev)
+        decision = self._decide(ev)
         w = [snap(float(x)) if ok else 0.0 for x, ok in zip(decision.weights, m.finite)]
         decision.weights = w
         ew = self._pin(decision, m.finite).expert_weights
@@ -493,7 +528,7 @@ class SyncRound:
         if handle is None:
             return self.ok
         if self.check is None:
-            return bool(self._wait(handle)) and self.ok
+            return self._majority(self._wait(handle).cpu().flatten()) and self.ok
         rows = self._wait(handle).cpu()
         why = self._verdict(rows)
         if why:
@@ -501,12 +536,26 @@ class SyncRound:
             return False
         return True
 
+    def _majority(self, votes: Tensor) -> bool:
+        """The commit: a strict majority of the quorum voted yes (an honest "no" — a non-finite merged unit —
+        is everyone's, since every cluster merges the same contributions). A member that votes no while the
+        majority commits is named and rolls itself back (it heals at its next sync); with two clusters one "no"
+        is no majority: the sync rolls back, and the one who said no is named (docs/security.md)."""
+        yes = [bool(v > 0) for v in votes.tolist()]
+        commit = 2 * sum(yes) > len(yes)
+        if yes[self.report.position]:
+            for i, said in enumerate(yes):
+                if not said:
+                    outcome = "the majority committed without it" if commit else "no strict majority: rolled back"
+                    self._name(i, f"voted no at sync {self.report.sync} ({outcome})", "veto")
+        return commit
+
     def _verdict(self, rows: Tensor) -> str:
         """"" when the sketched SUM checks out and the rule, deciding again on the proven sketches, agrees with
         its provisional decision (then the report holds the second decisions); else why not."""
         check = self.check
         assert check is not None
-        measure = lambda name, measured: self.core.rule.decide(  # noqa: E731
+        measure = lambda name, measured: self._decide(  # noqa: E731
             self._evidence(name, self.meta["reported"][:, self.core.index[name]], measured))
         final, why = check.verdict(rows, self.report.decisions, measure, self.report.quorum)
         self.report.decisions.update(final)

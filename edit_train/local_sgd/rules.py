@@ -66,6 +66,9 @@ class PenaltyConfig:
     rule: str = "verified"
     clip: bool = True
     clip_threshold: float = 10.0  # φ: the merged Δ of a module is scaled to norm ≤ φ
+    # from the first sync, whatever the rule: a contribution over this many times the quorum's median norm per
+    # √(local step) counts as the median (clipped: scale.py, docs/sync_math.md); 0 = off
+    scale_bound: float = 4.0
     verified: VerifiedConfig = field(default_factory=VerifiedConfig)
     edit_norm: EditNormConfig = field(default_factory=EditNormConfig)
     options: dict[str, Any] = field(default_factory=dict)  # a rule of your own: its parameters
@@ -85,6 +88,8 @@ class PenaltyConfig:
 
     def validate(self) -> None:
         check_fields(self.clip_threshold > 0, "clip_threshold", f"must be > 0, got {self.clip_threshold}")
+        check_fields(self.scale_bound == 0 or self.scale_bound >= 1, "scale_bound",
+                     f"must be 0 (off) or >= 1, got {self.scale_bound}")
         self.verified.validate()
         self.edit_norm.validate()
 

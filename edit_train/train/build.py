@@ -102,7 +102,16 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                           checkpoint_every=cfg.checkpoint.every,
                           membership=membership, shares_loss=cfg.train.spike_factor > 0,
-                          tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max)
+                          tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max,
+                          max_tokens_per_step=max_tokens_per_step(cfg))
+
+
+def max_tokens_per_step(cfg: Config) -> int:
+    """The most tokens any configured cluster takes per step: what another cluster's claimed tokens are bounded
+    by (its local steps x this)."""
+    t = cfg.train
+    return max((((s.batch_size or t.batch_size) * s.ranks) * t.seq_len * t.grad_accum for s in cluster_specs(cfg)),
+               default=0)
 
 
 KEY_REFUSED_GRACE_S = 20.0  # past the grace window: how long a gate may refuse our key before this cluster stops
