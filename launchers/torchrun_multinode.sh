@@ -185,7 +185,7 @@ fi
 # stops here with one line (a refusing gate: after federation.join_timeout_s + 20 s of refusals) instead of
 # being restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
 if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
-    env EDIT_TRAIN_CLUSTER="$CLUSTER" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
+    env EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_HOST="$HOST_ADDR" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
 if command -v torchrun >/dev/null 2>&1; then
