@@ -135,6 +135,7 @@ def test_the_lighthouse_handler_survives_300_double_sigterms() -> None:
     Event's lock, and a second signal landing inside it deadlocked (3 of 300 processes hung)."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals are delivered to the main thread")
+    wait = lighthouse.wait_for_signal  # (before any signal is sent: nothing else here handles SIGTERM)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for _ in range(300):
@@ -147,7 +148,7 @@ def test_the_lighthouse_handler_survives_300_double_sigterms() -> None:
 
             killer = threading.Timer(0.002, twice)
             killer.start()
-            lighthouse.wait_for_signal(poll_s=0.005)  # returns, or the test hangs (pytest's timeout ends it)
+            wait(poll_s=0.005)  # returns, or the test hangs (pytest's timeout ends it)
             killer.join()
             assert done.is_set()
     finally:
