@@ -11,18 +11,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
+import math
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 from edit_train.federation import gate
+from edit_train.local_sgd.evidence import probe_judgement
 from liar_utils import KEY, SYNCS, TOTAL, GateRun, Liar
+from toy_federation import H, Outcome, batch, config, run_inproc, toy_model
 
 # ----------------------------------------------------------------------------------- heartbeats
 
@@ -135,3 +142,83 @@ def test_keyless_local_heartbeats_do_not_hold_back_the_first_quorum(tmp_path: Pa
         run.close()
     _all_syncs(outs, ["c0", "c1"])
     assert hits[0] == 0  # nothing on this host's loopback took a heartbeat
+
+
+# ----------------------------------------------------------------------------------- probe scores
+
+PROBE_SYNCS = 6
+
+
+class ProbeLiar:
+    """A cluster's transport that, in every norm exchange, scores every other cluster's update +1000 % (its
+    own update is trained and sent honestly)."""
+
+    def __init__(self, inner: Any, _step: Any) -> None:
+        self.inner, self.lied = inner, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def all_gather(self, vec: torch.Tensor, what: str = "") -> Any:
+        q = self.inner.quorum
+        if what == "norm exchange" and q is not None:
+            p = len(q.names)
+            vec = vec.clone()
+            vec[-p:] = torch.tensor([math.nan if i == q.me else 10.0 for i in range(p)], dtype=vec.dtype)
+            self.lied += 1
+        return self.inner.all_gather(vec, what)
+
+
+def _probe_run(names: list[str], liar: str | None) -> dict[str, Outcome]:
+    cfg = config("at_end", "verified", syncs=PROBE_SYNCS)
+    verified = dataclasses.replace(cfg.penalty.verified, probe_tokens=8)
+    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified))
+    return run_inproc(names, cfg, probe=True, wraps={liar: ProbeLiar} if liar else {})
+
+
+def _mean_loss(out: Outcome, tasks: range) -> float:
+    model = toy_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), out.params):
+            p.copy_(v)
+        return sum(float(nn.functional.mse_loss(model(x), y)) for x, y in (batch(i, 9_999) for i in tasks)) / len(tasks)
+
+
+@pytest.mark.parametrize("n", [2, 3], ids=["2 clusters", "3 clusters"])
+def test_probe_scores_of_one_evaluator_flag_nobody(n: int, caplog: pytest.LogCaptureFixture) -> None:
+    """The last cluster scores every other cluster's update +1000 %. Before, the honest clusters were left out
+    of every sync as `useless` (3 clusters: the mean of the two evaluators; 2: the liar the only one) and the
+    liar's update alone moved the anchor. Now an update is flagged only by a strict majority of >= 2 other
+    evaluators: the honest clusters weigh in every sync, end within 2 % of the run without the lie, and the
+    liar is named (3 clusters: its scores disagree with the others'; 2: its score was the only one)."""
+    names = [f"c{i}" for i in range(n)]
+    liar = names[-1]
+    clean = _probe_run(names, None)
+    with caplog.at_level(logging.WARNING):
+        lied = _probe_run(names, liar)
+    for i, name in enumerate(names[:-1]):
+        o = lied[name]
+        assert o.steps == PROBE_SYNCS * H, (name, o.steps)
+        syncs = [e for e in o.events if e["event"] == "sync"]
+        assert len(syncs) == PROBE_SYNCS and all(e["quorum"] == names for e in syncs), syncs
+        assert all(e["weight"] > 0 and not e["anomalous"] for e in syncs), [(e["weight"], e["anomalous"]) for e in syncs]
+        assert all(liar in e["probe_suspects"] for e in syncs[1:]), [e["probe_suspects"] for e in syncs]
+        loss, base = _mean_loss(o, range(n)), _mean_loss(clean[name], range(n))
+        assert abs(loss - base) <= 0.02 * base, (name, loss, base)
+    _one_line_naming(caplog.records, f"cluster {liar}'s probe scores", f"roster key {liar}")
+
+
+def test_the_probe_judgement_needs_a_majority_of_two_other_evaluators() -> None:
+    nan = math.nan
+    # 4 clusters: c3 scores everyone +1000 % (bounded to +100 %), the others score each other ~0
+    s = torch.tensor([[nan, 0.01, 0.0, 0.02], [0.0, nan, 0.01, 0.03], [0.01, 0.0, nan, 0.01],
+                      [10.0, 10.0, 10.0, nan]], dtype=torch.float64)
+    m, who = probe_judgement(s, 0.1)
+    assert who == {3: "disagrees"} and bool((m[:3] <= 0.01).all())
+    # a genuinely harmful c1: both other evaluators agree, it is flagged and nobody is suspected
+    s = torch.tensor([[nan, 0.5, 0.02], [0.0, nan, 0.01], [0.01, 0.6, nan]], dtype=torch.float64)
+    m, who = probe_judgement(s, 0.1)
+    assert m[1].item() == 0.5 and who == {}
+    # 2 clusters: one evaluator per update decides nothing, and a lone high score is named
+    m, who = probe_judgement(torch.tensor([[nan, 0.01], [10.0, nan]], dtype=torch.float64), 0.1)
+    assert bool(m.isnan().all()) and who == {1: "alone"}

@@ -102,7 +102,8 @@ class LocalSGD:
                         getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
                         retract=Retraction(pen.verified.probe_tolerance) if self.probe.enabled and pen.verified.retract
                         else None, experts=Experts(self.routed, [(u.name, u.module, u.params) for u in units],
-                                                   **pen.experts) if self.routed is not None else None)
+                                                   **pen.experts) if self.routed is not None else None,
+                        probe_tolerance=pen.verified.probe_tolerance)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 

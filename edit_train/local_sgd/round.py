@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of
-from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_medians, shard_positions, snap
+from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_judgement, shard_positions, snap
 from edit_train.local_sgd.experts import Experts, Held, UnitExperts, merged_sqnorm, pin, unsent_rows
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import clip_factor, weighted
@@ -108,12 +108,14 @@ class SyncCore:
     kept: bool = False  # the last round left unsent parts in the live parameters (sync.unsent=keep, unsent experts)
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
+    probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
         self.needs = needs_of(self.rule)
         self._hashed: dict[tuple[str, bool, int], tuple[Tensor, Tensor]] = {}
         self._positions: dict[str, Tensor] = {}
+        self.named: set[tuple[str, str]] = set()  # (cluster, why) named in a log line (sync events: every time)
 
     def mode(self, q: Quorum) -> str:
         """How this quorum's contributions move: "sum", "gathered" or "sketched" (module docstring)."""
@@ -171,6 +173,7 @@ class SyncReport:
     regathered: str = ""  # sketched, then gathered: why the sketches did not check out
     unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
     expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
+    probe_suspects: dict[str, str] = field(default_factory=dict)  # evaluator -> why its probe scores did not count
 
 
 class SyncRound:
@@ -255,8 +258,10 @@ class SyncRound:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
+        probe, suspects = probe_judgement(scores, self.core.probe_tolerance)
         self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": rows[:, n + EXTRA.index("tokens")],
-                     "probe": probe_medians(scores)}
+                     "probe": probe}
+        self._suspected({self.report.quorum[i]: why for i, why in suspects.items()})
         if experts is not None and experts.pending is not None:  # [P, MoE layers, experts]
             self.meta["expert_tokens"] = full[:, n + 1:n + 1 + m].reshape(full.shape[0], *experts.pending.shape)
         if self.core.retract is not None and self.gather:
@@ -278,6 +283,20 @@ class SyncRound:
                 self.report.decisions.clear()
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return rows[:, n:n + k]
+
+    def _suspected(self, who: dict[str, str]) -> None:
+        """Evaluators whose probe scores were not counted: in the `sync` event, and named in one line per cluster
+        the first time (the name its record in the quorum was verified against: its roster key)."""
+        self.report.probe_suspects = who
+        me = self.report.quorum[self.report.position]
+        for name, why in who.items():
+            if (name, why) in self.core.named:
+                continue
+            self.core.named.add((name, why))
+            what = "disagree with the other evaluators'" if why == "disagrees" else \
+                "flag an update no other evaluator measured (one evaluator decides nothing)"
+            log.warning("cluster %s: cluster %s's probe scores %s (sync %d): not counted; named by its roster key "
+                        "%s", me, name, what, self.report.sync, name)
 
     def _evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
         steps = self.meta["steps"]
