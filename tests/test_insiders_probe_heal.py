@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,13 @@ import pytest
 import torch
 from torch import nn
 
-from edit_train.federation import gate
+from edit_train.cluster.group import RankGroup
+from edit_train.federation import gate, heal
+from edit_train.federation.inproc import InProcessFederation
+from edit_train.local_sgd.healing import anchor_digest
 from edit_train.local_sgd.evidence import probe_judgement
-from liar_utils import KEY, SYNCS, TOTAL, GateRun, Liar
-from toy_federation import H, Outcome, batch, config, run_inproc, toy_model
+from liar_utils import KEY, SYNCS, TOTAL, GateRun, Liar, final_loss, run_threads, toy_config
+from toy_federation import H, Outcome, batch, config, run_inproc, toy_model, train_cluster
 
 # ----------------------------------------------------------------------------------- heartbeats
 
@@ -222,3 +226,78 @@ def test_the_probe_judgement_needs_a_majority_of_two_other_evaluators() -> None:
     # 2 clusters: one evaluator per update decides nothing, and a lone high score is named
     m, who = probe_judgement(torch.tensor([[nan, 0.01], [10.0, nan]], dtype=torch.float64), 0.1)
     assert bool(m.isnan().all()) and who == {1: "alone"}
+
+
+# ----------------------------------------------------------------------------------- heal ties
+
+
+class NoisedAhead:
+    """A cluster's transport that claims one sync more than it holds, with the digest of a noised copy of its
+    anchor (Gaussian, each tensor's RMS), and sends that copy when asked to heal: a consistent lie (its
+    payload matches its digest), which with two clusters wins the tie (one claim each: the newer)."""
+
+    def __init__(self, inner: Any, algo: Callable[[], Any]) -> None:
+        self.inner, self.algo, self.sent, self.claimed = inner, algo, 0, 0
+        self.noised: dict[str, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def form_start(self, sync: int, data: dict[str, Any], vet: Any = None) -> None:
+        _, local = self.algo().state.heal_out()
+        g = torch.Generator().manual_seed(sync)
+        self.noised = {k: t + t.pow(2).mean().sqrt() * torch.randn(t.shape, generator=g, dtype=t.dtype)
+                       for k, (t, _) in local.items() if "/anchor/" in k}
+        self.claimed = sync + 1
+        self.inner.form_start(sync + 1, {**data, "anchor": anchor_digest(self.noised)} if self.noised else data)
+
+    def send_bytes(self, payload: bytes, dst: int) -> None:
+        meta, tensors = heal.decode(payload)
+        self.sent += 1
+        meta = {k: v for k, v in meta.items() if k not in ("kind", "version")}
+        self.inner.send_bytes(heal.encode({**meta, "sync_index": self.claimed}, {**tensors, **self.noised}), dst)
+
+
+def _tie_run(liar: bool) -> dict[str, Outcome]:
+    hub = InProcessFederation(min_clusters=1, join_timeout_s=1.0, timeout_s=10.0)
+    names = ["c0", "c1"]
+    cfg = toy_config(tuple(names))
+    outs = {n: Outcome() for n in names}
+    transports: dict[str, Any] = {n: hub.transport(n, RankGroup()) for n in names}
+    if liar:
+        transports["c1"] = NoisedAhead(transports["c1"], lambda: outs["c1"].algo)
+    return run_threads({n: (lambda i=i, n=n: train_cluster(i, transports[n], cfg, out=outs[n], probe=True))
+                        for i, n in enumerate(names)})
+
+
+def test_a_two_cluster_tie_keeps_what_you_have(caplog: pytest.LogCaptureFixture) -> None:
+    """c1 claims to be one sync ahead with a noised anchor and its own (matching) digest, every sync. Before,
+    with two clusters the newer claim won the tie and c0 healed from it every time (+38 % loss in the issue's
+    run). Now c0 probes the received anchor on its own data, keeps its own, syncs on with c1 (its update is
+    honest), ends within 2 % of the run where c1 tells the truth, and names c1."""
+    clean = _tie_run(False)
+    with caplog.at_level(logging.WARNING):
+        outs = _tie_run(True)
+    o = outs["c0"]
+    assert o.algo is not None and o.algo.membership.healed_from == [], o.algo.membership.healed_from
+    assert o.steps == TOTAL
+    syncs = [e for e in o.events if e["event"] == "sync"]
+    assert len(syncs) == SYNCS and all(e["quorum"] == ["c0", "c1"] for e in syncs), syncs
+    loss, base = final_loss(o, 0), final_loss(clean["c0"], 0)
+    assert abs(loss - base) <= 0.02 * base, (loss, base)
+    _one_line_naming(caplog.records, "cluster c0: kept its own state", "roster key c1")
+
+
+def test_a_tie_without_a_probe_keeps_what_a_synced_cluster_has() -> None:
+    """Without a probe, a cluster that has been in a shared sync keeps its own state on a tie; a new, restarted
+    or resumed one (`rejoining`) heals to it (the federation may have moved on without it)."""
+    from edit_train.local_sgd.healing import _held_by_one
+    from edit_train.local_sgd.protocols import Member, Quorum
+
+    def member(name: str, sync: int, digest: str) -> Member:
+        return Member(name, sync, 1, "127.0.0.1:1", {"anchor": digest})
+
+    q = Quorum(1, "n" * 32, [member("c0", 3, "a"), member("c1", 4, "b")], 0)
+    assert q.behind() == [0] and _held_by_one(q)
+    three = Quorum(1, "n" * 32, [member("c0", 3, "a"), member("c1", 4, "b"), member("c2", 4, "b")], 0)
+    assert three.behind() == [0] and not _held_by_one(three)  # two members hold it: healed to, as before

@@ -56,6 +56,9 @@ class Membership:
         self.sync_index = 0  # the anchor version this cluster holds
         self.healed_from: list[str] = []
         self.adopt_step: int | None = None  # set by a heal or an admission: continue from this step
+        # new, restarted or resumed, and not yet in a shared sync: the federation may have begun or moved on
+        # without it, so it heals to a state only another member holds (healing.py: ties keep what you have)
+        self.rejoining = True
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -106,9 +109,11 @@ class Membership:
         """A vetted quorum: heal whoever is not at the agreed anchor, adopt the agreed step."""
         if q is None:
             return None
-        healed = self.healer.run(q, self.terms.max_steps)
+        healed = self.healer.run(q, self.terms.max_steps, self.rejoining)
         if healed is not None:
             self.healed_from.append(healed)
+        if q.shared:
+            self.rejoining = False
         if self.lockstep_sgd:
             agreed = claims.agreed_steps(q)
             if agreed > self.pacer.total_steps:
