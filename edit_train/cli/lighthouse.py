@@ -99,8 +99,7 @@ def _stop(_sig: int, _frame: object) -> None:
 
 def wait_for_signal(poll_s: float = 0.1) -> None:
     """Serve until SIGINT/SIGTERM. The handler only sets a flag; this loop reads it (a sleep is cut short by a
-    signal's handler and resumed, so the flag is seen within `poll_s`)."""
-    STOP[0] = False
+    signal's handler and resumed, so the flag is seen within `poll_s`). A signal that came before returns at once."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop)
     while not STOP[0]:

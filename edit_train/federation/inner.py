@@ -61,13 +61,16 @@ class InnerLighthouse:
         threading.Thread(target=self._read, name="edit-train-inner-lighthouse", daemon=True).start()
 
     def _read(self) -> None:
-        for line in self._reader:
-            msg = json.loads(line)
-            with self._lock:
-                slot = self._waiting.pop(int(msg.get("id", -1)), None)
-            if slot is not None:
-                slot[1].append(msg)
-                slot[0].set()
+        try:
+            for line in self._reader:
+                msg = json.loads(line)
+                with self._lock:
+                    slot = self._waiting.pop(int(msg.get("id", -1)), None)
+                if slot is not None:
+                    slot[1].append(msg)
+                    slot[0].set()
+        except (OSError, ValueError):  # closed by shutdown(), or the child died mid-line
+            pass
         with self._lock:  # the child is gone: every waiting request fails
             waiting, self._waiting = self._waiting, {}
         for ev, out in waiting.values():
@@ -155,7 +158,15 @@ def _serve(fd: int, min_clusters: int, join_ms: int, heartbeat_ms: int, isolate:
 
     def send(msg: dict[str, Any]) -> None:
         with out_lock:
-            sock.sendall((json.dumps(msg) + "\n").encode())
+            try:
+                sock.sendall((json.dumps(msg) + "\n").encode())
+            except OSError:  # the gate is gone: the reader below ends this process
+                pass
+
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C / a group's SIGTERM is the gate's to handle: this
+        signal.signal(sig, signal.SIG_IGN)       # child ends when the gate closes its end (or dies)
 
     why = _enter_namespace() if isolate else "isolation turned off"
     try:
@@ -188,9 +199,12 @@ def _serve(fd: int, min_clusters: int, join_ms: int, heartbeat_ms: int, isolate:
         except Exception as exc:  # noqa: BLE001 - torchft reports a timeout as a RuntimeError
             send({"id": rid, "error": str(exc).strip().splitlines()[0][:300] if str(exc).strip() else repr(exc)})
 
-    with sock.makefile("r", encoding="utf-8") as reader:
-        for line in reader:  # the gate closing its end (or dying) ends the child
-            threading.Thread(target=one, args=(json.loads(line),), daemon=True).start()
+    try:
+        with sock.makefile("r", encoding="utf-8") as reader:
+            for line in reader:  # the gate closing its end (or dying) ends the child
+                threading.Thread(target=one, args=(json.loads(line),), daemon=True).start()
+    except (OSError, ValueError):
+        pass
     server.shutdown()
 
 
