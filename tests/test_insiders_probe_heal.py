@@ -4,9 +4,9 @@
   keyless local process that heartbeats made-up names straight into the Lighthouse host's loopback: the
   honest clusters form their quorums anyway (`federation/gate.py`, `federation/inner.py`);
 * probe scores: an evaluator that scores every other cluster's update +1000 % (2 and 3 clusters): nobody is
-  flagged on its word alone, and it is named (`local_sgd/evidence.py`, `local_sgd/verified.py`);
+  flagged on its word alone, and it is named (`local_sgd/evidence.py`, `local_sgd/round.py`);
 * heals: with two clusters, a liar claiming to be one sync ahead with a noised anchor: the honest cluster keeps
-  what it has (`local_sgd/healing.py`).
+  what it has (`local_sgd/healing.py`, `local_sgd/membership.py`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Usefulness of every participant's update, measured by this cluster on its own probe slice of validation
 data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (participant i's model as it sent it),
 (L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each participant is then judged on the
-median score the *other* clusters gave it (`evidence.probe_medians`), so nobody vouches for itself.
+lower median of the scores at least two *other* clusters gave it (`evidence.probe_judgement`), so nobody
+vouches for itself and no evaluator decides alone. `compare()` probes a received heal anchor the same way.
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
