@@ -137,6 +137,29 @@ def _check_host(field_name: str, value: Any, need_port: bool) -> None:
         raise ConfigError(f"{field_name}: {_show(value)} does not resolve ({why})")
 
 
+def check_host_here(field_name: str, host: str) -> None:
+    """ConfigError when `host` (an address this process binds, `federation.host`) is not an address of this
+    machine: binding it is tried (port 0, closed at once) before anything is started on it."""
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"{field_name}: {_show(host)} does not resolve on this machine ({exc}); nothing was "
+                          "started") from None
+    last: OSError | None = None
+    for family, kind, proto, _name, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+            return
+        except OSError as exc:
+            last = exc
+    why = last.strerror if last is not None and last.strerror else str(last)
+    raise ConfigError(f"{field_name}: {_show(host)} is not an address of this machine ({socket.gethostname()}): "
+                      f"binding it fails ({why}); nothing was started and no run state changed: set "
+                      f"{field_name} (or EDIT_TRAIN_HOST) to this machine's address on the clusters' network")
+
+
 def _check_cluster_name(field_name: str, name: Any) -> None:
     from edit_train.federation.gate import valid_name  # the gate admits exactly these names
 

@@ -199,7 +199,7 @@ fi
 # stops here with one line (a refusing gate: after federation.join_timeout_s + 20 s of refusals) instead of
 # being restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
 if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
-    env EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_NODE_RANK="$NODE_RANK" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
+    env EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_NODE_RANK="$NODE_RANK" EDIT_TRAIN_HOST="$HOST_ADDR" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi
 
 # torchrun of the python that ran the checks above: its workers import the same edit_train (a `torchrun` first on

@@ -15,7 +15,7 @@ from edit_train.local_sgd.outer import OuterConfig, OuterState
 from edit_train.local_sgd.retract import NONE, Applied, Retraction, marker_of
 from toy_federation import H, LR, Outcome, config, toy_model, train_cluster
 
-NAMES = ["c0", "c1"]
+NAMES = ["c0", "c1", "c2"]  # c2 hurts; the probe needs two other evaluators to agree
 
 
 def f64(*values: float) -> torch.Tensor:
@@ -23,15 +23,15 @@ def f64(*values: float) -> torch.Tensor:
 
 
 def _run(mode: str, retract: bool, lr1: float, syncs: int = 2) -> dict[str, Outcome]:
-    """2 toy clusters with the usefulness probe (outer SGD lr 1, no momentum, no clipping): c1 trains with
-    inner lr `lr1` (far above the others' LR: an update that hurts c0's probe slice)."""
+    """3 toy clusters with the usefulness probe (outer SGD lr 1, no momentum, no clipping): c2 trains with
+    inner lr `lr1` (far above the others' LR: an update that hurts c0's and c1's probe slices)."""
     hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     cfg = config(mode, "verified", syncs=syncs, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
     verified = dataclasses.replace(cfg.penalty.verified, retract=retract, probe_tokens=8)
     cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified))
     outs = {n: Outcome() for n in NAMES}
     threads = [threading.Thread(target=train_cluster, args=(i, hub.transport(n, RankGroup()), cfg),
-                                kwargs={"out": outs[n], "probe": True, "lr": (LR, lr1)[i], "snapshot_at": (H - 1,),
+                                kwargs={"out": outs[n], "probe": True, "lr": (LR, LR, lr1)[i], "snapshot_at": (H - 1,),
                                         "flush_each_step": mode == "overlap"})
                for i, n in enumerate(NAMES)]
     for t in threads:
@@ -47,32 +47,32 @@ def _syncs(out: Outcome) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["layerwise", "at_end", "overlap"])
 def test_a_harmful_update_is_taken_back_exactly(mode: str) -> None:
-    """Sync 1 admits c1's update (weight ½: nothing is warm yet, the probe has not scored it); at sync 2 c0's
-    probe shows it raised the loss, c1 weighs 0 and its sync-1 term ½·Δ₁ is taken back: with outer SGD lr 1 the
-    anchor after sync 2 differs from a run without retraction by exactly ½·(θ̄₀ − θ₁), θ₁ = c1's replica at
-    sync 1 (up to sync 2 both runs trained the same)."""
+    """Sync 1 admits c2's update (weight ⅓: nothing is warm yet, the probe has not scored it); at sync 2 the
+    probes of c0 and c1 show it raised their loss, c2 weighs 0 and its sync-1 term ⅓·Δ₂ is taken back: with outer
+    SGD lr 1 the anchor after sync 2 differs from a run without retraction by exactly ⅓·(θ̄₀ − θ₂), θ₂ = c2's
+    replica at sync 1 (up to sync 2 both runs trained the same)."""
     on, off = _run(mode, True, 1.0), _run(mode, False, 1.0)
     for out in on.values():
         syncs = _syncs(out)
         assert [s["sync"] for s in syncs] == [1, 2] and syncs[0]["retracted"] == {}
-        assert syncs[1]["retracted"].keys() == {"c1"} and syncs[1]["retracted"]["c1"]["sync"] == 1
-        assert syncs[1]["retracted"]["c1"]["probe"] > 0.1
-    assert [s["weight"] for s in _syncs(on["c1"])] == [0.5, 0.0]
+        assert syncs[1]["retracted"].keys() == {"c2"} and syncs[1]["retracted"]["c2"]["sync"] == 1
+        assert syncs[1]["retracted"]["c2"]["probe"] > 0.1
+    assert [s["weight"] for s in _syncs(on["c2"])] == [pytest.approx(1 / 3), 0.0]
     assert all(s["retracted"] == {} for out in off.values() for s in _syncs(out))
     init = [p.detach() for p in toy_model().parameters()]
-    theta1 = on["c1"].snapshots[H - 1]["params"]  # c1's replica when sync 1 was taken
+    theta1 = on["c2"].snapshots[H - 1]["params"]  # c2's replica when sync 1 was taken
     flat_on = [a for unit in on["c0"].anchors for a in unit]
     flat_off = [a for unit in off["c0"].anchors for a in unit]
     for a, b, p0, p1 in zip(flat_on, flat_off, init, theta1):
-        torch.testing.assert_close(a - b, 0.5 * (p0 - p1), rtol=0, atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(flat_on, [a for u in on["c1"].anchors for a in u]))
+        torch.testing.assert_close(a - b, (p0 - p1) / 3, rtol=0, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(flat_on, [a for u in on["c2"].anchors for a in u]))
 
 
 def test_each_harmful_update_is_taken_back_once_and_an_honest_run_is_untouched() -> None:
-    """Sync 2 already left c1 out, so sync 3 takes nothing back; and when nobody hurts the others' probe, a run
+    """Sync 2 already left c2 out, so sync 3 takes nothing back; and when nobody hurts the others' probe, a run
     with retraction is bit-identical to one without."""
     bad = _run("layerwise", True, 1.0, syncs=3)
-    assert [s["retracted"].keys() for s in _syncs(bad["c0"])] == [set(), {"c1"}, set()]
+    assert [s["retracted"].keys() for s in _syncs(bad["c0"])] == [set(), {"c2"}, set()]
     on, off = _run("layerwise", True, LR, syncs=3), _run("layerwise", False, LR, syncs=3)
     assert all(s["retracted"] == {} for out in on.values() for s in _syncs(out))
     for u_on, u_off in zip(on["c0"].anchors, off["c0"].anchors):

@@ -140,14 +140,14 @@ def test_a_keyless_stranger_cannot_join_steer_stop_or_slow_the_federation(tmp_pa
 
 
 def test_the_gate_strips_members_who_reached_torchft_directly() -> None:
-    """Defence in depth: a process on the Lighthouse's own host that joins torchft's Lighthouse directly
-    (it listens on loopback) is never in a quorum the gate signs."""
+    """Defence in depth: where torchft's Lighthouse is not isolated (no user namespaces: it listens on loopback),
+    a process on its host that joins it directly is never in a quorum the gate signs."""
     from torchft.coordination import LighthouseClient
 
     key = auth.INSECURE
-    g = gate.Gate("127.0.0.1:0", key, min_clusters=2, join_timeout_s=0.5, heartbeat_timeout_s=5)
+    g = gate.Gate("127.0.0.1:0", key, min_clusters=2, join_timeout_s=0.5, heartbeat_timeout_s=5, isolate=False)
     try:
-        inner = g._inner.address()  # noqa: SLF001 - what a local attacker would find
+        inner = f"http://{g.dashboard}"  # what a local attacker would find
         sneaky = threading.Thread(target=lambda: LighthouseClient(inner, datetime.timedelta(seconds=5)).quorum(
             replica_id="sneaky", timeout=datetime.timedelta(seconds=10), store_address="127.0.0.1:1", step=5,
             world_size=1), daemon=True)

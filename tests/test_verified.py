@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edit_train.local_sgd.aggregator import Decision, Evidence
-from edit_train.local_sgd.round import probe_medians
+from edit_train.local_sgd.evidence import probe_judgement
 from edit_train.local_sgd.rules import PenaltyConfig, make_rule
 from edit_train.local_sgd.verified import VerifiedConfig, token_weights
 from edit_train.sim.byzantine import ByzantineTransport, corrupt
@@ -104,8 +104,9 @@ def test_tokens_claims_are_capped() -> None:
 
 def test_probe_medians_exclude_the_judged_cluster() -> None:
     scores = torch.tensor([[-9.0, 0.3, -0.1], [-0.2, 9.0, math.nan], [-0.4, 0.5, 9.0]], dtype=torch.float64)
-    m = probe_medians(scores)  # rows: evaluators; columns: judged clusters; the diagonal never counts
-    assert m[0].item() == pytest.approx(-0.3) and m[1].item() == pytest.approx(0.4) and m[2].item() == -0.1
+    m, suspects = probe_judgement(scores, 1.0)  # rows: evaluators; columns: judged; the diagonal never counts
+    # the lower median of the two other evaluators; one evaluator alone (column 2: row 1 measured nothing) is none
+    assert m[0].item() == -0.4 and m[1].item() == 0.3 and math.isnan(m[2].item()) and suspects == {}
 
 
 def test_an_update_that_hurt_the_others_probe_is_left_out() -> None:

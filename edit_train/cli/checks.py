@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -125,6 +126,7 @@ def check_run_dir(run_dir: str | os.PathLike[str], resume: str, cluster: str | N
                 raise RunDirError(f"run.dir: {parent} is a file, so {path} cannot be created there; "
                                   "choose another run.dir")
             break
+    check_writable(path)
     if not path.is_dir() or str(resume).lower() in ("true", "auto") or _restarted():
         return
     cluster = cluster or os.environ.get("EDIT_TRAIN_CLUSTER")
@@ -139,6 +141,37 @@ def check_run_dir(run_dir: str | os.PathLike[str], resume: str, cluster: str | N
         state = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
         raise RunDirError(f"run.dir: {path} already holds {state} ({found}); continue it with resume=auto "
                           "or choose a new run.dir")
+
+
+UNWRITABLE = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)  # operator failures: exit 2
+
+
+def unwritable_message(exc: OSError, run_dir: str) -> str:
+    """One line for a write that failed for the operator's reasons (disk full, read-only, no permission)."""
+    where = exc.filename or run_dir
+    return (f"cannot write {where}: {exc.strerror or exc}; checkpoints saved before in {run_dir} are intact (each "
+            "is written under a temporary name and renamed into place): free space or make it writable, then "
+            "resume=auto")
+
+
+def check_writable(path: Path) -> None:
+    """RunDirError when `run.dir` (or, not there yet, the directory it would be made in) cannot be written: a
+    read-only file system, no permission, a full disk. Tried with a file made and removed again."""
+    import tempfile
+
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        return  # a file in the way: said by check_run_dir
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".edit-train-probe-", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        held = " (the run in it is untouched)" if where == path and any(path.iterdir()) else ""
+        raise RunDirError(f"run.dir: {where} is not writable ({exc.strerror or exc}){held}; nothing was written: "
+                          "make it writable or choose another run.dir") from None
 
 
 @dataclass

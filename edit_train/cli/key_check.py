@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         except RunLocked as exc:
             fail(one_line(exc))
     try:
+        from edit_train.fields import check_host_here
+
+        check_host_here("federation.host", os.environ.get("EDIT_TRAIN_HOST") or f.host)
         key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
         creds = credentials(cfg, name)
         check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f), credentials=creds)

@@ -12,9 +12,10 @@ With a roster (`edit-train-keygen federation DIR` makes the files) the gate forw
 cluster it names is on the roster and signed it, and signs its answers with the gate's identity; it rereads
 the roster file when it changes (the operator's `edit-train-keygen add`) and hands the new version on.
 
-Only requests signed with the key reach torchft's Lighthouse, which listens on 127.0.0.1 of this host only,
-with its dashboard (and the dashboard's unauthenticated kill endpoint): reach those with an SSH tunnel, never
-by exposing the port. There is no default address: binding every interface is something you say
+Only requests signed with the key reach torchft's Lighthouse, which runs in a network namespace of its own
+that only the gate reaches (`federation/inner.py`), with its dashboard and the dashboard's unauthenticated kill
+endpoint; where the kernel allows no user namespaces it listens on 127.0.0.1 of this host (it says so): reach
+the dashboard with an SSH tunnel then, never by exposing the port. There is no default address: binding every interface is something you say
 (`--bind 0.0.0.0:29510`), and across hosts a key is required unless `federation.insecure=true`. Its quorum
 rules come from the keys the clusters read (`federation.min_clusters`, `join_timeout_s`,
 `heartbeat_timeout_s`). It prints its address, then serves until SIGINT/SIGTERM.
@@ -26,7 +27,7 @@ import argparse
 import os
 import signal
 import sys
-import threading
+import time
 
 from edit_train.cli.common import compose, fail, one_line
 
@@ -76,16 +77,33 @@ def main(argv: list[str] | None = None) -> None:
         kind += ", no roster: any key holder may speak for any cluster"
     print(f"edit-train-lighthouse: serving at {house.address} ({kind}; min_clusters={f.min_clusters}, "
           f"join_timeout_s={f.join_timeout_s:g}, heartbeat_timeout_s={f.heartbeat_timeout_s:g})", flush=True)
-    print(f"edit-train-lighthouse: torchft's dashboard (no authentication) on loopback only: {house.dashboard} "
-          "(reach it with an SSH tunnel)", flush=True)
+    if house.isolated:
+        print("edit-train-lighthouse: torchft's Lighthouse (and its dashboard) in a network namespace only the gate "
+              "reaches", flush=True)
+    else:
+        print(f"edit-train-lighthouse: torchft's dashboard (no authentication) on loopback only: {house.dashboard} "
+              "(reach it with an SSH tunnel)", flush=True)
     if args.address_file:
         with open(args.address_file, "w") as fh:
             fh.write(house.address + "\n")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     house.shutdown()
+
+
+STOP = [False]  # set by the signal handler: a plain store, no lock (a second signal can never deadlock it)
+
+
+def _stop(_sig: int, _frame: object) -> None:
+    STOP[0] = True
+
+
+def wait_for_signal(poll_s: float = 0.1) -> None:
+    """Serve until SIGINT/SIGTERM. The handler only sets a flag; this loop reads it (a sleep is cut short by a
+    signal's handler and resumed, so the flag is seen within `poll_s`). A signal that came before returns at once."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop)
+    while not STOP[0]:
+        time.sleep(poll_s)
 
 
 if __name__ == "__main__":

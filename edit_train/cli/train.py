@@ -51,6 +51,9 @@ def launch(cfg: Any) -> dict[str, Any] | None:
 
     checks.check_run_lock(cfg)  # (again: a sweep skips the precheck) before the launcher writes anything
     checks.nothing_left(cfg, specs, None)
+    from edit_train.fields import check_host_here
+
+    check_host_here("federation.host", os.environ.get("EDIT_TRAIN_HOST") or cfg.federation.host)
     try:
         run_dir, jobs = run_local(cfg)
     except KeyboardInterrupt:
@@ -58,8 +61,9 @@ def launch(cfg: Any) -> dict[str, Any] | None:
                                         every=cfg.checkpoint.every), code=130)
     failed = [j for j in jobs if j.state == "failed"]
     if failed:
+        user = any(c == 2 for j in failed for c in j.exit_codes)  # one line above says what to fix: not restarted
         fail(f"cluster(s) {[j.spec.name for j in failed]} failed (exit codes {[j.exit_codes for j in failed]}); "
-             "see the messages above", code=1)
+             "see the messages above", code=2 if user else 1)
     summary = run_dir / "summary.json"
     return json.loads(summary.read_text()) if summary.exists() else None
 
@@ -93,6 +97,10 @@ def _task(dcfg: Any) -> None:
         checks.fail_user_error(exc)  # one line; config/topology errors from rank 0 only
     except KeyboardInterrupt:
         fail(checks.interrupted_message(run_dir), code=130)
+    except OSError as exc:
+        if exc.errno not in checks.UNWRITABLE:
+            raise
+        fail(checks.unwritable_message(exc, run_dir))  # exit 2: a launcher does not restart what cannot write
     except Exception as exc:  # noqa: BLE001
         from edit_train.train.signals import Interrupted
 

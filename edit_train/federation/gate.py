@@ -2,11 +2,13 @@
 
 torchft's Lighthouse (its quorum rules are what we use: the grace window, the minimum size, heartbeat
 timeouts) has no authentication: anyone who reaches it could join a quorum under any name, take an honest
-cluster's name, or stall every quorum by heartbeating under names that never ask. So the Lighthouse listens
-on 127.0.0.1 of its host only, and the clusters talk to the *gate*: a small TCP server on the address the
+cluster's name, or stall every quorum by heartbeating under names that never ask. So the Lighthouse runs in
+a network namespace only the gate reaches (`inner.py`; 127.0.0.1 of its host where the kernel allows no user
+namespaces), and the clusters talk to the *gate*: a small TCP server on the address the
 operator names, that forwards a heartbeat or a quorum request only when it is signed with the federation
 key, fresh, and not a replay; and signs its answers, bound to the request they answer. A record that does
-not verify never reaches the Lighthouse: it is absent (logged once per name and address), never a reason to
+not verify never reaches the Lighthouse, and a heartbeat reaches it only for a name whose signed quorum
+request is recent (`ASK_WINDOW_S`: a member that never asks is not waited for): it is absent (logged once per name and address), never a reason to
 refuse, stop, heal or send state, never counted in a quorum, never waited for. torchft's dashboard and its
 `POST /replica/:id/kill` are on the loopback interface with the Lighthouse.
 
@@ -39,6 +41,7 @@ from edit_train.federation import auth
 from edit_train.federation.frames import (DATA_KEYS, MAX_FRAME, NAME_RE, UNKNOWN_IDENTITY_FRAME, UNKNOWN_KEY,  # noqa: F401
                                           UNKNOWN_KEY_FRAME, FrameError, TagError, check_member, claimed_name, pack,
                                           read_frame, unpack, valid_name)
+from edit_train.federation.inner import InnerError, InnerLighthouse
 from edit_train.federation.roster import RosterFile
 from edit_train.federation.signed import Credentials
 from edit_train.local_sgd.errors import FederationError
@@ -46,6 +49,7 @@ from edit_train.local_sgd.errors import FederationError
 log = logging.getLogger(__name__)
 
 MAX_WARNED = 1024  # distinct (name, host) pairs of unauthenticated records logged one by one
+ASK_WINDOW_S = 600.0  # a heartbeat is forwarded only for a name whose signed quorum request is this recent
 MAX_SKEW_S = 300.0  # a request more than this far from the gate's clock is stale (or from the future)
 _OFFSETS: dict[str, float] = {}  # gate address -> its clock minus ours (from its verified answers)
 
@@ -78,22 +82,19 @@ class Gate:
     """torchft's Lighthouse on 127.0.0.1, and the authenticating front on `bind` (host:port)."""
 
     def __init__(self, bind: str, key: bytes, min_clusters: int, join_timeout_s: float,
-                 heartbeat_timeout_s: float, credentials: Credentials | None = None, roster_file: str = "") -> None:
-        from torchft.coordination import LighthouseClient, LighthouseServer
-
+                 heartbeat_timeout_s: float, credentials: Credentials | None = None, roster_file: str = "",
+                 isolate: bool = True) -> None:
         self.key, self.credentials = key, credentials  # credentials: the gate's identity and the roster
         self.roster_file = RosterFile(roster_file, credentials.identity.operator) if credentials and roster_file \
             else None
         self.started = time.time()  # a request signed before this is a replay across a restart
-        self._inner = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_clusters,
-                                       join_timeout_ms=int(join_timeout_s * 1000), quorum_tick_ms=50,
-                                       heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
-        import datetime
-
-        # torchft's address() names this host by its hostname, which resolves to the host's LAN address
-        # (or Debian's 127.0.1.1) on a real node, where nothing listens: dial the loopback it is bound to
-        self._loopback = f"127.0.0.1:{str(self._inner.address()).rpartition(':')[2]}"
-        self._client = LighthouseClient(f"http://{self._loopback}", datetime.timedelta(seconds=10))
+        # torchft's Lighthouse in a child process and network namespace of its own: only this gate reaches it
+        self._inner = InnerLighthouse(min_clusters, join_timeout_s, heartbeat_timeout_s, isolate)
+        if not self._inner.isolated:
+            log.warning("gate: torchft's Lighthouse listens on this host's loopback (%s): %s; a local user could "
+                        "heartbeat names into it and hold back quorums", self._inner.address, self._inner.why)
+        self._loopback = self._inner.address
+        self.ask_window_s = max(ASK_WINDOW_S, 4 * join_timeout_s)
         self._seen: dict[tuple[str, str], float] = {}  # (name, nonce) -> when (replays inside the skew window)
         self._warned: set[tuple[str, str]] = set()
         self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
@@ -118,6 +119,11 @@ class Gate:
     def address(self) -> str:
         host, port = self._server.server_address[:2]
         return f"{host}:{port}"
+
+    @property
+    def isolated(self) -> bool:
+        """Is torchft's Lighthouse in a network namespace only this gate reaches?"""
+        return self._inner.isolated
 
     @property
     def dashboard(self) -> str:
@@ -170,13 +176,34 @@ class Gate:
                 raise FrameError("a replay")
             self._seen[(str(name), nonce)] = now
 
+    def asked(self, name: str) -> bool:
+        """Has `name` sent a signed quorum request within `ask_window_s` (pending ones included)?"""
+        with self._lock:
+            signed = self._signed.get(name)
+        return signed is not None and signed[1] > time.time() - self.ask_window_s
+
+    def unasked(self, name: str) -> None:
+        """A signed heartbeat from a name without a recent quorum request: not forwarded, said once per name."""
+        with self._lock:
+            first = ("heartbeat", name) not in self._warned and len(self._warned) < MAX_WARNED
+            if first:
+                self._warned.add(("heartbeat", name))
+        if first:
+            signer = f"signed by roster key {name}" if self.credentials is not None else "signed with the key"
+            log.warning("gate: heartbeats of cluster %s (%s) not forwarded: it has not asked for a quorum in the "
+                        "last %.0f s, and a name that never asks would hold back every quorum", name, signer,
+                        self.ask_window_s)
+
     def serve(self, body: dict[str, Any]) -> dict[str, Any]:
         kind = body.get("kind")
         name = body.get("name")
         if not (isinstance(name, str) and valid_name(name)):
             raise FrameError("bad cluster name")
         if kind == "heartbeat":
-            self._client.heartbeat(name)
+            if self.asked(name):  # a name that never asks must not count as alive: it would hold back quorums
+                self._inner.heartbeat(name)
+            else:
+                self.unasked(name)
             return {"kind": "ok", "re": body["nonce"]}
         if kind == "hello":  # a key check before a cluster starts: answered here, the Lighthouse never sees it
             return {"kind": "ok", "re": body["nonce"]}
@@ -188,32 +215,27 @@ class Gate:
         timeout = body.get("timeout_s")
         if not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise FrameError("bad timeout")
-        import datetime
-
         with self._lock:
             self._signed[name] = (me["store"], time.time() + timeout)
         try:
-            q = self._client.quorum(replica_id=name, timeout=datetime.timedelta(seconds=timeout), address=name,
-                                    store_address=me["store"], step=me["sync"], world_size=me["size"],
-                                    shrink_only=False, data=me["data"])
-        except Exception as exc:  # noqa: BLE001 - torchft reports a timeout as a RuntimeError
-            return {"kind": "error", "re": body["nonce"], "error": str(exc).strip().splitlines()[0][:300]}
+            q = self._inner.quorum(name, me["store"], me["sync"], me["size"], me["data"], timeout)
+        except InnerError as exc:  # torchft reports a timeout as a RuntimeError
+            return {"kind": "error", "re": body["nonce"], "error": str(exc)[:300]}
         members = []
-        for m in q.participants:  # only members whose own signed request is pending: torchft's Lighthouse is
-            with self._lock:      # on loopback, but a process on this host could still reach it directly
-                signed = self._signed.get(m.replica_id)
-            if signed is None or signed[0] != m.store_address or signed[1] < time.time() - 60:
+        for m in q["participants"]:  # only members whose own signed request is pending (where torchft's
+            with self._lock:            # Lighthouse is not isolated, a process on this host could reach it)
+                signed = self._signed.get(m["replica_id"])
+            if signed is None or signed[0] != m["store_address"] or signed[1] < time.time() - 60:
                 self.absent("127.0.0.1 (the Lighthouse directly)", "in a quorum without a signed request",
-                            str(m.replica_id)[:64])
+                            str(m["replica_id"])[:64])
                 continue
-            members.append({"name": m.replica_id, "sync": int(m.step), "size": int(m.world_size),
-                            "store": m.store_address, "data": dict(m.data or {})})
-        created = getattr(q, "created", None)
-        stamp = f"{getattr(created, 'seconds', 0)}.{getattr(created, 'nanos', 0)}"
+            members.append({"name": m["replica_id"], "sync": int(m["step"]), "size": int(m["world_size"]),
+                            "store": m["store_address"], "data": dict(m["data"] or {})})
+        stamp = f"{q['created'][0]}.{q['created'][1]}"
         # the same for every member of this quorum, and unguessable without the key: it namespaces the
         # quorum's lanes and binds every tag of its messages (auth.tag contexts)
-        nonce = auth.tag(self.key, "gate/quorum", str(q.quorum_id).encode(), stamp.encode()).hex()[:32]
-        return {"kind": "quorum", "re": body["nonce"], "quorum_id": int(q.quorum_id), "nonce": nonce,
+        nonce = auth.tag(self.key, "gate/quorum", str(q["quorum_id"]).encode(), stamp.encode()).hex()[:32]
+        return {"kind": "quorum", "re": body["nonce"], "quorum_id": int(q["quorum_id"]), "nonce": nonce,
                 "members": members}
 
 

@@ -88,7 +88,8 @@ class LocalSGD:
         self.probe = Probe(self.replica.units, probe_loss, span, transport.name)  # usefulness (verified rule)
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
-        healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec)
+        healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec,
+                        judge=self._judge_anchor if self.probe.enabled else None)
         self.membership = Membership(cfg.membership, transport, healer, self.pacer,
                                      digest=lambda: self.state.anchor_digest(), suspects=self.suspects)
         self.state = SyncState(self.replica, self.rule, self.pacer, self.membership, self.records, transport, outer,
@@ -108,9 +109,22 @@ class LocalSGD:
                         else None, experts=Experts(self.routed, [(u.name, u.module, u.params) for u in units],
                                                    **pen.experts) if self.routed is not None else None,
                         scale_bound=pen.scale_bound, suspects=self.suspects,
-                        max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1))
+                        max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1),
+                        probe_tolerance=pen.verified.probe_tolerance)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
+
+    def _judge_anchor(self, tensors: dict[str, Tensor]) -> str | None:
+        """A received anchor on this cluster's probe slice against its own (why not to adopt it, or None)."""
+        outer = self.driver.core.outer if self.driver is not None else None
+        if outer is None:
+            return None
+        theirs = {u.name: [tensors.get(f"outer/{u.name}/anchor/{i}") for i in range(len(u.params))]
+                  for u in self.replica.units}
+        if any(t is None for ts in theirs.values() for t in ts):
+            return None  # check_payload refuses a payload without the anchor
+        return self.probe.compare({u.name: outer.anchors[u.name] for u in self.replica.units},
+                                  theirs, self.cfg.penalty.verified.probe_tolerance)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the loop's calls
     def join(self) -> int | None:

@@ -125,12 +125,43 @@ def snap(w: float, bits: int = 30) -> float:
     return round(w * (1 << bits)) / (1 << bits)
 
 
-def probe_medians(scores: Tensor) -> Tensor:
-    """[evaluators, candidates] loss changes -> per candidate the median over the *other* evaluators (NaN when
-    none of them measured it): nobody vouches for its own update."""
+PROBE_BOUND = 1.0  # a probe score counts at most ±100 % (one wild evaluator cannot pull a middle value far)
+
+
+def _lower_median(values: Tensor) -> float:
+    """The lower of the middle two (the middle one for an odd count): above a threshold only when a strict
+    majority of the values is."""
+    return float(values.sort().values[(values.numel() - 1) // 2])
+
+
+def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int, str]]:
+    """[evaluators, candidates] relative loss changes -> (per candidate the lower median of the bounded scores
+    the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it; the suspected
+    evaluators). Nobody vouches for its own update, and no single evaluator decides alone: with two clusters
+    each update has one other evaluator, so the probe flags nobody. An evaluator is suspected when, for a strict
+    majority of the updates it can be compared on, its score is more than `tolerance` from the lower median
+    of the other evaluators of that update; its scores are then not counted ("disagrees"). An evaluator whose
+    score above `tolerance` is the only one an update got is named too ("alone"): it decided nothing."""
+    s = scores.to(torch.float64).clamp(-PROBE_BOUND, PROBE_BOUND)  # NaN (not measured) stays NaN
+    n_eval, n_cand = s.shape
+    suspects: dict[int, str] = {}
+    for e in range(n_eval):
+        compared = disagreed = 0
+        for c in range(n_cand):
+            if c == e or not math.isfinite(float(s[e, c])):
+                continue
+            others = torch.tensor([float(s[j, c]) for j in range(n_eval) if j not in (e, c)], dtype=torch.float64)
+            others = others[torch.isfinite(others)]
+            if others.numel():
+                compared += 1
+                disagreed += int(abs(float(s[e, c]) - _lower_median(others)) > tolerance)
+        if compared and 2 * disagreed > compared:
+            suspects[e] = "disagrees"
     out = []
-    for i in range(scores.shape[1]):
-        col = torch.cat([scores[:i, i], scores[i + 1:, i]])
-        col = col[torch.isfinite(col)]
-        out.append(float(torch.quantile(col, 0.5)) if col.numel() else math.nan)  # the middle two averaged
-    return torch.tensor(out, dtype=torch.float64)
+    for c in range(n_cand):
+        who = [e for e in range(n_eval) if e != c and e not in suspects and math.isfinite(float(s[e, c]))]
+        col = torch.tensor([float(s[e, c]) for e in who], dtype=torch.float64)
+        out.append(_lower_median(col) if col.numel() >= 2 else math.nan)
+        if len(who) == 1 and float(s[who[0], c]) > tolerance:
+            suspects.setdefault(who[0], "alone")
+    return torch.tensor(out, dtype=torch.float64), suspects

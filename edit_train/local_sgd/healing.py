@@ -48,15 +48,24 @@ class Healer:
     transport side's: `encode`/`decode`, e.g. `edit_train.federation.heal`)."""
 
     def __init__(self, transport: Transport, collect: Callable[[], tuple[dict[str, Any], LocalState]],
-                 apply: Callable[[dict[str, Any], dict[str, Tensor]], None], encode: Encode, decode: Decode) -> None:
+                 apply: Callable[[dict[str, Any], dict[str, Tensor]], None], encode: Encode, decode: Decode,
+                 judge: Callable[[dict[str, Tensor]], str | None] | None = None) -> None:
         self.t, self.collect, self.apply = transport, collect, apply
         self.encode, self.decode = encode, decode
+        # a received anchor probed on this cluster's own data before adoption: why not, or None (adopt)
+        self.judge = judge
         self.refused: list[str] = []  # sources whose payload this cluster refused (it says so when it asks again)
+        self.kept_own: list[str] = []  # sources whose state only they held: this cluster kept its own instead
 
-    def run(self, q: Quorum, max_steps: int = 0, steps: int | None = None) -> str | None:
+    def run(self, q: Quorum, max_steps: int = 0, steps: int | None = None, rejoining: bool = False) -> str | None:
         """Heal whoever is behind in `q` (`max_steps`: the federation's steps, 0 = no bound; `steps`: the step
         a healed cluster continues from, default `agreed_steps(q)`). Returns the source's name if this cluster
-        healed."""
+        healed. A received anchor is probed on this cluster's own data first where it has a probe (`judge`): one
+        worse than its own by more than the probe tolerance is refused. Ties keep what you have: a state only one
+        other member holds (with two clusters: a newer sync only the other claims) is adopted only by a cluster
+        that is `rejoining` (new, restarted or resumed, not yet in a shared sync), and then only if the probe did
+        not find it worse; otherwise the payload is taken off the wire and dropped, and this cluster keeps its
+        own state and syncs on."""
         sources = {i: q.source_for(i) for i in q.behind()}
         mine = [i for i, s in sources.items() if s == q.me]
         if mine:
@@ -65,12 +74,13 @@ class Healer:
             return None
         src = q.members[sources[q.me]].name
         try:
-            self._receive(q, sources[q.me], max_steps, agreed_steps(q) if steps is None else steps)
+            healed = self._receive(q, sources[q.me], max_steps, agreed_steps(q) if steps is None else steps,
+                                   rejoining)
         except HealError:
             self.refused = [*[n for n in self.refused if n != src], src][-4:]
             raise
         self.refused = []
-        return src
+        return src if healed else None
 
     def _send(self, q: Quorum, behind: list[int]) -> None:
         c = self.t.cluster
@@ -90,7 +100,7 @@ class Healer:
         if not c.agree(ok):
             raise FederationError("healing a peer failed")
 
-    def _receive(self, q: Quorum, source: int, max_steps: int, steps: int) -> None:
+    def _receive(self, q: Quorum, source: int, max_steps: int, steps: int, rejoining: bool = False) -> bool:
         c, src = self.t.cluster, q.members[source].name
         _, local = self.collect()
         payload: bytes | None = None
@@ -115,11 +125,31 @@ class Healer:
                 mine[k] = c.shard(t, like) if like is not None else t
             except ValueError as exc:
                 raise HealError(f"healing payload from {src}: {k}: {exc}") from None
+        worse = self.judge(mine) if self.judge is not None and meta.get("local_phase") else None
+        if _held_by_one(q) and (worse is not None or not rejoining):
+            first = src not in self.kept_own
+            self.kept_own = [*[n for n in self.kept_own if n != src], src][-4:]
+            why = worse or "no other member holds it, and a tie keeps what this cluster has (only a new, restarted " \
+                "or resumed cluster heals to it)"
+            log.log(logging.WARNING if first else logging.INFO, "cluster %s: kept its own state (sync %d), not "
+                    "cluster %s's sync %d that only it holds: %s; named by its roster key %s", self.t.name,
+                    q.claim(q.me)[0], src, sync, why, q.members[source].signer or "(no roster: unsigned)")
+            return False
+        if worse is not None:
+            raise HealError(f"healing payload from {src}: {worse}: refused, nothing adopted")
         try:
             self.apply(meta, mine)
         except (ValueError, KeyError, TypeError) as exc:
             raise HealError(f"healing payload from {src} does not fit this model: {exc}") from None
         log.info("cluster %s: healed from %s (sync %d)", self.t.name, src, int(meta.get("sync_index", -1)))
+        return True
+
+
+def _held_by_one(q: Quorum) -> bool:
+    """Is the agreed state claimed by a single member, not this cluster (two clusters: a tie, the newer won)?"""
+    agreed = q.agreed
+    holders = [i for i in range(len(q.members)) if q.claim(i) == agreed]
+    return len(holders) == 1 and holders[0] != q.me
 
 
 # ------------------------------------------------------------ what a heal may carry

@@ -60,6 +60,9 @@ class Membership:
         self.sync_index = 0  # the anchor version this cluster holds
         self.healed_from: list[str] = []
         self.adopt_step: int | None = None  # set by a heal or an admission: continue from this step
+        # new, restarted or resumed, and not yet in a shared sync: the federation may have begun or moved on
+        # without it, so it heals to a state only another member holds (healing.py: ties keep what you have)
+        self.rejoining = True
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -110,9 +113,11 @@ class Membership:
         if q is None:
             return None
         agreed = self.agreed_steps(q)
-        healed = self.healer.run(q, self.terms.max_steps, agreed)
+        healed = self.healer.run(q, self.terms.max_steps, agreed, self.rejoining)
         if healed is not None:
             self.healed_from.append(healed)
+        if q.shared:
+            self.rejoining = False
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
             self.adopt_step = self.pacer.total_steps = agreed
         return q

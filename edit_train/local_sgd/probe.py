@@ -1,7 +1,8 @@
 """Usefulness of every participant's update, measured by this cluster on its own probe slice of validation
 data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (participant i's model as it sent it),
 (L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each participant is then judged on the
-median score the *other* clusters gave it (`evidence.probe_medians`), so nobody vouches for itself.
+lower median of the scores at least two *other* clusters gave it (`evidence.probe_judgement`), so nobody
+vouches for itself and no evaluator decides alone. `compare()` probes a received heal anchor the same way.
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
@@ -12,6 +13,7 @@ one forward per *other* participant plus one of the anchor on `algo.penalty.veri
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -80,6 +82,31 @@ class Probe:
                     for t, b in zip(u.live(), backup[u.name]):
                         t.copy_(b)
                 self.dropped()
+
+    @torch.no_grad()
+    def compare(self, own: dict[str, list[Tensor]], theirs: dict[str, list[Tensor]], tolerance: float) -> str | None:
+        """A received anchor (`theirs`, per unit) against this cluster's own on the probe slice: why it is worse
+        (its loss more than `tolerance` above the own anchor's, relatively), or None. Restores the live
+        parameters afterwards."""
+        if self.loss is None:
+            return None
+        backup = {u.name: [t.detach().clone() for t in u.live()] for u in self.units}
+        try:
+            losses = []
+            for anchor in (own, theirs):
+                for u in self.units:
+                    for t, v in zip(u.live(), anchor[u.name]):
+                        t.copy_(v.to(t.device, t.dtype))
+                losses.append(self.loss())
+        finally:
+            for u in self.units:
+                for t, b in zip(u.live(), backup[u.name]):
+                    t.copy_(b)
+        mine, got = losses
+        change = (got - mine) / max(abs(mine), 1e-12)
+        if not math.isfinite(got) or change > tolerance:
+            return f"its anchor's loss on this cluster's probe data is {change:+.0%} of its own ({got:.4g} vs {mine:.4g})"
+        return None
 
     def _set(self, value: Callable[[str, list[Tensor], Contributions], list[Tensor]]) -> None:
         for u in self.units:

@@ -99,6 +99,8 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "quorum": list(report.quorum),
         # clusters whose update of the last sync was admitted, then judged harmful by the probe, and taken back
         "retracted": {n: dict(v) for n, v in report.retracted.items()},
+        # evaluators whose probe scores did not count, by roster name: "disagrees" with the others, or "alone"
+        "probe_suspects": dict(report.probe_suspects),
     }
 
 

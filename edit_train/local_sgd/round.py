@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Aggregator, Combiner, Decision, Evidence, Needs, needs_of
-from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_medians, shard_positions, snap
+from edit_train.local_sgd.evidence import Groups, buckets, measure, probe_judgement, shard_positions, snap
 from edit_train.local_sgd.experts import Experts, Held, UnitExperts, merged_sqnorm, pin, unsent_rows
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.penalty import clip_factor, weighted
@@ -113,6 +113,7 @@ class SyncCore:
     scale_bound: float = 0.0  # a contribution counts for at most this many times the quorum's median (scale.py)
     max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
+    probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -176,6 +177,7 @@ class SyncReport:
     regathered: str = ""  # sketched, then gathered: why the sketches did not check out
     unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
     expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
+    probe_suspects: dict[str, str] = field(default_factory=dict)  # evaluator -> why its probe scores did not count
 
 
 class SyncRound:
@@ -260,8 +262,10 @@ class SyncRound:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
+        probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
         self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": self._tokens(rows[:, n].clone(),
-                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe_medians(scores)}
+                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
+        self._suspected(probe_suspects)
         if experts is not None and experts.pending is not None:  # [P, MoE layers, experts]
             self.meta["expert_tokens"] = full[:, n + 1:n + 1 + m].reshape(full.shape[0], *experts.pending.shape)
         if self.core.retract is not None and self.gather:
@@ -313,6 +317,15 @@ class SyncRound:
             self._name(i, f"sent a pseudo-gradient over {self.core.scale_bound:g} times the quorum's median norm "
                           f"per √step at sync {self.report.sync} (clipped to the median)", "scale")
         return d
+
+    def _suspected(self, who: dict[int, str]) -> None:
+        """Evaluators whose probe scores were not counted: in the `sync` event (`probe_suspects`), and named
+        (suspects.py: one line with the roster key that signed its records, and the event's `suspects`)."""
+        self.report.probe_suspects = {self.report.quorum[i]: why for i, why in who.items()}
+        for i, why in who.items():
+            what = "disagree with the other evaluators'" if why == "disagrees" else \
+                "flag an update no other evaluator measured (one evaluator decides nothing)"
+            self._name(i, f"sent probe scores that {what} (sync {self.report.sync}): not counted", f"probe {why}")
 
     def _evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
         steps = self.meta["steps"]

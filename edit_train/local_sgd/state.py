@@ -80,6 +80,7 @@ class SyncState:
 
     def load(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
         self.membership.sync_index = int(state["sync_index"])
+        self.membership.rejoining = True  # resumed: the federation may have moved on without this cluster
         self.pacer.load(state)
         self.records.load(state)
         self.t.carry(int(state["bytes_sent"]), float(state["blocked_s"]))

@@ -9,8 +9,9 @@ Per module, a contributing cluster is left out (weight 0) when any of these hold
 * direction: it disagrees with the other clusters — the median of its exact pairwise cosines with the
   trusted others, against the module's pooled history (`direction.py`; with two clusters, the reference
   direction of past accepted updates tells which of a disagreeing pair is off);
-* usefulness: the other clusters' median relative loss change of their probe slice under its previous
-  update (θ̄ − Δᵢ against θ̄) was above `probe_tolerance` — nobody scores its own update; non-IID data makes
+* usefulness: the lower median of at least two other clusters' relative loss change of their probe slice
+  under its previous update (θ̄ − Δᵢ against θ̄) was above `probe_tolerance` — nobody scores its own update,
+  and no evaluator decides alone (`evidence.probe_judgement`); non-IID data makes
   an honest cluster's own local model a few percent worse on another's slice, a harmful one far more;
 * probation: most of its modules were left out of its previous sync as corrupt (direction, non-finite,
   misreported), and that update did not demonstrably help the others (its probe score was not below

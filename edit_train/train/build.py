@@ -15,6 +15,7 @@ from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
 from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, to_container
+from edit_train.fields import check_host_here
 from edit_train.codec.dense import CompressionConfig
 from edit_train.data.tokenizer import tokenizer_id
 from edit_train.federation import auth, heal
@@ -160,6 +161,8 @@ def build_transport(cfg: Config, topo: Topology, federated: bool, creds: Credent
         raise ConfigError("federation.lighthouse: this cluster is part of a federation but no Lighthouse address "
                           "is set; run `edit-train` (it starts one) or pass federation.lighthouse=HOST:PORT")
     host = os.environ.get("EDIT_TRAIN_HOST") or f.host
+    if federated:
+        check_host_here("federation.host", host)  # one line, exit 2, before anything binds it
     try:
         key = auth.resolve(f.key_file, f.insecure, [lighthouse or "", host]) if federated else auth.INSECURE
     except auth.KeyFileError as exc:

@@ -199,6 +199,33 @@ class CheckpointManager:
 
         `crash_after_files` (tests only) raises after writing that many files, simulating a crash.
         """
+        try:
+            return self._save(step, tensors, state, crash_after_files)
+        except OSError as exc:  # disk full, a read-only or vanished checkpoints/: one line, what is intact
+            raise CheckpointError(self.unwritable(step, exc)) from None
+        except Exception as exc:  # safetensors reports its own write errors (os error N inside the text)
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise CheckpointError(self.unwritable(step, exc)) from None
+
+    def unwritable(self, step: int, exc: BaseException) -> str:
+        """What a failed save says: the path, why, and what is intact (the last complete checkpoint)."""
+        final = self.step_dir(step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # a part written before the failure frees its space again
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else _why(exc)
+        where = getattr(exc, "filename", None) or tmp
+        try:
+            last = self.latest_valid()
+        except (CheckpointError, OSError):
+            last = None
+        intact = f"the last complete checkpoint {last} is intact" if last is not None else \
+            "no checkpoint of this run was complete before it"
+        return (f"cannot save checkpoint step {step}: {where}: {why}; {intact} (a save is written under a "
+                f"temporary name and renamed into place); free space or make {self.root} writable, then resume=auto")
+
+    def _save(self, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
+              crash_after_files: int | None = None) -> Path:
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
