@@ -136,11 +136,11 @@ def test_a_healer_refuses_a_source_whose_anchor_is_not_the_agreed_one_and_says_s
     q = Quorum(1, "q", [Member("c2", 5, 1, "", {"anchor": digest, "total_steps": 40}),
                         Member("c3", 0, 1, "", {"anchor": E, "total_steps": 0})], 1)
     with pytest.raises(HealError, match="healing payload from cluster c2: its anchor does not match the digest"):
-        healer.run(q, 64)
+        healer.run(q, 64, rejoining=True)
     assert applied == [] and healer.refused == ["c2"]
     good = encode({"sync_index": 5, "local_phase": True, "total_steps": 40}, _state())
     healer.t = _HostileTransport(good)  # type: ignore[assignment]
-    assert healer.run(q, 64, agreed_steps(q, per_sync=8)) == "c2" and healer.refused == []
+    assert healer.run(q, 64, agreed_steps(q, per_sync=8), rejoining=True) == "c2" and healer.refused == []
     assert applied[0]["total_steps"] == 40  # what sync 5 of 8-step intervals implies (the source's claim agrees)
 
 
@@ -158,7 +158,7 @@ def test_a_sharded_healer_takes_its_shard_of_state_it_does_not_hold_yet() -> Non
     healer = Healer(Sharded(encode({"sync_index": 5, "local_phase": True}, state)), lambda: ({}, local),  # type: ignore[arg-type]
                     lambda m, t: applied.append(t), encode, decode)
     q = Quorum(1, "q", [Member("c0", 5, 1, "", {"anchor": anchor_digest(state)}), Member("c1", 0, 2, "", {})], 1)
-    assert healer.run(q, 64) == "c0"
+    assert healer.run(q, 64, rejoining=True) == "c0"
     assert applied[0]["outer/l0/momentum/0"].shape == (2, 3)
     assert torch.equal(applied[0]["outer/l0/anchor/0"], torch.arange(6.0).reshape(2, 3))
 

@@ -209,7 +209,7 @@ def test_probe_scores_of_one_evaluator_flag_nobody(n: int, caplog: pytest.LogCap
         assert all(liar in e["probe_suspects"] for e in syncs[1:]), [e["probe_suspects"] for e in syncs]
         loss, base = _mean_loss(o, range(n)), _mean_loss(clean[name], range(n))
         assert abs(loss - base) <= 0.02 * base, (name, loss, base)
-    _one_line_naming(caplog.records, f"cluster {liar}'s probe scores", f"roster key {liar}")
+    _one_line_naming(caplog.records, f"cluster {liar} sent probe scores", "not counted")
 
 
 def test_the_probe_judgement_needs_a_majority_of_two_other_evaluators() -> None:
@@ -285,7 +285,7 @@ def test_a_two_cluster_tie_keeps_what_you_have(caplog: pytest.LogCaptureFixture)
     assert len(syncs) == SYNCS and all(e["quorum"] == ["c0", "c1"] for e in syncs), syncs
     loss, base = final_loss(o, 0), final_loss(clean["c0"], 0)
     assert abs(loss - base) <= 0.02 * base, (loss, base)
-    _one_line_naming(caplog.records, "cluster c0: kept its own state", "roster key c1")
+    _one_line_naming(caplog.records, "cluster c0: kept its own state", "cluster c1's sync")
 
 
 def test_a_tie_without_a_probe_keeps_what_a_synced_cluster_has() -> None:

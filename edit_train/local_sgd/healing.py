@@ -132,8 +132,9 @@ class Healer:
             why = worse or "no other member holds it, and a tie keeps what this cluster has (only a new, restarted " \
                 "or resumed cluster heals to it)"
             log.log(logging.WARNING if first else logging.INFO, "cluster %s: kept its own state (sync %d), not "
-                    "cluster %s's sync %d that only it holds: %s; named by its roster key %s", self.t.name,
-                    q.claim(q.me)[0], src, sync, why, q.members[source].signer or "(no roster: unsigned)")
+                    "cluster %s's sync %d that only it holds: %s (%s)", self.t.name, q.claim(q.me)[0], src, sync, why,
+                    f"its records signed by roster key {q.members[source].signer}" if q.members[source].signer
+                    else "no roster: unsigned")
             return False
         if worse is not None:
             raise HealError(f"healing payload from {src}: {worse}: refused, nothing adopted")
