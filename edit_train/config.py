@@ -94,6 +94,7 @@ class SyncConfig:
     block_size: int = 256  # int8/fp8: values per absmax scale; topk: values per chunk (one scale each)
     scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
+    error_feedback_decay: float = 1.0  # β < 1: the kept residual decays by β per sync (error feedback as momentum)
     topk_density: float = 0.01  # topk: share of each chunk sent (round(density * block_size) values)
     bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
     topk_group: int = 1  # topk: values selected together (a power of two <= 128 dividing block_size)
