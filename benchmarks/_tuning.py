@@ -394,7 +394,8 @@ def print_reason(tu: dict[str, Any], groups: str, g: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- tables
-GRID_COLUMNS = [("algo", "algo", ""), ("stage", "stage", ""), ("lr", "inner lr", "g"), ("outer_lr", "outer lr", "g"),
+GRID_COLUMNS = [("algo", "algo", ""), ("stage", "stage", ""), ("variant", "option", ""), ("lr", "inner lr", "g"),
+                ("outer_lr", "outer lr", "g"),
                 ("outer_momentum", "momentum", "g"), ("nesterov", "Nesterov", ""),
                 ("final_val_loss", "val loss", ".4f"), ("anomalies", "flags", ""), ("job_wall_s", "job s", ".0f"),
                 ("best", "best", "")]
