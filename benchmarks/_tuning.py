@@ -27,6 +27,20 @@ OUTER_TUNED = ("diloco", "edit")
 AVERAGING = (1.0, 0.0)
 
 
+def option_variants(algo: str, steps: int, interval: int) -> dict[str, tuple[str, ...]]:
+    """Issue 51's options, tried at an algorithm's best point (the "options" stage): Muon inner steps for every
+    algorithm; for the outer-tuned ones also Pier's outer-momentum warm-up and outer-lr schedule (warm-up over
+    the first ~10 % of the syncs, cosine to 0.1 x at the last). Every algorithm gets 3 option runs: ddp and
+    post_local_sgd try Muon at each of their 3 inner lrs (tuned as hard), diloco and edit the three options."""
+    syncs = max(2, steps // max(interval, 1))
+    warm = max(1, syncs // 10)
+    out: dict[str, tuple[str, ...]] = {"muon": ("train.optimizer=muon",)}
+    if algo in OUTER_TUNED:
+        out["outer_warmup"] = (f"algo.outer.momentum_warmup_syncs={warm}",)
+        out["outer_schedule"] = (f"algo.outer.lr_warmup_syncs={warm}", f"algo.outer.lr_decay_syncs={syncs}")
+    return out
+
+
 def _num(x: float) -> str:
     """A float as Hydra should read it (0.0, 0.003, 0.7: always a float literal)."""
     return repr(float(x))
@@ -45,6 +59,8 @@ class Setting:
     lr: float
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    variant: str = ""  # an issue-51 option tried at the best point ("" = none; option_variants)
+    extra: tuple[str, ...] = ()  # its overrides
 
     @property
     def nesterov(self) -> bool | None:
@@ -55,16 +71,17 @@ class Setting:
         if self.outer_lr is not None:
             out += [f"algo.outer.lr={_num(self.outer_lr)}", f"algo.outer.momentum={_num(self.outer_momentum)}",
                     f"algo.outer.nesterov={'true' if self.nesterov else 'false'}"]
-        return out
+        return out + list(self.extra)
 
     def tag(self) -> str:
         """Run-directory name."""
+        suffix = f"_{self.variant}" if self.variant else ""
         if self.algo in OUTER_TUNED:
-            return f"lr{self.lr:g}_olr{self.outer_lr:g}_om{self.outer_momentum:g}"
-        return f"lr{self.lr:g}"
+            return f"lr{self.lr:g}_olr{self.outer_lr:g}_om{self.outer_momentum:g}{suffix}"
+        return f"lr{self.lr:g}{suffix}"
 
     def label(self) -> str:
-        s = f"lr {self.lr:g}"
+        s = f"lr {self.lr:g}" + (f", {self.variant}" if self.variant else "")
         if self.algo == "post_local_sgd":
             return s + ", averaging"
         if self.outer_lr is not None:
@@ -73,11 +90,13 @@ class Setting:
 
     def as_dict(self) -> dict[str, Any]:
         return {"algo": self.algo, "lr": self.lr, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov}
+                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "variant": self.variant,
+                "extra": list(self.extra)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Setting:
-        return cls(d["algo"], float(d["lr"]), d.get("outer_lr"), d.get("outer_momentum"))
+        return cls(d["algo"], float(d["lr"]), d.get("outer_lr"), d.get("outer_momentum"), str(d.get("variant", "")),
+                   tuple(d.get("extra", ())))
 
 
 def base_setting(algo: str, lr: float) -> Setting:
@@ -94,10 +113,20 @@ def inner_grid(best: Setting, lrs: Sequence[float]) -> list[Setting]:
     return [replace(best, lr=lr) for lr in lrs]
 
 
+def option_grid(best: Setting, lrs: Sequence[float], steps: int, interval: int) -> list[Setting]:
+    """The options stage: diloco/edit each option at the best point; the others Muon at every inner lr."""
+    variants = option_variants(best.algo, steps, interval)
+    if best.algo in OUTER_TUNED:
+        return [replace(best, variant=v, extra=o) for v, o in variants.items()]
+    return [replace(best, lr=lr, variant="muon", extra=variants["muon"]) for lr in dict.fromkeys(lrs)]
+
+
 def planned_tune_runs(algos: Sequence[str], inner_lrs: Sequence[float], base_lr: float,
-                      outer_lrs: Sequence[float], momenta: Sequence[float]) -> int:
+                      outer_lrs: Sequence[float], momenta: Sequence[float], options: bool = False) -> int:
     n = 0
     for algo in algos:
+        if options:
+            n += 3 if algo in OUTER_TUNED else len(set(inner_lrs))
         if algo in OUTER_TUNED:  # the inner run at the base lr is the best outer point itself
             n += len(outer_lrs) * len(momenta) + len([x for x in set(inner_lrs) if x != base_lr])
         else:
@@ -263,6 +292,10 @@ def tune(a: argparse.Namespace, run: Runner) -> dict[str, Any]:
         else:
             for lr in dict.fromkeys(a.inner_lrs):
                 go(base_setting(algo, lr), "inner")
+        if getattr(a, "options", False):  # issue 51: the new options at the best point so far
+            b = Setting.from_dict(min(rows, key=lambda r: finite_loss(r["final_val_loss"])))
+            for st in option_grid(b, a.inner_lrs, a.steps, a.interval):
+                go(st, "options")
         top = min(rows, key=lambda r: finite_loss(r["final_val_loss"]))
         top["best"] = "*"
         st = Setting.from_dict(top)
@@ -361,7 +394,8 @@ def print_reason(tu: dict[str, Any], groups: str, g: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- tables
-GRID_COLUMNS = [("algo", "algo", ""), ("stage", "stage", ""), ("lr", "inner lr", "g"), ("outer_lr", "outer lr", "g"),
+GRID_COLUMNS = [("algo", "algo", ""), ("stage", "stage", ""), ("variant", "option", ""), ("lr", "inner lr", "g"),
+                ("outer_lr", "outer lr", "g"),
                 ("outer_momentum", "momentum", "g"), ("nesterov", "Nesterov", ""),
                 ("final_val_loss", "val loss", ".4f"), ("anomalies", "flags", ""), ("job_wall_s", "job s", ".0f"),
                 ("best", "best", "")]

@@ -59,6 +59,12 @@ def _grouped(density: float, bits: int, group: int) -> list[str]:
             *KEEP]
 
 
+SCHEMES_EF_TWINS = {  # the resend top-k pairs at or below 1/100 of fp32's bytes (error feedback as momentum below)
+    "topk_1pct_2b": ["sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2", *SPARSE],
+    "topk_2pct_4b": ["sync.compression=topk", "sync.topk_density=0.02", "sync.bits=4", *SPARSE],
+    "topk_1pct_2b_c1024": ["sync.compression=topk", "sync.topk_density=0.01", "sync.bits=2", "sync.block_size=1024",
+                           *SPARSE],
+}
 SCHEMES = {  # name -> overrides
     "none": ["sync.compression=none"],
     "bf16": ["sync.compression=bf16"],
@@ -95,6 +101,12 @@ SCHEMES = {  # name -> overrides
         "12pct_2b_g8": (0.125, 2, 8)}.items()},
     # the uncompressed run at the keep schemes' outer lr (is lr 1 itself what helps them? it is not)
     "none_lr1": ["sync.compression=none", "algo.outer.lr=1.0"],
+    # issue 51, error feedback as outer momentum (SparseLoCo): the residual decays by β per sync, so what was sent
+    # plus the residual is a momentum buffer (EDIT already has outer momentum 0); the same payloads as the twin
+    # without the suffix. Outer lr 1 as SparseLoCo's (its momentum is in the payloads already).
+    **{f"{twin}_efm{round(beta * 100)}": [*SCHEMES_EF_TWINS[twin], f"sync.error_feedback_decay={beta}",
+                                          "algo.outer.lr=1.0"]
+       for twin in ("topk_1pct_2b", "topk_2pct_4b", "topk_1pct_2b_c1024") for beta in (0.9, 0.95)},
 }
 QUICK_SCHEMES = ["none", "int8", "topk_1pct_2b", "topk_2pct_4b", "topk_5pct_4b", "topk_10pct_4b_keep"]
 SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
@@ -103,10 +115,12 @@ EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer
         "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="120 steps, seed 0, none/int8/3 top-k pairs; the slow "
                     "link for none and topk_1pct_2b only; no small-model timing run")
+    ap.add_argument("--smoke", action="store_true", help="the machinery in miniature: 12 steps, seed 0, none and "
+                    "topk_1pct_2b_efm95 (error feedback as momentum), no slow link, no small-model timing run")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
@@ -127,7 +141,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
     ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "compression.png")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.quick, a.no_small, a.settings = True, True, ["convergence"]
+        a.steps, a.interval, a.seeds = a.steps or 12, 4, a.seeds or [0]
+        a.schemes = a.schemes or ["none", "topk_1pct_2b_efm95"]
+        if a.out == C.RESULTS_DIR / "compression.json":
+            a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
     a.steps = a.steps or (120 if a.quick else 320)
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.schemes = a.schemes or (QUICK_SCHEMES if a.quick else list(SCHEMES))
@@ -409,8 +429,8 @@ def codec_only(a: argparse.Namespace) -> None:
     C.print_targets(tg, out, a.plot)
 
 
-def main() -> None:
-    a = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     if a.codec_only:
         return codec_only(a)
     t0 = time.perf_counter()

@@ -40,8 +40,8 @@ on 3 seeds at its best. Every run: `cluster=local cluster.count=G cluster.ranks=
   1. --tune, seed 0, 2 clusters: ddp and post_local_sgd: inner lr (`train.lr`) in {2e-3, 3e-3, 5e-3}
      (post_local_sgd's outer step is plain averaging by definition, outer lr 1 / momentum 0: pinned, not
      tuned); diloco and edit: outer lr in {0.5, 0.7, 1.0} x outer momentum in {0, 0.5, 0.8} (Nesterov when
-     momentum > 0) at inner lr 3e-3, then the inner lr grid at the best outer point. No outer momentum
-     warm-up (edit_train has none). Best = lowest final val loss (summary.json). 28 runs.
+     momentum > 0) at inner lr 3e-3, then the inner lr grid at the best outer point, then the options
+     stage (below). Best = lowest final val loss (summary.json) over all stages. 28 + 12 runs.
   2. --confirm: seeds 0 1 2 at each algorithm's best, at 2 and 4 clusters (the seed-0, 2-cluster runs are
      the tuning runs themselves); per algorithm and cluster count: val loss mean/min/max, ratio to ddp, the
      targets (edit <= every tuned baseline on every seed, edit <= 1.02 x ddp) and, when edit misses one,
@@ -51,7 +51,15 @@ Run directories: <workdir>/tuned/<model>_<steps>steps_H<H>/g<G>/seed<S>/<algo>/<
 finished run with identical overrides is not run again (an interrupted grid resumes).
 
     python benchmarks/convergence.py --tune --confirm --quick   # 2x2 outer grid, 1 inner lr, 120 steps, seed 0
-    python benchmarks/convergence.py --tune --confirm --reuse   # 28 tuning + 20 confirm runs (hours on 2 cores)
+    python benchmarks/convergence.py --tune --confirm --reuse   # 28 tuning + 12 options + 20 confirm runs (hours)
+    python benchmarks/convergence.py --smoke                    # the whole tuned machinery in miniature (minutes)
+
+Options stage (issue 51; on by default in tuned mode, `--no-options` for the grid before it): at each
+algorithm's best point after the inner stage, `_tuning.option_grid` — every algorithm 3 runs: ddp and
+post_local_sgd Muon inner steps (`train.optimizer=muon`) at each of their inner lrs, diloco and edit Muon,
+Pier's outer-momentum warm-up and Pier's outer-lr schedule (warm-up over ~10 % of the syncs, cosine to 0.1 x).
+The best of all stages is what --confirm runs on 3 seeds; docs/algorithms.md says what it must show before a
+default changes.
 """
 
 from __future__ import annotations
@@ -120,7 +128,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse finished runs in --workdir that had exactly the same overrides")
+    ap.add_argument("--options", action=argparse.BooleanOptionalAction, default=True,
+                    help="tuned mode: the options stage (issue 51: Muon inner steps, Pier's outer warm-up and "
+                         "schedule) at each algorithm's best point; --no-options: the grid before issue 51")
+    ap.add_argument("--smoke", action="store_true", help="tuned mode in miniature to check the machinery: "
+                    "--tune --confirm, 12 steps, H=4, batch 2x32, one point per grid, seed 0, 2 clusters")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.tune = a.confirm = True
+        a.steps, a.interval, a.batch_size, a.seq_len = a.steps or 12, a.interval or 4, a.batch_size or 2, 32
+        a.eval_every, a.eval_batches, a.seeds, a.clusters = 6, 1, a.seeds or [0], a.clusters or [TUNE_GROUPS]
+        a.inner_lrs, a.outer_lrs, a.outer_momenta = [a.base_lr], a.outer_lrs or [0.7], a.outer_momenta or [0.8]
+        if a.out == DEFAULT_OUT:
+            a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
     a.tuned_mode = a.tune or a.confirm
     if a.tuned_mode:
         a.steps = a.steps or (120 if a.quick else 1000)
@@ -346,7 +366,8 @@ def tuned_main(a: argparse.Namespace) -> dict[str, Any]:
         for k in ("model", "steps", "interval"):
             if tu.get(k) != getattr(a, k):
                 print(f"warning: the tuning in {src} was at {k}={tu.get(k)}, this run uses {getattr(a, k)}")
-    n_tune = T.planned_tune_runs(a.algos, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta) if a.tune else 0
+    n_tune = T.planned_tune_runs(a.algos, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta,
+                                 a.options) if a.tune else 0
     plan = [TUNE_GROUPS] * n_tune
     if a.confirm:
         plan += [G for G in a.clusters for s in a.seeds
@@ -362,7 +383,9 @@ def tuned_main(a: argparse.Namespace) -> dict[str, Any]:
              "tune_groups": TUNE_GROUPS, "seeds": a.seeds, "clusters": a.clusters, "inner_lrs": a.inner_lrs,
              "base_lr": a.base_lr, "outer_lrs": a.outer_lrs, "outer_momenta": a.outer_momenta,
              "post_local_sgd_outer": "averaging: outer SGD lr 1, momentum 0 (by definition, not tuned)",
-             "outer_momentum_warmup": "none", "extra_overrides": a.extra, "algo_set": a.algo_set}
+             "options": ({x: {v: list(o) for v, o in T.option_variants(x, a.steps, a.interval).items()}
+                          for x in a.algos} if a.options else "none"),
+             "extra_overrides": a.extra, "algo_set": a.algo_set}
     result: dict[str, Any] = {"benchmark": "convergence", "mode": "tuned", "quick": a.quick, "setup": setup}
     if a.tune:
         tu = T.tune(a, run)

@@ -58,6 +58,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = "adamw"  # adamw | muon (decoder-layer matrices and expert stacks; the rest AdamW: train/muon.py)
+    muon_momentum: float = 0.95  # train.optimizer=muon: Muon's momentum
     grad_clip: float = 1.0
     precision: str = "fp32"  # fp32 | bf16 (FSDP2 bf16 params + fp32 reduce on sharded CUDA clusters, else autocast)
     activation_checkpointing: str = "none"  # none | full (every decoder layer) | moe (the MoE blocks only)
@@ -95,6 +97,7 @@ class SyncConfig:
     block_size: int = 256  # int8/fp8: values per absmax scale; topk: values per chunk (one scale each)
     scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
+    error_feedback_decay: float = 1.0  # β < 1: the kept residual decays by β per sync (error feedback as momentum)
     topk_density: float = 0.01  # topk: share of each chunk sent (round(density * block_size) values)
     bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
     topk_group: int = 1  # topk: values selected together (a power of two <= 128 dividing block_size)
@@ -287,6 +290,8 @@ def validate(cfg: Config) -> None:
     _need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
     _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every/eval_batches", "must be >= 0 / >= 1")
     _need(t.threads >= 0, "train.threads", f"must be >= 0 (0 = auto), got {t.threads}")
+    _need(t.optimizer in ("adamw", "muon"), "train.optimizer", f"must be adamw or muon, got {t.optimizer!r}")
+    _need(0.0 <= t.muon_momentum < 1.0, "train.muon_momentum", f"must be in [0, 1), got {t.muon_momentum}")
     _need(a.name in ("ddp", "post_local_sgd", "diloco", "edit", "a_edit"), "algo.name",
           f"unknown algorithm {a.name!r}; choose ddp, post_local_sgd, diloco, edit or a_edit")
     _need(a.schedule in ("step", "time"), "algo.schedule", f"must be step or time, got {a.schedule!r}")
@@ -310,6 +315,8 @@ def validate(cfg: Config) -> None:
     _need(c.count >= 1, "cluster.count", f"must be >= 1, got {c.count}")
     _need(c.ranks >= 1, "cluster.ranks", f"must be >= 1, got {c.ranks}")
     specs = cluster_specs(cfg)
+    _need(cfg.train.optimizer != "muon" or all(sp.ranks == 1 for sp in specs), "train.optimizer",
+          "=muon needs whole matrices: every cluster must have ranks=1 (FSDP2 shards them by rows)")
     for i, spec in enumerate(specs):
         _check_cluster_name(f"cluster.clusters[{i}].name" if c.clusters else "cluster.count", spec.name)
     if c.only:

@@ -89,6 +89,7 @@ class CompressionConfig:
     bits: int = 2  # sync.bits: bits per kept value (topk): 1, 2, 4 or 8
     unsent: str = "resend"  # sync.unsent (topk): resend (error feedback) | keep (in the cluster's own parameters)
     topk_group: int = 1  # sync.topk_group: values selected together (topk)
+    error_feedback_decay: float = 1.0  # sync.error_feedback_decay β: residual ← β·residual before each send
 
     @staticmethod
     def of(sync: object) -> CompressionConfig:
@@ -96,7 +97,8 @@ class CompressionConfig:
         return CompressionConfig(str(getattr(sync, "compression")), getattr(sync, "block_size"),
                                  str(getattr(sync, "scale_dtype")), getattr(sync, "error_feedback"),
                                  getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2),
-                                 str(getattr(sync, "unsent", "resend")), getattr(sync, "topk_group", 1))
+                                 str(getattr(sync, "unsent", "resend")), getattr(sync, "topk_group", 1),
+                                 float(getattr(sync, "error_feedback_decay", 1.0)))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending key."""
@@ -111,6 +113,10 @@ class CompressionConfig:
             raise ValueError(f"{_PREFIX}.scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
         if not isinstance(self.error_feedback, bool):
             raise ValueError(f"{_PREFIX}.error_feedback must be true or false, got {self.error_feedback!r}")
+        if not (isinstance(self.error_feedback_decay, (int, float)) and 0.0 < self.error_feedback_decay <= 1.0):
+            raise ValueError(f"{_PREFIX}.error_feedback_decay must be in (0, 1], got {self.error_feedback_decay!r}")
+        if self.error_feedback_decay != 1.0 and not self.error_feedback:
+            raise ValueError(f"{_PREFIX}.error_feedback_decay < 1 needs {_PREFIX}.error_feedback=true")
         if self.unsent not in UNSENT:
             raise ValueError(f"{_PREFIX}.unsent must be one of {UNSENT}, got {self.unsent!r}")
         if self.unsent == "keep" and not (self.sparse and self.error_feedback):
@@ -277,7 +283,11 @@ class ErrorFeedback:
 
     AGG_SUFFIX = "::agg"
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
+        # decay β < 1: error feedback as outer momentum (SparseLoCo, arXiv 2603.08163): the sender sends the
+        # compressed e = β·residual + Δ and keeps e − sent, so the residual is a momentum buffer of the
+        # pseudo-gradients less what was sent (docs/sync_math.md); the chunk owner's sum residual is not decayed
+        self.decay = float(decay)
         self._res: dict[str, Tensor] = {}
         self._mark: dict[str, Tensor] | None = None
         self._lock = threading.RLock()
@@ -298,14 +308,15 @@ class ErrorFeedback:
             return self._res.get(key)
 
     def compensate(self, key: str, x: Tensor) -> Tensor:
-        """``x + residual`` (a new tensor; ``x`` itself when there is no residual for ``key``)."""
+        """``x + β·residual`` (a new tensor; ``x`` itself when there is no residual for ``key``)."""
         r = self.residual(key)
         if r is None:
             return x
         if r.shape != x.shape:
             raise ValueError(f"error-feedback residual {key!r} has shape {tuple(r.shape)} but the tensor has "
                              f"{tuple(x.shape)}: clear the residuals when the chunking changes")
-        return x + r.to(device=x.device, dtype=x.dtype)
+        r = r.to(device=x.device, dtype=x.dtype)
+        return x + (r if self.decay == 1.0 or key.endswith(self.AGG_SUFFIX) else self.decay * r)
 
     def update(self, key: str, sent: Tensor, intended: Tensor) -> None:
         """Remember ``intended − sent``; a non-finite residual is dropped (that send was anomalous)."""
@@ -366,7 +377,7 @@ class _Pinned(ErrorFeedback):
     """:meth:`ErrorFeedback.pinned`: reads go to the owner; writes only while its generation is unchanged."""
 
     def __init__(self, owner: ErrorFeedback, gen: int) -> None:  # no residuals of its own
-        self._owner, self._at = owner, gen
+        self._owner, self._at, self.decay = owner, gen, owner.decay
 
     def residual(self, key: str) -> Tensor | None:
         return self._owner.residual(key)

@@ -74,7 +74,7 @@ class LaneTransport:
         self.compression.validate()
         if self.compression.sparse and federated:  # the codec's kernels load now, not in the first sync
             sparse.warm(self.compression.format, cluster.device)
-        self.feedback = ErrorFeedback()
+        self.feedback = ErrorFeedback(self.compression.error_feedback_decay)
         self.mover = ModuleMover(cluster, lanes, self.clock, self.compression, self.feedback, chunks)
         self._seal = Seal(key, "")  # the current quorum's tags (its nonce once issued)
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,11 @@ class OuterConfig:
     nesterov: bool = True
     kwargs: dict[str, Any] = field(default_factory=dict)
     offload: bool = False
+    # Pier (arXiv 2511.17849), per module, counted in its outer steps t = 1, 2, ...: momentum μ·min(1, t/W)
+    momentum_warmup_syncs: int = 0  # W (0 = off)
+    lr_warmup_syncs: int = 0  # lr·min(1, t/W_lr) (0 = off)
+    lr_decay_syncs: int = 0  # > 0: cosine from lr (after the warm-up) to lr·min_lr_ratio at t = this, then flat
+    min_lr_ratio: float = 0.1
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         cls = getattr(torch.optim, self.optimizer, None)
@@ -49,8 +55,37 @@ class OuterConfig:
         kw.update(self.kwargs)
         return kw
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether the outer lr or momentum changes with the sync count (then each module keeps its count)."""
+        return bool(self.momentum_warmup_syncs or self.lr_warmup_syncs or self.lr_decay_syncs)
+
+    def lr_at(self, t: int) -> float:
+        """The outer lr at this module's t-th outer step (t >= 1)."""
+        w, d = self.lr_warmup_syncs, self.lr_decay_syncs
+        if w and t < w:
+            return self.lr * t / w
+        if d and d > w:
+            frac = min(1.0, (t - w) / (d - w))
+            return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac)))
+        return self.lr
+
+    def momentum_at(self, t: int) -> float:
+        """The outer momentum at this module's t-th outer step (t >= 1)."""
+        w = self.momentum_warmup_syncs
+        return self.momentum * min(1.0, t / w) if w else self.momentum
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""
+        for key in ("momentum_warmup_syncs", "lr_warmup_syncs", "lr_decay_syncs"):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+                raise ValueError(f"{_PREFIX}.{key} must be an integer >= 0 (0 = off), got {v!r}")
+        if self.lr_decay_syncs and self.lr_decay_syncs <= self.lr_warmup_syncs:
+            raise ValueError(f"{_PREFIX}.lr_decay_syncs must be > lr_warmup_syncs ({self.lr_warmup_syncs}) or 0, "
+                             f"got {self.lr_decay_syncs}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"{_PREFIX}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         cls = self.optimizer_class()
         if not self.lr > 0:
             raise ValueError(f"{_PREFIX}.lr must be > 0, got {self.lr}")
@@ -177,11 +212,27 @@ class OuterState:
                     )
                 a.grad = d.detach().to(device=a.device, dtype=a.dtype)
             opt = self.optimizers[name]
+            t = self._schedule(name) if self.cfg.scheduled else 0
             opt.step()
+            if t:  # after the step: an optimizer that initialises empty state (Adam) must still find it empty
+                opt.state[anchors[0]][self.COUNT] = torch.tensor(float(t), dtype=torch.float64)
             opt.zero_grad(set_to_none=True)
         finally:
             if own:
                 self.release(name)
+
+    COUNT = "outer_syncs"  # the module's outer steps so far, beside its optimizer state (checkpoints, heals, rollbacks)
+
+    def _schedule(self, name: str) -> int:
+        """This outer step's number t and its lr and momentum (``OuterConfig.lr_at`` / ``momentum_at``)."""
+        opt = self.optimizers[name]
+        st = opt.state.get(self.anchors[name][0], {})
+        t = int(st[self.COUNT]) + 1 if self.COUNT in st else 1
+        for g in opt.param_groups:
+            g["lr"] = self.cfg.lr_at(t)
+            if "momentum" in g:
+                g["momentum"] = self.cfg.momentum_at(t)
+        return t
 
     @torch.no_grad()
     def reset(self, name: str) -> None:

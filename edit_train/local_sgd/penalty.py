@@ -14,7 +14,7 @@ from torch import Tensor
 
 from edit_train.local_sgd.penalty_stats import EWMAStats, t_quantile
 
-__all__ = ["NormTestConfig", "EWMAStats", "per_step", "t_quantile", "clip_factor", "weighted", "flag",
+__all__ = ["NormTestConfig", "EWMAStats", "per_step", "interval_norm", "t_quantile", "clip_factor", "weighted", "flag",
            "check_fields"]
 
 
@@ -60,6 +60,22 @@ def per_step(norms: Tensor, steps: Tensor | Sequence[float] | None) -> Tensor:
     s = torch.as_tensor(steps, dtype=torch.float64).reshape(g.shape)
     s = torch.where(torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1.0)
     return g / s
+
+
+def interval_norm(norms: Tensor, steps: Tensor | Sequence[float], reference: Tensor | None) -> Tensor:
+    """The norm per local step that holds for an interval of any length (float64): ``G/s`` for ``s ≥ s₀`` and
+    ``G/√(s·s₀)`` for a shorter interval, where ``s₀`` is the cluster's reference interval (its own running mean;
+    ``reference`` ≤ 0, non-finite or None: ``s₀ = s``, i.e. ``G/s``). An honest ``G`` grows between ``√s``
+    (noise-dominated) and ``s`` (drift-dominated), so neither a long nor a short interval raises the value above
+    the cluster's level at ``s₀`` (docs/sync_math.md, "Intervals of any length")."""
+    g = torch.as_tensor(norms, dtype=torch.float64).reshape(-1)
+    s = torch.as_tensor(steps, dtype=torch.float64).reshape(g.shape)
+    s = torch.where(torch.isfinite(s), s, torch.ones_like(s)).clamp_min(1.0)
+    if reference is None:
+        return g / s
+    s0 = torch.as_tensor(reference, dtype=torch.float64).reshape(g.shape)
+    s0 = torch.where(torch.isfinite(s0) & (s0 > 0), s0.clamp_min(1.0), s)
+    return torch.where(s < s0, g / (s * s0).sqrt(), g / s)
 
 
 def clip_factor(sqnorm: float, phi: float | None) -> float:

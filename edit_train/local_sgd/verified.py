@@ -41,11 +41,12 @@ from edit_train.local_sgd.aggregator import Decision, Evidence, Needs, nobody, s
 from edit_train.local_sgd.direction import KEYS as DIRECTION_KEYS
 from edit_train.local_sgd.direction import DirectionTest, Verdict, cosines
 from edit_train.local_sgd.experts import expert_weights
-from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per_step
+from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, interval_norm
 from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 
 log = logging.getLogger(__name__)
-_TESTS = ("norm", *DIRECTION_KEYS)
+_TESTS = ("norm", "interval", *DIRECTION_KEYS)  # "interval": each cluster's reference interval s₀ (its steps)
+_OWN = ("norm/", "interval/")  # the per-cluster statistics this rule keeps (the rest are the direction test's)
 LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
 EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
 
@@ -134,7 +135,9 @@ class VerifiedRule:
         cfg, names = self.cfg, [ev.names[i] for i in idx]
         g = torch.as_tensor(ev.norms, dtype=torch.float64)[idx]
         steps = torch.as_tensor(ev.steps, dtype=torch.float64)[idx]
-        x_norm = per_step(g, steps)
+        st_s, rows_s = self._rows(f"interval/{ev.module}", names)
+        sub_s = st_s.select(rows_s)
+        x_norm = interval_norm(g, steps, torch.where(sub_s.count > 0, sub_s.mu, torch.zeros_like(sub_s.mu)))
         bad = ~torch.isfinite(g)
         if "finite" in ev.extra:
             bad |= ~ev.extra["finite"].bool()[idx]
@@ -161,6 +164,8 @@ class VerifiedRule:
             anomalous = anomalous | an
         sub.update(x_norm, ~anomalous & ~flags["norm"][3])  # statistics learn from accepted values only
         st.assign(rows, sub)
+        sub_s.update(steps, ~anomalous)
+        st_s.assign(rows_s, sub_s)
         if verdict is not None:
             self.direction.learn(ev.module, verdict, ~anomalous)
         corrupt = bad | lied | (verdict.flagged if verdict is not None else torch.zeros_like(bad))
@@ -271,8 +276,8 @@ class VerifiedRule:
                         for t in tally.values())):
             raise ValueError("penalty state: unreadable probation record")
         self.clusters = ClusterRows(roster)
-        self.stats = {k: v for k, v in stats.items() if k.startswith("norm/")}
-        self.direction.stats = {k: v for k, v in stats.items() if not k.startswith("norm/")}
+        self.stats = {k: v for k, v in stats.items() if k.startswith(_OWN)}
+        self.direction.stats = {k: v for k, v in stats.items() if not k.startswith(_OWN)}
         self.direction.refs = refs
         self.sync, self.probation = sync, {str(n) for n in probation}
         self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}

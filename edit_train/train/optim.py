@@ -1,4 +1,5 @@
-"""The inner optimizer: AdamW from ``train.*``, fused into one multi-tensor kernel per step.
+"""The inner optimizer: AdamW from ``train.*``, fused into one multi-tensor kernel per step
+(``train.optimizer=muon``: Muon on the layers' matrices, train/muon.py).
 
 ``fused=True`` on CUDA and on the CPU (torch >= 2.4 has both kernels): besides one kernel per step and no
 per-parameter temporaries, the fused kernel takes ``found_inf``, so the trainer skips a step with non-finite
@@ -19,7 +20,19 @@ from edit_train.config import TrainConfig
 FUSED_DEVICES = ("cuda", "cpu")
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.nn.Parameter], t: TrainConfig,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The inner optimizer over a model's ``named_parameters()`` (Muon picks its matrices by name) or, for AdamW,
+    its ``parameters()``."""
+    named = [(item if isinstance(item, tuple) else ("", item)) for item in params]
+    if t.optimizer == "muon":
+        from edit_train.train.muon import MuonAdamW
+
+        return MuonAdamW(named, lambda ps: _adamw(ps, t, device), t.lr, t.weight_decay, t.muon_momentum)
+    return _adamw([p for _, p in named], t, device)
+
+
+def _adamw(params: Iterable[torch.nn.Parameter], t: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                              fused=device.type in FUSED_DEVICES or None)
 

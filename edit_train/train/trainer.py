@@ -148,7 +148,7 @@ class Trainer:
         parallelize(self.model, topo, self.precision.fsdp_param_dtype)
         self.flops_per_token = flops_per_token(cfg.model, t.seq_len, counts["active_params"])
         self.peak_flops = device_peak_flops(topo.device, t.peak_flops)  # per device; None: no MFU (CPU)
-        self.optimizer = build_optimizer(self.model.parameters(), t, topo.device)  # fused on CUDA
+        self.optimizer = build_optimizer(self.model.named_parameters(), t, topo.device)  # fused on CUDA
 
     def _resume_point(self) -> Any:
         """The checkpoint to resume from (`find_resume`'s answer), None for a fresh start. A worker restarted by

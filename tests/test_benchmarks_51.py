@@ -1,0 +1,67 @@
+"""Issue 51: the convergence grid's options stage and the smoke modes of convergence.py / compression.py, checked
+without training (the grids themselves run in a later session; `--smoke` runs them in miniature)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _tuning as T  # noqa: E402
+import compression  # noqa: E402
+import convergence  # noqa: E402
+
+from edit_train.cli.common import compose  # noqa: E402
+from edit_train.codec.dense import CompressionConfig  # noqa: E402
+from edit_train.config import validate  # noqa: E402
+
+
+def test_every_algorithm_gets_the_same_options_budget() -> None:
+    a = convergence.parse_args(["--tune", "--confirm"])
+    assert a.options and a.inner_lrs == [2e-3, 3e-3, 5e-3]
+    sizes = {}
+    for algo in convergence.ALGOS:
+        base = T.Setting(algo, 3e-3, 0.7, 0.8) if algo in T.OUTER_TUNED else T.base_setting(algo, 3e-3)
+        grid = T.option_grid(base, a.inner_lrs, a.steps, a.interval)
+        sizes[algo] = len(grid)
+        assert all(s.variant and s.extra for s in grid) and len({s.tag() for s in grid}) == len(grid)
+        assert any(s.variant == "muon" for s in grid)  # DDP tuned with Muon too
+    assert set(sizes.values()) == {3}
+    edit = {s.variant: s for s in T.option_grid(T.Setting("edit", 3e-3, 0.7, 0.8), a.inner_lrs, 1000, 8)}
+    assert edit["outer_schedule"].overrides()[-2:] == ["algo.outer.lr_warmup_syncs=12", "algo.outer.lr_decay_syncs=125"]
+    assert T.Setting.from_dict(edit["outer_warmup"].as_dict()) == edit["outer_warmup"]
+    with_opts = T.planned_tune_runs(convergence.ALGOS, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta, True)
+    assert with_opts == T.planned_tune_runs(convergence.ALGOS, a.inner_lrs, a.base_lr, a.outer_lrs,
+                                            a.outer_momenta) + 12
+
+
+@pytest.mark.parametrize("algo", convergence.ALGOS)
+def test_every_option_override_is_a_valid_config(algo: str) -> None:
+    """Each options-stage run's overrides build a config edit_train accepts (a typo would fail every run)."""
+    a = convergence.parse_args(["--smoke"])
+    base = T.Setting(algo, 3e-3, 0.7, 0.8) if algo in T.OUTER_TUNED else T.base_setting(algo, 3e-3)
+    for st in T.option_grid(base, a.inner_lrs, a.steps, a.interval):
+        validate(compose(T.tuned_overrides(st, a, 0, 2)))
+
+
+def test_smoke_modes_are_small_and_complete() -> None:
+    a = convergence.parse_args(["--smoke"])
+    assert a.tune and a.confirm and a.steps <= 16 and a.seeds == [0] and a.clusters == [2] and a.options
+    assert a.out.name == "smoke.json"
+    c = compression.parse_args(["--smoke"])
+    assert c.steps <= 16 and c.seeds == [0] and c.settings == ["convergence"] and c.no_small
+    assert any("efm" in s for s in c.schemes) and c.out.name == "smoke.json"
+
+
+def test_error_feedback_as_momentum_schemes_keep_their_twins_payloads() -> None:
+    for name, ov in compression.SCHEMES.items():
+        if "_efm" not in name:
+            continue
+        twin = name.rsplit("_efm", 1)[0]
+        assert ov[:len(compression.SCHEMES[twin])] == compression.SCHEMES[twin]
+        kv = dict(x.split("=", 1) for x in ov)
+        beta = float(kv["sync.error_feedback_decay"])
+        CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)), kv["sync.scale_dtype"], True,
+                          float(kv["sync.topk_density"]), int(kv["sync.bits"]), error_feedback_decay=beta).validate()
