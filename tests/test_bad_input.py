@@ -27,7 +27,7 @@ def _heal(meta: dict, tensors: dict) -> list:
     applied: list = []
     healer = Healer(_HostileTransport(encode(meta, tensors)), lambda: ({}, LOCAL),  # type: ignore[arg-type]
                     lambda m, t: applied.append(m), encode, decode)
-    healer.run(Quorum(1, "q", [Member("c0", 9, 1, ""), Member("c1", 1, 1, "")], me=1))
+    healer.run(Quorum(1, "q", [Member("c0", 9, 1, ""), Member("c1", 1, 1, "")], me=1), rejoining=True)  # a joiner
     return applied
 
 

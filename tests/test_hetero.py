@@ -114,7 +114,7 @@ def _other_config(rank: int, world: int, lighthouse: str) -> dict:
         out = {"refused": None}
     except FederationRefused as exc:
         out = {"refused": str(exc)}
-    out["left_out"] = sorted({name for name, _ in algo.membership._warned})  # noqa: SLF001 - its one-line refusals
+    out["left_out"] = sorted({name for name, _ in algo.suspects._said})  # noqa: SLF001 - its one-line refusals
     comm.close()
     return out
 

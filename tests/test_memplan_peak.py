@@ -4,6 +4,8 @@ free of the step, in order) added to what was live before the step (parameters +
 
 from __future__ import annotations
 
+import logging
+
 from typing import Any
 
 import pytest
@@ -77,8 +79,13 @@ def test_out_of_memory_is_one_line_naming_the_plan(tmp_path, small_corpus, monke
     monkeypatch.setattr(Trainer, "train_step", oom)
     monkeypatch.setattr("edit_train.cli.train._multirun_dir", lambda cfg: None)  # no Hydra app around it here
     cfg = compose(tiny_overrides(tmp_path, small_corpus, "train.steps=2", "train.batch_size=4"))
-    with pytest.raises(SystemExit) as exc:
-        _task(OmegaConf.structured(cfg))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # `_task` sets up the console log on capsys's stream
+    try:
+        with pytest.raises(SystemExit) as exc:
+            _task(OmegaConf.structured(cfg))
+    finally:
+        root.handlers[:], root.level = handlers, level  # not left writing to a stream pytest closes
     assert exc.value.code == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     plan = plan_for_config(cfg)

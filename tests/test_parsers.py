@@ -44,7 +44,9 @@ _opened: list[str] | None = None
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     if _opened is not None and event == "open" and isinstance(args[0], (str, bytes)):
-        _opened.append(os.path.realpath(os.fsdecode(args[0])))
+        path = os.path.realpath(os.fsdecode(args[0]))
+        if not path.endswith(".py"):  # Python source read for a traceback or warning (linecache) is not a data read
+            _opened.append(path)
 
 
 sys.addaudithook(_audit)  # cannot be removed; records nothing outside `opened()`
