@@ -25,6 +25,7 @@ from edit_train.federation.inproc import InProcessFederation, ThreadGroup
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.transport import LaneTransport
 from edit_train.local_sgd.round import EXTRA
+from edit_train.sim import byzantine
 from liar_utils import KEY, SYNCS, TOTAL, GateRun, final_loss, run_threads, toy_config
 from toy_federation import Outcome, max_diff, train_cluster
 
@@ -71,23 +72,7 @@ class LyingMember:
         return self.inner.gather([10.0 * t for t in tensors] if self.lie == "scale" else tensors, params, key, **kw)
 
 
-class _Into:
-    """A SUM that ran on the liar's copies: the result goes back into its tensors."""
-
-    def __init__(self, handle: Any, sent: list[Tensor], into: list[Tensor]) -> None:
-        self.handle, self.sent, self.into = handle, sent, into
-
-    @property
-    def blocked_s(self) -> float:
-        return float(self.handle.blocked_s)
-
-    def ready(self) -> bool:
-        return bool(self.handle.ready())
-
-    def wait(self) -> None:
-        self.handle.wait()
-        for t, s in zip(self.into, self.sent):
-            t.copy_(s)
+_Into = byzantine._Into  # a SUM that ran on the liar's copies: the result goes back into its tensors
 
 
 def federation(root: Path, clusters: int, lie: str | None, rule: str = "edit_norm", late: float = 0.0,
