@@ -208,22 +208,19 @@ def test_a_veto_at_every_sync_is_outvoted_by_a_majority(tmp_path: Path, clean: d
     with caplog.at_level(logging.WARNING):
         outs = federation(tmp_path, 3, "veto")
     _honest_unharmed(outs, clean[3], "c2", syncs_with_liar=True)
-    _named(caplog.records, "c2", "voted no at sync", "the majority committed without it")
+    _named(caplog.records, "c2", "voted no at sync", "committed without it")
 
 
-def test_with_two_clusters_a_veto_still_rolls_every_sync_back_and_is_named(tmp_path: Path,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    """One "no" of two is no majority (a tie keeps what you have): what an insider can still do with two clusters
-    (docs/security.md, with its cost). The honest cluster trains all its steps, its own replica, and names the
-    vetoer at every rolled-back sync."""
+def test_with_two_clusters_a_veto_is_a_tie_that_keeps_what_you_have(tmp_path: Path, clean: dict[int, dict[str, float]],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """c1 votes no at every commit vote: one "no" of two is no strict majority, so the honest cluster commits every
+    sync (a tie keeps what you have), ends within 2 % of the clean loss and names the vetoer (before: every sync
+    rolled back, the honest cluster trained alone, +11 % loss)."""
     with caplog.at_level(logging.WARNING):
         outs = federation(tmp_path, 2, "veto")
-    o = outs["c0"]
-    assert o.steps == TOTAL
-    aborted = [e for e in o.events if e["event"] == "sync_aborted"]
-    assert len(aborted) == SYNCS and not [e for e in o.events if e["event"] == "sync"]
-    assert all(s["cluster"] == "c1" and len(s["key"]) == 12 for e in aborted for s in e["suspects"])
-    _named(caplog.records, "c1", "voted no at sync", "no strict majority")
+    _honest_unharmed(outs, clean[2], "c1", syncs_with_liar=True)
+    assert not [e for e in outs["c0"].events if e["event"] == "sync_aborted"]
+    _named(caplog.records, "c1", "voted no at sync", "committed without it")
 
 
 # ---------------------------------------------------------------- the stop under a time schedule or budget

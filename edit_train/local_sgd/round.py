@@ -550,16 +550,16 @@ class SyncRound:
         return True
 
     def _majority(self, votes: Tensor) -> bool:
-        """The commit: a strict majority of the quorum voted yes (an honest "no" — a non-finite merged unit —
-        is everyone's, since every cluster merges the same contributions). A member that votes no while the
-        majority commits is named and rolls itself back (it heals at its next sync); with two clusters one "no"
-        is no majority: the sync rolls back, and the one who said no is named (docs/security.md)."""
+        """The commit: no strict majority of the quorum voted no — a tie keeps what you have (an honest "no" — a
+        non-finite merged unit — is everyone's, since every cluster merges the same contributions; a lone "no" is a
+        local fault). `voted` ANDs this cluster's own vote: a member whose vote differs from the outcome rolls itself
+        back and is named (it heals or syncs on at its next sync; docs/security.md)."""
         yes = [bool(v > 0) for v in votes.tolist()]
-        commit = 2 * sum(yes) > len(yes)
+        commit = 2 * sum(yes) >= len(yes)
         if yes[self.report.position]:
             for i, said in enumerate(yes):
                 if not said:
-                    outcome = "the majority committed without it" if commit else "no strict majority: rolled back"
+                    outcome = "committed without it" if commit else "a strict majority voted no: rolled back"
                     self._name(i, f"voted no at sync {self.report.sync} ({outcome})", "veto")
         return commit
 
