@@ -302,3 +302,29 @@ def test_a_whole_run_is_finished_when_every_cluster_is(tmp_path: Path) -> None:
     line = run_finished_line(tmp_path, ["c0", "c1"], 20)
     assert line is not None and "every cluster finished: c0 at step 20, c1 at step 14; train.steps=20" in line
     assert run_finished_line(tmp_path, ["c0", "c1"], 30) is None  # train.steps raised: it continues
+
+
+TORCHRUN_BY_MODULE = """\
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/usr/lib/python3/torch/distributed/run.py", line 1032, in <module>
+    main()
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 15011 got signal: 2
+"""
+
+
+def test_torchrun_run_as_a_module_hides_its_traceback_too() -> None:
+    """The launcher runs `python -m torch.distributed.run` (its own Python's torchrun): runpy's frames come first,
+    then torchrun's — still torchrun's report, kept in the log only (a Ctrl-C under torchrun showed it)."""
+    import io
+
+    from edit_train.cli.torchrun_wrap import Filter
+
+    console, log = io.StringIO(), io.StringIO()
+    out = Filter(console, log)
+    for line in ("error: interrupted (stopped by signal 2 at step 4)\n" + TORCHRUN_BY_MODULE).splitlines(True):
+        out.line(line)
+    out.close()
+    assert console.getvalue() == "error: interrupted (stopped by signal 2 at step 4)\n"
+    assert log.getvalue().endswith(TORCHRUN_BY_MODULE) and out.torchrun_failed

@@ -51,6 +51,8 @@ class Filter:
             if _TORCHRUN_FRAME.search(text):
                 self.torchrun_failed, self.hidden = True, self.hidden + len(self.held)
                 self.held = []
+            elif text.lstrip().startswith('File "<frozen runpy>"'):
+                pass  # `python -m torch.distributed.run`: runpy's frames come first; the next frame says whose
             elif text.lstrip().startswith("File "):
                 self._show(*self.held)
                 self.held = []
