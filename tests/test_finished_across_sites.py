@@ -90,3 +90,61 @@ def test_a_cluster_resumed_after_its_peers_finished_elsewhere_exits_0_in_one_lin
         _relaunch(fed, tmp_path / "fresh", g.address, monkeypatch)
     finally:
         g.shutdown()
+
+
+# two cluster processes around a gate, one killed and relaunched: ~20 s on 2 busy cores
+def test_two_sites_one_relaunched_after_the_other_finished_exits_0(tmp_path: Path, small_corpus: str) -> None:
+    """a and b train with SEPARATE run dirs over one gate with a roster; b dies, a finishes alone and tells the
+    gate; b relaunched with resume=auto said nothing of a (its run.dir holds no record of a) and trained alone —
+    now it exits 0 within 30 s with one line naming a."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import cli_env, script_cmd
+
+    args = ["cluster=local", "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]", "algo=edit", "algo.interval=2",
+            "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
+            "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=2", "federation.min_clusters=1",
+            "federation.join_timeout_s=2", "federation.heartbeat_timeout_s=2", f"data.source={small_corpus}",
+            "train.steps=12"]
+    cfg = compose(args)
+    fed = tmp_path / "fed"
+    enrol.make(fed, NAMES, (fingerprint(cfg), cfg.train.steps, cfg.algo.name))
+    g = _serve(fed)
+
+    def cmd(name: str, *extra: str) -> list[str]:
+        return [*script_cmd("edit-train", "edit_train.cli.train"), *args, f"run.dir={tmp_path / ('site-' + name)}",
+                f"federation.lighthouse={g.address}", f"federation.roster_file={fed / enrol.ROSTER}",
+                f"federation.identity_file={fed / name}.identity", *extra]
+
+    try:
+        a = subprocess.Popen(cmd("a"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=cli_env(EDIT_TRAIN_CLUSTER="a"), cwd=tmp_path)
+        b = subprocess.Popen(cmd("b"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                             env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, start_new_session=True)
+        progress = record_path(tmp_path / "site-b", "b")
+        deadline = time.time() + 240
+        while time.time() < deadline and not progress.is_file() and b.poll() is None:
+            time.sleep(0.2)
+        if b.poll() is None:
+            os.killpg(b.pid, signal.SIGKILL)
+        b.wait()
+        out_a = a.communicate(timeout=300)[0]
+        assert a.returncode == 0, out_a[-3000:]
+        assert progress.is_file() and not (tmp_path / "site-b" / "clusters" / "b.json").is_file()
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 12}
+        t0 = time.monotonic()
+        again = subprocess.run(cmd("b", "resume=auto"), capture_output=True, text=True,
+                               env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        for p in (locals().get("a"), locals().get("b")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        g.shutdown()
+    said = [x for x in again.stderr.strip().splitlines() if x.strip()]
+    assert again.returncode == 0 and took < 30, again.stderr[-3000:]
+    assert len(said) == 1 and "cluster b: its federation finished without it (a at step 12" in said[0], said
+    assert not (tmp_path / "site-b" / "clusters" / "b.json").is_file()  # it did not train alone to the end
