@@ -105,7 +105,8 @@ class Gate:
         # roster names that said (each in its own signed request) they finished the run: told to a cluster that
         # starts, so one relaunched after its peers finished exits instead of training alone (kept beside the
         # roster, so a restarted gate still knows)
-        self._finished_file = Path(roster_file + ".finished.json").expanduser() if self.roster_file is not None else None
+        self._finished_file = (Path(roster_file + ".finished.json").expanduser() if self.roster_file is not None
+                               else None)
         self._finished: dict[str, int] = _load_finished(self._finished_file)
         host, _, port = bind.rpartition(":")
         handler = type("Handler", (_Handler,), {"gate": self})
@@ -230,7 +231,8 @@ class Gate:
                 try:
                     atomic_write_json(self._finished_file, finished)
                 except OSError as exc:
-                    log.warning("gate: cannot write %s: %s (finished clusters kept in memory)", self._finished_file, exc)
+                    log.warning("gate: cannot write %s: %s (finished clusters kept in memory)", self._finished_file,
+                                exc)
             return {"kind": "ok", "re": body["nonce"]}
         if kind != "quorum":
             raise FrameError(f"unknown request {kind!r}")
