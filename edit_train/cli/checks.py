@@ -347,10 +347,34 @@ def nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
         from edit_train.train.progress import restart_count
 
         line = finished_line(cfg.run.dir, cluster, configured, cfg.train.steps, federated, restart_count() > 0)
+        if line is None and federated and restart_count() == 0:
+            line = _finished_by_gate(cfg, cluster, configured)
     if line is not None:
         if int(os.environ.get("RANK", "0") or 0) == 0:
             print(line, file=sys.stderr, flush=True)
         raise SystemExit(0)
+
+
+def _finished_by_gate(cfg: Any, cluster: str, configured: list[str]) -> str | None:
+    """Across sites (a run.dir per cluster): a cluster resumed over its own run (its progress record) asks the
+    gate which roster members finished; the line when every other one did (train/finished.py)."""
+    from edit_train.train.progress import record_path
+
+    f = cfg.federation
+    if not f.lighthouse or not f.roster_file or not record_path(Path(cfg.run.dir).expanduser(), cluster).is_file():
+        return None
+    from edit_train.federation import auth
+    from edit_train.federation.quorum import finished_peers
+    from edit_train.train.build import credentials
+    from edit_train.train.finished import gate_finished_line
+
+    try:
+        key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
+        creds = credentials(cfg, cluster)
+    except Exception:  # noqa: BLE001 - a bad key or identity is said by the run's own checks, in one line
+        return None
+    done = finished_peers(f.lighthouse, cluster, key, creds)
+    return gate_finished_line(cluster, configured, cfg.train.steps, done, f.lighthouse)
 
 
 def relaunched(cfg: Any) -> str | None:

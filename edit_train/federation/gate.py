@@ -27,6 +27,7 @@ checked (type, range, size) before use.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import secrets
@@ -34,6 +35,7 @@ import socket
 import socketserver
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from edit_train.federation import auth
@@ -44,6 +46,7 @@ from edit_train.federation.frames import (DATA_KEYS, MAX_FRAME, NAME_RE, UNKNOWN
 from edit_train.federation.inner import InnerError, InnerLighthouse
 from edit_train.federation.roster import RosterFile
 from edit_train.federation.signed import Credentials
+from edit_train.fsutil import atomic_write_json
 from edit_train.local_sgd.errors import FederationError
 
 log = logging.getLogger(__name__)
@@ -99,6 +102,12 @@ class Gate:
         self._warned: set[tuple[str, str]] = set()
         self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
         self._lock = threading.Lock()
+        # roster names that said (each in its own signed request) they finished the run: told to a cluster that
+        # starts, so one relaunched after its peers finished exits instead of training alone (kept beside the
+        # roster, so a restarted gate still knows)
+        self._finished_file = (Path(roster_file + ".finished.json").expanduser() if self.roster_file is not None
+                               else None)
+        self._finished: dict[str, int] = _load_finished(self._finished_file)
         host, _, port = bind.rpartition(":")
         handler = type("Handler", (_Handler,), {"gate": self})
         host = host.strip("[]")
@@ -206,6 +215,24 @@ class Gate:
                 self.unasked(name)
             return {"kind": "ok", "re": body["nonce"]}
         if kind == "hello":  # a key check before a cluster starts: answered here, the Lighthouse never sees it
+            with self._lock:
+                finished = dict(self._finished)
+            return {"kind": "ok", "re": body["nonce"], "finished": finished}
+        if kind == "finished":  # `name` (its own signature: who() checked it) finished the run at `steps`
+            steps = body.get("steps")
+            if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 2 ** 53:
+                raise FrameError("bad steps")
+            if self.credentials is None:  # without a roster a name is not proven: never a reason to stop anyone
+                return {"kind": "ok", "re": body["nonce"]}
+            with self._lock:
+                self._finished[name] = steps
+                finished = dict(self._finished)
+            if self._finished_file is not None:
+                try:
+                    atomic_write_json(self._finished_file, finished)
+                except OSError as exc:
+                    log.warning("gate: cannot write %s: %s (finished clusters kept in memory)", self._finished_file,
+                                exc)
             return {"kind": "ok", "re": body["nonce"]}
         if kind != "quorum":
             raise FrameError(f"unknown request {kind!r}")
@@ -288,6 +315,20 @@ class _Handler(socketserver.BaseRequestHandler):
             self.gate.absent(peer, str(exc), name)
         except OSError as exc:
             self.gate.absent(peer, str(exc), name)
+
+
+def _load_finished(path: Path | None) -> dict[str, int]:
+    """The finished roster names a gate kept beside its roster ({} when none, or the file is not one)."""
+    if path is None:
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {n: s for n, s in doc.items() if isinstance(n, str) and valid_name(n) and isinstance(s, int)
+            and not isinstance(s, bool)}
 
 
 # ----------------------------------------------------------------------------------- clients

@@ -240,3 +240,32 @@ def _first_line(exc: BaseException) -> str:
 
 class Lighthouse(gate.Gate):
     """The federation's Lighthouse as edit-train runs it: torchft's, behind the authenticating gate."""
+
+
+def tell_finished(lighthouse: str, name: str, steps: int, key: bytes, credentials: Credentials | None,
+                  timeout_s: float = 10.0) -> bool:
+    """Tell the gate, in a request signed by `name`'s roster identity, that this cluster finished the run at
+    `steps` (False when the gate could not be told: a cluster relaunched later then trains as before)."""
+    try:
+        gate.call(lighthouse, {"kind": "finished", "name": name, "steps": int(steps)}, key, timeout_s, credentials)
+        return True
+    except FederationError as exc:
+        log.warning("could not tell the Lighthouse gate at %s that cluster %s finished: %s", lighthouse, name, exc)
+        return False
+
+
+def finished_peers(lighthouse: str, name: str, key: bytes, credentials: Credentials | None,
+                   timeout_s: float = 10.0) -> dict[str, int]:
+    """The roster names the gate says finished (each by its own signed request), with their steps; {} when
+    the gate cannot be asked or has no roster (`credentials` None: a name is then not proven)."""
+    if credentials is None:
+        return {}
+    try:
+        answer = gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s, credentials)
+    except FederationError as exc:
+        log.debug("finished peers: %s", exc)
+        return {}
+    done = answer.get("finished")
+    if not isinstance(done, dict):
+        return {}
+    return {n: s for n, s in done.items() if isinstance(n, str) and isinstance(s, int) and not isinstance(s, bool)}

@@ -99,3 +99,16 @@ def peer_news(run_dir: str | Path, name: str, configured: list[str]) -> str:
         if carried is not None and carried.saved_at is not None:
             out.append(f"{peer} last trained {max(time.time() - carried.saved_at, 0.0):.0f} s ago")
     return ", ".join(out)
+
+
+def gate_finished_line(name: str, configured: list[str], steps: int, finished: dict[str, int],
+                       gate: str) -> str | None:
+    """The line of a cluster `name` whose federation finished without it by the gate's word (across sites each
+    cluster has its own run.dir): every other configured cluster told the gate, signed, that it finished, and
+    one of them reached `train.steps`. None otherwise (it trains)."""
+    others = [n for n in configured if n != name]
+    if not others or not all(n in finished for n in others) or not any(finished[n] >= steps for n in others):
+        return None
+    done = ", ".join(f"{n} at step {finished[n]:,}" for n in others)
+    return (f"cluster {name}: its federation finished without it ({done}; told the Lighthouse gate at {gate}): "
+            "nothing to join; choose a new run.dir to train again")

@@ -437,7 +437,27 @@ class Trainer:
         if not self.is_leader:
             return {}
         self.state.save()  # the clocks up to the end: the next incarnation's downtime starts here
-        return write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
+        summary = write_cluster_summary(self.run_dir, record, [s.name for s in self.specs])
+        self._tell_finished(int(record["steps"]))
+        return summary
+
+    def _tell_finished(self, steps: int) -> None:
+        """Tell the federation's gate (signed by this cluster's roster identity) that this cluster finished: a
+        peer relaunched later on its own run.dir then exits instead of training alone (cli/checks.py)."""
+        f = self.cfg.federation
+        if not (self.federated and f.lighthouse and f.roster_file):
+            return
+        from edit_train.federation import auth
+        from edit_train.federation.quorum import tell_finished
+        from edit_train.train.build import credentials
+
+        try:
+            key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
+            creds = credentials(self.cfg, self.topo.name)
+        except Exception as exc:  # noqa: BLE001 - the run is done; this is only news for a later relaunch
+            log.warning("not telling the gate that cluster %s finished: %s", self.topo.name, exc)
+            return
+        tell_finished(f.lighthouse, self.topo.name, steps, key, creds)
 
     def _log_moe(self, step: int) -> None:
         out = self._last_out

@@ -1,0 +1,150 @@
+"""A federation that finished, across sites (issue 48, 2): each cluster has its own run.dir, so a cluster
+relaunched after its peers finished learns it from the gate — each cluster tells it, in a request signed by its
+own roster identity, that it finished — and exits 0 in one line instead of training alone to the end. A name
+cannot mark another finished, and a cluster that never trained here is not stopped."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from edit_train.cli.checks import nothing_left
+from edit_train.cli.common import compose
+from edit_train.config import cluster_specs
+from edit_train.federation import auth, enrol, gate
+from edit_train.federation.quorum import finished_peers, tell_finished
+from edit_train.federation.signed import Credentials, load_credentials
+from edit_train.train.build import fingerprint
+from edit_train.train.progress import record_path
+
+KEY = auth.INSECURE  # every address is this machine's loopback: the key a cluster without key_file resolves
+NAMES = ["a", "b"]
+BASE = ["cluster=local", "cluster.clusters=[{name:a},{name:b}]", "algo=diloco", "train.steps=20"]
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Path:
+    cfg = compose(BASE)
+    d = tmp_path / "fed"
+    enrol.make(d, NAMES, (fingerprint(cfg), cfg.train.steps, cfg.algo.name))
+    return d
+
+
+def _creds(fed: Path, name: str) -> Credentials:
+    return load_credentials(str(enrol.identity_path(fed, name)), str(fed / enrol.ROSTER), name)
+
+
+def _serve(fed: Path, bind: str = "127.0.0.1:0") -> gate.Gate:
+    creds = load_credentials(str(fed / enrol.GATE), str(fed / enrol.ROSTER), "gate", role="gate")
+    return gate.Gate(bind, KEY, 1, 0.5, 5.0, creds, str(fed / enrol.ROSTER))
+
+
+def test_a_cluster_marks_only_itself_finished_and_the_gate_keeps_it(fed: Path) -> None:
+    g = _serve(fed)
+    try:
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {}
+        # b, holding its own identity and the federation key, claims a's name: the gate refuses the request
+        with pytest.raises(gate.IdentityRefused):
+            gate.call(g.address, {"kind": "finished", "name": "a", "steps": 20}, KEY, 5.0, _creds(fed, "b"))
+        assert not tell_finished(g.address, "a", 20, KEY, _creds(fed, "b"))
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {}
+        assert tell_finished(g.address, "a", 20, KEY, _creds(fed, "a"))
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 20}
+        address = g.address
+    finally:
+        g.shutdown()
+    g = _serve(fed, address)  # a restarted gate still knows (a JSON file beside the roster)
+    try:
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 20}
+        assert json.loads((fed / (enrol.ROSTER + ".finished.json")).read_text()) == {"a": 20}
+    finally:
+        g.shutdown()
+
+
+def _relaunch(fed: Path, run_dir: Path, lighthouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDIT_TRAIN_CLUSTER", "b")
+    cfg = compose([*BASE, f"run.dir={run_dir}", "resume=auto", f"federation.lighthouse={lighthouse}",
+                   f"federation.roster_file={fed / enrol.ROSTER}", f"federation.identity_file={fed / 'b'}.identity"])
+    nothing_left(cfg, cluster_specs(cfg), "b")
+
+
+def test_a_cluster_resumed_after_its_peers_finished_elsewhere_exits_0_in_one_line(
+        fed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    g = _serve(fed)
+    try:
+        run_b = tmp_path / "site-b"  # b's own run.dir: no record of a in it
+        record_path(run_b, "b").parent.mkdir(parents=True)
+        record_path(run_b, "b").write_text(json.dumps({"saved_at": time.time() - 60}))
+        _relaunch(fed, run_b, g.address, monkeypatch)  # a has not finished: b trains (returns)
+        assert tell_finished(g.address, "a", 20, KEY, _creds(fed, "a"))
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as code:
+            _relaunch(fed, run_b, g.address, monkeypatch)
+        assert code.value.code == 0 and time.monotonic() - start < 30
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(lines) == 1 and "cluster b: its federation finished without it (a at step 20" in lines[0], lines
+        # a cluster that never trained here (no progress record) is not stopped by the gate's word
+        _relaunch(fed, tmp_path / "fresh", g.address, monkeypatch)
+    finally:
+        g.shutdown()
+
+
+# two cluster processes around a gate, one killed and relaunched: ~20 s on 2 busy cores
+def test_two_sites_one_relaunched_after_the_other_finished_exits_0(tmp_path: Path, small_corpus: str) -> None:
+    """a and b train with SEPARATE run dirs over one gate with a roster; b dies, a finishes alone and tells the
+    gate; b relaunched with resume=auto said nothing of a (its run.dir holds no record of a) and trained alone —
+    now it exits 0 within 30 s with one line naming a."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import cli_env, script_cmd
+
+    args = ["cluster=local", "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]", "algo=edit", "algo.interval=2",
+            "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
+            "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=2", "federation.min_clusters=1",
+            "federation.join_timeout_s=2", "federation.heartbeat_timeout_s=2", f"data.source={small_corpus}",
+            "train.steps=12"]
+    cfg = compose(args)
+    fed = tmp_path / "fed"
+    enrol.make(fed, NAMES, (fingerprint(cfg), cfg.train.steps, cfg.algo.name))
+    g = _serve(fed)
+
+    def cmd(name: str, *extra: str) -> list[str]:
+        return [*script_cmd("edit-train", "edit_train.cli.train"), *args, f"run.dir={tmp_path / ('site-' + name)}",
+                f"federation.lighthouse={g.address}", f"federation.roster_file={fed / enrol.ROSTER}",
+                f"federation.identity_file={fed / name}.identity", *extra]
+
+    try:
+        a = subprocess.Popen(cmd("a"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=cli_env(EDIT_TRAIN_CLUSTER="a"), cwd=tmp_path)
+        b = subprocess.Popen(cmd("b"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                             env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, start_new_session=True)
+        progress = record_path(tmp_path / "site-b", "b")
+        deadline = time.time() + 240
+        while time.time() < deadline and not progress.is_file() and b.poll() is None:
+            time.sleep(0.2)
+        if b.poll() is None:
+            os.killpg(b.pid, signal.SIGKILL)
+        b.wait()
+        out_a = a.communicate(timeout=300)[0]
+        assert a.returncode == 0, out_a[-3000:]
+        assert progress.is_file() and not (tmp_path / "site-b" / "clusters" / "b.json").is_file()
+        assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 12}
+        t0 = time.monotonic()
+        again = subprocess.run(cmd("b", "resume=auto"), capture_output=True, text=True,
+                               env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        for p in (locals().get("a"), locals().get("b")):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        g.shutdown()
+    said = [x for x in again.stderr.strip().splitlines() if x.strip()]
+    assert again.returncode == 0 and took < 30, again.stderr[-3000:]
+    assert len(said) == 1 and "cluster b: its federation finished without it (a at step 12" in said[0], said
+    assert not (tmp_path / "site-b" / "clusters" / "b.json").is_file()  # it did not train alone to the end
