@@ -165,20 +165,3 @@ def test_an_a_edit_cluster_past_its_target_syncs_at_its_intervals_not_every_step
         pacer.local_step(step, 0.01)
         due.append(pacer.due)
     assert not any(due[:35]) and not pacer.at_target
-
-
-def test_a_cluster_past_its_target_says_so_in_its_progress_line(caplog) -> None:
-    """Issue 48 (7): "step 30/20" under a_edit. A line past train.steps says what the cluster is doing."""
-    import io
-    import logging
-
-    from edit_train.train.progress import Progress
-
-    p = Progress(["c0"], total=20, desc="a_edit", stream=io.StringIO(), every_s=0.0)
-    with caplog.at_level(logging.INFO):
-        p.report("c0", 12, 3.0, 100.0)
-        p.report("c0", 30, 2.5, 100.0)
-        p.close()
-    out = "\n".join(r.getMessage() for r in caplog.records)
-    assert "step 12/20 " in out and "step 30 (past train.steps 20: training on until most clusters reach it)" in out
-    assert "30/20" not in out
