@@ -57,9 +57,6 @@ class Pacer:
         self.global_step = 0  # max over clusters, as of the last exchange
         self.stopped = False  # every cluster agreed to stop (time schedule / time budget)
         self.finishing = False  # A-EDiT + overlap after the agreed stop: step until the final quorum is issued
-        # a time schedule's cluster past train.steps has synced its stop vote once (`at_target`); until most
-        # clusters vote to stop it syncs at its planned intervals again, not at every step
-        self.target_voted = False
         self.eval_due = False
         self.checkpoint_due = False  # time schedule: save now (a sync has just been exchanged or missed)
         self.checkpoint_step = 0  # time schedule: this cluster's total steps at its last checkpoint
@@ -129,7 +126,7 @@ class Pacer:
         instead of at the end of its planned interval: the run ends at train.steps, not up to one (fast
         cluster's) interval past it."""
         return (not self.lockstep and not self.stopped and self.cfg.total_steps > 0 and self.local_steps > 0
-                and self.total_steps >= self.cfg.total_steps and not self.target_voted)
+                and self.total_steps >= self.cfg.total_steps)
 
     def extra(self) -> list[float]:
         """What this cluster tells the others at a sync (round.EXTRA)."""
@@ -160,7 +157,6 @@ class Pacer:
             every = self.cfg.eval_every
             self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
         stop, ignored = self.stop_votes(rows, position)
-        self.target_voted = self.target_voted or (self.cfg.total_steps > 0 and self.total_steps >= self.cfg.total_steps)
         if stop and not self.stopped:
             self.stopped = True
             # ask for the final quorum in the background and keep training until every cluster has asked:
