@@ -1,8 +1,8 @@
 """When this cluster syncs, evaluates and stops: step or wall-clock (A-EDiT) intervals, the agreed stop.
 
-The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes; under a time
-schedule or a time budget a strict majority of the quorum must vote to stop, each vote checked against this
-cluster's own clock (`stop_votes`): nothing one member says stops the others.
+The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes; a time budget
+needs a strict majority of the quorum's votes, each checked against this cluster's own clock; A-EDiT's
+train.steps is the federation's count: a member whose count reached it ends the run (`stop_votes`).
 
 The pacer counts local steps and measures seconds per step (compute only: time blocked on other clusters
 is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
@@ -37,7 +37,7 @@ from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 class PaceConfig:
     schedule: ScheduleConfig
     local_sgd: bool = True
-    total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
+    total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
     tokens_per_step: int = 0  # this cluster's tokens per local step (what its contribution is worth)
@@ -97,7 +97,7 @@ class Pacer:
     def should_stop(self, step: int) -> bool:
         """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own where
         the others' bound on its claims is (`claims.Terms.max_steps`: twice train.steps plus `TIME_MARGIN`): a
-        fast cluster waiting for most clusters to reach train.steps never outruns what they accept from it."""
+        fast cluster never outruns what the others accept from it."""
         if self.stopped:
             return not self.finishing
         if self.lockstep:
@@ -169,10 +169,10 @@ class Pacer:
 
     def stop_votes(self, rows: Tensor, position: int) -> tuple[bool, dict[int, str]]:
         """(stop now?, the other members' yes votes not followed and why). A step schedule ends at train.steps,
-        each cluster's own count: no vote stops it. Under a time schedule or a time budget the stop needs a
-        strict majority of the quorum, each vote checked against this cluster's own clock and the terms: a vote
-        for the budget counts once this cluster's own clock is within an interval of it, a vote for train.steps
-        only from a member whose own count reached it. This cluster's own vote is its own clock's."""
+        each cluster's own count: no vote stops it. Under a time schedule (A-EDiT) the run ends at train.steps of
+        the federation: a stop vote from a member whose count reached it. A vote for the time budget needs a
+        strict majority of the quorum, each counted once this cluster's own clock is within an interval of the
+        budget. This cluster's own vote is its own clock's."""
         yes = [i for i in range(rows.shape[0]) if float(rows[i, 3]) > 0 and i != position]
         if not self.clocked:
             return False, {i: "a step schedule ends at train.steps" for i in yes}
@@ -187,7 +187,16 @@ class Pacer:
             else:
                 ignored[i] = "this cluster's own clock is not near the time budget and its step count is not " \
                     "past train.steps"
-        stop = 2 * counted > rows.shape[0]
+        # A-EDiT's train.steps is the federation's step count (the agreed global step: the largest claim), as
+        # before: the run ends once a member whose count reached it votes to stop — a majority would keep a fast
+        # cluster training to its claims' cap while the slow ones finish, then leave them without a quorum. A
+        # member may claim its count (bounded by `claims.vet`): ending an A-EDiT run early is what an insider can
+        # still do (docs/security.md). A vote for the time budget still needs a strict majority.
+        target = not self.lockstep and self.cfg.total_steps > 0 and any(
+            float(rows[i, 3]) > 0 and float(rows[i, 2]) >= self.cfg.total_steps for i in range(rows.shape[0]))
+        stop = target or 2 * counted > rows.shape[0]
+        if target:
+            ignored = {}
         if not stop:
             for i in yes:
                 ignored.setdefault(i, f"{counted} of {rows.shape[0]} votes to stop count: not a strict majority")
