@@ -1,14 +1,14 @@
 """Moving one module's tensors across the quorum's lanes: a SUM (in place) or a gather of every
-participant's contribution, in fp32 or compressed with this rank's error feedback.
+cluster's contribution, in fp32 or compressed with this rank's error feedback.
 
-Layout: when every participant has the same size, lane r carries rank r's own FSDP shard (paired; no
+Layout: when every cluster has the same size, lane r carries rank r's own FSDP shard (paired; no
 resharding); otherwise the module's full flat Δ is cut into the federation's `chunks` pieces and piece j
 travels on lane j, owned by the cluster's rank `j % size` (chunked), and the pieces are put back together
 over the cluster's fast links. A gathered piece carries its tag (`seal.py`): a piece that does not verify
 fails the whole move on every rank of the cluster (the sync is rolled back; nothing forged is judged).
 
 Rows (expert-aware sync): a move may carry only some dim-0 rows of each whole parameter — the same ones from
-every participant for a SUM, each participant's own for a gather (every participant knows all of them). Only
+every cluster for a SUM, each cluster's own for a gather (every cluster knows all of them). Only
 those elements go on the wire (a gather of unequal pieces is an all-to-all of each one's own); the rest comes
 back as 0.
 """
@@ -32,6 +32,7 @@ from edit_train.federation.link import LinkClock
 from edit_train.federation.pending import Pending
 from edit_train.federation.seal import TAG, Seal
 from edit_train.local_sgd.evidence import shard_range
+from edit_train.local_sgd.moves import wire
 from edit_train.local_sgd.protocols import ClusterGroup, Contributions, Quorum
 
 
@@ -59,7 +60,7 @@ def _sum_opts() -> AllreduceOptions:
 
 
 class _Done:
-    """A lane with nothing to move (every participant's piece is empty)."""
+    """A lane with nothing to move (every cluster's piece is empty)."""
 
     def is_completed(self) -> bool:
         return True
@@ -123,10 +124,10 @@ class ModuleMover:
     def _lane(self, q: Quorum, seal: Seal, context: str, lane: int, flat: Tensor, key: str,
               gather: bool, sizes: list[int] | None = None) -> tuple[Any, Callable[[], list[Tensor] | None], int]:
         """Start a SUM (in place) or a gather of `flat` over one lane: (work, its result — the sum, or every
-        participant's piece in quorum order, None when a piece's tag does not verify —, bytes this rank puts
+        cluster's piece in quorum order, None when a piece's tag does not verify —, bytes this rank puts
         on the wire). Pseudo-gradients (`key` given) go compressed under a lossy scheme; a sparse one is
         gathered even for a SUM (every receiver adds the authenticated pieces in quorum order). `sizes`: every
-        participant's piece on this lane when they differ (a gather of rows)."""
+        cluster's piece on this lane when they differ (a gather of rows)."""
         pg, world, me = self.lanes.groups[lane], len(q.members), q.me
         if sizes is not None and not any(sizes):  # rows: nobody has anything on this lane
             return _Done(), lambda: [flat[:0].clone() for _ in range(world)], 0
@@ -135,8 +136,9 @@ class ModuleMover:
         if sizes is not None and lossy:
             raise ValueError("rows of a contribution cannot go compressed (error feedback needs every row); "
                              "use sync.compression=none with algo.penalty.verified.expert_min_tokens")
-        summed = not gather and cfg.sparse
-        nbytes = sent_bytes("gather" if gather or summed else "sum", flat.numel(), world, me, cfg)
+        on_wire = wire("gathered" if gather else "sum", cfg.sparse)  # local_sgd/moves.py: the one decision
+        summed = not gather and on_wire == "gather"
+        nbytes = sent_bytes(on_wire, flat.numel(), world, me, cfg)
         ctx = f"{context}/lane{lane}"
         if not gather and not summed:
             if not lossy:
@@ -181,8 +183,8 @@ class ModuleMover:
 
     def move(self, q: Quorum, seal: Seal, tensors: list[Tensor], params: list[Tensor] | None, key: str,
              gather: bool, rows: list[list[Tensor | None]] | None = None) -> Pending[Any]:
-        """The SUM of `tensors` (in place) over the quorum, or every participant's contribution. `rows`: the
-        dim-0 rows of each whole parameter that go — one list for a SUM, one per participant for a gather."""
+        """The SUM of `tensors` (in place) over the quorum, or every cluster's contribution. `rows`: the
+        dim-0 rows of each whole parameter that go — one list for a SUM, one per cluster for a gather."""
         c, n = self.cluster, len(q.members)
         context = seal.context(f"module/{key}")
         likes: list[Tensor | None] = list(params) if params is not None else [None] * len(tensors)
@@ -197,7 +199,7 @@ class ModuleMover:
         pieces = [send] if q.paired else list(torch.tensor_split(send, self.chunks))
         mine = [c.rank] if q.paired else [j for j in range(self.chunks) if j % c.size == c.rank]
 
-        def sizes(j: int) -> list[int] | None:  # every participant's piece on lane j, when a gather's differ
+        def sizes(j: int) -> list[int] | None:  # every cluster's piece on lane j, when a gather's differ
             if not (gather and masks and len(set(lens)) > 1):
                 return None
             return lens if q.paired else [(b := _bounds(m, self.chunks))[j + 1] - b[j] for m in lens]
@@ -206,8 +208,8 @@ class ModuleMover:
                    for j in mine]
         ready_at = self.clock.account(sum(b for _, _, b in started)) if started else 0.0
         out: list[list[Tensor]] = []
-        whole: list[Tensor] = []  # chunked: every participant's whole flat Δ (the same on every rank)
-        local: list[Tensor] = []  # paired: every participant's flat shard as this rank holds it
+        whole: list[Tensor] = []  # chunked: every cluster's whole flat Δ (the same on every rank)
+        local: list[Tensor] = []  # paired: every cluster's flat shard as this rank holds it
 
         def settle(ok: bool) -> bool | str:
             got_rows = [got() for _, got, _ in started] if ok else []

@@ -1,7 +1,7 @@
 """Bytes on the cross-cluster link, per cluster, exactly as `federation` counts them (no torch needed).
 
-* a local-SGD sync moves every sync unit's pseudo-gradient as its rule needs (`aggregation`, the same decision
-  as `local_sgd.round.SyncCore.mode`; docs/sync_math.md): a rule that needs a SUM (`uniform`, `edit_norm`:
+* a local-SGD sync moves every sync unit's pseudo-gradient as its rule needs (`local_sgd.moves.aggregation`,
+  the round's and the lanes' own decision, torch-free; docs/sync_math.md): a rule that needs a SUM (`uniform`, `edit_norm`:
   diloco, post-local SGD) sums at any count (`compressed_reduce.plan`: a ring all-reduce of fp32,
   2(P−1)/P · 4n; a compressed all-gather or reduce-scatter + all-gather, whichever moves less); the `verified`
   rule (edit, a_edit) gathers up to `sync.gather_max` participants (every cluster sends its contribution to
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from edit_train.codec.sparse_format import SCALE_BYTES, SparseFormat, format_error, sparse_bytes  # torch-free
 from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
+from edit_train.local_sgd.moves import aggregation, wire  # torch-free: how contributions move
 
 TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
 SKETCH_DIM = 1024  # algo.penalty.verified.sketch_dim: buckets of each count sketch a sketched sync's vote carries
@@ -40,16 +41,6 @@ def needs_of_rule(rule: str) -> str:
     return "sum" if rule in ("uniform", "edit_norm") else "measurements"
 
 
-def aggregation(world: int, needs: str, gather_max: int, sparse: bool) -> str:
-    """How a sync among `world` clusters moves the contributions, as bytes go: sum | gathered | sketched (a SUM
-    of sparse payloads is a gather of tagged pieces, whatever the rule needs)."""
-    if world > 1 and sparse:
-        return "gathered"
-    if world <= 1 or needs == "sum":
-        return "sum"
-    if needs == "contributions" or world <= gather_max or sparse:
-        return "gathered"
-    return "sketched"
 VALUE_BYTES = {"none": 4, "bf16": 2, "int8": 1, "fp8": 1}
 BLOCKWISE = ("int8", "fp8")
 COMPRESSIONS = ("none", "bf16", "int8", "fp8", "topk")
@@ -175,11 +166,11 @@ def sync_bytes(units: Sequence[int], world: int, scheme: Codec | str, *, ranks: 
     if world <= 1:
         return 0
     c = codec(scheme, block)
-    how = aggregation(world, needs, gather_max, c.sparse)
+    how = aggregation(needs, world, gather_max, sketch_dim, c.sparse)
     total = 0
     for n in (u - s for u, s in zip(units, unsent)) if unsent is not None else units:
         for piece in unit_pieces(n, ranks, paired, chunks):
-            if how == "gathered":
+            if wire(how, c.sparse) == "gather":
                 total += (world - 1) * (c.payload(piece) + TAG)
             else:
                 total += sum_bytes(piece, world, c)
@@ -200,7 +191,7 @@ def codec_values(units: Sequence[int], world: int, scheme: Codec | str, *, ranks
     enc = dec = 0.0
     for n in units:
         for piece in unit_pieces(n, ranks, paired, chunks):
-            if aggregation(world, needs, gather_max, c.sparse) == "gathered" or \
+            if wire(aggregation(needs, world, gather_max, SKETCH_DIM, c.sparse), c.sparse) == "gather" or \
                     sum_method(piece, world, c) == "all_gather":
                 enc, dec = enc + piece, dec + (world - 1) * piece
             else:  # rs_ag
