@@ -256,20 +256,6 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=schema)
 
 
-def _check_experts(cfg: Config) -> None:
-    """Expert-aware merging (`algo.penalty.verified.expert_weights=tokens`, local_sgd/experts.py): what a sync
-    can carry with it."""
-    v, s, clusters = cfg.algo.penalty.verified, cfg.sync, len(cluster_specs(cfg))
-    if cfg.algo.penalty.rule != "verified" or v.expert_weights == "none":
-        return
-    _need(clusters <= s.gather_max, "algo.penalty.verified.expert_weights",
-          f"tokens: above sync.gather_max={s.gather_max} clusters a sync is a SUM checked by sketches, which cannot "
-          f"check weights per expert; raise sync.gather_max to {clusters} or set expert_weights=none")
-    _need(v.expert_min_tokens == 0 or s.compression == "none", "algo.penalty.verified.expert_min_tokens",
-          f"rows a cluster does not send cannot go compressed (error feedback needs every row): set "
-          f"sync.compression=none (now {s.compression}) or expert_min_tokens=0")
-
-
 def validate(cfg: Config) -> None:
     """Check cross-field rules; raise ConfigError naming the field and what to do."""
     from edit_train.sim.switch import check_real_network
@@ -301,13 +287,15 @@ def validate(cfg: Config) -> None:
     a.outer.validate()
     a.penalty.validate()
     if a.local_sgd:
+        from edit_train.local_sgd.aggregator import capabilities_of
         from edit_train.local_sgd.rules import make_rule, refuse_mode
 
         rule = make_rule(a.penalty)  # an unknown or unloadable algo.penalty.rule fails here, in one line
         why = refuse_mode(rule, a.penalty.rule, len(cluster_specs(cfg)), cfg.sync.gather_max,
                           cfg.sync.unsent == "keep" and cfg.sync.compression == "topk")
         _need(not why, "algo.penalty.rule", why)
-        _check_experts(cfg)
+        refused = capabilities_of(rule).refuse(len(cluster_specs(cfg)), cfg.sync.gather_max, cfg.sync.compression)
+        _need(refused is None, *(refused or ("", "")))  # the rule's own check of the federation it is to serve
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
     _need(cfg.data.parts >= 0, "data.parts",

@@ -159,6 +159,35 @@ def test_the_sync_sequence_exists_once() -> None:
         assert path.name == "round.py" or "rebase" not in top, path
 
 
+SYNC_POINT_OWNERS = {"sync_index": "membership.py", "total_steps": "pacer.py", "stopped": "pacer.py",
+                     "finishing": "pacer.py"}
+
+
+def _attribute_writes(tree: ast.AST) -> list[tuple[str, int]]:
+    """(attribute, line) of every `x.attr = ...`, `x.attr += ...`, `a = x.attr = ...` and tuple target."""
+    out = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Attribute) and isinstance(leaf.ctx, ast.Store):
+                    out.append((leaf.attr, leaf.lineno))
+    return out
+
+
+def test_sync_point_state_has_one_writer() -> None:
+    """Only `Membership` writes `sync_index` (the anchor version a cluster holds); only `Pacer` writes
+    `total_steps` and the stop flags (`stopped`, `finishing`) — everyone else calls their named methods."""
+    assert ("sync_index", 3) in _attribute_writes(ast.parse("x = 1\n\na.b, m.sync_index = 1, 2"))
+    writes = []
+    for path in PKG.rglob("*.py"):
+        for attr, line in _attribute_writes(ast.parse(path.read_text())):
+            if attr in SYNC_POINT_OWNERS and path.relative_to(PKG).as_posix() != f"local_sgd/{SYNC_POINT_OWNERS[attr]}":
+                writes.append(f"{path.relative_to(PKG.parent)}:{line} writes .{attr}")
+    assert not writes, writes
+
+
 def test_the_loop_knows_one_simulation_seam() -> None:
     """Injected faults and simulated slowness reach the training loop through one seam (sim/hooks.py, `StepHooks`,
     built from the config by sim/build.py): the trainer imports no other sim module and the algorithm's builder

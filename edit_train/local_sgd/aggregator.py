@@ -17,6 +17,11 @@ the same decision without more communication. A rule says what the round must mo
   merge them itself: a rule with a `combine(ev, decision, parts)` method returns the merged Δ (a coordinate-wise
   median, a trimmed mean, ...); without one, the round sums the contributions with the decision's weights.
 
+A rule may ask more of the round and the trainer (`capabilities()`, optional; `Capabilities`): count sketches
+of a size, the usefulness probe and taking back what it shows harmful (`retract.py`), how an MoE model's expert
+rows are sent, and a check of the federation it is to serve. `LocalSGD`, the trainer and the config ask the rule
+through `capabilities_of`; none of them names a rule.
+
 Clipping, the outer step, the re-base and rollback stay in the one round (`round.py`) for every rule.
 """
 
@@ -24,13 +29,14 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["Needs", "Evidence", "Decision", "Aggregator", "Combiner", "nobody", "spread", "needs_of"]
+__all__ = ["Needs", "Evidence", "Decision", "Aggregator", "Combiner", "Capabilities", "nobody", "spread", "needs_of",
+           "capabilities_of"]
 
 
 class Needs(str, enum.Enum):
@@ -99,10 +105,30 @@ class Decision:
         return d
 
 
+def _serves_any(clusters: int, gather_max: int, compression: str) -> tuple[str, str] | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a rule asks of the round and the trainer beyond its decisions (the defaults ask nothing)."""
+
+    sketch_dim: int = 0  # count-sketch buckets per unit the round measures (0: none; sketched syncs need some)
+    probe_tokens: int = 0  # the usefulness probe: validation tokens each cluster scores every update on (0: none)
+    probe_tolerance: float = 0.1  # a probe score this far off is harmful; an evaluator this far from the others' is
+    # suspected; a healed anchor this much worse on the cluster's probe slice is refused
+    retract: bool = False  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
+    expert_min_tokens: int = 0  # a cluster sends no rows of an expert it routed fewer tokens to (0: every row)
+    weighs_experts: bool = True  # the rule may weigh experts (a gathered round measures each expert's Gram matrix)
+    # (clusters, sync.gather_max, sync.compression) -> (config field, why) when the rule cannot serve them
+    refuse: Callable[[int, int, str], tuple[str, str] | None] = _serves_any
+
+
 @runtime_checkable
 class Aggregator(Protocol):
-    """An aggregation rule (module by module; the same answer on every cluster). Optional attributes: `needs`
-    (default `Needs.SUM`) and `sketch_dim` (count-sketch buckets a MEASUREMENTS rule wants; 0: none)."""
+    """An aggregation rule (module by module; the same answer on every cluster). Optional members: `needs`
+    (default `Needs.SUM`) and `capabilities()` (default `Capabilities()`, or one with the rule's `sketch_dim`
+    attribute: count-sketch buckets a MEASUREMENTS rule wants)."""
 
     def decide(self, ev: Evidence) -> Decision: ...
 
@@ -123,6 +149,16 @@ class Combiner(Aggregator, Protocol):
 def needs_of(rule: Aggregator) -> Needs:
     """What `rule` needs moved (`needs`, default a SUM)."""
     return Needs(getattr(rule, "needs", Needs.SUM))
+
+
+def capabilities_of(rule: Aggregator) -> Capabilities:
+    """What `rule` asks beyond its decisions (`capabilities()`; the one place its optional members are read)."""
+    ask = getattr(rule, "capabilities", None)
+    if callable(ask):
+        caps = ask()
+        assert isinstance(caps, Capabilities), f"{type(rule).__name__}.capabilities() must return Capabilities"
+        return caps
+    return Capabilities(sketch_dim=int(getattr(rule, "sketch_dim", 0)))
 
 
 def nobody(ev: Evidence) -> Decision:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.drivers import BlockingDriver, Driver, OverlapDriver
 from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
 from edit_train.local_sgd.experts import Experts, RoutedCounts
@@ -82,10 +83,11 @@ class LocalSGD:
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s, cfg.eval_every,
                                       cfg.tokens_per_step, cfg.checkpoint_every), transport.cluster)
         self.rule = make_rule(cfg.penalty)
+        self.caps = capabilities_of(self.rule)  # what the rule asks beyond its decisions (aggregator.py)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.suspects = Suspects(transport.name)  # the liars this cluster names (log + `sync` events)
         self.records = Records(transport, emit, cluster_index, self.suspects)
-        self.probe = Probe(self.replica.units, probe_loss, span, transport.name)  # usefulness (verified rule)
+        self.probe = Probe(self.replica.units, probe_loss, span, transport.name)  # usefulness (the rule's probe)
         self.driver: Driver | None = None
         outer = lambda: self.driver.core.outer if self.driver is not None else None  # noqa: E731
         healer = Healer(transport, lambda: self.state.heal_out(), lambda m, t: self.state.heal_in(m, t), *codec,
@@ -101,16 +103,17 @@ class LocalSGD:
 
     def start_local_phase(self) -> None:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
-        units, pen = self.replica.units, self.cfg.penalty
-        core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
-                        pen.clip_phi, self.span, self.cfg.gather_max,
-                        getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
-                        retract=Retraction(pen.verified.probe_tolerance) if self.probe.enabled and pen.verified.retract
-                        else None, experts=Experts(self.routed, [(u.name, u.module, u.params) for u in units],
-                                                   **pen.experts) if self.routed is not None else None,
-                        scale_bound=pen.scale_bound, suspects=self.suspects,
+        units, pen, caps, probing = self.replica.units, self.cfg.penalty, self.caps, self.probe.enabled
+        experts = Experts(self.routed, [(u.name, u.module, u.params) for u in units], caps.expert_min_tokens,
+                          caps.weighs_experts) if self.routed is not None else None
+        core = SyncCore(units=units, outer=OuterState({u.name: u.live() for u in units}, self.cfg.outer),
+                        rule=self.rule, transport=self.t, clip=pen.clip_phi, span=self.span,
+                        gather_max=self.cfg.gather_max, sketch_dim=caps.sketch_dim,
+                        keep=self.probe.keep if probing else None,
+                        retract=Retraction(caps.probe_tolerance) if probing and caps.retract else None,
+                        experts=experts, scale_bound=pen.scale_bound, suspects=self.suspects,
                         max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1),
-                        probe_tolerance=pen.verified.probe_tolerance)
+                        probe_tolerance=caps.probe_tolerance)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 
@@ -124,7 +127,7 @@ class LocalSGD:
         if any(t is None for ts in theirs.values() for t in ts):
             return None  # check_payload refuses a payload without the anchor
         return self.probe.compare({u.name: outer.anchors[u.name] for u in self.replica.units},
-                                  theirs, self.cfg.penalty.verified.probe_tolerance)  # type: ignore[arg-type]
+                                  theirs, self.caps.probe_tolerance)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the loop's calls
     def join(self) -> int | None:
@@ -133,7 +136,7 @@ class LocalSGD:
             return None
         q = self.membership.meet()
         if q is not None and not any(m.contributes for m in q.members):
-            self.membership.sync_index = q.agreed_sync
+            self.membership.syncing(q)  # nobody contributes: the agreed version
             self.t.abort()
         elif q is not None and self.driver is None:  # ddp / warm-up: the others are averaging gradients
             self.grads.join(q, self.replica.model, int(self.cfg.shares_loss) + int(self.cfg.time_budget_s > 0))
@@ -149,12 +152,12 @@ class LocalSGD:
         agreed, stop = self.grads.exchange(self.replica.model, step, loss if self.cfg.shares_loss else None, vote)
         if vote is not None:
             self.pacer.last_exchange_t = time.time()
-        self.pacer.stopped = self.pacer.stopped or stop
+        self.pacer.stop_agreed(stop)
         return agreed if agreed is not None else loss
 
     def after_step(self, step: int, seconds: float) -> StepOutcome:
         p = self.pacer
-        p.total_steps = step + 1
+        p.stepped(step + 1)
         if not self.cfg.local_sgd or self.warmup.is_warmup(step):
             p.global_step = step + 1
             if self.cfg.local_sgd and step + 1 == self.cfg.schedule.warmup_steps:
@@ -224,7 +227,7 @@ class LocalSGD:
                 log.warning("cluster %s: sync skipped: %s", self.t.name, exc)
             self.t.abort()
             q = None
-        final, self.pacer.finishing = final or self.pacer.finishing, False  # after the agreed stop: the last sync
+        final = self.pacer.take_finishing() or final  # after the agreed stop: the last sync
         if q is None:  # cut off: keep training from the local replica; try again after another interval
             self.records.missed(self.membership.sync_index + 1, self.pacer.local_steps, self.pacer.total_steps)
             self.pacer.missed()
@@ -234,7 +237,7 @@ class LocalSGD:
     def _run_sync(self, q: Quorum, final: bool = False) -> None:
         assert self.driver is not None
         contributors = any(m.contributes for m in q.members)
-        self.membership.sync_index = q.agreed_sync + (1 if contributors else 0)
+        self.membership.syncing(q)
         self.records.step = self.pacer.total_steps
         extra, local_steps = self.pacer.extra() + self.probe.row(q.names), self.pacer.local_steps
         self.pacer.synced()
@@ -263,7 +266,7 @@ class LocalSGD:
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()
         self.records.aborted(report, why)
-        self.membership.sync_index = max(self.membership.sync_index - 1, 0)
+        self.membership.aborted()
 
     # ------------------------------------------------------------------ the loop reads
     @property
@@ -277,6 +280,11 @@ class LocalSGD:
     @property
     def global_step(self) -> int:
         return self.pacer.global_step
+
+    @property
+    def local_steps(self) -> int:
+        """Steps since this cluster's last sync."""
+        return self.pacer.local_steps
 
     @property
     def syncs_done(self) -> int:

@@ -56,7 +56,7 @@ class GradientExchange:
                 extra.append(torch.tensor([value], dtype=torch.float32, device=self.t.cluster.device))
         if self.t.federated:
             try:  # a quorum every step, gradients averaged over it
-                self.membership.sync_index = step  # the replica's version is its step
+                self.membership.holds(step)  # the replica's version is its step
                 q = self.membership.form(1)
                 if q is not None and q.shared:
                     average(self.t, q, tensors + extra)

@@ -119,8 +119,21 @@ class Membership:
         if q.shared:
             self.rejoining = False
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
-            self.adopt_step = self.pacer.total_steps = agreed
+            self.adopt_step = self.pacer.adopt(agreed)
         return q
+
+    # ------------------------------------------------------------ the one writer of `sync_index`
+    def holds(self, sync: int) -> None:
+        """The anchor version this cluster holds now (restored, or ddp's: its step)."""
+        self.sync_index = sync
+
+    def syncing(self, q: Quorum) -> None:
+        """A sync of quorum `q` starts: the version it makes (the agreed one when nobody contributes)."""
+        self.sync_index = q.agreed_sync + (1 if any(m.contributes for m in q.members) else 0)
+
+    def aborted(self) -> None:
+        """The sync that was to make the next version did not commit."""
+        self.sync_index = max(self.sync_index - 1, 0)
 
     def agreed_steps(self, q: Quorum) -> int:
         """The step the quorum's claims agree on (`claims.agreed_steps`): bounded by the sync count under a step

@@ -149,7 +149,7 @@ class Pacer:
         self._plan_checkpoint()  # cut off for long: its local progress is saved too
 
     def exchanged(self, rows: Tensor, position: int, background_quorum: bool) -> dict[int, str]:
-        """Every participant's [local_steps, secs/step, total_steps, stop vote] from a committed exchange.
+        """Every cluster's [local_steps, secs/step, total_steps, stop vote] from a committed exchange.
         Returns the stop votes not followed ({row: why}): nothing one member says stops the others (`stop_votes`)."""
         if not self.lockstep:
             before = self.global_step
@@ -218,6 +218,25 @@ class Pacer:
         if next_sync - self.checkpoint_step > every and self.total_steps > self.checkpoint_step:
             self.checkpoint_due = True
             self.checkpoint_step = self.total_steps
+
+    # ------------------------------------------------------------ the one writer of the step count and the stop
+    def stepped(self, total: int) -> None:
+        """This cluster's step count after a step (`total_steps`: written here only; tests/test_layout.py)."""
+        self.total_steps = total
+
+    def adopt(self, total: int) -> int:
+        """The federation's step count, taken on (healed, admitted behind); returns it."""
+        self.total_steps = total
+        return total
+
+    def stop_agreed(self, stop: bool) -> None:
+        """ddp / warm-up: the gradient exchange agreed to stop (`stopped`: written here only)."""
+        self.stopped = self.stopped or stop
+
+    def take_finishing(self) -> bool:
+        """After the agreed stop: whether this is the last sync (once)."""
+        finishing, self.finishing = self.finishing, False
+        return finishing
 
     # ------------------------------------------------------------ checkpoint
     def state_json(self) -> dict[str, Any]:

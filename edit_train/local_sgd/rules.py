@@ -78,14 +78,6 @@ class PenaltyConfig:
         """The clip threshold φ, or None when clipping is off."""
         return self.clip_threshold if self.clip else None
 
-    @property
-    def experts(self) -> dict[str, Any]:
-        """How the sync treats an MoE model's experts (`experts.Experts`): below `min_tokens` routed tokens a
-        cluster does not send an expert's rows (the verified rule's option); `weighs`: the rule may weigh them."""
-        verified = self.rule == "verified"
-        return {"min_tokens": self.verified.expert_min_tokens if verified else 0,
-                "weighs": not verified or self.verified.expert_weights != "none"}
-
     def validate(self) -> None:
         check_fields(self.clip_threshold > 0, "clip_threshold", f"must be > 0, got {self.clip_threshold}")
         check_fields(self.scale_bound == 0 or self.scale_bound >= 1, "scale_bound",

@@ -55,7 +55,7 @@ class SyncState:
             self.rule.load(dict(meta.get("rule") or {}), prefixed(tensors, "penalty/"))
         else:
             adopt_replica(self.replica, tensors)
-        self.membership.sync_index = int(meta.get("sync_index", self.membership.sync_index))
+        self.membership.holds(int(meta.get("sync_index", self.membership.sync_index)))
         p = self.pacer
         p.global_step = max(p.global_step, int(meta.get("global_step", 0)))
         if p.total_steps == 0 or p.lockstep:
@@ -64,7 +64,7 @@ class SyncState:
             # with no steps of its own. Under a time schedule the clusters' step counts differ by design: one
             # that resumed its own checkpoint keeps its own count (its learning-rate schedule and data position
             # are that checkpoint's) and only takes the newer anchor (re-based: its local progress is kept)
-            self.membership.adopt_step = p.total_steps = int(meta.get("total_steps", 0))
+            self.membership.adopt_step = p.adopt(int(meta.get("total_steps", 0)))
 
     # ------------------------------------------------------------------ checkpoint
     def tensors(self) -> dict[str, dict[str, Tensor]]:
@@ -79,7 +79,7 @@ class SyncState:
                 **self.pacer.state_json(), **self.records.state_json()}
 
     def load(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
-        self.membership.sync_index = int(state["sync_index"])
+        self.membership.holds(int(state["sync_index"]))
         self.membership.rejoining = True  # resumed: the federation may have moved on without this cluster
         self.pacer.load(state)
         self.records.load(state)

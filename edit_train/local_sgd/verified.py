@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edit_train.local_sgd.aggregator import Decision, Evidence, Needs, nobody, spread
+from edit_train.local_sgd.aggregator import Capabilities, Decision, Evidence, Needs, nobody, spread
 from edit_train.local_sgd.direction import KEYS as DIRECTION_KEYS
 from edit_train.local_sgd.direction import DirectionTest, Verdict, cosines
 from edit_train.local_sgd.experts import expert_weights
@@ -108,6 +108,27 @@ class VerifiedRule:
         self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
         self.tally: dict[str, list[int]] = {}  # name -> [modules judged, modules left out as corrupt]
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
+
+    def capabilities(self) -> Capabilities:
+        """Sketches of `sketch_dim`; the probe, its retraction and the expert options as configured."""
+        c = self.cfg
+        return Capabilities(sketch_dim=c.sketch_dim, probe_tokens=c.probe_tokens, probe_tolerance=c.probe_tolerance,
+                            retract=c.retract, expert_min_tokens=c.expert_min_tokens,
+                            weighs_experts=c.expert_weights != "none", refuse=self.refuse)
+
+    def refuse(self, clusters: int, gather_max: int, compression: str) -> tuple[str, str] | None:
+        """Expert-aware merging (`expert_weights=tokens`, experts.py): what a sync can carry with it."""
+        c, key = self.cfg, "algo.penalty.verified"
+        if c.expert_weights == "none":
+            return None
+        if clusters > gather_max:
+            return (f"{key}.expert_weights", f"tokens: above sync.gather_max={gather_max} clusters a sync is a SUM "
+                    f"checked by sketches, which cannot check weights per expert; raise sync.gather_max to "
+                    f"{clusters} or set expert_weights=none")
+        if c.expert_min_tokens != 0 and compression != "none":
+            return (f"{key}.expert_min_tokens", f"rows a cluster does not send cannot go compressed (error feedback "
+                    f"needs every row): set sync.compression=none (now {compression}) or expert_min_tokens=0")
+        return None
 
     def _rows(self, key: str, names: list[str]) -> tuple[EWMAStats, Tensor]:
         grown = self.clusters.add(names)

@@ -28,7 +28,9 @@ from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
 from edit_train.timing import TimeAccount, window
+from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.errors import SyncAborted
+from edit_train.local_sgd.rules import make_rule
 from edit_train.memplan import OutOfMemory, out_of_memory_line, plan_for_config
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, process_start, record_path, restart_count
@@ -176,12 +178,13 @@ class Trainer:
         return sinks
 
     def _usefulness_probe(self) -> Callable[[], float] | None:
-        """The `verified` rule's probe of each update's usefulness: the global model's loss on a fixed batch of
-        validation tokens (None: no probe)."""
-        cfg, topo, verified = self.cfg, self.topo, self.cfg.algo.penalty.verified
-        if not (cfg.algo.local_sgd and cfg.algo.penalty.rule == "verified" and verified.probe_tokens > 0):
+        """The rule's probe of each update's usefulness (`Capabilities.probe_tokens`): the global model's loss on a
+        fixed batch of validation tokens (None: no probe)."""
+        cfg, topo = self.cfg, self.topo
+        tokens = capabilities_of(make_rule(cfg.algo.penalty)).probe_tokens if cfg.algo.local_sgd else 0
+        if tokens <= 0:
             return None
-        batch = probe_batch(self.val_dirs, cfg.train.seq_len, verified.probe_tokens, topo.index)
+        batch = probe_batch(self.val_dirs, cfg.train.seq_len, tokens, topo.index)
         return lambda: batch_loss(self.model, batch, topo, self._autocast)
 
     # ------------------------------------------------------------------ utils
@@ -364,7 +367,7 @@ class Trainer:
                 outcome = self.algo.after_step(step, time.time() - step_t0)
             if outcome.adopt_step is not None:  # healed mid-run: continue from the federation's step
                 p.step = outcome.adopt_step
-            if self.tally.due(p.step, self.algo.pacer.local_steps):  # ddp, warm-up: every log_every steps
+            if self.tally.due(p.step, self.algo.local_steps):  # ddp, warm-up: every log_every steps
                 self.tally.take()
             self._account_useful(time.time() - step_t0 - (self.algo.blocked_s - blocked0))
             if p.step % t.log_every == 0 or p.step == t.steps:
