@@ -4,9 +4,12 @@ their successor with one warning line on the command line and refused with a hin
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import io
 import logging
 import re
+import tokenize
 import typing
 from pathlib import Path
 
@@ -89,3 +92,48 @@ def test_a_fault_or_slowdown_entry_with_group_is_read_as_cluster_with_one_warnin
     assert [f.group for f in faults] == [1, 0] and changes[0].group == 1
     said = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
     assert len(said) <= 2 and all("`group` is deprecated: read as `cluster`" in m for m in said)
+
+
+#: inside the core and the federation a cluster is a cluster: not a participant or a worker (docs/glossary.md)
+CODE_RETIRED = re.compile(r"(?i)(?<![A-Za-z])(participants?|workers?)(?![A-Za-z])")
+
+
+def _words_in_code(text: str) -> list[tuple[int, str]]:
+    """(line, text) of every name this source defines (functions, classes, arguments, assigned names and
+    attributes), every docstring and every comment."""
+    found: list[tuple[int, str]] = []
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.append((node.lineno, node.name))
+        if isinstance(node, ast.arg):
+            found.append((node.lineno, node.arg))
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            found.append((node.lineno, node.id))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            found.append((node.lineno, node.attr))
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                found.append((getattr(node, "lineno", 1), doc))
+    found += [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+              if tok.type == tokenize.COMMENT]
+    return found
+
+
+def _unquoted(text: str) -> str:
+    """Without "quoted" names: another program's (torchft's wire fields, `"participants"`)."""
+    return re.sub(r'"[^"\n]*"', "", text)
+
+
+def test_the_core_and_the_federation_say_cluster() -> None:
+    """The identifiers, docstrings and comments of local_sgd/ and federation/ use no retired word for a cluster
+    (torchft's own field names, read as strings, are theirs)."""
+    probe = _words_in_code("def f(worker_id: int) -> None:\n    \"\"\"A participant.\"\"\"\n    x = 1  # a worker\n")
+    assert {t for _, t in probe if CODE_RETIRED.search(t)} == {"worker_id", "A participant.", "# a worker"}
+    bad = []
+    for package in ("local_sgd", "federation"):
+        for path in sorted((ROOT / "edit_train" / package).glob("*.py")):
+            bad += [f"{path.relative_to(ROOT)}:{line}: {CODE_RETIRED.search(_unquoted(t)).group(0)}"  # type: ignore[union-attr]
+                    for line, t in _words_in_code(path.read_text()) if CODE_RETIRED.search(_unquoted(t))]
+    assert bad == [], bad

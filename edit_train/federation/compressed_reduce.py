@@ -7,7 +7,7 @@ rank, so the rank is read from its ``parent``). It calls the group's own methods
 all), so lossy schemes move ``uint8`` payloads and every receiver dequantizes and accumulates in fp32,
 **in rank order 0..P−1**, so every rank ends with the bit-identical sum.
 
-Methods (``P`` participants, ``n`` values, ``B(m) = wire_bytes(m, cfg)``, chunks ``n_j`` block-aligned):
+Methods (``P`` clusters, ``n`` values, ``B(m) = wire_bytes(m, cfg)``, chunks ``n_j`` block-aligned):
 
 * ``all_reduce`` (scheme ``none``): fp32 SUM all-reduce. Handed: ``4n``. Wire (ring): ``2(P−1)·4n`` in all.
 * ``all_gather``: every rank all-gathers its payload and sums the P dequantized payloads.
@@ -40,7 +40,7 @@ figure the byte accounting and the link model use. ``plan()`` exposes method, ch
 
 Threads: ``compressed_sum`` keeps no global state and :class:`ErrorFeedback` is locked, so it may run on a
 background thread. Collectives on one group must be issued in the same order on every rank, so use one
-thread per group: :class:`BackgroundReducer` (one worker thread; ``submit`` returns a ``Future``).
+thread per group: :class:`BackgroundReducer` (one background thread; ``submit`` returns a ``Future``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ METHODS = ("auto", "all_reduce", "all_gather", "rs_ag")
 
 @dataclass(frozen=True)
 class Plan:
-    method: str  # "local" (one participant) | "all_reduce" | "all_gather" | "rs_ag"
+    method: str  # "local" (one cluster) | "all_reduce" | "all_gather" | "rs_ag"
     numel: int
     world: int
     bounds: tuple[tuple[int, int], ...]  # per-rank chunk [start, end) (rs_ag); the whole tensor otherwise
@@ -92,7 +92,7 @@ def _wire_rs_ag(bounds: tuple[tuple[int, int], ...], cfg: CompressionConfig) -> 
 
 
 def plan(numel: int, world: int, cfg: CompressionConfig, method: str = "auto") -> Plan:
-    """How ``compressed_sum`` moves ``numel`` values among ``world`` participants (same on every rank)."""
+    """How ``compressed_sum`` moves ``numel`` values among ``world`` clusters (same on every rank)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     whole = ((0, numel),)
@@ -169,7 +169,7 @@ def compressed_sum(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: Erro
     """SUM of flat fp32 ``x`` over ``pg`` -> (sum fp32 on every rank, bytes this rank handed to collectives).
 
     ``feedback`` is used only for lossy schemes with ``cfg.error_feedback``; ``key`` names the residual
-    (e.g. module/chunk). With one participant nothing is sent: the result is ``x`` plus any residual.
+    (e.g. module/chunk). With one cluster nothing is sent: the result is ``x`` plus any residual.
     """
     if x.dim() != 1:
         raise ValueError(f"compressed_sum takes a flat tensor, got shape {tuple(x.shape)}")
@@ -295,7 +295,7 @@ def compressed_gather(x: Tensor, pg: Any, cfg: CompressionConfig, *, feedback: E
         except PayloadError as exc:
             module, _, lane = key.rpartition("#")
             where = f", module {module}, lane {lane}" if module else (f", {key}" if key else "")
-            raise PayloadError(f"{exc} (from {names[i] if names else f'participant {i}'}{where})") from None
+            raise PayloadError(f"{exc} (from {names[i] if names else f'cluster {i}'}{where})") from None
     return out, sent.numel()
 
 
@@ -312,7 +312,7 @@ def gathered_sum(x: Tensor, pg: Any, cfg: CompressionConfig, **kw: Any) -> tuple
 
 
 def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionConfig) -> int:
-    """Bytes this rank puts on the wire for one module's exchange among ``world`` participants (the figure
+    """Bytes this rank puts on the wire for one module's exchange among ``world`` clusters (the figure
     the link model and the `bytes` of `sync` events use): a ring all-reduce of fp32 sends 2(P−1)/P·4n; a
     gather, (P−1) copies of its payload; the compressed sum, what its plan moves (module docstring)."""
     if world <= 1:
@@ -329,7 +329,7 @@ def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionC
 
 
 class BackgroundReducer:
-    """Runs ``compressed_sum`` (or ``compressed_gather``) on one worker thread, in submission order (use one
+    """Runs ``compressed_sum`` (or ``compressed_gather``) on one background thread, in submission order (use one
     per process group)."""
 
     def __init__(self, name: str = "compressed-sum") -> None:

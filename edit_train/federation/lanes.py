@@ -3,7 +3,7 @@
 Layout is by module, not by rank. A module's pseudo-gradient is cut into the federation's `chunks` fixed
 pieces; cluster c hands chunk j to its rank `j % size_c`; lane j is the group of chunk j's owners, one
 rank per participating cluster (its rank in the lane = the cluster's position in the sorted quorum).
-When every participant has the same size the federation pairs rank r with rank r instead (lane r), so each
+When every cluster has the same size the federation pairs rank r with rank r instead (lane r), so each
 rank reduces its own FSDP shard in place with no resharding (the cheaper layout).
 
 Lane 0 always joins the cluster leaders: it carries the small control exchanges (norms, votes) and healing.

@@ -190,7 +190,7 @@ class LaneTransport:
         return self._gather(vec, what, lambda rows: rows)
 
     def vote(self, ok: bool) -> Pending[Tensor]:
-        """Every participant's commit vote, [members] (1.0: every rank of it says ok; raises when one is lost)."""
+        """Every cluster's commit vote, [members] (1.0: every rank of it says ok; raises when one is lost)."""
         ok = self.cluster.agree(ok)
         return self._gather(torch.tensor([1.0 if ok else 0.0]), "commit vote", lambda rows: rows.flatten())
 
@@ -240,7 +240,7 @@ class LaneTransport:
     # ------------------------------------------------------- module reduce / gather
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                 rows: list[Tensor | None] | None = None) -> Pending[None]:
-        """In-place SUM over the participants of a module's (already weighted) local shards (`rows`: only these
+        """In-place SUM over the clusters of a module's (already weighted) local shards (`rows`: only these
         dim-0 rows of each whole parameter are sent; the others come back as 0)."""
         if not self._shared or not tensors:
             return Pending(self.clock, [], 0.0)
@@ -250,11 +250,11 @@ class LaneTransport:
 
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                rows: list[list[Tensor | None]] | None = None) -> Pending[Contributions]:
-        """Every participant's contribution for a module, as this rank holds it (`Contributions.parts`
-        [participant][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
-        dequantized payload, this cluster's own included, so every participant judges and sums bit-identical
+        """Every cluster's contribution for a module, as this rank holds it (`Contributions.parts`
+        [cluster][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
+        dequantized payload, this cluster's own included, so every cluster judges and sums bit-identical
         tensors; each piece authenticated (`seal.py`). The chunked layout also hands out the whole flat Δ.
-        `rows[i]`: the dim-0 rows participant i sends (the rest of its contribution arrives as 0)."""
+        `rows[i]`: the dim-0 rows cluster i sends (the rest of its contribution arrives as 0)."""
         if not self._shared:
             return Pending(self.clock, [], 0.0, result=lambda: Contributions([[t.detach().clone() for t in tensors]]))
         assert self._quorum is not None

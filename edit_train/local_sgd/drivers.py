@@ -11,7 +11,7 @@
 * `OverlapDriver` — the round runs in the background while local steps go on: exchange, reductions and the
   vote are polled at step boundaries (every rank of the cluster agrees when something has landed), and
   nothing is applied before the vote passed; then θ ← θ̄_new + (θ − θ_snap), so local progress is kept.
-  A lost participant drops the round whole; a sketched round whose check fails goes back to reducing, gathered.
+  A lost cluster drops the round whole; a sketched round whose check fails goes back to reducing, gathered.
 
 A driver reports a finished round through `on_complete(report)` and a failed one through
 `on_abort(report, why)`. What the exchange carried (each cluster's EXTRA columns) is returned with the round
@@ -200,7 +200,7 @@ class OverlapDriver(Driver):
             for name in list(rnd.todo):
                 rnd.land(name)
             # vote without waiting for the others to land theirs (a blocking vote would wait for the
-            # slowest participant's next step boundary)
+            # slowest cluster's next step boundary)
             self._vote, self.phase = rnd.vote(), "voting"
         if self.phase == "voting":
             if not self._ready(self._vote is None or self._vote.ready(), block):

@@ -1,10 +1,10 @@
-"""What a gathered round measures on the contributions the participants actually sent: their Gram matrix
+"""What a gathered round measures on the contributions the clusters actually sent: their Gram matrix
 (norms, pairwise cosines, the norm of any weighted sum), which of them are finite, and a count sketch of each
 (a fixed random projection to `dim` buckets that keeps inner products in expectation) for the direction test.
 
 Every cluster must take the same decision from these numbers, so they are computed in a canonical layout:
 on the module's whole flat Δ when every rank holds it (clusters of different size: the chunked layout
-assembles it), or per rank on its shard when every participant has the same layout (equal sizes: rank r
+assembles it), or per rank on its shard when every cluster has the same layout (equal sizes: rank r
 holds the same elements everywhere), summed over the cluster's ranks in rank order.
 """
 
@@ -88,7 +88,7 @@ def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int,
 
 def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], tuple[Tensor, Tensor] | None],
             dim: int, groups: Groups | None = None) -> Measured:
-    """Gram matrix, finiteness and (dim > 0, a power of two) sketches of every participant's contribution.
+    """Gram matrix, finiteness and (dim > 0, a power of two) sketches of every cluster's contribution.
     `hashed(whole)`: the sketch's buckets and signs for the whole flat module, or this rank's shard of it;
     `groups(whole)`: how to take each expert's Gram matrix in that layout, and how many experts (`experts.py`)."""
     whole = got.whole is not None

@@ -243,7 +243,7 @@ class OuterState:
     @torch.no_grad()
     def snapshot(self, name: str) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[Tensor]]:
         """What `restore` needs to undo this module's next outer step and reset (anchor, optimizer
-        state, live params): a sync commits on every participant or on none."""
+        state, live params): a sync commits on every cluster or on none."""
         opt = self.optimizers[name]
         state = {i: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.state.get(a, {}).items()}
                  for i, a in enumerate(self.anchors[name])}
@@ -263,7 +263,7 @@ class OuterState:
             p.copy_(saved)
 
     def skip(self, name: str) -> None:
-        """Every worker anomalous: no outer step, live params ← anchor."""
+        """Every cluster anomalous: no outer step, live params ← anchor."""
         self.reset(name)
 
     # ---------------------------------------------------------------- checkpoint

@@ -100,7 +100,7 @@ def weighted(tensors: Sequence[Tensor], weight: float) -> list[Tensor]:
 
 def flag(st: EWMAStats, x: Tensor, cfg: NormTestConfig, floor_abs: float = 0.0,
          regime: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The anomaly test of values ``x`` (larger = worse) against per-worker statistics ``st``: (anomalous —
+    """The anomaly test of values ``x`` (larger = worse) against per-cluster statistics ``st``: (anomalous —
     non-finite included —, z, threshold, re-admitted). Applies the regime rescale (for ratio-scaled values,
     `regime`) and tracks streaks; the caller folds the accepted values in (``st.update``). σ is at least
     ``sigma_floor·|μ|`` and ``floor_abs``."""
@@ -130,9 +130,9 @@ def flag(st: EWMAStats, x: Tensor, cfg: NormTestConfig, floor_abs: float = 0.0,
 
 
 def _regime(st: EWMAStats, x: Tensor, z: Tensor, thr: Tensor, warm: Tensor, finite: Tensor) -> bool:
-    """A shift shared by a strict majority of the warm workers is a regime change, not an anomaly:
-    rescale every worker's statistics by the shared factor ``c`` (the lower median of ``x/μ`` for a
-    rise, the upper median for a drop), so only workers that moved differently stay flagged.
+    """A shift shared by a strict majority of the warm clusters is a regime change, not an anomaly:
+    rescale every cluster's statistics by the shared factor ``c`` (the lower median of ``x/μ`` for a
+    rise, the upper median for a drop), so only clusters that moved differently stay flagged.
     If ``c`` is 0 or infinite (e.g. a history of exact zeros), the statistics restart. True if so."""
     n_warm = int(warm.sum())
     if n_warm < 2:

@@ -1,4 +1,4 @@
-"""Per-worker statistics of the per-step pseudo-gradient norms and the Student-t predictive bound used by
+"""Per-cluster statistics of the per-step pseudo-gradient norms and the Student-t predictive bound used by
 the anomaly test of :mod:`edit_train.local_sgd.penalty` (pure math; exact formulas in docs/sync_math.md)."""
 
 from __future__ import annotations
@@ -57,21 +57,21 @@ def t_quantile(p_tail: float, nu: int) -> float:
 
 
 class EWMAStats:
-    """Weighted mean/variance of the per-step norms ``x`` for one module, vectorised over workers (float64).
+    """Weighted mean/variance of the per-step norms ``x`` for one module, vectorised over clusters (float64).
 
     The n-th accepted value enters with rate ``a = max(α, 1/n)``: ``d = x − μ; μ ← μ + a·d;
     S ← (1 − a)(S + a·d²)``. ``S`` is the weighted (population) second moment; with ``W2 = Σ wⱼ²`` of the
     normalised weights (``1/n`` while ``a = 1/n``, then ``W2 ← (1−α)²W2 + α²``) the unbiased variance is
     ``S/(1 − W2)`` (reliability weights), i.e. the sample variance for the first values and the unbiased
-    EWMA variance afterwards. ``W2`` depends on ``count`` only, so it is not stored. A per-worker streak
+    EWMA variance afterwards. ``W2`` depends on ``count`` only, so it is not stored. A per-cluster streak
     (count, mean, S) of consecutive flagged values supports re-admission after a lasting shift."""
 
-    def __init__(self, num_workers: int, alpha: float) -> None:
+    def __init__(self, num_clusters: int, alpha: float) -> None:
         self.alpha = float(alpha)
-        z = torch.zeros(num_workers, dtype=torch.float64)
+        z = torch.zeros(num_clusters, dtype=torch.float64)
         self.mu, self.m2 = z.clone(), z.clone()
-        self.count = torch.zeros(num_workers, dtype=torch.int64)
-        self.streak = torch.zeros(num_workers, dtype=torch.int64)
+        self.count = torch.zeros(num_clusters, dtype=torch.int64)
+        self.streak = torch.zeros(num_clusters, dtype=torch.int64)
         self.streak_mu, self.streak_m2 = z.clone(), z.clone()
         m = max(1, int(1.0 / self.alpha))  # last n with 1/n >= α (the update's own comparison)
         while 1.0 / (m + 1) >= self.alpha:
@@ -83,7 +83,7 @@ class EWMAStats:
     FIELDS = ("mu", "m2", "count", "streak", "streak_mu", "streak_m2")
 
     def select(self, rows: Tensor) -> EWMAStats:
-        """The statistics of the workers ``rows`` (a copy), e.g. the participants of one sync."""
+        """The statistics of the clusters ``rows`` (a copy), e.g. the clusters of one sync."""
         sub = EWMAStats(rows.numel(), self.alpha)
         for f in self.FIELDS:
             setattr(sub, f, getattr(self, f).index_select(0, rows).clone())
@@ -97,7 +97,7 @@ class EWMAStats:
             setattr(self, f, full)
 
     def grow(self, n: int) -> None:
-        """Add ``n`` workers with empty statistics (clusters seen for the first time)."""
+        """Add ``n`` clusters with empty statistics (clusters seen for the first time)."""
         for f in self.FIELDS:
             val = getattr(self, f)
             setattr(self, f, torch.cat([val, torch.zeros(n, dtype=val.dtype)]))
@@ -136,7 +136,7 @@ class EWMAStats:
         return torch.where(sigma > 0, z, flat)
 
     def threshold(self, z_nominal: float) -> Tensor:
-        """Per-worker predictive bound: the Student-t quantile with ``ν = ⌊1/W2⌋ − 1`` dof at the tail
+        """Per-cluster predictive bound: the Student-t quantile with ``ν = ⌊1/W2⌋ − 1`` dof at the tail
         probability of ``z_nominal`` under N(0,1), times ``√(1 + W2)`` (the new value is not in μ)."""
         p = 0.5 * math.erfc(z_nominal / math.sqrt(2.0))
         w2 = self.w2
@@ -147,7 +147,7 @@ class EWMAStats:
         return torch.tensor(out, dtype=torch.float64)
 
     def update(self, x: Tensor, accept: Tensor) -> None:
-        """Fold ``x[i]`` into worker i's statistics where ``accept[i]`` (non-finite never accepted)."""
+        """Fold ``x[i]`` into cluster i's statistics where ``accept[i]`` (non-finite never accepted)."""
         x = x.to(torch.float64)
         accept = accept.bool() & torch.isfinite(x)
         a = torch.maximum(torch.full_like(x, self.alpha), 1.0 / (self.count.to(torch.float64) + 1.0))
@@ -167,7 +167,7 @@ class EWMAStats:
         self.__init__(self.mu.numel(), self.alpha)  # type: ignore[misc]
 
     def track_streak(self, x: Tensor, flagged: Tensor) -> None:
-        """Plain running mean/S of each worker's current run of consecutive flagged (finite) values."""
+        """Plain running mean/S of each cluster's current run of consecutive flagged (finite) values."""
         x = x.to(torch.float64)
         n = torch.where(flagged, self.streak + 1, torch.zeros_like(self.streak))
         a = 1.0 / n.to(torch.float64).clamp_min(1.0)
@@ -178,7 +178,7 @@ class EWMAStats:
         self.streak = n
 
     def rebase(self, which: Tensor) -> None:
-        """Workers ``which`` adopt their streak as their statistics (the new level) and clear it."""
+        """Clusters ``which`` adopt their streak as their statistics (the new level) and clear it."""
         self.mu = torch.where(which, self.streak_mu, self.mu)
         self.m2 = torch.where(which, self.streak_m2, self.m2)
         self.count = torch.where(which, self.streak, self.count)

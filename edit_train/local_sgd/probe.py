@@ -1,12 +1,12 @@
-"""Usefulness of every participant's update, measured by this cluster on its own probe slice of validation
-data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (participant i's model as it sent it),
-(L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each participant is then judged on the
+"""Usefulness of every cluster's update, measured by this cluster on its own probe slice of validation
+data: the relative change of the probe loss from θ̄ to θ̄ − Δᵢ (cluster i's model as it sent it),
+(L(θ̄ − Δᵢ) − L(θ̄)) / L(θ̄). A helpful update lowers it. The scores ride along with this cluster's next exchange; each cluster is then judged on the
 lower median of the scores at least two *other* clusters gave it (`evidence.probe_judgement`), so nobody
 vouches for itself and no evaluator decides alone. `compare()` probes a received heal anchor the same way.
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
-one forward per *other* participant plus one of the anchor on `algo.penalty.verified.probe_tokens` tokens per sync (the
+one forward per *other* cluster plus one of the anchor on `algo.penalty.verified.probe_tokens` tokens per sync (the
 `probe` time bucket), and the contributions held until then.
 """
 
@@ -32,7 +32,7 @@ class Probe:
                  span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext(), me: str = "") -> None:
         self.units, self.loss, self.span, self.me = units, loss, span, me
         self.kept: dict[str, tuple[list[Tensor], Contributions]] = {}
-        self.names: list[str] = []  # participants of the committed round waiting to be scored
+        self.names: list[str] = []  # clusters of the committed round waiting to be scored
         self.scores: dict[str, float] = {}  # name -> relative loss change its last update caused here
 
     @property
@@ -61,7 +61,7 @@ class Probe:
 
     @torch.no_grad()
     def score(self) -> None:
-        """Evaluate every kept participant's update (restores the live parameters afterwards)."""
+        """Evaluate every kept cluster's update (restores the live parameters afterwards)."""
         if not self.names or self.loss is None:
             return
         with self.span("probe"):

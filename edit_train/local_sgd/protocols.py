@@ -60,7 +60,7 @@ class Member:
 
 @dataclass
 class Quorum:
-    """One issued quorum, as every rank of every participant sees it (sorted by cluster name)."""
+    """One issued quorum, as every rank of every cluster sees it (sorted by cluster name)."""
 
     quorum_id: int
     nonce: str  # unique per issued quorum: namespaces the process groups configured for it
@@ -133,13 +133,13 @@ class Quorum:
 
 @dataclass
 class Contributions:
-    """Every participant's contribution to one module, as one rank holds it: `parts[i]` is participant i's
+    """Every cluster's contribution to one module, as one rank holds it: `parts[i]` is cluster i's
     tensors in this rank's local layout; `whole[i]` its module's whole flat Δ when every rank of every cluster
     holds it (None when the layouts are the same everywhere and each rank holds its own shard)."""
 
     parts: list[list[Tensor]]
     whole: Tensor | None = None
-    rows: Tensor | None = None  # [participant, this rank's elements]: `parts` flattened, when the transport has it
+    rows: Tensor | None = None  # [cluster, this rank's elements]: `parts` flattened, when the transport has it
 
 
 class Handle(Protocol[T_co]):
@@ -227,17 +227,17 @@ class Transport(Protocol):
     def all_gather(self, vec: Tensor, what: str = "norm exchange") -> Handle[Tensor]: ...  # [members, n] float64
 
     # `rows` (optional): per tensor, the dim-0 rows of the whole parameter that take part (None: all); the others
-    # are not sent and come back as 0. The same on every participant.
+    # are not sent and come back as 0. The same on every cluster.
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                 rows: list[Tensor | None] | None = None) -> Handle[None]: ...
 
-    # every participant's contribution as this rank holds it: exactly what each one sent; `rows[i]`: what
-    # participant i sends, as for `reduce_` (every participant knows every participant's); the rest arrives as 0
+    # every cluster's contribution as this rank holds it: exactly what each one sent; `rows[i]`: what
+    # cluster i sends, as for `reduce_` (every cluster knows every cluster's); the rest arrives as 0
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                rows: list[list[Tensor | None]] | None = None) -> Handle[Contributions]: ...
 
-    # every participant's commit vote, [members]: 1.0 when every rank of it says ok (the round commits on a strict
-    # majority, round.py); raises when a participant is lost
+    # every cluster's commit vote, [members]: 1.0 when every rank of it says ok (the round commits on a strict
+    # majority, round.py); raises when a cluster is lost
     def vote(self, ok: bool) -> Handle[Tensor]: ...
 
     # `sync.unsent=keep`: what this cluster's last send of module `key` left out (laid out like `tensors`), and
