@@ -21,7 +21,6 @@ cluster is the one that died (conservative).
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -120,12 +119,3 @@ def _period(fed: Fed, cand: Candidate) -> np.ndarray:
     if cand.timed:
         return np.full(fed.n, cand.sync_time_s)
     return cand.interval * fed.mean_step
-
-
-def expected_interruptions(fed: Fed, plan: FailurePlan, horizon_s: float) -> float:
-    return float(rates_per_s(fed, plan).sum() * horizon_s) + sum(1 for k in plan.kills if "at_s" in k)
-
-
-def mtbf_of_federation_h(fed: Fed, plan: FailurePlan) -> float:
-    total = float(rates_per_s(fed, plan).sum())
-    return math.inf if total <= 0 else 1.0 / total / 3600.0

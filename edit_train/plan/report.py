@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from edit_train.plan.planner import Plan, Row, summary_line
+from edit_train.plan.planner import Plan, summary_line
 
 
 def _fmt(x: float, spec: str) -> str:
@@ -111,6 +111,3 @@ def plot(plan: Plan, path: str | Path, top: int = 12) -> Path:
     plt.close(fig)
     return path
 
-
-def row_line(r: Row) -> str:
-    return summary_line(r)
