@@ -205,8 +205,9 @@ class InProcessFederation:
             self.live.add(name)
             self.killed.discard(name)
         service = _Client(self, name) if cluster.rank == 0 else None
-        return LaneTransport(name, cluster, Lanes(lambda: ThreadGroup(self, name)), True, service,
-                             f"inproc:{name}", chunks, link, self.timeout_s, compression)
+        return LaneTransport(name=name, cluster=cluster, lanes=Lanes(lambda: ThreadGroup(self, name)), federated=True,
+                             service=service, store_addr=f"inproc:{name}", chunks=chunks, link=link,
+                             quorum_timeout_s=self.timeout_s, compression=compression)
 
     def close(self, name: str) -> None:
         with self.cond:

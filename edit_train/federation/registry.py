@@ -82,8 +82,9 @@ def make_transport(spec: str, request: TransportRequest) -> Transport:
 def _lighthouse(r: TransportRequest) -> Transport:
     from edit_train.federation.transport import lighthouse_transport
 
-    return lighthouse_transport(r.name, r.cluster, r.lighthouse if r.federated else None, r.host, r.chunks, r.link,
-                                r.quorum_timeout_s, r.collective_timeout_s, r.compression, r.key,
+    return lighthouse_transport(name=r.name, cluster=r.cluster, lighthouse=r.lighthouse if r.federated else None,
+                                host=r.host, chunks=r.chunks, link=r.link, quorum_timeout_s=r.quorum_timeout_s,
+                                collective_timeout_s=r.collective_timeout_s, compression=r.compression, key=r.key,
                                 key_source=r.key_source, refuse_after_s=r.refuse_after_s,
                                 credentials=r.credentials)
 

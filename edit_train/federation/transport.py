@@ -3,7 +3,7 @@
 Per sync: `form_start`/`form_poll` get the quorum (the leader asks a quorum service — torchft's Lighthouse,
 or `federation.inproc` in one process — and the answer is broadcast inside the cluster), then every rank
 configures its lanes (`lanes.py`); `all_gather` exchanges small per-cluster vectors over lane 0; `reduce_`
-sums a module's weighted pseudo-gradient over the lanes (fp32 SUM, or a compressed payload with error
+sums a unit's weighted pseudo-gradient over the lanes (fp32 SUM, or a compressed payload with error
 feedback, `compressed_reduce.py`); `vote` is the commit decision; `send_bytes`/`recv_bytes` carry heal
 payloads. Bytes are counted from the tensors handed to the collectives; the simulated WAN link (`link.py`)
 delays their delivery.
@@ -237,10 +237,10 @@ class LaneTransport:
 
         return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
 
-    # ------------------------------------------------------- module reduce / gather
+    # ------------------------------------------------------- unit reduce / gather
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                 rows: list[Tensor | None] | None = None) -> Pending[None]:
-        """In-place SUM over the clusters of a module's (already weighted) local shards (`rows`: only these
+        """In-place SUM over the clusters of a unit's (already weighted) local shards (`rows`: only these
         dim-0 rows of each whole parameter are sent; the others come back as 0)."""
         if not self._shared or not tensors:
             return Pending(self.clock, [], 0.0)
@@ -250,7 +250,7 @@ class LaneTransport:
 
     def gather(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
                rows: list[list[Tensor | None]] | None = None) -> Pending[Contributions]:
-        """Every cluster's contribution for a module, as this rank holds it (`Contributions.parts`
+        """Every cluster's contribution for a unit, as this rank holds it (`Contributions.parts`
         [cluster][tensor], shaped like `tensors`): exactly what each one sent — after compression, its
         dequantized payload, this cluster's own included, so every cluster judges and sums bit-identical
         tensors; each piece authenticated (`seal.py`). The chunked layout also hands out the whole flat Δ.
@@ -261,7 +261,7 @@ class LaneTransport:
         return self.mover.move(self._quorum, self._seal, tensors, params, key, gather=True, rows=rows)
 
     def take_unsent(self, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None:
-        """`sync.unsent=keep`: what this cluster's last sparse send of module `key` left out (its error-feedback
+        """`sync.unsent=keep`: what this cluster's last sparse send of unit `key` left out (its error-feedback
         residual, in the units it was sent in), shaped like `tensors`, and forgotten here: the caller keeps it
         in its own parameters instead. None otherwise."""
         if not self._shared or self._quorum is None or not self.compression.keeps_unsent:
@@ -320,6 +320,8 @@ def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | Non
         store = bound_store(host, 0, 1, True, timeout)
         service = QuorumClient(lighthouse, name, key, key_source=key_source, refuse_after_s=refuse_after_s,
                                credentials=credentials)
-    return LaneTransport(name, cluster, Lanes(lambda: BoundGloo(host, timeout)), lighthouse is not None, service,
-                         f"{host}:{store.port}" if store is not None else "", chunks, link, quorum_timeout_s,
-                         compression, store=store, key=key, connect_timeout_s=collective_timeout_s)
+    return LaneTransport(name=name, cluster=cluster, lanes=Lanes(lambda: BoundGloo(host, timeout)),
+                         federated=lighthouse is not None, service=service,
+                         store_addr=f"{host}:{store.port}" if store is not None else "", chunks=chunks, link=link,
+                         quorum_timeout_s=quorum_timeout_s, compression=compression, store=store, key=key,
+                         connect_timeout_s=collective_timeout_s)
