@@ -3,11 +3,11 @@ named cluster is dropped (weight 0; its token share a zero update under the defa
 known window of syncs — what a perfect detector would do. Comparing a faulty run with the oracle run
 separates what the fault cost through the detector's mistakes from what the lost tokens cost.
 
-Select it with `algo.penalty.rule=_oracle_rule:OracleRule` (`benchmarks/` on PYTHONPATH) and
+Select it with `algo.rule.name=_oracle_rule:OracleRule` (`benchmarks/` on PYTHONPATH) and
 `EDIT_TRAIN_ORACLE="<cluster>:<first sync>:<last sync>"` (1-based `sync` indices of the `sync` events,
 inclusive) in the environment of every process of the run. Its parameters are the `verified` rule's
-(`VerifiedConfig`), given as `algo.penalty.options` (a rule of one's own sees nothing else of `algo.penalty`):
-a run that sets `algo.penalty.verified.warmup_syncs=5` gives the oracle `+algo.penalty.options.warmup_syncs=5`.
+(`VerifiedConfig`), given as `algo.rule.options` (a rule of one's own sees nothing else of `algo.rule`):
+a run that sets `algo.rule.verified.warmup_syncs=5` gives the oracle `+algo.rule.options.warmup_syncs=5`.
 
 A rule is not told the sync index: it sees every module once per sync, so a sync starts when a module it has
 already seen in the current sync comes again (an aborted sync would shift the count by one; the benchmark
@@ -47,7 +47,7 @@ def parse_window(spec: str | None) -> tuple[str, int, int]:
 
 
 class OracleRule:
-    Config = VerifiedConfig  # built from `algo.penalty.options` (rules._with_options)
+    Config = VerifiedConfig  # built from `algo.rule.options` (rules._with_options)
     needs = VerifiedRule.needs  # measured on what was sent, as the inner rule decides
 
     def __init__(self, cfg: VerifiedConfig) -> None:

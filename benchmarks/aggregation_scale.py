@@ -62,7 +62,7 @@ def overrides(a: argparse.Namespace, n: int, algo: str = "edit") -> list[str]:
             "checkpoint.at_end=true", "train.spike_factor=0", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", "train.eval_every=0",
             "train.eval_batches=2", f"algo.interval={a.interval}", "algo.warmup_steps=0",
-            f"algo.penalty.verified.warmup_syncs={a.warmup_syncs}", "federation.join_timeout_s=30"]
+            f"algo.rule.verified.warmup_syncs={a.warmup_syncs}", "federation.join_timeout_s=30"]
 
 
 def fault(a: argparse.Namespace, kind: str, faulty: int) -> str:

@@ -6,7 +6,7 @@ point for edit (docs/convergence_tuned.json, docs/convergence_small.json: inner 
 momentum 0.5 Nesterov; H = 8, batch 8, seq 128, no warm-up; tiny 320 steps, small 160): the same tuning budget
 for every arm — the expert-aware arms get no tuning of their own. Arms:
 
-* `default` — today's rule (`algo.penalty.verified.expert_weights=none`);
+* `default` — today's rule (`algo.rule.verified.expert_weights=none`);
 * `tokens`  — each expert's rows weighed by the tokens each cluster routed to it (`expert_weights=tokens`);
 * `skip`    — `tokens`, and a cluster that routed fewer than `--min-tokens` tokens to an expert in the interval
   sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
@@ -105,9 +105,9 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
     if data == "noniid":
         out.append("data.split=by_family")
     if arm != "default":
-        out.append("algo.penalty.verified.expert_weights=tokens")
+        out.append("algo.rule.verified.expert_weights=tokens")
     if arm == "skip":
-        out.append(f"algo.penalty.verified.expert_min_tokens={a.min_tokens}")
+        out.append(f"algo.rule.verified.expert_min_tokens={a.min_tokens}")
     return out
 
 

@@ -3,10 +3,10 @@
 For every fault kind (training-side: `garbage_data`, `lr_spike` ×`--lr-factor`; at the transport:
 `sign_flip`, `random_direction`, `lie_norm`, `nan_payload`), every cluster count N (`cluster=local
 cluster.count=N cluster.ranks=1`) and every seed, `algo=edit` (layer-wise, H = `algo.interval` = 8,
-W = `algo.penalty.verified.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
+W = `algo.rule.verified.warmup_syncs` = 5) trains `model=tiny` for 240 steps (batch 8 × 128 tokens per cluster,
 `train.spike_factor=0`) with cluster c1 faulty for steps [56, 152), against references with the same N and
 seed: `clean` (no fault) and an ORACLE — the same fault, but a rule that knows the window
-(`benchmarks/_oracle_rule.py`, `algo.penalty.rule=_oracle_rule:OracleRule`) drops exactly c1's window syncs
+(`benchmarks/_oracle_rule.py`, `algo.rule.name=_oracle_rule:OracleRule`) drops exactly c1's window syncs
 and is the `verified` rule otherwise: what the lost tokens cost. The oracle is not one run for every kind:
 a training-side fault leaves c1's replica and AdamW state off after the window (measured, 2 clusters, seed 0:
 the garbage_data oracle ends 1.2 % above an oracle whose c1 trained healthily), so each training-side kind
@@ -78,7 +78,7 @@ TRAINING_SIDE = ("garbage_data", "lr_spike")  # the rest corrupt what is sent (s
 QUICK_KINDS = ("garbage_data", "sign_flip", "nan_payload")
 FAULT_GROUP, FAULTY = 1, "c1"
 TARGETS = {"weight0_share": 0.9, "false_flags": 0.01, "vs_clean": 1.01, "vs_oracle": 1.005}
-ORACLE_RULE = "algo.penalty.rule=_oracle_rule:OracleRule"
+ORACLE_RULE = "algo.rule.name=_oracle_rule:OracleRule"
 JITTER = "clean_jitter"  # the clean run with the outer lr × (1 + 1e-5): how far two runs that part anywhere end apart
 
 
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2; --quick: 0")
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--interval", type=int, default=8, help="H = algo.interval")
-    ap.add_argument("--warmup-syncs", type=int, default=5, help="W = algo.penalty.verified.warmup_syncs")
+    ap.add_argument("--warmup-syncs", type=int, default=5, help="W = algo.rule.verified.warmup_syncs")
     ap.add_argument("--start", type=int, default=None, help="first faulty step; default (W+2)*H")
     ap.add_argument("--end", type=int, default=None, help="end of the window (exclusive); default start + 12*H")
     ap.add_argument("--lr-factor", type=float, default=10.0, help="inner LR multiplier of lr_spike")
@@ -166,11 +166,11 @@ def fault_spec(a: argparse.Namespace, kind: str) -> str:
 def common_overrides(a: argparse.Namespace, n: int, seed: int) -> list[str]:
     return ["model=tiny", "algo=edit", "cluster=local", f"cluster.count={n}", "cluster.ranks=1",
             "checkpoint.at_end=true",  # the anchors are checked for NaN (BASE_OVERRIDES turns it off)
-            "algo.penalty.rule=verified", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
+            "algo.rule.name=verified", "train.spike_factor=0", f"seed={seed}", f"train.steps={a.steps}",
             f"train.batch_size={a.batch_size}", f"train.seq_len={a.seq_len}", f"train.eval_every={a.eval_every}",
             f"train.eval_batches={a.eval_batches}", f"algo.interval={a.interval}", "algo.warmup_steps=0",
-            f"algo.penalty.verified.warmup_syncs={a.warmup_syncs}",
-            f"algo.penalty.edit_norm.warmup_syncs={a.warmup_syncs}", *a.extra]
+            f"algo.rule.verified.warmup_syncs={a.warmup_syncs}",
+            f"algo.rule.edit_norm.warmup_syncs={a.warmup_syncs}", *a.extra]
 
 
 def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str, str]]]:
@@ -187,8 +187,8 @@ def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str
                 win = window_syncs(a, kind)
                 fault = [fault_spec(a, kind)] if kind in TRAINING_SIDE else []
                 spec = f"{FAULTY}:{win[0]}:{win[-1]}"  # run.name: the window is in the overrides (--reuse)
-                # a rule of one's own gets algo.penalty.options (the oracle wraps the verified rule: its parameters)
-                options = f"+algo.penalty.options.warmup_syncs={a.warmup_syncs}"
+                # a rule of one's own gets algo.rule.options (the oracle wraps the verified rule: its parameters)
+                options = f"+algo.rule.options.warmup_syncs={a.warmup_syncs}"
                 out.append((n, seed, oracle, [*base, *fault, ORACLE_RULE, options,
                                               f"run.name=oracle-{spec.replace(':', '-')}"],
                             {_oracle_rule.ENV: spec}))

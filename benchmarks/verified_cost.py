@@ -42,7 +42,7 @@ PAIRS = {
                 "train.steps=120"],
 }
 # edit_norm as before issue 20: no probe, and a SUM all-reduce of w·Δ (`sync.gather_max=0`), not a gather
-RULES = {"verified": [], "edit_norm": ["algo.penalty.rule=edit_norm", "algo.penalty.verified.probe_tokens=0",
+RULES = {"verified": [], "edit_norm": ["algo.rule.name=edit_norm", "algo.rule.verified.probe_tokens=0",
                                        "sync.gather_max=0"]}
 TARGETS = {"bytes_ratio_3": 1.5, "extra_share": 0.03}
 BYTES_RTOL = 1e-5

@@ -14,7 +14,7 @@ from typing import Any
 from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_finite, _need
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.rules import PenaltyConfig
+from edit_train.local_sgd.rules import RuleConfig
 from edit_train.model.config import ModelConfig
 
 
@@ -86,7 +86,7 @@ class AlgoConfig:
     sync_time_s: float = 10.0  # A-EDiT wall-clock budget tau (schedule=time)
     min_steps: int = 1
     outer: OuterConfig = field(default_factory=OuterConfig)
-    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+    rule: RuleConfig = field(default_factory=RuleConfig)
 
 
 @dataclass
@@ -285,15 +285,15 @@ def validate(cfg: Config) -> None:
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
     a.outer.validate()
-    a.penalty.validate()
+    a.rule.validate()
     if a.local_sgd:
         from edit_train.local_sgd.aggregator import capabilities_of
         from edit_train.local_sgd.rules import make_rule, refuse_mode
 
-        rule = make_rule(a.penalty)  # an unknown or unloadable algo.penalty.rule fails here, in one line
-        why = refuse_mode(rule, a.penalty.rule, len(cluster_specs(cfg)), cfg.sync.gather_max,
+        rule = make_rule(a.rule)  # an unknown or unloadable algo.rule.name fails here, in one line
+        why = refuse_mode(rule, a.rule.name, len(cluster_specs(cfg)), cfg.sync.gather_max,
                           cfg.sync.unsent == "keep" and cfg.sync.compression == "topk")
-        _need(not why, "algo.penalty.rule", why)
+        _need(not why, "algo.rule.name", why)
         refused = capabilities_of(rule).refuse(len(cluster_specs(cfg)), cfg.sync.gather_max, cfg.sync.compression)
         _need(refused is None, *(refused or ("", "")))  # the rule's own check of the federation it is to serve
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",

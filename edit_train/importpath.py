@@ -1,4 +1,4 @@
-"""Objects named by import path ("package.module:attr") in config: a rule of your own (`algo.penalty.rule`), a
+"""Objects named by import path ("package.module:attr") in config: a rule of your own (`algo.rule.name`), a
 transport (`sync.transport`). Imported on first use; a bad name is one line naming the config key."""
 
 from __future__ import annotations

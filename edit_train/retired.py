@@ -4,7 +4,8 @@ with exactly one successor (`RENAMED`) is read as that successor with a one-line
 script written against the old name keeps running while it says what to change. A key whose successor
 depends on other settings (the rule parameters of issue 36) is refused there too. Inside the entries of
 `faults` and `cluster.slowdown_schedule` (values, wherever given) the retired field `group` is read as
-`cluster` with the same warning (`entry_field`).
+`cluster` with the same warning (`entry_field`). A key under a moved prefix (`MOVED`: `algo.penalty.*` is
+`algo.rule.*` and the rule's name `algo.rule.name`, issue 50) is read as its successor the same way.
 
 Outputs: a run directory written before the one-word rename (issue 38) reads as today's (`current_event`,
 `current_summary`: the report and the planner's calibration apply them when they load a run). Retired names and
@@ -26,14 +27,31 @@ _EDIT_NORM = ("weighting", "temperature", "step_weight_ratio")
 
 # one word per concept (issue 38, docs/glossary.md): a cluster is a cluster, its size is its ranks
 RENAMED: dict[str, str] = {"cluster.groups": "cluster.count", "cluster.shard_size": "cluster.ranks"}
+# issue 50: the aggregation rule's config is `algo.rule` (was `algo.penalty`), the rule it picks `algo.rule.name`;
+# a key or every key under it (a prefix) -> its successor
+MOVED: dict[str, str] = {"algo.penalty.rule": "algo.rule.name", "algo.penalty": "algo.rule"}
 
 RETIRED: dict[str, str] = {
     **RENAMED,
-    **{f"algo.penalty.{k}": f"algo.penalty.verified.{k} (rule verified) or algo.penalty.edit_norm.{k} "
-       "(rule edit_norm): each rule owns its parameters" for k in _NORM_TEST},
-    **{f"algo.penalty.{k}": f"algo.penalty.verified.{k}: the verified rule owns it" for k in _VERIFIED},
-    **{f"algo.penalty.{k}": f"algo.penalty.edit_norm.{k}: the edit_norm rule owns it" for k in _EDIT_NORM},
+    **MOVED,
+    **{f"{p}.{k}": f"algo.rule.verified.{k} (rule verified) or algo.rule.edit_norm.{k} "
+       "(rule edit_norm): each rule owns its parameters" for k in _NORM_TEST for p in ("algo.penalty", "algo.rule")},
+    **{f"{p}.{k}": f"algo.rule.verified.{k}: the verified rule owns it" for k in _VERIFIED
+       for p in ("algo.penalty", "algo.rule")},
+    **{f"{p}.{k}": f"algo.rule.edit_norm.{k}: the edit_norm rule owns it" for k in _EDIT_NORM
+       for p in ("algo.penalty", "algo.rule")},
 }
+
+
+def moved_key(key: str) -> str | None:
+    """The successor of a key under a `MOVED` prefix (`algo.penalty.clip=false` → `algo.rule.clip`); None for
+    any other key, and for one retired outright (refused with its hint)."""
+    for old, new in MOVED.items():
+        if key == old:
+            return new
+        if key.startswith(old + ".") and key not in RETIRED:
+            return new + key[len(old):]
+    return None
 
 
 def retired_hint(key: str) -> str | None:
@@ -68,7 +86,7 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
     for o in overrides:
         prefix = o[:len(o) - len(o.lstrip("+~"))]
         key, eq, value = o[len(prefix):].partition("=")
-        new = RENAMED.get(key) if not o.startswith("-") else None
+        new = (RENAMED.get(key) or moved_key(key)) if not o.startswith("-") else None
         if new is None:
             out.append(o)
             continue
@@ -82,6 +100,15 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
 EVENT_FIELDS = {"group": "cluster_index", "participants": "quorum"}
 SUMMARY_FIELDS = {"cross_group_bytes": "cross_cluster_bytes"}
 _warned_outputs = False  # the notice is logged once per process
+
+
+def current_rule_name(cfg: dict[str, Any], default: str = "verified") -> str:
+    """The rule a run dir's config picked: `algo.rule.name`, or (written before issue 50) `algo.penalty.rule`."""
+    algo = cfg.get("algo") or {}
+    rule, old = algo.get("rule"), algo.get("penalty")
+    if isinstance(rule, dict) and rule.get("name"):
+        return str(rule["name"])
+    return str(old.get("rule", default)) if isinstance(old, dict) else default
 
 
 def current_event(event: dict[str, Any]) -> dict[str, Any]:

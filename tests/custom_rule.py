@@ -1,5 +1,5 @@
 """An aggregation rule defined outside the package (tests select it with
-`algo.penalty.rule=custom_rule:FirstClusterOnly`, this folder on PYTHONPATH)."""
+`algo.rule.name=custom_rule:FirstClusterOnly`, this folder on PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class FirstClusterOnly:
 
 
 class WithConfig(FirstClusterOnly):
-    """The same rule with parameters of its own (`algo.penalty.options.favourite=...`)."""
+    """The same rule with parameters of its own (`algo.rule.options.favourite=...`)."""
 
     @dataclass
     class Config:

@@ -1,4 +1,4 @@
-"""A rule that needs only a SUM and weighs experts by routed tokens (`algo.penalty.rule=expert_sum_rule:TokenSum`):
+"""A rule that needs only a SUM and weighs experts by routed tokens (`algo.rule.name=expert_sum_rule:TokenSum`):
 every contributor 1/n of the module, each expert's rows by the tokens it routed to that expert. It records the
 routed tokens it was shown, per decision (tests/test_expert_sync.py)."""
 

@@ -1,5 +1,5 @@
 """A coordinate-wise median written outside the package: it needs every contribution and merges them itself
-(tests select it with `algo.penalty.rule=median_rule:CoordinateMedian`, this folder on PYTHONPATH)."""
+(tests select it with `algo.rule.name=median_rule:CoordinateMedian`, this folder on PYTHONPATH)."""
 
 from __future__ import annotations
 

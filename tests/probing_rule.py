@@ -1,5 +1,5 @@
 """A rule defined outside the package that asks for the usefulness probe and its retraction through the seam's
-`capabilities()` (tests select it with `algo.penalty.rule=probing_rule:ProbingMean`, this folder on PYTHONPATH):
+`capabilities()` (tests select it with `algo.rule.name=probing_rule:ProbingMean`, this folder on PYTHONPATH):
 nothing inside edit_train/ names it."""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_pacer_saves_at_the_last_sync_before_every_steps_would_pass() -> None:
 EVERY = 6
 FED = ["algo=a_edit", "cluster.count=2", "cluster.ranks=1", "cluster.slowdown=[3,6]", "train.batch_size=2",
        "train.log_every=1", "algo.sync_time_s=0.6", f"checkpoint.every={EVERY}", "checkpoint.keep=2",
-       "federation.join_timeout_s=5", "algo.penalty.verified.probe_tokens=0"]
+       "federation.join_timeout_s=5", "algo.rule.verified.probe_tokens=0"]
 
 
 def _own_step(ckpt: Path) -> int:

@@ -20,7 +20,7 @@ from edit_train.config import Config, ConfigError, validate
 from edit_train.federation.seal import TAG
 from edit_train.local_sgd.aggregator import Needs
 from edit_train.local_sgd.round import EXTRA
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule, refuse_mode
+from edit_train.local_sgd.rules import RuleConfig, make_rule, refuse_mode
 from edit_train.sim.byzantine import ByzantineTransport
 from edit_train.sim.faults import FaultInjector
 from toy_federation import H, config, local_deltas, max_diff, run_inproc, toy_model, units_of
@@ -157,19 +157,19 @@ def test_a_median_written_outside_the_package_merges_eight_clusters() -> None:
 
 
 def test_a_rule_that_cannot_serve_the_federation_is_refused_at_start() -> None:
-    median = make_rule(PenaltyConfig(rule="median_rule:CoordinateMedian"))
+    median = make_rule(RuleConfig(name="median_rule:CoordinateMedian"))
     assert refuse_mode(median, "median", 8, 4, False).startswith("'median' needs every cluster's contribution")
     assert refuse_mode(median, "median", 4, 4, True).startswith("'median' merges the contributions itself")
     assert refuse_mode(median, "median", 8, 8, False) == ""
-    assert refuse_mode(make_rule(PenaltyConfig(rule="uniform")), "uniform", 64, 0, True) == ""
+    assert refuse_mode(make_rule(RuleConfig(name="uniform")), "uniform", 64, 0, True) == ""
     cfg = Config()
-    cfg.algo.local_sgd, cfg.algo.penalty.rule = True, "median_rule:CoordinateMedian"
+    cfg.algo.local_sgd, cfg.algo.rule.name = True, "median_rule:CoordinateMedian"
     cfg.cluster.count = 6
-    with pytest.raises(ConfigError, match="algo.penalty.rule: 'median_rule:CoordinateMedian' needs every"):
+    with pytest.raises(ConfigError, match="algo.rule.name: 'median_rule:CoordinateMedian' needs every"):
         validate(cfg)
 
 
 def test_what_each_built_in_rule_needs() -> None:
-    assert make_rule(PenaltyConfig(rule="verified")).needs is Needs.MEASUREMENTS
-    assert make_rule(PenaltyConfig(rule="edit_norm")).needs is Needs.SUM
-    assert make_rule(PenaltyConfig(rule="uniform")).needs is Needs.SUM
+    assert make_rule(RuleConfig(name="verified")).needs is Needs.MEASUREMENTS
+    assert make_rule(RuleConfig(name="edit_norm")).needs is Needs.SUM
+    assert make_rule(RuleConfig(name="uniform")).needs is Needs.SUM

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fed_utils import anchors, events, finish, same, start
 
-COMMON = ["algo=edit", "train.steps=8", "algo.interval=2", "train.batch_size=2", "algo.penalty.verified.warmup_syncs=1"]
+COMMON = ["algo=edit", "train.steps=8", "algo.interval=2", "train.batch_size=2", "algo.rule.verified.warmup_syncs=1"]
 
 
 # at_end and overlap: tests/test_sync_inproc.py runs int8 through every driver in one process

@@ -56,7 +56,7 @@ def edit_runs(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> dict[str
     tmp = tmp_path_factory.mktemp("edit")
     # The Switch balance loss is computed per rank on its own tokens (a product of per-rank means), so
     # 2x2 and 2x1 differ by design when it is on; everything else is linear in the batch.
-    common = ["algo=edit", "train.steps=8", "algo.interval=4", "algo.penalty.verified.warmup_syncs=1",
+    common = ["algo=edit", "train.steps=8", "algo.interval=4", "algo.rule.verified.warmup_syncs=1",
               "model.router_aux_loss_coef=0"]
     return {
         "layerwise_2x2": run_job(tmp, "lw22", *common, "cluster=local_2x2", "train.batch_size=2",
@@ -173,7 +173,7 @@ def test_federation_restart_from_checkpoint_is_bit_identical(tmp_path: Path, cor
     federation goes down); `resume=auto` continues. Final parameters (every rank's shard), the outer state and
     the loss trajectory after the resume point are bit-identical to an uninterrupted run."""
     common = ("algo=edit", "cluster=local_2x2", "train.steps=8", "algo.interval=2", "train.batch_size=2",
-              "checkpoint.every=4", "checkpoint.keep=5", "algo.penalty.verified.warmup_syncs=1",
+              "checkpoint.every=4", "checkpoint.keep=5", "algo.rule.verified.warmup_syncs=1",
               "federation.join_timeout_s=60")  # every cluster is back within the grace window
     kills = "faults=[{kind:kill_cluster,cluster:0,step:4},{kind:kill_cluster,cluster:1,step:4}]"
     full = run_job(tmp_path, "full", *common, corpus=corpus)

@@ -390,7 +390,7 @@ def _federation(net: Any, tmp_path: Path, tag: str, key: str, data: str, *extra:
 
     run_dir = tmp_path / tag
     overrides = ["cluster=real", "cluster.clusters=[{name:x,ranks:1},{name:y,ranks:1}]", "algo=edit",
-                 "algo.interval=4", "sync.mode=at_end", "algo.penalty.verified.probe_tokens=0", "model=tiny",
+                 "algo.interval=4", "sync.mode=at_end", "algo.rule.verified.probe_tokens=0", "model=tiny",
                  "logger=none", "train.steps=36", "train.seq_len=32", "train.batch_size=2", "train.eval_every=0",
                  "train.eval_batches=1", "train.progress=false", "train.threads=1", "checkpoint.at_end=false",
                  "federation.min_clusters=2", "federation.join_timeout_s=30", "federation.collective_timeout_s=60",

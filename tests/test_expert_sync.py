@@ -131,7 +131,7 @@ def test_an_expert_a_cluster_did_not_send_is_no_contribution_to_it() -> None:
 # ------------------------------------------------------------------------------------------ whole rounds
 def _cfg(mode: str, rule: str = "verified", min_tokens: int = 0, syncs: int = 1) -> object:
     cfg = config(mode, rule, syncs=syncs, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
-    cfg.penalty.verified.expert_weights, cfg.penalty.verified.expert_min_tokens = "tokens", min_tokens
+    cfg.rule.verified.expert_weights, cfg.rule.verified.expert_min_tokens = "tokens", min_tokens
     return cfg
 
 
@@ -407,13 +407,13 @@ def test_counts_are_kept_until_the_round_commits() -> None:
 def test_what_expert_weights_cannot_go_with_is_refused_in_one_line() -> None:
     cfg = Config()
     cfg.algo.local_sgd, cfg.cluster.count = True, 6
-    cfg.algo.penalty.verified.expert_weights = "tokens"
-    with pytest.raises(ConfigError, match="algo.penalty.verified.expert_weights: tokens: above sync.gather_max=4"):
+    cfg.algo.rule.verified.expert_weights = "tokens"
+    with pytest.raises(ConfigError, match="algo.rule.verified.expert_weights: tokens: above sync.gather_max=4"):
         validate(cfg)
-    cfg.cluster.count, cfg.algo.penalty.verified.expert_min_tokens, cfg.sync.compression = 2, 16, "int8"
-    with pytest.raises(ConfigError, match="algo.penalty.verified.expert_min_tokens: rows a cluster does not send"):
+    cfg.cluster.count, cfg.algo.rule.verified.expert_min_tokens, cfg.sync.compression = 2, 16, "int8"
+    with pytest.raises(ConfigError, match="algo.rule.verified.expert_min_tokens: rows a cluster does not send"):
         validate(cfg)
-    cfg.sync.compression, cfg.algo.penalty.verified.expert_weights = "none", "none"
+    cfg.sync.compression, cfg.algo.rule.verified.expert_weights = "none", "none"
     with pytest.raises((ConfigError, ValueError), match="expert_min_tokens"):
         validate(cfg)
 
@@ -423,8 +423,8 @@ def test_a_moe_run_weighs_its_experts_by_the_tokens_it_routed(tmp_path: Path, sm
     an expert it routed at least expert_min_tokens tokens to, alone) and the loss stays finite."""
     run_train(tiny_overrides(tmp_path, small_corpus, "algo=edit", "train.steps=8", "algo.interval=4",
                              "algo.warmup_steps=0", "train.eval_every=0", "checkpoint.at_end=false",
-                             "algo.penalty.verified.expert_weights=tokens",
-                             "algo.penalty.verified.expert_min_tokens=1"))
+                             "algo.rule.verified.expert_weights=tokens",
+                             "algo.rule.verified.expert_min_tokens=1"))
     events = read_events(tmp_path / "metrics.jsonl")
     syncs = [e for e in events if e["event"] == "sync"]
     experts = [e for e in events if e["event"] == "experts"]

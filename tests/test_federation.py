@@ -129,7 +129,7 @@ def test_clusters_of_different_size_sync_like_single_rank_ones(tmp_path: Path, c
     """Clusters of 2, 1 and 3 ranks (the same 6 sequences per cluster, split over its ranks) against 1, 1, 1:
     the anchor after 3 syncs agrees to 1e-5 (chunked layout: resharding over fast links, chunks across)."""
     common = ["algo=edit", "sync.mode=at_end", "train.steps=6", "algo.interval=2", "model.router_aux_loss_coef=0",
-              "algo.penalty.verified.warmup_syncs=1"]
+              "algo.rule.verified.warmup_syncs=1"]
     mixed = "cluster.clusters=[{name:a,ranks:2,batch_size:3},{name:b,ranks:1,batch_size:6},{name:c,ranks:3,batch_size:2}]"
     single = "cluster.clusters=[{name:a,ranks:1,batch_size:6},{name:b,ranks:1,batch_size:6},{name:c,ranks:1,batch_size:6}]"
     finish(start(tmp_path / "mixed", corpus, *common, mixed))

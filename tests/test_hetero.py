@@ -25,12 +25,12 @@ from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.membership import MembershipConfig
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.rules import PenaltyConfig
+from edit_train.local_sgd.rules import RuleConfig
 from edit_train.local_sgd.schedule import ScheduleConfig
 from edit_train.sim.hetero import HeteroError, Slowdown, parse_schedule
 from mp_utils import run_processes
 
-PLAIN = PenaltyConfig(rule="uniform", clip=False)
+PLAIN = RuleConfig(name="uniform", clip=False)
 
 
 def _toy() -> nn.Sequential:
@@ -40,7 +40,7 @@ def _toy() -> nn.Sequential:
 
 def _local_sgd(model: nn.Sequential, comm: LaneTransport, group: int, mode: str, outer: OuterConfig,
                interval: int = 2) -> LocalSGD:
-    cfg = LocalSGDConfig(schedule=ScheduleConfig(interval=interval), outer=outer, penalty=PLAIN, mode=mode,
+    cfg = LocalSGDConfig(schedule=ScheduleConfig(interval=interval), outer=outer, rule=PLAIN, mode=mode,
                          total_steps=1000)
     return LocalSGD(cfg, model, [model[0], model[1]], comm, (heal.encode, heal.decode), cluster_index=group)
 
@@ -104,7 +104,7 @@ def test_background_quorum_lets_the_early_cluster_keep_training(lighthouse: str,
 def _other_config(rank: int, world: int, lighthouse: str) -> dict:
     """Two clusters whose configurations differ (another fingerprint) meet at start."""
     comm = _cluster_comm(rank, lighthouse)
-    cfg = LocalSGDConfig(outer=OuterConfig(), penalty=PLAIN, mode="at_end", total_steps=10,
+    cfg = LocalSGDConfig(outer=OuterConfig(), rule=PLAIN, mode="at_end", total_steps=10,
                          membership=MembershipConfig(fingerprint=f"config-{rank}", expected=("c0", "c1"),
                                                      quorum_timeout_s=30))
     model = _toy()

@@ -175,8 +175,8 @@ class ProbeLiar:
 
 def _probe_run(names: list[str], liar: str | None) -> dict[str, Outcome]:
     cfg = config("at_end", "verified", syncs=PROBE_SYNCS)
-    verified = dataclasses.replace(cfg.penalty.verified, probe_tokens=8)
-    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified))
+    verified = dataclasses.replace(cfg.rule.verified, probe_tokens=8)
+    cfg = dataclasses.replace(cfg, rule=dataclasses.replace(cfg.rule, verified=verified))
     return run_inproc(names, cfg, probe=True, wraps={liar: ProbeLiar} if liar else {})
 
 

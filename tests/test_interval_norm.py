@@ -11,7 +11,7 @@ import torch
 
 from edit_train.local_sgd.aggregator import Evidence
 from edit_train.local_sgd.penalty import interval_norm
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.rules import RuleConfig, make_rule
 from edit_train.local_sgd.verified import VerifiedConfig
 
 F64 = torch.float64
@@ -32,7 +32,7 @@ def _evidence(module: str, sync: int, names: tuple[str, ...], norms: torch.Tenso
 
 
 def _rule():  # type: ignore[no-untyped-def]
-    return make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    return make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
 
 
 def _a_edit_history(rule, gen: torch.Generator, syncs: int = 60) -> int:  # type: ignore[no-untyped-def]

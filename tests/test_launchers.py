@@ -194,7 +194,7 @@ def test_two_cluster_jobs_one_killed_and_restarted_by_its_own_torchrun(tmp_path:
     run_dir = tmp_path / "run"
     fed_run = FED_RUN if algo == "edit" else \
         [o for o in FED_RUN if not o.startswith("algo")] + ["algo=a_edit", "algo.sync_time_s=0.5",
-                                                            "algo.penalty.verified.probe_tokens=0"]
+                                                            "algo.rule.verified.probe_tokens=0"]
     house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
     jobs = []
     try:

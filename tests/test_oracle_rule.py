@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from edit_train.local_sgd.aggregator import Evidence, needs_of
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.rules import RuleConfig, make_rule
 from edit_train.local_sgd.verified import VerifiedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -29,8 +29,8 @@ def _ev(module: str, n: int) -> Evidence:
 def test_the_oracle_drops_its_cluster_in_its_window_only(monkeypatch: pytest.MonkeyPatch, left_out: str, n: int,
                                                          inside: list[float]) -> None:
     monkeypatch.setenv(_oracle_rule.ENV, "c1:3:4")
-    oracle = make_rule(PenaltyConfig(rule="_oracle_rule:OracleRule", options={"sketch_dim": 0, "left_out": left_out}))
-    plain = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    oracle = make_rule(RuleConfig(name="_oracle_rule:OracleRule", options={"sketch_dim": 0, "left_out": left_out}))
+    plain = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     assert isinstance(oracle, _oracle_rule.OracleRule) and oracle.cfg.left_out == left_out
     assert needs_of(oracle) is needs_of(plain) and oracle.sketch_dim == 0  # measured as `verified` is
     for sync in range(1, 7):
@@ -52,4 +52,4 @@ def test_a_bad_window_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_the_oracle_takes_the_verified_parameters_as_options() -> None:
     with pytest.raises(ValueError, match="not parameters of rule"):
-        make_rule(PenaltyConfig(rule="_oracle_rule:OracleRule", options={"temperature": 1.0}))
+        make_rule(RuleConfig(name="_oracle_rule:OracleRule", options={"temperature": 1.0}))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.rules import EditNormConfig, PenaltyConfig
+from edit_train.local_sgd.rules import EditNormConfig, RuleConfig
 from fixed_set import FixedSet, merge
 
 
@@ -175,7 +175,7 @@ def test_lr1_uniform_outer_step_is_parameter_averaging() -> None:
     g = torch.Generator().manual_seed(4)
     workers = [{n: [t + 0.3 * torch.randn(t.shape, generator=g) for t in ts] for n, ts in init.items()}
                for _ in range(3)]
-    pcfg = PenaltyConfig(rule="edit_norm", clip=False, edit_norm=EditNormConfig(weighting="uniform", anomaly=False))
+    pcfg = RuleConfig(name="edit_norm", clip=False, edit_norm=EditNormConfig(weighting="uniform", anomaly=False))
     agg = FixedSet(pcfg.edit_norm, 3)
     for name in st.module_names:
         deltas = [[a - p for a, p in zip(st.anchors[name], w[name])] for w in workers]

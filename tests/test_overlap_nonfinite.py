@@ -14,7 +14,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.transport import lighthouse_transport
 from edit_train.local_sgd.drivers import OverlapDriver
 from edit_train.local_sgd.outer import OuterConfig, OuterState
-from edit_train.local_sgd.rules import PenaltyConfig
+from edit_train.local_sgd.rules import RuleConfig
 from edit_train.local_sgd.round import SyncCore, Unit
 from edit_train.local_sgd.rules import make_rule
 
@@ -43,7 +43,7 @@ def _setup(seed: int = 0) -> tuple[nn.Module, _Overlap, OuterState]:
     outer = OuterState({u.name: u.live() for u in units}, OuterConfig(lr=1.0, momentum=0.0, nesterov=False))
     transport = lighthouse_transport("c0", RankGroup(), None)
     transport.form_start(0, {"local_steps": 4})
-    core = SyncCore(units, outer, make_rule(PenaltyConfig()), transport, clip=10.0)
+    core = SyncCore(units, outer, make_rule(RuleConfig()), transport, clip=10.0)
     ov = _Overlap(OverlapDriver(core, lambda _r: None, lambda _r, why: pytest.fail(why)))
     ov.driver.on_complete = lambda _r: setattr(ov, "done", ov.done + 1)
     return model, ov, outer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edit_train.local_sgd.penalty import EWMAStats, clip_factor
-from edit_train.local_sgd.rules import EditNormConfig, PenaltyConfig, softmax_weights as weights
+from edit_train.local_sgd.rules import EditNormConfig, RuleConfig, softmax_weights as weights
 from edit_train.local_sgd.verified import VerifiedConfig
 from fixed_set import FixedSet, merge
 
@@ -196,10 +196,10 @@ def test_step_share_blending() -> None:
 
 
 def test_clip_closed_form() -> None:
-    phi = PenaltyConfig(clip_threshold=10.0).clip_phi
+    phi = RuleConfig(clip_threshold=10.0).clip_phi
     assert clip_factor(5.0**2, phi) == 1.0
     assert clip_factor(1600.0, phi) == pytest.approx(10.0 / (40.0 + 1e-6))
-    assert clip_factor(1e18, PenaltyConfig(clip=False).clip_phi) == 1.0
+    assert clip_factor(1e18, RuleConfig(clip=False).clip_phi) == 1.0
     assert clip_factor(math.inf, phi) == 0.0 and clip_factor(math.nan, phi) == 0.0  # non-finite: drop the update
 
 
@@ -207,12 +207,12 @@ def test_weighted_sum_and_clip() -> None:
     gen = torch.Generator().manual_seed(1)
     deltas = [[torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen)] for _ in range(3)]
     w = [0.2, 0.3, 0.5]
-    out, coef = merge(deltas, w, PenaltyConfig(clip=False).clip_phi)
+    out, coef = merge(deltas, w, RuleConfig(clip=False).clip_phi)
     assert coef == 1.0
     for k in range(2):
         torch.testing.assert_close(out[k], sum(wi * d[k] for wi, d in zip(w, deltas)))
     big = [[100 * t for t in d] for d in deltas]
-    out, coef = merge(big, w, PenaltyConfig(clip_threshold=1.0).clip_phi)
+    out, coef = merge(big, w, RuleConfig(clip_threshold=1.0).clip_phi)
     ref = [sum(wi * d[k] for wi, d in zip(w, big)) for k in range(2)]
     norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in ref))
     assert coef == pytest.approx(1.0 / (norm + 1e-6))
@@ -279,19 +279,19 @@ EDIT_NORM = [({"temperature": 0.0}, "temperature"), ({"weighting": "max"}, "weig
 
 @pytest.mark.parametrize("kw, field", NORM_TEST + EDIT_NORM)
 def test_validate_edit_norm(kw: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=f"^algo\\.penalty\\.edit_norm\\.{field} "):
+    with pytest.raises(ValueError, match=f"^algo\\.rule\\.edit_norm\\.{field} "):
         EditNormConfig(**kw).validate()
-    with pytest.raises(ValueError, match=f"^algo\\.penalty\\.edit_norm\\.{field} "):
-        PenaltyConfig(edit_norm=EditNormConfig(**kw)).validate()
+    with pytest.raises(ValueError, match=f"^algo\\.rule\\.edit_norm\\.{field} "):
+        RuleConfig(edit_norm=EditNormConfig(**kw)).validate()
 
 
 @pytest.mark.parametrize("kw, field", NORM_TEST)
 def test_validate_the_norm_test_of_verified(kw: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=f"^algo\\.penalty\\.verified\\.{field} "):
-        PenaltyConfig(verified=VerifiedConfig(**kw)).validate()
+    with pytest.raises(ValueError, match=f"^algo\\.rule\\.verified\\.{field} "):
+        RuleConfig(verified=VerifiedConfig(**kw)).validate()
 
 
 def test_validate_clip_threshold() -> None:
-    with pytest.raises(ValueError, match="^algo\\.penalty\\.clip_threshold "):
-        PenaltyConfig(clip_threshold=-1.0).validate()
-    PenaltyConfig().validate()
+    with pytest.raises(ValueError, match="^algo\\.rule\\.clip_threshold "):
+        RuleConfig(clip_threshold=-1.0).validate()
+    RuleConfig().validate()

@@ -27,9 +27,9 @@ def _run(mode: str, retract: bool, lr1: float, syncs: int = 2) -> dict[str, Outc
     inner lr `lr1` (far above the others' LR: an update that hurts c0's and c1's probe slices)."""
     hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     cfg = config(mode, "verified", syncs=syncs, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
-    verified = dataclasses.replace(cfg.penalty.verified, retract=retract, probe_tokens=8)
+    verified = dataclasses.replace(cfg.rule.verified, retract=retract, probe_tokens=8)
     # scale_bound 0: the harmful update is admitted whole at the first sync (what the retraction takes back)
-    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified, scale_bound=0.0))
+    cfg = dataclasses.replace(cfg, rule=dataclasses.replace(cfg.rule, verified=verified, scale_bound=0.0))
     outs = {n: Outcome() for n in NAMES}
     threads = [threading.Thread(target=train_cluster, args=(i, hub.transport(n, RankGroup()), cfg),
                                 kwargs={"out": outs[n], "probe": True, "lr": (LR, LR, lr1)[i], "snapshot_at": (H - 1,),

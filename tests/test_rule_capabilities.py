@@ -16,7 +16,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.config import Config
 from edit_train.federation.inproc import InProcessFederation
 from edit_train.local_sgd.aggregator import Capabilities, capabilities_of
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.rules import RuleConfig, make_rule
 from edit_train.train import trainer as trainer_module
 from toy_federation import LR, Outcome, config, train_cluster
 
@@ -25,8 +25,8 @@ NAMES = ["c0", "c1", "c2"]  # c2 hurts the others' probe slices
 
 def _run(retract: bool) -> dict[str, Outcome]:
     cfg = config("at_end", "probing_rule:ProbingMean", syncs=2, phi=1e9, lr=1.0, momentum=0.0, nesterov=False)
-    penalty = dataclasses.replace(cfg.penalty, options={"probe_tokens": 8, "retract": retract}, scale_bound=0.0)
-    cfg = dataclasses.replace(cfg, penalty=penalty)
+    penalty = dataclasses.replace(cfg.rule, options={"probe_tokens": 8, "retract": retract}, scale_bound=0.0)
+    cfg = dataclasses.replace(cfg, rule=penalty)
     hub = InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     outs = {n: Outcome() for n in NAMES}
     threads = [threading.Thread(target=train_cluster, args=(i, hub.transport(n, RankGroup()), cfg),
@@ -57,21 +57,21 @@ def test_the_trainer_asks_the_rule_for_its_probe(monkeypatch: pytest.MonkeyPatch
     asked: list[int] = []
     monkeypatch.setattr(trainer_module, "probe_batch", lambda _d, _s, tokens, _i: asked.append(tokens) or "batch")
     cfg = Config()
-    cfg.algo.local_sgd, cfg.algo.penalty.rule, cfg.algo.penalty.options = True, "probing_rule:ProbingMean", \
+    cfg.algo.local_sgd, cfg.algo.rule.name, cfg.algo.rule.options = True, "probing_rule:ProbingMean", \
         {"probe_tokens": 24}
     fake: Any = SimpleNamespace(cfg=cfg, topo=SimpleNamespace(index=0), val_dirs=[], model=None)
     assert callable(trainer_module.Trainer._usefulness_probe(fake)) and asked == [24]
-    cfg.algo.penalty.rule = "uniform"
+    cfg.algo.rule.name = "uniform"
     assert trainer_module.Trainer._usefulness_probe(fake) is None
-    cfg.algo.penalty.rule, cfg.algo.local_sgd = "probing_rule:ProbingMean", False
+    cfg.algo.rule.name, cfg.algo.local_sgd = "probing_rule:ProbingMean", False
     assert trainer_module.Trainer._usefulness_probe(fake) is None and asked == [24]
 
 
 def test_a_rule_without_capabilities_asks_nothing() -> None:
     """The defaults: no probe, no retraction, every expert row sent; a `sketch_dim` attribute still counts; the
     default rule asks for what its config says."""
-    assert capabilities_of(make_rule(PenaltyConfig(rule="uniform"))) == Capabilities()
-    assert capabilities_of(make_rule(PenaltyConfig(rule="custom_rule:FirstClusterOnly"))).probe_tokens == 0
+    assert capabilities_of(make_rule(RuleConfig(name="uniform"))) == Capabilities()
+    assert capabilities_of(make_rule(RuleConfig(name="custom_rule:FirstClusterOnly"))).probe_tokens == 0
 
     class Sketching:
         sketch_dim = 64
@@ -84,7 +84,7 @@ def test_a_rule_without_capabilities_asks_nothing() -> None:
         def load(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None: ...
 
     assert capabilities_of(Sketching()) == Capabilities(sketch_dim=64)
-    pen = PenaltyConfig()
+    pen = RuleConfig()
     pen.verified.probe_tokens, pen.verified.retract, pen.verified.expert_weights = 16, False, "tokens"
     caps = capabilities_of(make_rule(pen))
     assert (caps.probe_tokens, caps.retract, caps.weighs_experts, caps.sketch_dim) == \

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from edit_train.local_sgd.aggregator import Evidence
-from edit_train.local_sgd.rules import EditNormConfig, EditNormRule, PenaltyConfig, UniformRule, make_rule, rule_names
+from edit_train.local_sgd.rules import EditNormConfig, EditNormRule, RuleConfig, UniformRule, make_rule, rule_names
 
 
 def _norms(seed: int, n: int) -> torch.Tensor:
@@ -24,31 +24,31 @@ def _ev(norms: torch.Tensor, names: list[str], contributes: list[bool] | None = 
 
 def test_registered_rules_and_a_clear_error_for_an_unknown_one() -> None:
     assert {"edit_norm", "uniform"} <= set(rule_names())
-    assert isinstance(make_rule(PenaltyConfig(rule="uniform")), UniformRule)
-    with pytest.raises(ValueError, match="algo.penalty.rule: unknown rule 'nope'"):
-        make_rule(PenaltyConfig(rule="nope"))
+    assert isinstance(make_rule(RuleConfig(name="uniform")), UniformRule)
+    with pytest.raises(ValueError, match="algo.rule.name: unknown rule 'nope'"):
+        make_rule(RuleConfig(name="nope"))
     with pytest.raises(ValueError, match="cannot load 'no_such_module:Rule'"):
-        make_rule(PenaltyConfig(rule="no_such_module:Rule"))
+        make_rule(RuleConfig(name="no_such_module:Rule"))
 
 
 def test_a_rule_defined_outside_the_package_is_loaded_by_name() -> None:
-    rule = make_rule(PenaltyConfig(rule="custom_rule:FirstClusterOnly"))
+    rule = make_rule(RuleConfig(name="custom_rule:FirstClusterOnly"))
     d = rule.decide(_ev(torch.tensor([1.0, 2.0]), ["a", "b"]))
     assert d.weights == [1.0, 0.0]
 
 
 def test_a_rule_gets_its_own_options_and_unknown_ones_are_refused() -> None:
-    """`algo.penalty.options` reach a rule of one's own: as its `Config` dataclass when it declares one (an unknown
+    """`algo.rule.options` reach a rule of one's own: as its `Config` dataclass when it declares one (an unknown
     key is one line naming the rule and what it takes), else as the dict."""
     import custom_rule
 
-    assert isinstance(make_rule(PenaltyConfig(rule="custom_rule:FirstClusterOnly", options={"x": 1})),
+    assert isinstance(make_rule(RuleConfig(name="custom_rule:FirstClusterOnly", options={"x": 1})),
                       custom_rule.FirstClusterOnly)
     with pytest.raises(ValueError, match=r"\['nope'\] are not parameters of rule 'custom_rule:WithConfig'"):
-        make_rule(PenaltyConfig(rule="custom_rule:WithConfig", options={"nope": 1}))
-    assert make_rule(PenaltyConfig(rule="custom_rule:WithConfig", options={"favourite": 2})).favourite == 2
-    with pytest.raises(ValueError, match="algo.penalty.edit_norm.temperature must be > 0"):
-        PenaltyConfig(edit_norm=EditNormConfig(temperature=0.0)).validate()
+        make_rule(RuleConfig(name="custom_rule:WithConfig", options={"nope": 1}))
+    assert make_rule(RuleConfig(name="custom_rule:WithConfig", options={"favourite": 2})).favourite == 2
+    with pytest.raises(ValueError, match="algo.rule.edit_norm.temperature must be > 0"):
+        RuleConfig(edit_norm=EditNormConfig(temperature=0.0)).validate()
 
 
 def test_absent_cluster_keeps_its_statistics_and_returns_to_them() -> None:
@@ -95,7 +95,7 @@ def test_uniform_rule_drops_non_finite_and_non_contributors() -> None:
 
 @pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
 def test_a_median_from_outside_the_package_drives_a_real_three_cluster_run(tmp_path, corpus) -> None:  # type: ignore[no-untyped-def]
-    """`algo.penalty.rule=median_rule:CoordinateMedian` (defined in tests/, not in the package) in a real
+    """`algo.rule.name=median_rule:CoordinateMedian` (defined in tests/, not in the package) in a real
     3-cluster run (a Lighthouse and three cluster jobs over gloo): every sync gathers every contribution, the
     rule's own combine merges them on every cluster (its call count travels in the checkpoint), and all three
     end on one anchor."""
@@ -113,7 +113,7 @@ def test_a_median_from_outside_the_package_drives_a_real_three_cluster_run(tmp_p
     cmd = [sys.executable, "-m", "edit_train.cli.train", "algo=edit", "cluster=local", "cluster.count=3",
            "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32", "train.batch_size=2",
            "train.steps=8", "algo.interval=4", "train.eval_every=0", "train.eval_batches=1", f"data.source={corpus}",
-           f"run.dir={run_dir}", "algo.penalty.rule=median_rule:CoordinateMedian"]
+           f"run.dir={run_dir}", "algo.rule.name=median_rule:CoordinateMedian"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -136,11 +136,11 @@ def test_the_custom_rule_example_in_the_architecture_doc_works(tmp_path, monkeyp
     (tmp_path / "my_rules.py").write_text(code.group(1))
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_rules", None)
-    rule = make_rule(PenaltyConfig(rule="my_rules:TrustBiggest"))
+    rule = make_rule(RuleConfig(name="my_rules:TrustBiggest"))
     ev = Evidence("m", ("a", "b", "c"), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
                   torch.tensor([4.0, 9.0, 0.0], dtype=torch.float64), (True, True, False))
     assert rule.decide(ev).weights == [0.0, 1.0, 0.0]
-    assert make_rule(PenaltyConfig(rule="my_rules:TrustBiggest", options={"share": 0.5})).decide(ev).weights[1] == 0.5
-    median = make_rule(PenaltyConfig(rule="my_rules:Median"))
+    assert make_rule(RuleConfig(name="my_rules:TrustBiggest", options={"share": 0.5})).decide(ev).weights[1] == 0.5
+    median = make_rule(RuleConfig(name="my_rules:Median"))
     parts = [[torch.tensor([1.0, 9.0])], [torch.tensor([2.0, 0.0])], [torch.tensor([7.0, 3.0])]]
     assert median.combine(ev, median.decide(ev), parts)[0].tolist() == [2.0, 3.0]

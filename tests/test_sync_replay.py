@@ -76,8 +76,8 @@ def sum_run() -> dict[str, Outcome]:
 def gathered_run() -> dict[str, Outcome]:
     """verified at 3 clusters gathers; c2's harmful update is admitted at sync 1 and taken back at sync 2."""
     cfg = config("layerwise", "verified", syncs=3, phi=0.5)
-    verified = dataclasses.replace(cfg.penalty.verified, probe_tokens=8)
-    cfg = dataclasses.replace(cfg, penalty=dataclasses.replace(cfg.penalty, verified=verified, scale_bound=0.0))
+    verified = dataclasses.replace(cfg.rule.verified, probe_tokens=8)
+    cfg = dataclasses.replace(cfg, rule=dataclasses.replace(cfg.rule, verified=verified, scale_bound=0.0))
     return _threads(["c0", "c1", "c2"], cfg, [{"probe": True, "lr": lr} for lr in (LR, LR, 1.0)])
 
 
@@ -109,7 +109,7 @@ def _routed(index: int) -> RoutedCounts:
 def experts_run() -> dict[str, Outcome]:
     """Expert weights by routed tokens; a cluster keeps the rows of experts it did not send."""
     cfg = config("at_end", "verified", syncs=2, phi=1e9)
-    cfg.penalty.verified.expert_weights, cfg.penalty.verified.expert_min_tokens = "tokens", 1
+    cfg.rule.verified.expert_weights, cfg.rule.verified.expert_min_tokens = "tokens", 1
     return run_inproc(["c0", "c1", "c2"], cfg, routed=_routed)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from edit_train.local_sgd.aggregator import Decision, Evidence
 from edit_train.local_sgd.evidence import probe_judgement
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.rules import RuleConfig, make_rule
 from edit_train.local_sgd.verified import VerifiedConfig, token_weights
 from edit_train.sim.byzantine import ByzantineTransport, corrupt
 from edit_train.sim.faults import FaultInjector
@@ -60,7 +60,7 @@ def test_a_corrupted_contribution_gets_weight_0_for_what_it_was(kind: str) -> No
 
 def test_the_rule_on_crafted_contributions() -> None:
     """Exact flags and weights: a liar whose reported norm is not what it sent, a NaN sender, and tokens."""
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0, warmup_syncs=10)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, warmup_syncs=10)))
     norms = torch.tensor([1.0, 2.0, math.nan, 1.5], dtype=torch.float64)
     ev = Evidence("m", ("a", "b", "c", "d"), norms, torch.full((4,), 4.0, dtype=torch.float64), (True,) * 4,
                   {"finite": torch.tensor([True, True, False, True]), "exact": torch.tensor(True),
@@ -87,7 +87,7 @@ def test_a_left_out_share_is_a_zero_update_or_goes_to_the_others() -> None:
     assert token_weights(tokens, torch.zeros(4, dtype=torch.bool), 8.0).tolist() == [0.0] * 4
     assert token_weights(torch.zeros(3), torch.tensor([True, False, True]), 8.0).tolist() == \
         pytest.approx([1 / 3, 0.0, 1 / 3])  # no claims: one each
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0, left_out="others")))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, left_out="others")))
     ev = Evidence("m", ("a", "b"), torch.ones(2, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64),
                   (True,) * 2, {"probe": torch.tensor([-0.05, 0.2], dtype=torch.float64)})
     assert rule.decide(ev).weights == [1.0, 0.0]
@@ -96,7 +96,7 @@ def test_a_left_out_share_is_a_zero_update_or_goes_to_the_others() -> None:
 
 
 def test_tokens_claims_are_capped() -> None:
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0, max_token_ratio=2.0)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, max_token_ratio=2.0)))
     ev = Evidence("m", ("a", "b", "c"), torch.ones(3, dtype=torch.float64), torch.full((3,), 4.0, dtype=torch.float64),
                   (True,) * 3, {"tokens": torch.tensor([100.0, 100.0, 1e9], dtype=torch.float64)})
     assert rule.decide(ev).weights == [0.25, 0.25, 0.5]  # 1e9 counts as 2 x the median (100)
@@ -110,7 +110,7 @@ def test_probe_medians_exclude_the_judged_cluster() -> None:
 
 
 def test_an_update_that_hurt_the_others_probe_is_left_out() -> None:
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     ev = Evidence("m", ("a", "b"), torch.ones(2, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64),
                   (True,) * 2, {"probe": torch.tensor([-0.05, 0.2], dtype=torch.float64)})
     d = rule.decide(ev)
@@ -136,7 +136,7 @@ def _ev(module: str, sync: int, finite: list[bool], probe: list[float]) -> Evide
 
 
 def test_probation_follows_a_mostly_corrupt_sync_unless_the_update_helped() -> None:
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     nan = math.nan
     # sync 5: c1 corrupt in 2 of 3 modules (a majority), c2 in 1 of 3
     for module, fin in (("a", [True, False, True]), ("b", [True, False, False]), ("c", [True, True, True])):
@@ -146,7 +146,7 @@ def test_probation_follows_a_mostly_corrupt_sync_unless_the_update_helped() -> N
     assert d.weights == pytest.approx([1 / 3, 0.0, 1 / 3]) and d.evidence[1]["reasons"] == ["probation"]
     assert rule.decide(_ev("c", 6, [True] * 3, [-0.1, 0.05, 0.0])).weights == pytest.approx([1 / 3, 0.0, 1 / 3])
     # its update of sync 5 demonstrably helped the others (probe <= 0): no probation
-    rule2 = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    rule2 = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     meta, tensors = rule.state()
     rule2.load(meta, tensors)
     rule2.probation, rule2.sync = {"c1"}, 6  # as if sync 6 were being decided afresh
@@ -159,12 +159,12 @@ def test_probation_follows_a_mostly_corrupt_sync_unless_the_update_helped() -> N
 
 
 def test_probation_and_pooled_direction_state_round_trip() -> None:
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     for module in ("a", "b"):
         rule.decide(_ev(module, 3, [True, False, True], [math.nan] * 3))
     rule.decide(_ev("a", 4, [True] * 3, [math.nan] * 3))
     meta, tensors = rule.state()
-    other = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=0)))
+    other = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
     other.load(meta, tensors)
     assert other.probation == {"c1"} and other.sync == 4 and other.tally == rule.tally
     d1, d2 = rule.decide(_ev("b", 4, [True] * 3, [math.nan] * 3)), other.decide(_ev("b", 4, [True] * 3, [math.nan] * 3))
@@ -178,7 +178,7 @@ def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
     sync 7 on: flagged (the reference breaks the pair's tie), then on probation — and while on probation it is
     still judged against c0, so at sync 9 it is held again and its small module c, which looks fine, is not
     let in. Once everything it sends looks right again (sync 10), it is back at sync 11."""
-    rule = make_rule(PenaltyConfig(rule="verified", verified=VerifiedConfig(sketch_dim=4, warmup_syncs=2)))
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=4, warmup_syncs=2)))
     u = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
 
     def ev(module: str, sync: int, cos: float) -> Evidence:

@@ -137,3 +137,37 @@ def test_the_core_and_the_federation_say_cluster() -> None:
             bad += [f"{path.relative_to(ROOT)}:{line}: {CODE_RETIRED.search(_unquoted(t)).group(0)}"  # type: ignore[union-attr]
                     for line, t in _words_in_code(path.read_text()) if CODE_RETIRED.search(_unquoted(t))]
     assert bad == [], bad
+
+
+def test_algo_penalty_is_read_as_algo_rule_on_the_command_line_and_refused_in_a_file(capsys) -> None:
+    """Issue 50: the rule's config is `algo.rule` and the rule it picks `algo.rule.name`; the old keys are read
+    as those with one warning line each on the command line, refused with a hint in a config file, and an old
+    key retired outright (issue 36) keeps its own hint."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    from edit_train.config import AlgoConfig
+
+    assert renamed_overrides(["algo.penalty.rule=uniform", "+algo.penalty.options.x=1", "algo.penalty.anomaly=true"]) \
+        == ["algo.rule.name=uniform", "+algo.rule.options.x=1", "algo.penalty.anomaly=true"]
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["warning: algo.penalty.rule is deprecated: read as algo.rule.name (docs/glossary.md); "
+                   "use algo.rule.name=uniform",
+                   "warning: algo.penalty.options.x is deprecated: read as algo.rule.options.x (docs/glossary.md); "
+                   "use algo.rule.options.x=1"]
+    cfg = compose(["algo=edit", "algo.penalty.rule=uniform", "algo.penalty.clip=false"])
+    assert cfg.algo.rule.name == "uniform" and cfg.algo.rule.clip is False
+    assert \
+        "algo.rule.verified.anomaly" in str(retired_hint("algo.penalty.anomaly"))
+    schema = OmegaConf.structured(AlgoConfig)
+    with pytest.raises(ConfigKeyError) as exc:
+        OmegaConf.merge(OmegaConf.create({"algo": schema}), OmegaConf.create({"algo": {"penalty": {"rule": "uniform"}}}))
+    assert one_line(exc.value) == retired_hint("algo.penalty") == "algo.penalty was retired: use algo.rule"
+
+
+def test_a_run_dir_written_before_algo_rule_reads_its_rule() -> None:
+    from edit_train.retired import current_rule_name
+
+    assert current_rule_name({"algo": {"penalty": {"rule": "uniform"}}}) == "uniform"
+    assert current_rule_name({"algo": {"rule": {"name": "edit_norm"}}}) == "edit_norm"
+    assert current_rule_name({}) == "verified"

@@ -21,7 +21,7 @@ from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.errors import SyncAborted
 from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.rules import EditNormConfig, PenaltyConfig
+from edit_train.local_sgd.rules import EditNormConfig, RuleConfig
 from edit_train.local_sgd.verified import VerifiedConfig
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.schedule import ScheduleConfig
@@ -55,10 +55,10 @@ def config(mode: str, rule: str = "edit_norm", syncs: int = 3, phi: float = 0.05
            **outer: Any) -> LocalSGDConfig:
     """EDiT over `syncs` intervals of H steps; no anomaly flag can fire in so few syncs (warm-up 10), so the
     weights are the closed-form softmax; φ small enough that clipping acts on some modules."""
-    penalty = PenaltyConfig(rule=rule, clip_threshold=phi, verified=VerifiedConfig(warmup_syncs=warmup, sketch_dim=256),
+    penalty = RuleConfig(name=rule, clip_threshold=phi, verified=VerifiedConfig(warmup_syncs=warmup, sketch_dim=256),
                             edit_norm=EditNormConfig(warmup_syncs=warmup))
     return LocalSGDConfig(schedule=ScheduleConfig(interval=H), outer=OuterConfig(**{"lr": 0.7, "momentum": 0.8,
-                          "nesterov": True, **outer}), penalty=penalty, mode=mode, total_steps=syncs * H)
+                          "nesterov": True, **outer}), rule=penalty, mode=mode, total_steps=syncs * H)
 
 
 @dataclass

@@ -312,7 +312,7 @@ def gathered_sum(x: Tensor, pg: Any, cfg: CompressionConfig, **kw: Any) -> tuple
 
 
 def sent_bytes(method: str, numel: int, world: int, rank: int, cfg: CompressionConfig) -> int:
-    """Bytes this rank puts on the wire for one module's exchange among ``world`` clusters (the figure
+    """Bytes this rank puts on the wire for one unit's exchange among ``world`` clusters (the figure
     the link model and the `bytes` of `sync` events use): a ring all-reduce of fp32 sends 2(P−1)/P·4n; a
     gather, (P−1) copies of its payload; the compressed sum, what its plan moves (module docstring)."""
     if world <= 1:

@@ -1,6 +1,6 @@
 """Cross-cluster process groups for one quorum: torchft's reconfigurable gloo groups, one per *lane*.
 
-Layout is by module, not by rank. A module's pseudo-gradient is cut into the federation's `chunks` fixed
+Layout is by unit, not by rank. A unit's pseudo-gradient is cut into the federation's `chunks` fixed
 pieces; cluster c hands chunk j to its rank `j % size_c`; lane j is the group of chunk j's owners, one
 rank per participating cluster (its rank in the lane = the cluster's position in the sorted quorum).
 When every cluster has the same size the federation pairs rank r with rank r instead (lane r), so each

@@ -1,8 +1,8 @@
-"""Moving one module's tensors across the quorum's lanes: a SUM (in place) or a gather of every
+"""Moving one unit's tensors across the quorum's lanes: a SUM (in place) or a gather of every
 cluster's contribution, in fp32 or compressed with this rank's error feedback.
 
 Layout: when every cluster has the same size, lane r carries rank r's own FSDP shard (paired; no
-resharding); otherwise the module's full flat Δ is cut into the federation's `chunks` pieces and piece j
+resharding); otherwise the unit's full flat Δ is cut into the federation's `chunks` pieces and piece j
 travels on lane j, owned by the cluster's rank `j % size` (chunked), and the pieces are put back together
 over the cluster's fast links. A gathered piece carries its tag (`seal.py`): a piece that does not verify
 fails the whole move on every rank of the cluster (the sync is rolled back; nothing forged is judged).
@@ -95,8 +95,8 @@ def _bounds(total: int, chunks: int) -> list[int]:
 
 
 def _unflatten(c: ClusterGroup, row: Tensor, tensors: list[Tensor], shapes: list[Any], paired: bool) -> list[Tensor]:
-    """A module's flat row cut back into tensors shaped like `tensors`: as it is (paired: the row is this rank's
-    shards) or as this rank's shard of each whole tensor (chunked: the row is the whole module)."""
+    """A unit's flat row cut back into tensors shaped like `tensors`: as it is (paired: the row is this rank's
+    shards) or as this rank's shard of each whole tensor (chunked: the row is the whole unit)."""
     parts, offset = [], 0
     for t, shape in zip(tensors, shapes):
         n = math.prod(shape)
@@ -135,7 +135,7 @@ class ModuleMover:
         cfg = self.compression if lossy else CompressionConfig()
         if sizes is not None and lossy:
             raise ValueError("rows of a contribution cannot go compressed (error feedback needs every row); "
-                             "use sync.compression=none with algo.penalty.verified.expert_min_tokens")
+                             "use sync.compression=none with algo.rule.verified.expert_min_tokens")
         on_wire = wire("gathered" if gather else "sum", cfg.sparse)  # local_sgd/moves.py: the one decision
         summed = not gather and on_wire == "gather"
         nbytes = sent_bytes(on_wire, flat.numel(), world, me, cfg)
@@ -161,9 +161,9 @@ class ModuleMover:
 
     @torch.no_grad()
     def take_unsent(self, q: Quorum, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None:
-        """This rank's error-feedback residual of module `key` (what its last gather did not send), laid out like
+        """This rank's error-feedback residual of unit `key` (what its last gather did not send), laid out like
         `tensors` (its local shards), and forgotten; None when there is none. A collective inside the cluster
-        when the module travels in chunks (every rank calls it for the same module)."""
+        when the unit travels in chunks (every rank calls it for the same unit)."""
         c = self.cluster
         if q.paired:
             flat = self.feedback.residual(f"{key}#{c.rank}")

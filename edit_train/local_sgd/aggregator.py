@@ -1,7 +1,7 @@
 """The aggregation seam: what a rule is told about every cluster of a sync, what it decides, and what it needs
 the round to move for it.
 
-A rule sees one module at a time (`Evidence`) and returns a `Decision`: who is left out, and every cluster's
+A rule sees one unit at a time (`Evidence`) and returns a `Decision`: who is left out, and every cluster's
 weight in the merged update. Every cluster of the quorum runs the same rule on the same evidence, so all take
 the same decision without more communication. A rule says what the round must move (`needs`):
 
@@ -47,7 +47,7 @@ class Needs(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Evidence:
-    """What a round knows about every cluster for one module (rows in quorum order).
+    """What a round knows about every cluster for one unit (rows in quorum order).
 
     `norms` are ‖Δᵢ‖ over the whole module: reported (SUM), measured on what was sent (gathered), or the
     reported norms whose claims the sketch check holds them to (sketched). `extra` holds the rest, by key:
@@ -77,9 +77,9 @@ def _finite_or_none(v: Any) -> Any:
 
 @dataclass
 class Decision:
-    """One module's decision (identical on every cluster). `weights[i]` is cluster i's coefficient in the merged
+    """One unit's decision (identical on every cluster). `weights[i]` is cluster i's coefficient in the merged
     update (a combining rule may leave them nominal: they are what the `sync` event reports); `left_out[i]`
-    says the rule refused cluster i's contribution; `skip`: no outer step for this module (nobody is left to
+    says the rule refused cluster i's contribution; `skip`: no outer step for this unit (nobody is left to
     merge). `evidence[i]` is whatever the rule wants the `sync` event to say about cluster i (its scores, bounds
     and reasons), by key: nothing in the round reads it. `expert_weights[e][i]` (a unit with experts, the rule's
     option): cluster i's coefficient on expert e's rows instead of `weights[i]` (the round applies it in every
@@ -126,7 +126,7 @@ class Capabilities:
 
 @runtime_checkable
 class Aggregator(Protocol):
-    """An aggregation rule (module by module; the same answer on every cluster). Optional members: `needs`
+    """An aggregation rule (unit by unit; the same answer on every cluster). Optional members: `needs`
     (default `Needs.SUM`) and `capabilities()` (default `Capabilities()`, or one with the rule's `sketch_dim`
     attribute: count-sketch buckets a MEASUREMENTS rule wants)."""
 

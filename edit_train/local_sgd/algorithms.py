@@ -35,7 +35,7 @@ from edit_train.local_sgd.protocols import Quorum, Transport
 from edit_train.local_sgd.records import Records
 from edit_train.local_sgd.retract import Retraction
 from edit_train.local_sgd.round import SyncCore, SyncReport, build_units, land_on_anchors
-from edit_train.local_sgd.rules import PenaltyConfig, make_rule
+from edit_train.local_sgd.rules import RuleConfig, make_rule
 from edit_train.local_sgd.schedule import ScheduleConfig, StepSchedule
 from edit_train.local_sgd.state import SyncState
 from edit_train.local_sgd.suspects import Suspects
@@ -48,7 +48,7 @@ class LocalSGDConfig:
     local_sgd: bool = True  # False: every step all-reduces gradients across clusters (ddp)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
-    penalty: PenaltyConfig = field(default_factory=PenaltyConfig)
+    rule: RuleConfig = field(default_factory=RuleConfig)
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
     total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
@@ -82,7 +82,7 @@ class LocalSGD:
         self.warmup = StepSchedule(cfg.schedule)
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s, cfg.eval_every,
                                       cfg.tokens_per_step, cfg.checkpoint_every), transport.cluster)
-        self.rule = make_rule(cfg.penalty)
+        self.rule = make_rule(cfg.rule)
         self.caps = capabilities_of(self.rule)  # what the rule asks beyond its decisions (aggregator.py)
         self.replica = Replica(model, optimizer, build_units(model, unit_modules))
         self.suspects = Suspects(transport.name)  # the liars this cluster names (log + `sync` events)
@@ -103,7 +103,7 @@ class LocalSGD:
 
     def start_local_phase(self) -> None:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
-        units, pen, caps, probing = self.replica.units, self.cfg.penalty, self.caps, self.probe.enabled
+        units, pen, caps, probing = self.replica.units, self.cfg.rule, self.caps, self.probe.enabled
         experts = Experts(self.routed, [(u.name, u.module, u.params) for u in units], caps.expert_min_tokens,
                           caps.weighs_experts) if self.routed is not None else None
         core = SyncCore(units=units, outer=OuterState({u.name: u.live() for u in units}, self.cfg.outer),

@@ -23,7 +23,7 @@ from edit_train.local_sgd.suspects import Suspects
 
 @dataclass
 class Unit:
-    """A synchronization unit (= an FSDP unit): a module and the parameters it owns."""
+    """A synchronization unit (= an FSDP unit): an nn.Module and the parameters it owns."""
 
     name: str
     module: nn.Module

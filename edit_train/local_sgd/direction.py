@@ -1,13 +1,13 @@
 """The direction test of the `verified` rule: does a cluster's contribution point where the others' do?
 
 Judged on what was sent, exactly: the pairwise cosines Cᵢⱼ of the gathered contributions come from their
-Gram matrix (no sketch, no claim). For module m, with T the *trusted* contributors (finite, truthful about
+Gram matrix (no sketch, no claim). For unit m, with T the *trusted* contributors (finite, truthful about
 their norm, not harmful on the probe, not on probation):
 
 * agreement distance  xᵢ = lower median over j ∈ T, j ≠ i of (1 − Cᵢⱼ) — how far i is from the typical
   other cluster (a minority of bad clusters cannot pull an honest one's median);
 * three or more contributors, two or more of them trusted: the excess eᵢ = xᵢ − lower median of x over T
-  is tested against the module's pooled history of accepted excesses (what training does to every cluster
+  is tested against the unit's pooled history of accepted excesses (what training does to every cluster
   alike cancels);
 * exactly two contributors, both trusted: x is one number for the pair; when it is anomalous against the
   pooled history of pair distances (z above `direction_z`, σ at least a tenth of the mean distance), the one further from the *reference* (an EWMA of the accepted
@@ -74,15 +74,15 @@ class DirectionParams(Protocol):
     anomaly: bool
     warmup_syncs: int
     direction_rate: float  # EWMA rate of the reference direction (accepted aggregates)
-    direction_alpha: float  # EWMA rate per accepted value of a module's pooled statistics
+    direction_alpha: float  # EWMA rate per accepted value of a unit's pooled statistics
     direction_z: float  # nominal z (agreements have heavier tails than norms)
 
 
 class DirectionTest:
     def __init__(self, cfg: DirectionParams) -> None:
         self.cfg = cfg
-        self.stats: dict[str, EWMAStats] = {}  # "<key>/<module>" -> one pooled row
-        self.refs: dict[str, Tensor] = {}  # module -> unit-norm reference direction (sketch)
+        self.stats: dict[str, EWMAStats] = {}  # "<key>/<unit>" -> one pooled row
+        self.refs: dict[str, Tensor] = {}  # unit -> unit-norm reference direction (sketch)
 
     def _stat(self, key: str, module: str) -> EWMAStats:
         return self.stats.setdefault(f"{key}/{module}", EWMAStats(1, self.cfg.direction_alpha))

@@ -21,7 +21,7 @@ class FederationRefused(FederationError):
 
 
 class SyncAborted(RuntimeError):
-    """A cluster was lost mid-sync: every module was rolled back; the caller retries its step."""
+    """A cluster was lost mid-sync: every unit was rolled back; the caller retries its step."""
 
 
 class ForwardStale(SyncAborted):

@@ -3,7 +3,7 @@
 (a fixed random projection to `dim` buckets that keeps inner products in expectation) for the direction test.
 
 Every cluster must take the same decision from these numbers, so they are computed in a canonical layout:
-on the module's whole flat Δ when every rank holds it (clusters of different size: the chunked layout
+on the unit's whole flat Δ when every rank holds it (clusters of different size: the chunked layout
 assembles it), or per rank on its shard when every cluster has the same layout (equal sizes: rank r
 holds the same elements everywhere), summed over the cluster's ranks in rank order.
 """
@@ -24,7 +24,7 @@ _MUL = 0x9E3779B97F4A7C15 - (1 << 64)  # golden-ratio multiplier as a signed int
 
 @dataclass
 class Measured:
-    gram: Tensor  # float64 [P, P]: ⟨Δᵢ, Δⱼ⟩ over the whole module (NaN rows for non-finite senders)
+    gram: Tensor  # float64 [P, P]: ⟨Δᵢ, Δⱼ⟩ over the whole unit (NaN rows for non-finite senders)
     finite: list[bool]
     sketches: Tensor | None  # float64 [P, dim]
     grams: Tensor | None = None  # float64 [E, P, P]: the Gram matrix of each expert's rows (`groups` given)
@@ -48,7 +48,7 @@ def shard_range(param: Tensor, rank: int, size: int) -> tuple[int, int]:
 
 
 def shard_positions(params: list[Tensor], rank: int, size: int) -> list[Tensor]:
-    """The position of every element of this rank's local part of each parameter in the module's flat Δ
+    """The position of every element of this rank's local part of each parameter in the unit's flat Δ
     (parameters flattened and concatenated in order; FSDP2 Shard(0) is torch.chunk of dim 0)."""
     out, offset = [], 0
     for p in params:
@@ -89,7 +89,7 @@ def _partials(rows: Tensor, hashed: tuple[Tensor, Tensor] | None, dim: int,
 def measure(got: Contributions, cluster: ClusterGroup, hashed: Callable[[bool], tuple[Tensor, Tensor] | None],
             dim: int, groups: Groups | None = None) -> Measured:
     """Gram matrix, finiteness and (dim > 0, a power of two) sketches of every cluster's contribution.
-    `hashed(whole)`: the sketch's buckets and signs for the whole flat module, or this rank's shard of it;
+    `hashed(whole)`: the sketch's buckets and signs for the whole flat unit, or this rank's shard of it;
     `groups(whole)`: how to take each expert's Gram matrix in that layout, and how many experts (`experts.py`)."""
     whole = got.whole is not None
     grams, experts = groups(whole) if groups is not None else (None, 0)

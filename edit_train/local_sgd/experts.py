@@ -4,7 +4,7 @@ which rows a cluster sends.
 
 * `RoutedCounts` is what the trainer hands `LocalSGD` (the core knows no model): `take()` returns this cluster's
   routed (token, slot) counts since the last take, ``[MoE layers, experts]`` (a collective over the cluster's
-  ranks: every rank calls it at the same point), and `pieces(name, module, params)` which row of the counts is
+  ranks: every rank calls it at the same point), and `pieces(name, unit, params)` which row of the counts is
   unit `name`'s and which rows of its parameters are each expert's (None: no experts in it).
 * `Experts` (one per `SyncCore`) takes the counts when a round's exchange starts and keeps them until that
   round commits; after an abort the next take adds to them (the cluster kept its local progress, so its next
@@ -117,8 +117,8 @@ class UnitExperts:
                 t.add_(p.to(t.dtype), alpha=w)
 
     def grams(self, params: Sequence[Tensor], rank: int, size: int, whole: bool) -> Callable[[Tensor], Tensor]:
-        """rows [P, N] of the unit's flat Δ (the whole module, or this rank's shards) -> [E, P, P]: the Gram
-        matrix of each expert's rows (fp32 products, as the module's own Gram matrix)."""
+        """rows [P, N] of the unit's flat Δ (the whole unit, or this rank's shards) -> [E, P, P]: the Gram
+        matrix of each expert's rows (fp32 products, as the unit's own Gram matrix)."""
         segments = []
         offset = 0
         for k, p in enumerate(params):
@@ -190,7 +190,7 @@ class Experts:
     def summed(self, name: str, delta: list[Tensor], params: Sequence[Tensor], rank: int, size: int, d: Decision,
                me: int) -> tuple[list[Tensor], list[Tensor | None] | None, int]:
         """This cluster's part of unit `name` in a SUM under decision `d`: each expert's rows times its weight on
-        that expert, the rest times its module weight; the rows of experts every cluster weighs 0 do not go
+        that expert, the rest times its unit weight; the rows of experts every cluster weighs 0 do not go
         (which rows go, None: all; and how many elements stay behind)."""
         assert d.expert_weights is not None
         ue = self.units[name]
@@ -233,7 +233,7 @@ def unsent_rows(delta: Sequence[Tensor], rows: Sequence[Tensor | None], params: 
 
 def pin(d: Decision, sent: Tensor, finite: list[bool] | None) -> Decision:
     """The expert weights a round applies: 0 for an expert a cluster did not send (gathered, `finite` given: also
-    for a non-finite contribution), snapped to the module weights' grid when gathered."""
+    for a non-finite contribution), snapped to the unit weights' grid when gathered."""
     if d.expert_weights is not None:
         ok = finite if finite is not None else [True] * sent.shape[0]
         d.expert_weights = [[(snap(float(x)) if finite is not None else float(x)) if ok[i] and bool(sent[i, e])
@@ -243,7 +243,7 @@ def pin(d: Decision, sent: Tensor, finite: list[bool] | None) -> Decision:
 
 def merged_sqnorm(gram: Tensor, grams: Tensor, used: list[int], w: Sequence[float],
                   ew: Sequence[Sequence[float]]) -> float:
-    """‖Σᵢ Wᵢ∘Δᵢ‖² over the contributors `used`: the rest of the unit at the module weights `w` (its Gram matrix:
+    """‖Σᵢ Wᵢ∘Δᵢ‖² over the contributors `used`: the rest of the unit at the unit weights `w` (its Gram matrix:
     the unit's less its experts'), each expert's rows at its own weights `ew[e]` (from the same numbers on every
     cluster)."""
     if not used:
@@ -257,7 +257,7 @@ def merged_sqnorm(gram: Tensor, grams: Tensor, used: list[int], w: Sequence[floa
 
 
 def token_shares(counts: Tensor, sent: Tensor, backing: Tensor) -> Tensor:
-    """[n, E]: the tokens behind each cluster's share of each expert: its backing (the tokens the module rule
+    """[n, E]: the tokens behind each cluster's share of each expert: its backing (the tokens the unit rule
     counts for it) spread over the experts as it routed them (`counts` [n, E] over its row sum), 0 where it
     did not send the expert."""
     total = counts.sum(1, keepdim=True)

@@ -1,4 +1,4 @@
-"""Anchor θ̄ and outer optimizer per module, on plain (local-shard) tensors (EDiT §4 step 5).
+"""Anchor θ̄ and outer optimizer per unit, on plain (local-shard) tensors (EDiT §4 step 5).
 
 ``OuterState`` never touches ``torch.distributed``: the caller hands it the rank's live local tensors
 (e.g. ``p.to_local()`` of FSDP2 DTensors) and the already-reduced pseudo-gradient.
@@ -30,7 +30,7 @@ class OuterConfig:
     nesterov: bool = True
     kwargs: dict[str, Any] = field(default_factory=dict)
     offload: bool = False
-    # Pier (arXiv 2511.17849), per module, counted in its outer steps t = 1, 2, ...: momentum μ·min(1, t/W)
+    # Pier (arXiv 2511.17849), per unit, counted in its outer steps t = 1, 2, ...: momentum μ·min(1, t/W)
     momentum_warmup_syncs: int = 0  # W (0 = off)
     lr_warmup_syncs: int = 0  # lr·min(1, t/W_lr) (0 = off)
     lr_decay_syncs: int = 0  # > 0: cosine from lr (after the warm-up) to lr·min_lr_ratio at t = this, then flat
@@ -57,11 +57,11 @@ class OuterConfig:
 
     @property
     def scheduled(self) -> bool:
-        """Whether the outer lr or momentum changes with the sync count (then each module keeps its count)."""
+        """Whether the outer lr or momentum changes with the sync count (then each unit keeps its count)."""
         return bool(self.momentum_warmup_syncs or self.lr_warmup_syncs or self.lr_decay_syncs)
 
     def lr_at(self, t: int) -> float:
-        """The outer lr at this module's t-th outer step (t >= 1)."""
+        """The outer lr at this unit's t-th outer step (t >= 1)."""
         w, d = self.lr_warmup_syncs, self.lr_decay_syncs
         if w and t < w:
             return self.lr * t / w
@@ -71,7 +71,7 @@ class OuterConfig:
         return self.lr
 
     def momentum_at(self, t: int) -> float:
-        """The outer momentum at this module's t-th outer step (t >= 1)."""
+        """The outer momentum at this unit's t-th outer step (t >= 1)."""
         w = self.momentum_warmup_syncs
         return self.momentum * min(1.0, t / w) if w else self.momentum
 
@@ -107,7 +107,7 @@ def _anchor_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class OuterState:
-    """Per-module anchors θ̄ and one outer optimizer per module (so modules step independently)."""
+    """Per-unit anchors θ̄ and one outer optimizer per unit (so units step independently)."""
 
     def __init__(self, modules: dict[str, list[Tensor]], cfg: OuterConfig) -> None:
         cfg.validate()
@@ -140,7 +140,7 @@ class OuterState:
         return sum(a.numel() for a in self.anchors[name])
 
     def nbytes(self, name: str) -> int:
-        """Bytes of the module's anchor tensors (= one fp32 pseudo-gradient)."""
+        """Bytes of the unit's anchor tensors (= one fp32 pseudo-gradient)."""
         return sum(a.numel() * a.element_size() for a in self.anchors[name])
 
     def _state_tensors(self, name: str) -> list[tuple[dict, str, int]]:
@@ -155,7 +155,7 @@ class OuterState:
 
     # ---------------------------------------------------------------- offload
     def prefetch(self, name: str) -> None:
-        """Offload only: copy the module's anchor and optimizer state to the params' devices."""
+        """Offload only: copy the unit's anchor and optimizer state to the params' devices."""
         if not self.cfg.offload or name in self._resident:
             return
         ps = self.params[name]
@@ -173,7 +173,7 @@ class OuterState:
         return host
 
     def release(self, name: str) -> None:
-        """Offload only: move the module's anchor and optimizer state back to (pinned) CPU memory."""
+        """Offload only: move the unit's anchor and optimizer state back to (pinned) CPU memory."""
         if not self.cfg.offload or name not in self._resident:
             return
         for a in self.anchors[name]:
@@ -197,7 +197,7 @@ class OuterState:
 
     @torch.no_grad()
     def step(self, name: str, delta: Sequence[Tensor]) -> None:
-        """``θ̄.grad = Δ``; step this module's outer optimizer. Does not touch the live params."""
+        """``θ̄.grad = Δ``; step this unit's outer optimizer. Does not touch the live params."""
         anchors = self.anchors[name]
         if len(delta) != len(anchors):
             raise ValueError(f"OuterState.step({name!r}): got {len(delta)} tensors, module has {len(anchors)}")
@@ -221,7 +221,7 @@ class OuterState:
             if own:
                 self.release(name)
 
-    COUNT = "outer_syncs"  # the module's outer steps so far, beside its optimizer state (checkpoints, heals, rollbacks)
+    COUNT = "outer_syncs"  # the unit's outer steps so far, beside its optimizer state (checkpoints, heals, rollbacks)
 
     def _schedule(self, name: str) -> int:
         """This outer step's number t and its lr and momentum (``OuterConfig.lr_at`` / ``momentum_at``)."""
@@ -242,7 +242,7 @@ class OuterState:
 
     @torch.no_grad()
     def snapshot(self, name: str) -> tuple[list[Tensor], dict[int, dict[str, Any]], list[Tensor]]:
-        """What `restore` needs to undo this module's next outer step and reset (anchor, optimizer
+        """What `restore` needs to undo this unit's next outer step and reset (anchor, optimizer
         state, live params): a sync commits on every cluster or on none."""
         opt = self.optimizers[name]
         state = {i: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in opt.state.get(a, {}).items()}
@@ -268,7 +268,7 @@ class OuterState:
 
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Tensor]:
-        """Flat ``{"<module>/anchor/<i>", "<module>/<state_key>/<i>": CPU tensor}`` (safetensors-ready)."""
+        """Flat ``{"<unit>/anchor/<i>", "<unit>/<state_key>/<i>": CPU tensor}`` (safetensors-ready)."""
         self._sync_host()
         sd: dict[str, Tensor] = {}
         for name, anchors in self.anchors.items():

@@ -18,7 +18,7 @@ __all__ = ["NormTestConfig", "EWMAStats", "per_step", "interval_norm", "t_quanti
            "check_fields"]
 
 
-PREFIX = "algo.penalty"  # where the rules' configs live in the Hydra tree (for error messages)
+PREFIX = "algo.rule"  # where the rules' configs live in the Hydra tree (for error messages)
 
 
 def check_fields(ok: bool, where: str, what: str) -> None:
@@ -42,7 +42,7 @@ class NormTestConfig:
     regime_change: bool = True  # a shift shared by most clusters rescales everyone's statistics instead
 
     def validate(self, rule: str) -> None:
-        """Raise `ValueError` naming the offending field under `algo.penalty.<rule>`."""
+        """Raise `ValueError` naming the offending field under `algo.rule.<rule>`."""
         check_fields(0.0 < self.ewma_alpha < 1.0, f"{rule}.ewma_alpha", f"must be in (0, 1), got {self.ewma_alpha}")
         check_fields(self.warmup_syncs >= 0, f"{rule}.warmup_syncs", f"must be >= 0, got {self.warmup_syncs}")
         check_fields(self.z_threshold > 0 and math.isfinite(self.z_threshold), f"{rule}.z_threshold",

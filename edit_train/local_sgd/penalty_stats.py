@@ -57,7 +57,7 @@ def t_quantile(p_tail: float, nu: int) -> float:
 
 
 class EWMAStats:
-    """Weighted mean/variance of the per-step norms ``x`` for one module, vectorised over clusters (float64).
+    """Weighted mean/variance of the per-step norms ``x`` for one unit, vectorised over clusters (float64).
 
     The n-th accepted value enters with rate ``a = max(α, 1/n)``: ``d = x − μ; μ ← μ + a·d;
     S ← (1 − a)(S + a·d²)``. ``S`` is the weighted (population) second moment; with ``W2 = Σ wⱼ²`` of the

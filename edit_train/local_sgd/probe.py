@@ -6,7 +6,7 @@ vouches for itself and no evaluator decides alone. `compare()` probes a received
 
 A round keeps, per unit, the old anchor and the gathered contributions (`keep`); once it committed, the
 trainer's step boundary runs `score()` (the model's own forward: every rank of the cluster together). Cost:
-one forward per *other* cluster plus one of the anchor on `algo.penalty.verified.probe_tokens` tokens per sync (the
+one forward per *other* cluster plus one of the anchor on `algo.rule.verified.probe_tokens` tokens per sync (the
 `probe` time bucket), and the contributions held until then.
 """
 

@@ -4,7 +4,7 @@
   sum or max a tensor, broadcast bytes/JSON from the leader, gather a full tensor from FSDP shards.
   Implemented once in `edit_train.cluster.group` (torch.distributed, or a lone rank).
 * `Transport` — what crosses clusters: form the quorum of a sync, all-gather a small vector, reduce a
-  module's tensor, vote to commit, carry heal bytes between leaders. Implemented by
+  unit's tensor, vote to commit, carry heal bytes between leaders. Implemented by
   `edit_train.federation.transport.LaneTransport` (torchft Lighthouse + gloo lanes, optional compression
   and a simulated WAN link) and, in one process, over `edit_train.federation.inproc` (threads).
 
@@ -133,8 +133,8 @@ class Quorum:
 
 @dataclass
 class Contributions:
-    """Every cluster's contribution to one module, as one rank holds it: `parts[i]` is cluster i's
-    tensors in this rank's local layout; `whole[i]` its module's whole flat Δ when every rank of every cluster
+    """Every cluster's contribution to one unit, as one rank holds it: `parts[i]` is cluster i's
+    tensors in this rank's local layout; `whole[i]` its unit's whole flat Δ when every rank of every cluster
     holds it (None when the layouts are the same everywhere and each rank holds its own shard)."""
 
     parts: list[list[Tensor]]
@@ -240,7 +240,7 @@ class Transport(Protocol):
     # majority, round.py); raises when a cluster is lost
     def vote(self, ok: bool) -> Handle[Tensor]: ...
 
-    # `sync.unsent=keep`: what this cluster's last send of module `key` left out (laid out like `tensors`), and
+    # `sync.unsent=keep`: what this cluster's last send of unit `key` left out (laid out like `tensors`), and
     # forgotten by the transport; None when nothing was left out
     def take_unsent(self, tensors: list[Tensor], params: list[Tensor], key: str) -> list[Tensor] | None: ...
 

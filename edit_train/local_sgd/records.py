@@ -80,8 +80,8 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "sync": report.sync,
         "local_steps": report.local_steps,
         "pseudo_grad_norm": report.cluster_norm if math.isfinite(report.cluster_norm) else None,
-        # this cluster's coefficient in the merged update (its weight per module — per expert on an expert's rows
-        # —, by size): 0 when it was left out of every module; a sync's weights sum to the accepted share of the tokens
+        # this cluster's coefficient in the merged update (its weight per unit — per expert on an expert's rows
+        # —, by size): 0 when it was left out of every unit; a sync's weights sum to the accepted share of the tokens
         "weight": sum(_coefficient(d, me, n, report.expert_shares.get(d.module, []))
                       for d, n in zip(decisions, sizes)) / max(sum(sizes), 1),
         "anomalous": bool(anomalous),
@@ -114,7 +114,7 @@ def _coefficient(d: Decision, me: int, numel: int, shares: list[float]) -> float
 
 
 def anomaly_details(decisions: Mapping[str, Decision], cluster: int) -> dict[str, dict[str, Any]]:
-    """`{module: the rule's evidence about it}` for every module that left `cluster` out (for the `sync` event:
+    """`{module: the rule's evidence about it}` for every unit that left `cluster` out (for the `sync` event:
     why); non-finite values become None."""
     return {name: d.as_dict()["evidence"][cluster] if d.evidence else {}
             for name, d in decisions.items() if d.left_out[cluster]}

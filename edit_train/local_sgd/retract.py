@@ -1,10 +1,10 @@
 """Taking back an update the probe showed to be harmful, one sync late.
 
 The usefulness probe (`probe.py`) can only score an update after it was applied: in the layer-wise mode each
-module's merged Δ is applied inside the next forward, before the whole model's contribution exists to be
+unit's merged Δ is applied inside the next forward, before the whole model's contribution exists to be
 evaluated. So a cluster whose update passed every size and direction test at sync t, and is then shown by the
 others' probes to have hurt (median relative probe-loss change above `probe_tolerance`), has already moved
-the anchor. At sync t+1 every cluster takes that part back: the outer step of module u at t+1 uses
+the anchor. At sync t+1 every cluster takes that part back: the outer step of unit u at t+1 uses
 
     Δᵤ(t+1) = clip(Σⱼ wⱼ Δⱼ(t+1)) − Σ_{i harmful} cᵤ(t) · wᵢᵤ(t) · Δᵢᵤ(t)
 
@@ -18,7 +18,7 @@ hold the same record: each one sends the identity of the round it last committed
 quorum's nonce) in the exchange, and a retraction happens only where every cluster names the same round.
 A cluster that missed it, restarted or healed since names another round (or none): nothing is taken back
 then, on any cluster. Cost: the last round's kept contributions stay in memory until the next round (the
-probe holds them anyway until it has scored them); `algo.penalty.verified.retract=false` turns it off.
+probe holds them anyway until it has scored them); `algo.rule.verified.retract=false` turns it off.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Aggregation rules by name, and the `algo.penalty` config that picks one and holds each rule's parameters.
+"""Aggregation rules by name, and the `algo.rule` config that picks one and holds each rule's parameters.
 
-`algo.penalty.rule` names the rule: a built-in (`verified`, the default, in `verified.py`; `edit_norm`, EDiT's
+`algo.rule.name` names the rule: a built-in (`verified`, the default, in `verified.py`; `edit_norm`, EDiT's
 rule; `uniform`) or ``"package.module:Class"`` for a rule defined outside this package (imported on first use).
-Each built-in rule owns its parameters (`algo.penalty.verified.*`, `algo.penalty.edit_norm.*`); a rule of your
-own gets `algo.penalty.options` (a dict): built from its `Config` dataclass when it has one (an unknown key is
+Each built-in rule owns its parameters (`algo.rule.verified.*`, `algo.rule.edit_norm.*`); a rule of your
+own gets `algo.rule.options` (a dict): built from its `Config` dataclass when it has one (an unknown key is
 refused in one line), else handed over as the dict. The round's own parameters — clipping — sit beside them.
 
     @register_rule("my_rule")
@@ -35,7 +35,7 @@ from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, per
 from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule
 
-__all__ = ["PenaltyConfig", "EditNormConfig", "register_rule", "make_rule", "refuse_mode", "rule_names",
+__all__ = ["RuleConfig", "EditNormConfig", "register_rule", "make_rule", "refuse_mode", "rule_names",
            "EditNormRule", "UniformRule", "softmax_weights"]
 
 _WEIGHTINGS = ("softmax", "uniform")
@@ -60,12 +60,12 @@ class EditNormConfig(NormTestConfig):
 
 
 @dataclass
-class PenaltyConfig:
-    """`algo.penalty`: which rule merges the clusters' pseudo-gradients, its parameters, and the round's clip."""
+class RuleConfig:
+    """`algo.rule`: which rule merges the clusters' pseudo-gradients, its parameters, and the round's clip."""
 
-    rule: str = "verified"
+    name: str = "verified"  # the rule: a built-in or "package.module:Class"
     clip: bool = True
-    clip_threshold: float = 10.0  # φ: the merged Δ of a module is scaled to norm ≤ φ
+    clip_threshold: float = 10.0  # φ: the merged Δ of a unit is scaled to norm ≤ φ
     # from the first sync, whatever the rule: a contribution over this many times the quorum's median norm per
     # √(local step) counts as the median (clipped: scale.py, docs/sync_math.md); 0 = off
     scale_bound: float = 4.0
@@ -86,11 +86,11 @@ class PenaltyConfig:
         self.edit_norm.validate()
 
 
-_RULES: dict[str, Callable[[PenaltyConfig], Aggregator]] = {}
+_RULES: dict[str, Callable[[RuleConfig], Aggregator]] = {}
 
 
-def register_rule(name: str, build: Callable[[PenaltyConfig], Any] | None = None) -> Callable[[type], type]:
-    """Class decorator: make a rule selectable as `algo.penalty.rule=<name>` (built from `algo.penalty.options`,
+def register_rule(name: str, build: Callable[[RuleConfig], Any] | None = None) -> Callable[[type], type]:
+    """Class decorator: make a rule selectable as `algo.rule.name=<name>` (built from `algo.rule.options`,
     or by `build(penalty_config)`)."""
     def add(cls: type) -> type:
         _RULES[name] = build if build is not None else (lambda cfg: _with_options(cls, cfg.options, name))
@@ -110,26 +110,26 @@ def _with_options(factory: Any, options: dict[str, Any], spec: str) -> Any:
     known = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"algo.penalty.options: {unknown} are not parameters of rule {spec!r} "
+        raise ValueError(f"algo.rule.options: {unknown} are not parameters of rule {spec!r} "
                          f"(it takes {sorted(known)})")
     return factory(config(**options))
 
 
-def make_rule(cfg: PenaltyConfig) -> Aggregator:
-    """The rule `cfg.rule` names (a registered name or "module:attr"), built with its own parameters."""
-    if cfg.rule in _RULES:
-        rule = _RULES[cfg.rule](cfg)
+def make_rule(cfg: RuleConfig) -> Aggregator:
+    """The rule `cfg.name` names (a registered name or "module:attr"), built with its own parameters."""
+    if cfg.name in _RULES:
+        rule = _RULES[cfg.name](cfg)
     else:
-        rule = _with_options(load(cfg.rule, "algo.penalty.rule", "rule", rule_names()), cfg.options, cfg.rule)
+        rule = _with_options(load(cfg.name, "algo.rule.name", "rule", rule_names()), cfg.options, cfg.name)
     if not isinstance(rule, Aggregator):
-        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} does not build a rule (needs decide, state and load)")
+        raise ValueError(f"algo.rule.name: {cfg.name!r} does not build a rule (needs decide, state and load)")
     try:
         needs = needs_of(rule)
     except ValueError:
-        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} says it needs {getattr(rule, 'needs')!r}; one of "
+        raise ValueError(f"algo.rule.name: {cfg.name!r} says it needs {getattr(rule, 'needs')!r}; one of "
                          f"{[n.value for n in Needs]}") from None
     if isinstance(rule, Combiner) and needs is not Needs.CONTRIBUTIONS:
-        raise ValueError(f"algo.penalty.rule: {cfg.rule!r} combines contributions itself, so it needs "
+        raise ValueError(f"algo.rule.name: {cfg.name!r} combines contributions itself, so it needs "
                          f"Needs.CONTRIBUTIONS, not {needs.value!r}")
     return rule
 
@@ -219,7 +219,7 @@ class EditNormRule:
         cfg.validate()
         self.cfg = cfg
         self.clusters = ClusterRows()
-        self.stats: dict[str, EWMAStats] = {}  # module -> one row per cluster
+        self.stats: dict[str, EWMAStats] = {}  # unit -> one row per cluster
 
     @property
     def roster(self) -> list[str]:
@@ -253,7 +253,7 @@ class EditNormRule:
 
     # ------------------------------------------------------------- state
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
-        """{"roster": names}, {"<module>/<field>": [len(roster)] tensor}."""
+        """{"roster": names}, {"<unit>/<field>": [len(roster)] tensor}."""
         tensors = {f"{m}/{f}": getattr(st, f).clone().contiguous()
                    for m, st in self.stats.items() for f in EWMAStats.FIELDS}
         return {"roster": list(self.roster)}, tensors

@@ -1,6 +1,6 @@
 """Scale from the first sync: a contribution over `scale_bound` times the quorum's median counts as the median.
 
-Whatever the rule and its warm-up, after it has decided a module every contributor's norm per √(local step)
+Whatever the rule and its warm-up, after it has decided a unit every contributor's norm per √(local step)
 (`xᵢ = ‖Δᵢ‖ / √stepsᵢ`: the √steps law of SGD noise, so that A-EDiT's clusters with longer intervals are not
 mistaken for liars; the steps claimed are taken at most at the quorum's lower median, so a claim of many
 steps buys no headroom, and a cluster faster than the median gains √(its steps / the median's) in x, well
@@ -26,7 +26,7 @@ import math
 
 from edit_train.local_sgd.aggregator import Decision, Evidence
 
-SCALE_BOUND = 4.0  # algo.penalty.scale_bound's default
+SCALE_BOUND = 4.0  # algo.rule.scale_bound's default
 
 
 def bound_scale(d: Decision, ev: Evidence, multiple: float) -> dict[int, float]:

@@ -57,7 +57,7 @@ def seeded(pos: Tensor, dim: int, seed: int) -> tuple[Tensor, Tensor]:
 
 
 def sketch(local: list[Tensor], hashed: tuple[Tensor, Tensor], dim: int, cluster: ClusterGroup) -> Tensor:
-    """[dim] float64: the count sketch of a module's tensors, summed over the cluster's ranks in rank order (each
+    """[dim] float64: the count sketch of a unit's tensors, summed over the cluster's ranks in rank order (each
     rank holds its shard; `hashed` are its elements' buckets and signs): the same on every cluster of this
     layout."""
     bucket, sign = hashed

@@ -1,30 +1,30 @@
-"""`algo.penalty.rule=verified` (the default): a cluster's contribution is judged on what it actually sent and
+"""`algo.rule.name=verified` (the default): a cluster's contribution is judged on what it actually sent and
 counts only if it demonstrably helps; accepted clusters weigh by the tokens they trained on.
 
-Per module, a contributing cluster is left out (weight 0) when any of these holds (docs/sync_math.md):
+Per unit, a contributing cluster is left out (weight 0) when any of these holds (docs/sync_math.md):
 
 * its contribution is not finite (measured on what it sent; whatever it reported);
 * it misreported: the norm it announced differs from the norm of what it sent (lossless links only);
 * norm: its per-step norm is anomalously large against its own history (EDiT's test, `penalty.flag`);
 * direction: it disagrees with the other clusters — the median of its exact pairwise cosines with the
-  trusted others, against the module's pooled history (`direction.py`; with two clusters, the reference
+  trusted others, against the unit's pooled history (`direction.py`; with two clusters, the reference
   direction of past accepted updates tells which of a disagreeing pair is off);
 * usefulness: the lower median of at least two other clusters' relative loss change of their probe slice
   under its previous update (θ̄ − Δᵢ against θ̄) was above `probe_tolerance` — nobody scores its own update,
   and no evaluator decides alone (`evidence.probe_judgement`); non-IID data makes
   an honest cluster's own local model a few percent worse on another's slice, a harmful one far more;
-* probation: most of its modules were left out of its previous sync as corrupt (direction, non-finite,
+* probation: most of its units were left out of its previous sync as corrupt (direction, non-finite,
   misreported), and that update did not demonstrably help the others (its probe score was not below
   −`probe_tolerance`/10, a tenth of the tolerance as an improvement): an update that
-  broken is not trusted in any module of the next sync — small modules (norms, biases) whose direction is
+  broken is not trusted in any unit of the next sync — small units (norms, biases) whose direction is
   too noisy to judge included.
 
-Norm statistics are per cluster name, direction statistics pooled per module; both learn accepted values
+Norm statistics are per cluster name, direction statistics pooled per unit; both learn accepted values
 only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
 cluster cannot buy weight by exaggerating); a left-out cluster's share is a zero update (`left_out`,
 `token_weights`). With `expert_weights=tokens`, each expert's rows weigh every cluster by that backing spread
 over the experts as the cluster routed its tokens (`experts.expert_weights`; the same judgements: a cluster left
-out of the module is left out of every expert).
+out of the unit is left out of every expert).
 """
 
 from __future__ import annotations
@@ -53,23 +53,23 @@ EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
 
 @dataclass
 class VerifiedConfig(NormTestConfig):
-    """`algo.penalty.verified`: EDiT's norm test (inherited) plus the direction and usefulness tests and the
+    """`algo.rule.verified`: EDiT's norm test (inherited) plus the direction and usefulness tests and the
     token weights (docs/sync_math.md)."""
 
-    sketch_dim: int = 1024  # count-sketch buckets per module (the reference direction; sketched syncs)
+    sketch_dim: int = 1024  # count-sketch buckets per unit (the reference direction; sketched syncs)
     direction_rate: float = 0.3  # EWMA rate of the reference direction (accepted aggregates)
-    direction_alpha: float = 0.05  # EWMA rate per accepted value of a module's pooled direction statistics
+    direction_alpha: float = 0.05  # EWMA rate per accepted value of a unit's pooled direction statistics
     direction_z: float = 4.0  # the direction test's nominal z (agreements have heavier tails than norms)
     probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
     probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
     retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
     report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
     max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
-    # what a left-out cluster's token share of a module's step becomes: "zero" (the step is backed by the
+    # what a left-out cluster's token share of a unit's step becomes: "zero" (the step is backed by the
     # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
     left_out: str = "zero"
     # an expert's rows (units with experts): "tokens" weighs each cluster by the tokens it routed to that expert
-    # (its token backing spread as it routed them, `experts.expert_weights`), "none" as the rest of the module
+    # (its token backing spread as it routed them, `experts.expert_weights`), "none" as the rest of the unit
     expert_weights: str = "none"
     # expert_weights=tokens: a cluster that routed fewer tokens than this to an expert sends none of its rows and
     # is no contribution to it (0: every row is sent)
@@ -103,10 +103,10 @@ class VerifiedRule:
         self.cfg = cfg
         self.sketch_dim = cfg.sketch_dim  # the round measures sketches of this size (the reference direction)
         self.clusters = ClusterRows()
-        self.stats: dict[str, EWMAStats] = {}  # "norm/<module>" -> one row per cluster
+        self.stats: dict[str, EWMAStats] = {}  # "norm/<unit>" -> one row per cluster
         self.direction = DirectionTest(cfg)
         self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
-        self.tally: dict[str, list[int]] = {}  # name -> [modules judged, modules left out as corrupt]
+        self.tally: dict[str, list[int]] = {}  # name -> [units judged, units left out as corrupt]
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
 
     def capabilities(self) -> Capabilities:
@@ -118,7 +118,7 @@ class VerifiedRule:
 
     def refuse(self, clusters: int, gather_max: int, compression: str) -> tuple[str, str] | None:
         """Expert-aware merging (`expert_weights=tokens`, experts.py): what a sync can carry with it."""
-        c, key = self.cfg, "algo.penalty.verified"
+        c, key = self.cfg, "algo.rule.verified"
         if c.expert_weights == "none":
             return None
         if clusters > gather_max:
@@ -138,7 +138,7 @@ class VerifiedRule:
         return st, self.clusters.rows(names)
 
     def _new_sync(self, ev: Evidence) -> None:
-        """At the first module of a new sync, the previous sync's tallies decide who is on probation."""
+        """At the first unit of a new sync, the previous sync's tallies decide who is on probation."""
         sync = int(ev.extra["sync"]) if "sync" in ev.extra else self.sync
         if sync == self.sync:
             return
@@ -230,7 +230,7 @@ class VerifiedRule:
         return torch.isfinite(p) & (p > self.cfg.probe_tolerance)
 
     def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> tuple[Tensor, list[list[float]] | None]:
-        """The module's weights, and (expert_weights=tokens, a unit with experts) each expert's [E][len(idx)]."""
+        """The unit's weights, and (expert_weights=tokens, a unit with experts) each expert's [E][len(idx)]."""
         claims, cfg = claimed_tokens(ev, idx), self.cfg
         w = token_weights(claims, ~anomalous, cfg.max_token_ratio, cfg.left_out)
         if cfg.expert_weights != "tokens" or "expert_tokens" not in ev.extra:
@@ -285,7 +285,7 @@ class VerifiedRule:
                 continue
             test, _, rest = key.partition("/")
             module, _, fname = rest.rpartition("/")
-            rows = 1 if test in DIRECTION_KEYS else len(roster)  # direction statistics are pooled per module
+            rows = 1 if test in DIRECTION_KEYS else len(roster)  # direction statistics are pooled per unit
             if test not in _TESTS or fname not in EWMAStats.FIELDS or val.dim() != 1 or val.shape[0] != rows:
                 raise ValueError(f"penalty state: {key!r} does not fit a roster of {len(roster)} clusters")
             alpha = self.cfg.direction_alpha if test in DIRECTION_KEYS else self.cfg.ewma_alpha

@@ -30,7 +30,7 @@ import numpy as np
 from edit_train.plan import hardware, syncfit, traffic
 from edit_train.plan.conditions import Conditions, measure
 from edit_train.plan.costs import FWD_FRACTION
-from edit_train.retired import current_event, current_summary
+from edit_train.retired import current_event, current_rule_name, current_summary
 from edit_train.plan.dist import fit_max
 from edit_train.plan.profile import ClusterProfile, Profile
 from edit_train.plan.spec import Candidate, TopK
@@ -300,7 +300,7 @@ def _sync_samples(run: RunData, rf: hardware.ModelFacts, prof: Profile) -> list[
     ranks = {n: int(pc.get("ranks", 1)) for n, pc in summ["per_cluster"].items()}
     paired, chunks = len(set(ranks.values())) <= 1, int((cfg.get("federation") or {}).get("chunks", 4) or 4)
     wire, gather_max = codec_of_run(cfg), int(sy.get("gather_max", 4))
-    needs = traffic.needs_of_rule(str(((cfg.get("algo") or {}).get("penalty") or {}).get("rule", "verified")))
+    needs = traffic.needs_of_rule(current_rule_name(cfg))
     share = np.asarray(rf.unit_sizes, dtype=float) / max(rf.total_params, 1)
     layer = np.array([float(n) if u[0].startswith("layers") else 0.0 for u, n in zip(rf.units, rf.unit_sizes)])
     syncs: dict[int, list[dict[str, Any]]] = {}

@@ -30,13 +30,13 @@ from edit_train.federation.auth import SEAL_TAG_BYTES  # torch-free leaf
 from edit_train.local_sgd.moves import aggregation, wire  # torch-free: how contributions move
 
 TAG = SEAL_TAG_BYTES  # the tag after every gathered piece (federation/seal.py)
-SKETCH_DIM = 1024  # algo.penalty.verified.sketch_dim: buckets of each count sketch a sketched sync's vote carries
+SKETCH_DIM = 1024  # algo.rule.verified.sketch_dim: buckets of each count sketch a sketched sync's vote carries
 # what each algorithm's default rule needs moved (local_sgd/aggregator.Needs)
 NEEDS = {"ddp": "sum", "post_local_sgd": "sum", "diloco": "sum", "edit": "measurements", "a_edit": "measurements"}
 
 
 def needs_of_rule(rule: str) -> str:
-    """What a rule named in `algo.penalty.rule` needs: the built-ins' answer; a rule of one's own is assumed to
+    """What a rule named in `algo.rule.name` needs: the built-ins' answer; a rule of one's own is assumed to
     need measurements (the planner cannot import it)."""
     return "sum" if rule in ("uniform", "edit_norm") else "measurements"
 

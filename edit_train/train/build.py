@@ -98,7 +98,7 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                                   join_timeout_s=cfg.federation.join_timeout_s, restarted=restart_count() > 0,
                                   authoritative=bool(roster),
                                   terms_source=roster or "this cluster's configuration")
-    return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, penalty=a.penalty,
+    return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, rule=a.rule,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                           checkpoint_every=cfg.checkpoint.every,
@@ -170,10 +170,12 @@ def build_transport(cfg: Config, topo: Topology, federated: bool, creds: Credent
     if federated and creds is None and key != auth.INSECURE:
         log.warning("cluster %s: no roster (federation.roster_file): any holder of the federation key can speak "
                     "for any cluster; `edit-train-keygen federation DIR` makes a roster and identities", topo.name)
-    request = TransportRequest(topo.name, topo.group, federated, lighthouse, host, f.chunks,
-                               LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
-                               f.quorum_timeout_s, f.collective_timeout_s, CompressionConfig.of(cfg.sync), key,
-                               key_source(f.key_file), key_refused_after_s(f), creds)
+    request = TransportRequest(name=topo.name, cluster=topo.group, federated=federated, lighthouse=lighthouse,
+                               host=host, chunks=f.chunks,
+                               link=LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
+                               quorum_timeout_s=f.quorum_timeout_s, collective_timeout_s=f.collective_timeout_s,
+                               compression=CompressionConfig.of(cfg.sync), key=key, key_source=key_source(f.key_file),
+                               refuse_after_s=key_refused_after_s(f), credentials=creds)
     try:
         return make_transport(cfg.sync.transport, request)
     except ValueError as exc:

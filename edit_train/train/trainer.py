@@ -181,7 +181,7 @@ class Trainer:
         """The rule's probe of each update's usefulness (`Capabilities.probe_tokens`): the global model's loss on a
         fixed batch of validation tokens (None: no probe)."""
         cfg, topo = self.cfg, self.topo
-        tokens = capabilities_of(make_rule(cfg.algo.penalty)).probe_tokens if cfg.algo.local_sgd else 0
+        tokens = capabilities_of(make_rule(cfg.algo.rule)).probe_tokens if cfg.algo.local_sgd else 0
         if tokens <= 0:
             return None
         batch = probe_batch(self.val_dirs, cfg.train.seq_len, tokens, topo.index)
