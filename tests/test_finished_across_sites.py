@@ -59,7 +59,7 @@ def test_a_cluster_marks_only_itself_finished_and_the_gate_keeps_it(fed: Path) -
     g = _serve(fed, address)  # a restarted gate still knows (a JSON file beside the roster)
     try:
         assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 20}
-        assert json.loads((fed / (enrol.ROSTER + ".finished.json")).read_text()) == {"a": 20}
+        assert json.loads((fed / (enrol.ROSTER + ".finished.json")).read_text())["runs"] == {fingerprint(compose(BASE)): {"a": 20}}
     finally:
         g.shutdown()
 

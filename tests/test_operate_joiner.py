@@ -137,3 +137,48 @@ def test_an_a_edit_cluster_stops_at_its_target_not_an_interval_past_it() -> None
     lockstep = Pacer(PaceConfig(ScheduleConfig(kind="step", interval=8), local_sgd=True, total_steps=20), RankGroup())
     lockstep.total_steps = 20
     assert not lockstep.at_target  # a step schedule stops at train.steps on its own
+
+
+def test_an_a_edit_cluster_past_its_target_syncs_at_its_intervals_not_every_step() -> None:
+    """Past train.steps, a fast A-EDiT cluster's stop vote went with one sync; until most clusters vote to stop
+    (issue 49: one member's vote ends nothing) it trains on and syncs at its planned intervals — not at every
+    step (each a quorum the slower clusters would be pulled into)."""
+    import torch
+
+    from edit_train.cluster.group import RankGroup
+    from edit_train.local_sgd.pacer import PaceConfig, Pacer
+    from edit_train.local_sgd.schedule import ScheduleConfig
+
+    pacer = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=1e6), local_sgd=True, total_steps=20),
+                  RankGroup())
+    pacer.planned, pacer.total_steps, pacer.local_steps = 36, 19, 19
+    pacer.total_steps = 20
+    pacer.local_step(19, 0.01)
+    assert pacer.due and pacer.at_target
+    rows = torch.tensor([[20.0, 0.01, 20.0, 1.0, 20.0], [7.0, 0.03, 7.0, 0.0, 7.0]], dtype=torch.float64)
+    pacer.exchanged(rows, 0, background_quorum=False)  # 1 of 2 votes to stop: no majority
+    assert not pacer.stopped
+    pacer.local_steps, pacer.planned = 0, 36
+    due = []
+    for step in range(20, 40):
+        pacer.total_steps = step + 1
+        pacer.local_step(step, 0.01)
+        due.append(pacer.due)
+    assert not any(due[:35]) and not pacer.at_target
+
+
+def test_a_cluster_past_its_target_says_so_in_its_progress_line(caplog) -> None:
+    """Issue 48 (7): "step 30/20" under a_edit. A line past train.steps says what the cluster is doing."""
+    import io
+    import logging
+
+    from edit_train.train.progress import Progress
+
+    p = Progress(["c0"], total=20, desc="a_edit", stream=io.StringIO(), every_s=0.0)
+    with caplog.at_level(logging.INFO):
+        p.report("c0", 12, 3.0, 100.0)
+        p.report("c0", 30, 2.5, 100.0)
+        p.close()
+    out = "\n".join(r.getMessage() for r in caplog.records)
+    assert "step 12/20 " in out and "step 30 (past train.steps 20: training on until most clusters reach it)" in out
+    assert "30/20" not in out

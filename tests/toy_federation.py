@@ -88,13 +88,15 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
                   snapshot_at: tuple[int, ...] = (), after_at: tuple[int, ...] = (), out: Outcome | None = None,
                   wrap: Callable[[Transport, Callable[[], int]], Transport] | None = None,
                   shared_task: bool = False, lr: float = LR, probe: bool = False,
-                  ascent: tuple[int, int] = (0, 0), routed: Callable[[int], Any] | None = None) -> Outcome:
-    """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a participant re-runs the
+                  ascent: tuple[int, int] = (0, 0), routed: Callable[[int], Any] | None = None,
+                  step_s: float = 0.01) -> Outcome:
+    """The loop of `train/trainer.py` in miniature (a layer-wise sync that lost a cluster re-runs the
     forward). `out` collects events while it runs; `wrap(transport, step)` may stand between the cluster and
     its transport (a Byzantine fault); in the `ascent` window of steps it climbs its loss instead (a wrong
     update it reports, sketches and sends consistently). `snapshot_at` steps are captured before their `after_step`, `after_at`
     steps after it (and its flush). `probe`: the usefulness probe scores updates on a batch of this cluster's
-    own task that it never trains on. `routed(index)`: the cluster's `RoutedCounts` (tests/test_expert_sync.py)."""
+    own task that it never trains on. `routed(index)`: the cluster's `RoutedCounts` (tests/test_expert_sync.py).
+    `step_s`: the compute seconds each step reports (what an A-EDiT schedule plans its intervals from)."""
     torch.set_num_threads(1)
     out = out if out is not None else Outcome()
     current = [0]
@@ -130,7 +132,7 @@ def train_cluster(index: int, transport: Transport, cfg: LocalSGDConfig, *, flus
             opt.zero_grad()
             if step in snapshot_at:
                 out.snapshots[step] = state_of(algo)
-            outcome = algo.after_step(step, 0.01)
+            outcome = algo.after_step(step, step_s)
             if flush_each_step:
                 algo.flush()
             if step in after_at:

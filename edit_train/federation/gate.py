@@ -52,6 +52,7 @@ from edit_train.local_sgd.errors import FederationError
 log = logging.getLogger(__name__)
 
 MAX_WARNED = 1024  # distinct (name, host) pairs of unauthenticated records logged one by one
+MAX_RUNS = 16  # runs whose finished clusters the gate keeps (`<roster_file>.finished.json`), the newest
 ASK_WINDOW_S = 600.0  # a heartbeat is forwarded only for a name whose signed quorum request is this recent
 MAX_SKEW_S = 300.0  # a request more than this far from the gate's clock is stale (or from the future)
 _OFFSETS: dict[str, float] = {}  # gate address -> its clock minus ours (from its verified answers)
@@ -102,12 +103,13 @@ class Gate:
         self._warned: set[tuple[str, str]] = set()
         self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
         self._lock = threading.Lock()
-        # roster names that said (each in its own signed request) they finished the run: told to a cluster that
-        # starts, so one relaunched after its peers finished exits instead of training alone (kept beside the
-        # roster, so a restarted gate still knows)
+        # roster names that said (each in its own signed request) they finished the run, keyed by the run's
+        # configuration fingerprint (the request's `fp`): told to a cluster of that run that starts, so one
+        # relaunched after its peers finished exits instead of training alone; a new run (another fingerprint)
+        # with the same roster file starts clean. Kept beside the roster, so a restarted gate still knows.
         self._finished_file = (Path(roster_file + ".finished.json").expanduser() if self.roster_file is not None
                                else None)
-        self._finished: dict[str, int] = _load_finished(self._finished_file)
+        self._finished: dict[str, dict[str, int]] = _load_finished(self._finished_file)
         host, _, port = bind.rpartition(":")
         handler = type("Handler", (_Handler,), {"gate": self})
         host = host.strip("[]")
@@ -215,18 +217,24 @@ class Gate:
                 self.unasked(name)
             return {"kind": "ok", "re": body["nonce"]}
         if kind == "hello":  # a key check before a cluster starts: answered here, the Lighthouse never sees it
+            fp = _run_fp(body.get("fp", ""))
             with self._lock:
-                finished = dict(self._finished)
+                finished = dict(self._finished.get(fp, {})) if fp else {}
             return {"kind": "ok", "re": body["nonce"], "finished": finished}
-        if kind == "finished":  # `name` (its own signature: who() checked it) finished the run at `steps`
-            steps = body.get("steps")
+        if kind == "finished":  # `name` (its own signature: who() checked it) finished run `fp` at `steps`
+            steps, fp = body.get("steps"), _run_fp(body.get("fp"))
             if not isinstance(steps, int) or isinstance(steps, bool) or not 0 <= steps < 2 ** 53:
                 raise FrameError("bad steps")
+            if not fp:
+                raise FrameError("bad fp (the run's configuration fingerprint)")
             if self.credentials is None:  # without a roster a name is not proven: never a reason to stop anyone
                 return {"kind": "ok", "re": body["nonce"]}
             with self._lock:
-                self._finished[name] = steps
-                finished = dict(self._finished)
+                runs = {f: r for f, r in self._finished.items() if f != fp}
+                # the newest runs only (a roster file reused run after run must not grow the file without end)
+                self._finished = {**dict(list(runs.items())[-(MAX_RUNS - 1):]),
+                                  fp: {**self._finished.get(fp, {}), name: steps}}
+                finished = {"runs": {f: dict(r) for f, r in self._finished.items()}}
             if self._finished_file is not None:
                 try:
                     atomic_write_json(self._finished_file, finished)
@@ -317,18 +325,25 @@ class _Handler(socketserver.BaseRequestHandler):
             self.gate.absent(peer, str(exc), name)
 
 
-def _load_finished(path: Path | None) -> dict[str, int]:
-    """The finished roster names a gate kept beside its roster ({} when none, or the file is not one)."""
+def _run_fp(v: Any) -> str:
+    """A request's run fingerprint (its configuration's, train/build.py `fingerprint`), "" when it is not one."""
+    return v if isinstance(v, str) and 0 < len(v) <= 128 else ""
+
+
+def _load_finished(path: Path | None) -> dict[str, dict[str, int]]:
+    """The finished roster names a gate kept beside its roster, per run fingerprint ({} when none, or the file is
+    not one: a file of the format before runs were told apart, {name: steps}, is an unknown run's, ignored)."""
     if path is None:
         return {}
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(doc, dict):
+    runs = doc.get("runs") if isinstance(doc, dict) else None
+    if not isinstance(runs, dict):
         return {}
-    return {n: s for n, s in doc.items() if isinstance(n, str) and valid_name(n) and isinstance(s, int)
-            and not isinstance(s, bool)}
+    return {fp: {n: s for n, s in r.items() if valid_name(n) and isinstance(s, int) and not isinstance(s, bool)}
+            for fp, r in list(runs.items())[-MAX_RUNS:] if _run_fp(fp) and isinstance(r, dict)}
 
 
 # ----------------------------------------------------------------------------------- clients

@@ -8,23 +8,65 @@ rank reduces its own FSDP shard in place with no resharding (the cheaper layout)
 
 Lane 0 always joins the cluster leaders: it carries the small control exchanges (norms, votes) and healing.
 Gloo over TCP with tensors staged on CPU, so clusters of different accelerators can sync.
+
+The lanes rendezvous in the store of the quorum's first member (sorted by name): its leader's TCPStore, at the
+address its signed member record names. A member could name a store that accepts connections and never
+answers: torch's TCPStore client then waits for the handshake forever, whatever its timeout. So a lane probes
+the store first (`store_answers`, `STORE_PROBE_S`, never longer than the connect deadline); a store that does
+not answer fails the connect at once with `SilentStore`, and `SilentStores` — on the leader, before the lanes
+of the next quorums connect — leaves its member out (one line naming it and its roster key) for the next
+`LEAVE_OUT_SYNCS` quorums, twice as many each time it happens again. Every honest member probes the same store
+and leaves out the same member; the rest connect among themselves under a nonce derived from who is left
+(`claims.nonce_of`), with the next member's store.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torchft.process_group import ProcessGroupGloo
 
+from edit_train.local_sgd.claims import nonce_of
 from edit_train.local_sgd.errors import FederationError
 from edit_train.local_sgd.protocols import Quorum
 
 log = logging.getLogger(__name__)
+
+STORE_PROBE_S = 5.0  # a lane store that does not answer a handshake within this (or the connect deadline) is silent
+LEAVE_OUT_SYNCS = 8  # quorums a member whose store was silent is left out of (doubled each time again)
+
+
+class SilentStore(FederationError):
+    """The lanes' store accepted the connection (or not) and did not answer within the probe's time."""
+
+
+def store_answers(address: str, timeout_s: float) -> bool:
+    """Does the TCPStore at `address` (host:port[/prefix]) answer a client's handshake and one query within
+    `timeout_s`? The client runs on a daemon thread: against a listener that never answers it would wait for
+    ever (torch's handshake has no deadline); it is abandoned, not waited for."""
+    host, _, port = address.split("/", 1)[0].rpartition(":")
+    answered: list[bool] = []
+
+    def probe() -> None:
+        try:
+            store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            store.check(["edit-train/probe"])
+            answered.append(True)
+        except Exception:  # noqa: BLE001 - refused, reset, timed out: not answering
+            answered.append(False)
+
+    t = threading.Thread(target=probe, name="edit-train-store-probe", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(answered and answered[0])
 
 
 class Work(Protocol):
@@ -66,6 +108,13 @@ class BoundGloo(ProcessGroupGloo):
     def __init__(self, host: str, timeout: datetime.timedelta) -> None:
         super().__init__(timeout=timeout)
         self._host = host
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any, **kw: Any) -> None:
+        """torchft's configure, once the store answered a probe (`SilentStore` otherwise, at once)."""
+        limit = min(STORE_PROBE_S, self._timeout.total_seconds())
+        if not store_answers(store_addr, limit):
+            raise SilentStore(f"the lanes' store at {store_addr.split('/', 1)[0]} did not answer within {limit:g} s")
+        super().configure(store_addr, replica_id, rank, world_size, *args, **kw)
 
     def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
         from torch.distributed import ProcessGroup as BaseProcessGroup
@@ -112,6 +161,9 @@ class Lanes:
             try:
                 pg.configure(f"{store}/edit-train/{quorum.nonce}/lane{j}", f"lane{j}", quorum.me,
                              len(quorum.members))
+            except SilentStore as exc:
+                raise SilentStore(f"lane {j} of quorum {quorum.quorum_id} with {quorum.names} could not connect: "
+                                  f"{exc} (cluster {quorum.members[0].name}'s)") from exc
             except Exception as exc:  # noqa: BLE001
                 raise FederationError(f"lane {j} of quorum {quorum.quorum_id} with {quorum.names} could "
                                       f"not connect: {str(exc).splitlines()[0] if str(exc) else exc!r}") from exc
@@ -130,3 +182,38 @@ class Lanes:
                 pass
         self.groups.clear()
         self.quorum = None
+
+
+class SilentStores:
+    """The members whose lanes' store did not answer (`SilentStore`), each left out of this cluster's next
+    quorums: `LEAVE_OUT_SYNCS`, twice as many each time again. The leader's: `blame` after a connect failed,
+    `vet` on every issued quorum before its lanes connect."""
+
+    def __init__(self, me: str) -> None:
+        self.me = me
+        self.asked = 0  # quorums vetted so far
+        self.until: dict[str, int] = {}  # member -> the last quorum (count) it is left out of
+        self.times: dict[str, int] = {}  # member -> how often its store was silent
+
+    def blame(self, q: Quorum, exc: BaseException) -> None:
+        """The lanes of `q` failed with `exc`: a silent store is its first member's (never this cluster's own)."""
+        host = q.members[0]
+        if not isinstance(exc, SilentStore) or host.name == self.me:
+            return
+        k = self.times[host.name] = self.times.get(host.name, 0) + 1
+        n = min(LEAVE_OUT_SYNCS * 2 ** (k - 1), 1 << 16)
+        self.until[host.name] = self.asked + n
+        signed = f"its records signed by roster key {host.signer}" if host.signer else "no roster: unsigned"
+        log.warning("cluster %s: cluster %s's lanes' store at %s accepted no handshake within %g s (quorum %d): "
+                    "left out of the next %d syncs (%s)", self.me, host.name, host.store, STORE_PROBE_S,
+                    q.quorum_id, n, signed)
+
+    def vet(self, q: Quorum) -> Quorum:
+        """`q` less the members left out for a silent store (the rest under a nonce of their own)."""
+        self.asked += 1
+        me = q.members[q.me]
+        out = sorted(m.name for m in q.members if m.name != me.name and self.until.get(m.name, 0) >= self.asked)
+        if not out:
+            return q
+        keep = [m for m in q.members if m.name not in out]
+        return Quorum(q.quorum_id, nonce_of(q.nonce, keep), keep, keep.index(me), [*q.left_out, *out])

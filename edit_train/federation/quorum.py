@@ -245,9 +245,14 @@ class Lighthouse(gate.Gate):
 def tell_finished(lighthouse: str, name: str, steps: int, key: bytes, credentials: Credentials | None,
                   timeout_s: float = 10.0) -> bool:
     """Tell the gate, in a request signed by `name`'s roster identity, that this cluster finished the run at
-    `steps` (False when the gate could not be told: a cluster relaunched later then trains as before)."""
+    `steps` (False when the gate could not be told: a cluster relaunched later then trains as before). The run is
+    the roster's configuration fingerprint (this cluster's own, checked at start): the gate keeps the finished
+    clusters per run, so a new run with the same roster file starts clean."""
+    if credentials is None:  # without a roster a name is not proven: the gate keeps nothing
+        return False
+    body = {"kind": "finished", "name": name, "steps": int(steps), "fp": credentials.roster.fingerprint}
     try:
-        gate.call(lighthouse, {"kind": "finished", "name": name, "steps": int(steps)}, key, timeout_s, credentials)
+        gate.call(lighthouse, body, key, timeout_s, credentials)
         return True
     except FederationError as exc:
         log.warning("could not tell the Lighthouse gate at %s that cluster %s finished: %s", lighthouse, name, exc)
@@ -256,12 +261,14 @@ def tell_finished(lighthouse: str, name: str, steps: int, key: bytes, credential
 
 def finished_peers(lighthouse: str, name: str, key: bytes, credentials: Credentials | None,
                    timeout_s: float = 10.0) -> dict[str, int]:
-    """The roster names the gate says finished (each by its own signed request), with their steps; {} when
-    the gate cannot be asked or has no roster (`credentials` None: a name is then not proven)."""
+    """The roster names the gate says finished this run (the roster's configuration fingerprint; each by its own
+    signed request), with their steps; {} when the gate cannot be asked or has no roster (`credentials` None: a
+    name is then not proven)."""
     if credentials is None:
         return {}
+    body = {"kind": "hello", "name": name, "fp": credentials.roster.fingerprint}
     try:
-        answer = gate.call(lighthouse, {"kind": "hello", "name": name}, key, timeout_s, credentials)
+        answer = gate.call(lighthouse, body, key, timeout_s, credentials)
     except FederationError as exc:
         log.debug("finished peers: %s", exc)
         return {}

@@ -27,7 +27,7 @@ from edit_train.federation import auth
 from edit_train.federation.modules import ModuleMover
 from edit_train.federation.seal import TAG, Seal
 from edit_train.federation.forming import Forming
-from edit_train.federation.lanes import Lanes
+from edit_train.federation.lanes import Lanes, SilentStores
 from edit_train.federation.link import LinkClock, LinkModel
 from edit_train.federation.pending import Pending
 from edit_train.local_sgd.errors import FederationError, FederationRefused, HealError
@@ -77,6 +77,7 @@ class LaneTransport:
         self.feedback = ErrorFeedback(self.compression.error_feedback_decay)
         self.mover = ModuleMover(cluster, lanes, self.clock, self.compression, self.feedback, chunks)
         self._seal = Seal(key, "")  # the current quorum's tags (its nonce once issued)
+        self.silent = SilentStores(name)  # members whose lanes' store never answered: left out for a while
 
     # ------------------------------------------------------------ accounting
     @property
@@ -161,6 +162,7 @@ class LaneTransport:
             q = self.service.request(sync, self.cluster.size, self.store_addr, data, self.quorum_timeout_s)
             if q is not None and vet is not None:
                 q = vet(q)
+            q = self.silent.vet(q) if q is not None else None
             return {"ok": True, "m": q.to_json() if q is not None else None}
         except FederationError as exc:  # the leader's answer reaches its cluster as JSON: keep the kind
             return {"ok": False, "error": str(exc), "refused": isinstance(exc, FederationRefused)}
@@ -172,6 +174,8 @@ class LaneTransport:
             return True
         except FederationError as exc:
             log.warning("cluster %s: %s", self.name, exc)
+            if self.cluster.rank == 0:
+                self.silent.blame(quorum, exc)
             return False
 
     def abort(self) -> None:

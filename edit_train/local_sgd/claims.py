@@ -30,9 +30,13 @@ from edit_train.local_sgd.errors import FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
 
 DIGEST_RE = re.compile(r"[0-9a-f]{32}")
-# Under a time schedule a cluster steps on until the agreed stop reaches it, one interval of wall-clock time: with
-# short steps that is many steps, whatever train.steps is (a 4-step test run took 10). Claims are bounded at
-# twice train.steps plus this many; a lie of 2^40 or 2^53 steps is still far out.
+# Under a time schedule (A-EDiT) the run ends once a strict majority of the quorum's counts reached train.steps
+# (`pacer.Pacer.stop_votes`): a fast cluster trains on meanwhile, up to its speed ratio to the slower ones times
+# train.steps (12 x on the namespace-hosts recipe), then steps on until the agreed stop reaches it, one interval
+# of wall-clock time (with short steps many steps, whatever train.steps is: a 4-step test run took 10). Claims
+# are bounded at SPEED_SPAN times train.steps plus TIME_MARGIN (`time_bound`): an honest cluster up to SPEED_SPAN
+# times as fast as the slowest is never left out, and a lie of 2^40 or 2^53 steps is still far out.
+SPEED_SPAN = 64
 TIME_MARGIN = 4096
 _COUNTS = ("sync", "local_steps", "total_steps")
 
@@ -45,8 +49,8 @@ class Terms:
     total_steps: int = 0
     authoritative: bool = False  # from the operator's signed roster (checked at start), not this cluster's view
     source: str = "this cluster's configuration"  # where the terms come from, for the refusal lines
-    slack: int = 1  # a time schedule's clusters may pass total_steps by an interval before the stop: 2
-    margin: int = 0  # ... and by an interval's steps, however many a fast cluster takes in one (TIME_MARGIN)
+    slack: int = 1  # a time schedule's fast clusters train on until most reached total_steps: SPEED_SPAN
+    margin: int = 0  # ... and pass the stop by an interval's steps, however many a fast cluster takes (TIME_MARGIN)
 
     @property
     def max_steps(self) -> int:
@@ -58,6 +62,12 @@ class Terms:
         if self.slack == 1 and self.margin == 0:
             return f"the {whose}"
         return f"{self.max_steps}, {self.slack} times the {whose} and {self.margin} more"
+
+
+def time_bound(total_steps: int) -> int:
+    """The most steps a cluster under a time schedule claims, or takes (it stops there on its own: the others
+    would leave it out past it); 0: no bound."""
+    return total_steps * SPEED_SPAN + TIME_MARGIN if total_steps > 0 else 0
 
 
 def wrong(m: Member, terms: Terms) -> str | None:

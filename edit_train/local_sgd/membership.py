@@ -82,12 +82,12 @@ class Membership:
 
     @property
     def terms(self) -> claims.Terms:
-        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a cluster may pass
-        train.steps by up to an interval before the agreed stop reaches it: claims are bounded at twice it plus
-        `claims.TIME_MARGIN`."""
+        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a fast cluster trains on
+        until most clusters reached train.steps: claims are bounded at `claims.time_bound`."""
         lockstep = self.pacer.lockstep
         return claims.Terms(self.cfg.fingerprint, self.pacer.cfg.total_steps, self.cfg.authoritative,
-                            self.cfg.terms_source, slack=1 if lockstep else 2, margin=0 if lockstep else claims.TIME_MARGIN)
+                            self.cfg.terms_source, slack=1 if lockstep else claims.SPEED_SPAN,
+                            margin=0 if lockstep else claims.TIME_MARGIN)
 
     def vet(self, q: Quorum) -> Quorum:
         """The issued quorum less the members whose claims cannot be the federation's (each one line, once per

@@ -1,8 +1,12 @@
 """When this cluster syncs, evaluates and stops: step or wall-clock (A-EDiT) intervals, the agreed stop.
 
-The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes; a time budget
-needs a strict majority of the quorum's votes, each checked against this cluster's own clock; A-EDiT's
-train.steps is the federation's count: a member whose count reached it ends the run (`stop_votes`).
+The stop: a step schedule ends at train.steps, each cluster's own count, whatever anyone votes. Under a time
+schedule (A-EDiT) or a time budget a stop needs a strict majority of the quorum (`stop_votes`): A-EDiT's
+train.steps is the federation's — the run ends once a strict majority of the quorum's step counts, this
+cluster's own included, reached it (the lower median of the counts did): one member's claim ends nothing. A
+cluster faster than most trains on meanwhile, syncing at its planned intervals, up to `claims.time_bound` (the
+claims the others accept; it stops there on its own). A vote for the time budget counts once this cluster's own
+clock is within an interval of it.
 
 The pacer counts local steps and measures seconds per step (compute only: time blocked on other clusters
 is not this cluster's speed). A step schedule syncs every `interval` steps; A-EDiT plans
@@ -28,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edit_train.local_sgd.claims import TIME_MARGIN
+from edit_train.local_sgd.claims import time_bound
 from edit_train.local_sgd.protocols import ClusterGroup
 from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 
@@ -37,7 +41,7 @@ from edit_train.local_sgd.schedule import ScheduleConfig, StepTimer, TimePlanner
 class PaceConfig:
     schedule: ScheduleConfig
     local_sgd: bool = True
-    total_steps: int = 0  # step schedule: every cluster stops here; time: the first to reach it ends the run
+    total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: evaluate when the agreed step crosses a multiple
     tokens_per_step: int = 0  # this cluster's tokens per local step (what its contribution is worth)
@@ -57,6 +61,9 @@ class Pacer:
         self.global_step = 0  # max over clusters, as of the last exchange
         self.stopped = False  # every cluster agreed to stop (time schedule / time budget)
         self.finishing = False  # A-EDiT + overlap after the agreed stop: step until the final quorum is issued
+        # a time schedule's cluster past train.steps has synced its stop vote once (`at_target`); until most
+        # clusters vote to stop it syncs at its planned intervals again, not at every step
+        self.target_voted = False
         self.eval_due = False
         self.checkpoint_due = False  # time schedule: save now (a sync has just been exchanged or missed)
         self.checkpoint_step = 0  # time schedule: this cluster's total steps at its last checkpoint
@@ -96,13 +103,13 @@ class Pacer:
 
     def should_stop(self, step: int) -> bool:
         """Under a step schedule: at train.steps. Under a time schedule: at the agreed stop, or on its own where
-        the others' bound on its claims is (`claims.Terms.max_steps`: twice train.steps plus `TIME_MARGIN`): a
-        fast cluster never outruns what the others accept from it."""
+        the others' bound on its claims is (`claims.time_bound`): a fast cluster waiting for most clusters to
+        reach train.steps never outruns what they accept from it."""
         if self.stopped:
             return not self.finishing
         if self.lockstep:
             return step >= self.cfg.total_steps
-        return self.cfg.total_steps > 0 and step >= 2 * self.cfg.total_steps + TIME_MARGIN
+        return self.cfg.total_steps > 0 and step >= time_bound(self.cfg.total_steps)
 
     def local_step(self, step: int, compute_s: float) -> None:
         """A local-SGD step was taken (`compute_s`: its seconds, minus any time blocked on other clusters)."""
@@ -126,7 +133,7 @@ class Pacer:
         instead of at the end of its planned interval: the run ends at train.steps, not up to one (fast
         cluster's) interval past it."""
         return (not self.lockstep and not self.stopped and self.cfg.total_steps > 0 and self.local_steps > 0
-                and self.total_steps >= self.cfg.total_steps)
+                and self.total_steps >= self.cfg.total_steps and not self.target_voted)
 
     def extra(self) -> list[float]:
         """What this cluster tells the others at a sync (round.EXTRA)."""
@@ -157,6 +164,7 @@ class Pacer:
             every = self.cfg.eval_every
             self.eval_due = self.eval_due or (every > 0 and self.global_step // every > before // every)
         stop, ignored = self.stop_votes(rows, position)
+        self.target_voted = self.target_voted or (self.cfg.total_steps > 0 and self.total_steps >= self.cfg.total_steps)
         if stop and not self.stopped:
             self.stopped = True
             # ask for the final quorum in the background and keep training until every cluster has asked:
@@ -169,10 +177,11 @@ class Pacer:
 
     def stop_votes(self, rows: Tensor, position: int) -> tuple[bool, dict[int, str]]:
         """(stop now?, the other members' yes votes not followed and why). A step schedule ends at train.steps,
-        each cluster's own count: no vote stops it. Under a time schedule (A-EDiT) the run ends at train.steps of
-        the federation: a stop vote from a member whose count reached it. A vote for the time budget needs a
-        strict majority of the quorum, each counted once this cluster's own clock is within an interval of the
-        budget. This cluster's own vote is its own clock's."""
+        each cluster's own count: no vote stops it. Under a time schedule or a time budget the stop needs a
+        strict majority of the quorum, each vote checked against this cluster's own clock and the terms: a vote
+        for the budget counts once this cluster's own clock is within an interval of it, a vote for train.steps
+        only from a member whose own count reached it (so the run ends once a strict majority of the counts did:
+        their lower median). This cluster's own vote is its own clock's and count's."""
         yes = [i for i in range(rows.shape[0]) if float(rows[i, 3]) > 0 and i != position]
         if not self.clocked:
             return False, {i: "a step schedule ends at train.steps" for i in yes}
@@ -187,16 +196,7 @@ class Pacer:
             else:
                 ignored[i] = "this cluster's own clock is not near the time budget and its step count is not " \
                     "past train.steps"
-        # A-EDiT's train.steps is the federation's step count (the agreed global step: the largest claim), as
-        # before: the run ends once a member whose count reached it votes to stop — a majority would keep a fast
-        # cluster training to its claims' cap while the slow ones finish, then leave them without a quorum. A
-        # member may claim its count (bounded by `claims.vet`): ending an A-EDiT run early is what an insider can
-        # still do (docs/security.md). A vote for the time budget still needs a strict majority.
-        target = not self.lockstep and self.cfg.total_steps > 0 and any(
-            float(rows[i, 3]) > 0 and float(rows[i, 2]) >= self.cfg.total_steps for i in range(rows.shape[0]))
-        stop = target or 2 * counted > rows.shape[0]
-        if target:
-            ignored = {}
+        stop = 2 * counted > rows.shape[0]
         if not stop:
             for i in yes:
                 ignored.setdefault(i, f"{counted} of {rows.shape[0]} votes to stop count: not a strict majority")

@@ -67,7 +67,7 @@ class RuleConfig:
     clip: bool = True
     clip_threshold: float = 10.0  # φ: the merged Δ of a unit is scaled to norm ≤ φ
     # from the first sync, whatever the rule: a contribution over this many times the quorum's median norm per
-    # √(local step) counts as the median (clipped: scale.py, docs/sync_math.md); 0 = off
+    # local step (penalty.interval_norm) counts as the median (clipped: scale.py, docs/sync_math.md); 0 = off
     scale_bound: float = 4.0
     verified: VerifiedConfig = field(default_factory=VerifiedConfig)
     edit_norm: EditNormConfig = field(default_factory=EditNormConfig)

@@ -188,6 +188,7 @@ class CheckpointManager:
         self.world_size = world_size
         self.keep = keep
         self.barrier = barrier or (lambda: None)
+        self._writing: Path | None = None  # the file a save is writing (what a failed save names)
 
     def step_dir(self, step: int) -> Path:
         return self.root / f"step_{step:08d}"
@@ -199,30 +200,41 @@ class CheckpointManager:
 
         `crash_after_files` (tests only) raises after writing that many files, simulating a crash.
         """
+        self._writing = None
         try:
             return self._save(step, tensors, state, crash_after_files)
         except OSError as exc:  # disk full, a read-only or vanished checkpoints/: one line, what is intact
-            raise CheckpointError(self.unwritable(step, exc)) from None
+            failure: BaseException = exc
         except Exception as exc:  # safetensors reports its own write errors (os error N inside the text)
             if type(exc).__name__ != "SafetensorError":
                 raise
-            raise CheckpointError(self.unwritable(step, exc)) from None
+            failure = exc
+        # raised outside the handler: the line is the whole story (no chained context for a caller to append)
+        raise CheckpointError(self.unwritable(step, failure))
 
     def unwritable(self, step: int, exc: BaseException) -> str:
-        """What a failed save says: the path, why, and what is intact (the last complete checkpoint)."""
+        """What a failed save says: the path (the file being written when it failed), why, and what is intact
+        (the last complete checkpoint) — also when checkpoints/ turned read-only mid-save and the partial
+        temporary directory cannot be removed (no one loads it; the next save removes it)."""
         final = self.step_dir(step)
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # a part written before the failure frees its space again
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else _why(exc)
-        where = getattr(exc, "filename", None) or tmp
+        if "Read-only file system" in why or "os error 30" in why:
+            why = "Read-only file system"
+        elif "No space left on device" in why or "os error 28" in why:
+            why = "No space left on device"
+        where = getattr(exc, "filename", None) or self._writing or tmp
         try:
             last = self.latest_valid()
         except (CheckpointError, OSError):
             last = None
         intact = f"the last complete checkpoint {last} is intact" if last is not None else \
             "no checkpoint of this run was complete before it"
+        left = f"; its partial {tmp.name} is never loaded" if tmp.exists() else ""
         return (f"cannot save checkpoint step {step}: {where}: {why}; {intact} (a save is written under a "
-                f"temporary name and renamed into place); free space or make {self.root} writable, then resume=auto")
+                f"temporary name and renamed into place{left}); free space or make {self.root} writable, then "
+                "resume=auto")
 
     def _save(self, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict[str, Any],
               crash_after_files: int | None = None) -> Path:
@@ -235,13 +247,13 @@ class CheckpointManager:
         self.barrier()
         written = 0
         for part, tdict in tensors.items():
-            path = tmp / f"rank{self.rank}-{part}.safetensors"
+            path = self._writing = tmp / f"rank{self.rank}-{part}.safetensors"
             save_file(_contiguous_cpu(tdict), str(path), metadata={"step": str(step), "part": part})
             fsync_file(path)
             written += 1
             if crash_after_files is not None and written >= crash_after_files:
                 raise RuntimeError(f"injected crash while saving checkpoint step {step}")
-        state_path = tmp / f"rank{self.rank}-state.json"
+        state_path = self._writing = tmp / f"rank{self.rank}-state.json"
         state_path.write_text(json.dumps(state, indent=1, sort_keys=True))
         fsync_file(state_path)
         self.barrier()
@@ -249,10 +261,11 @@ class CheckpointManager:
             files = sorted(p for p in tmp.iterdir() if p.is_file())
             manifest = {"step": step, "world_size": self.world_size,
                         "files": {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in files}}
-            mpath = tmp / MANIFEST
+            mpath = self._writing = tmp / MANIFEST
             mpath.write_text(json.dumps(manifest, indent=1, sort_keys=True))
             fsync_file(mpath)
             fsync_dir(tmp)
+            self._writing = final
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -302,7 +302,11 @@ class Progress:
             self.advance(name, step)
         elif self.lines:
             note = self._note.pop(name, "")
-            self._pending[name] = (f"cluster {name} step {step:,}/{self.total:,} loss {loss:.3f} "
+            # A-EDiT: a cluster past train.steps trains on until most clusters reach it (one member's vote ends
+            # nothing): its line says so instead of "step 450/400"
+            where = f"{step:,}/{self.total:,}" if step <= self.total else \
+                f"{step:,} (past train.steps {self.total:,}: training on until most clusters reach it)"
+            self._pending[name] = (f"cluster {name} step {where} loss {loss:.3f} "
                                    f"tok/s {tokens_per_s:,.0f}" + (f" ({note})" if note else ""))
             now = time.monotonic()
             if name not in self._printed or step >= self.total or now - self._printed[name] >= self.every_s:
