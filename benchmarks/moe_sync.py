@@ -52,11 +52,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from paired import paired_gain  # noqa: E402
 
 DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
 ARMS = ("default", "tokens", "skip")
+# the data settings: the stdlib families and their IID counterpart (the whole standard library split across the
+# clusters); the four languages (one per cluster, docs/noniid.md) and theirs (`lang:all` split across them)
+DATA = {"noniid": ["data.split=by_family"], "iid": [], "lang": ["data.split=by_language"],
+        "lang_iid": ["data.source=lang:all"]}
+IID_OF = {"noniid": "iid", "iid": "iid", "lang": "lang_iid", "lang_iid": "lang_iid"}
 SETTLED = 5  # intervals after which routing has settled (the skew is measured from there on)
 TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's per-cluster scalars (round.EXTRA)
 
@@ -66,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny, 2 clusters, seed 0 (noniid + iid, every arm)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(STEPS))
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
-    ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=["noniid", "iid"])
+    ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=sorted(DATA))
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--min-tokens", type=int, default=512, help="expert_min_tokens of the `skip` arm")
@@ -75,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=80)
     ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json",
                     help="edit's tuned point (tune.best.edit)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more overrides for every run (use another --workdir: run directories do not name them)")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--finished-only", action="store_true",
                     help="report the grid's finished runs (identical overrides) and start none; list the rest")
@@ -102,8 +110,7 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
            f"seed={seed}", f"train.steps={a.steps or STEPS[model]}", "train.batch_size=8", "train.seq_len=128",
            f"train.eval_every={a.eval_every}", f"train.eval_batches={a.eval_batches}", "algo.interval=8",
            "algo.warmup_steps=0", *tuned_point(a.tuned)]
-    if data == "noniid":
-        out.append("data.split=by_family")
+    out += DATA[data] + list(a.set)
     if arm != "default":
         out.append("algo.penalty.verified.expert_weights=tokens")
     if arm == "skip":
@@ -172,6 +179,7 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     mine = [e for e in syncs if e.get("cluster") == "c0"]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
+            "val_loss_by_source": job.summary.get("final_val_loss_by_source"),
             "syncs": len(mine), "bytes_per_sync": statistics.fmean(e["bytes"] for e in syncs) if syncs else None,
             "formula_per_sync_full": formula(shape, groups, 0),
             "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
@@ -186,34 +194,43 @@ def spread(xs: list[float]) -> dict[str, Any]:
             "max": max(xs), "n": len(xs)} if xs else {}
 
 
-def paired_noise(runs: list[dict[str, Any]], model: str, clusters: int) -> dict[str, Any]:
-    """IID, `tokens` − `default` per seed: what a small change of the merge does to a run's final loss."""
+def paired_noise(runs: list[dict[str, Any]], model: str, clusters: int, data: str = "iid") -> dict[str, Any]:
+    """IID (`data`: `iid` or `lang_iid`), `tokens` − `default` per seed: what a small change of the merge does to
+    a run's final loss."""
     loss = {(r["arm"], r["seed"]): r["final_val_loss"] for r in runs
-            if (r["model"], r["clusters"], r["data"]) == (model, clusters, "iid")}
+            if (r["model"], r["clusters"], r["data"]) == (model, clusters, data)}
     diffs = [loss[("default", s)] - loss[("tokens", s)] for a, s in loss if a == "default" and ("tokens", s) in loss]
     return {**spread(diffs), "max_abs": max(abs(d) for d in diffs)} if diffs else {}
 
 
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]:
-    """Per setting (model, clusters, data): each arm's losses by seed, its gain over default, its bytes, and
-    (with the IID runs of its model and cluster count) whether the gain is beyond the IID paired noise."""
+    """Per setting (model, clusters, data): each arm's losses by seed, its paired gain over default (seed by seed:
+    mean and 95 % t interval, overall and per validation source), its bytes, and (with the IID runs of its model
+    and cluster count) whether the gain is beyond the IID paired noise."""
     out = []
     for key in sorted({(r["model"], r["clusters"], r["data"]) for r in runs}):
         rs = [r for r in runs if (r["model"], r["clusters"], r["data"]) == key]
         loss = {arm: {r["seed"]: r["final_val_loss"] for r in rs if r["arm"] == arm} for arm in arms}
-        noise = paired_noise(runs, key[0], key[1])
+        noise = paired_noise(runs, key[0], key[1], IID_OF[key[2]])
         row: dict[str, Any] = {"model": key[0], "clusters": key[1], "data": key[2], "loss": loss,
                                "iid_paired_noise": noise or None}
         for arm in arms:
             rr = [r for r in rs if r["arm"] == arm]
             seeds = sorted(set(loss[arm]) & set(loss.get("default", {})))
             gain = [loss["default"][s] - loss[arm][s] for s in seeds]
+            by_source = {r["seed"]: r.get("val_loss_by_source") or {} for r in rr}
+            base = {r["seed"]: r.get("val_loss_by_source") or {} for r in rs if r["arm"] == "default"}
+            sources = sorted({src for v in by_source.values() for src in v})
             row[arm] = {"loss": spread(list(loss[arm].values())),
-                        "gain": spread(gain) if arm != "default" else None,
+                        "gain": {**spread(gain), **paired_gain(loss["default"], loss[arm])}
+                        if arm != "default" else None,
+                        "gain_by_source": {src: paired_gain({s: v[src] for s, v in base.items() if src in v},
+                                                            {s: v[src] for s, v in by_source.items() if src in v})
+                                           for src in sources} if arm != "default" else None,
                         "le_default_every_seed": all(g >= 0 for g in gain) if gain and arm != "default" else None,
                         # a mean gain (or cost) larger than the largest IID paired difference
                         "beyond_noise": (abs(statistics.fmean(gain)) > noise["max_abs"])
-                        if gain and noise and arm != "default" and key[2] == "noniid" else None,
+                        if gain and noise and arm != "default" and IID_OF[key[2]] != key[2] else None,
                         "bytes_per_sync": spread([r["bytes_per_sync"] for r in rr if r["bytes_per_sync"]]),
                         "unsent_share": spread([r["unsent_share"] for r in rr if r["unsent_share"] is not None]),
                         "routing_skew": spread([r["routing_skew"] for r in rr if r.get("routing_skew") is not None]),
@@ -242,8 +259,9 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
             x = i + (k - (len(others) - 1) / 2) * width
             ax.scatter([x] * len(gains), gains, color=f"C{k + 1}", s=18, label=arm if i == 0 else None)
             if gains:
-                ax.errorbar([x], [statistics.fmean(gains)], yerr=[statistics.stdev(gains) if len(gains) > 1 else 0],
-                            color=f"C{k + 1}", fmt="_", markersize=14, capsize=4)
+                half = (r[arm]["gain"] or {}).get("half_width") or 0.0  # the paired 95 % t interval
+                ax.errorbar([x], [statistics.fmean(gains)], yerr=[half], color=f"C{k + 1}", fmt="_", markersize=14,
+                            capsize=4)
             b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
             if b and d:
                 bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=width * 0.9, color=f"C{k + 1}",
@@ -263,7 +281,7 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("val loss gain over default (default − arm)")
-    ax.set_title("per seed (dots), mean ± std")
+    ax.set_title("per seed (dots), mean and its paired 95 % CI")
     ax.legend(fontsize=8)
     bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(rows)), labels, fontsize=8)
@@ -317,14 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         for arm in a.arms:
             x = r[arm]
             gain = x["gain"] or {}
+            ci = gain.get("ci") or [None, None]
             print(f"{r['model']:5s} x{r['clusters']} {r['data']:6s} {arm:7s} loss {C.fmt(x['loss'].get('mean'))} "
                   f"± {C.fmt(x['loss'].get('std'))}  gain {C.fmt(gain.get('mean'), '+.4f')} ± {C.fmt(gain.get('std'))} "
+                  f"95 % CI [{C.fmt(ci[0], '+.4f')}, {C.fmt(ci[1], '+.4f')}] "
                   f"(min {C.fmt(gain.get('min'), '+.4f')}) ≤ default every seed: {C.fmt(x['le_default_every_seed'])}  "
                   f"B/sync {C.fmt((x['bytes_per_sync'] or {}).get('mean'), ',.0f')}  left out "
                   f"{C.fmt(100 * (x['unsent_share'] or {}).get('mean', 0), '.1f')} %  off formula {x['off_formula']}"
                   f"/{x['sync_events']}  routing skew {C.fmt((x['routing_skew'] or {}).get('mean'))}  beyond the IID "
                   f"paired noise: {C.fmt(x.get('beyond_noise'))}")
-        if r["data"] == "noniid" and r["iid_paired_noise"]:
+        if IID_OF[r["data"]] != r["data"] and r["iid_paired_noise"]:
             n = r["iid_paired_noise"]
             print(f"{r['model']:5s} x{r['clusters']} IID paired noise (tokens − default per seed): std "
                   f"{C.fmt(n['std'])}, largest |difference| {C.fmt(n['max_abs'])}")

@@ -37,7 +37,8 @@ class DataConfig:
     val_fraction: float = DEFAULT_VAL_FRACTION  # 0.02; edit-train-prepare's default too (same cache entry)
     seed: int = 0
     # shared: the clusters split `source` (or their own cluster.clusters[i].data.source); by_family: cluster i of
-    # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all
+    # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all;
+    # by_language: cluster i of N trains on one language (data/languages.py GROUPS), validation on all four
     split: str = "shared"
     # how many parts the clusters sharing a source cut it into (0: one per configured cluster); the parts beyond
     # the configured clusters are kept for clusters added mid-run (edit-train-keygen add), in the order added
@@ -268,6 +269,16 @@ def _check_experts(cfg: Config) -> None:
     _need(v.expert_min_tokens == 0 or s.compression == "none", "algo.penalty.verified.expert_min_tokens",
           f"rows a cluster does not send cannot go compressed (error feedback needs every row): set "
           f"sync.compression=none (now {s.compression}) or expert_min_tokens=0")
+    _need(not v.expert_subsets or s.compression == "none", "algo.penalty.verified.expert_subsets",
+          f"the experts a cluster does not own are not sent, and rows left out cannot go compressed: set "
+          f"sync.compression=none (now {s.compression})")
+    if v.expert_subsets:
+        from edit_train.local_sgd.experts import owned_experts
+
+        try:
+            owned_experts(v.expert_subsets, 0, clusters, cfg.model.num_experts)
+        except ValueError as exc:
+            raise ConfigError(f"algo.penalty.verified.expert_subsets: {exc}") from None
 
 
 def validate(cfg: Config) -> None:
@@ -373,19 +384,23 @@ def validate(cfg: Config) -> None:
 
 
 def _check_split(cfg: Config, specs: list[ClusterSpec]) -> None:
+    from edit_train.data import languages
     from edit_train.data.families import group_sources, parse_source
     from edit_train.data.tokenizer import DataError
 
     d = cfg.data
-    _need(d.split in ("shared", "by_family"), "data.split", f"must be shared or by_family, got {d.split!r}")
+    _need(d.split in ("shared", "by_family", "by_language"), "data.split",
+          f"must be shared, by_family or by_language, got {d.split!r}")
     try:
         for source in [s.source for s in specs] + [d.source]:
             if source.startswith("stdlib:"):
                 parse_source(source)
-        if d.split == "by_family":
-            _need(d.source == "stdlib", "data.source", f"data.split=by_family splits the standard library by "
-                  f"family; leave data.source=stdlib (got {d.source!r}) or use data.split=shared")
-            group_sources(len(specs))
+            if languages.is_language_source(source):
+                languages.parse_source(source)
+        if d.split in ("by_family", "by_language"):
+            _need(d.source == "stdlib", "data.source", f"data.split={d.split} chooses each cluster's data itself; "
+                  f"leave data.source=stdlib (got {d.source!r}) or use data.split=shared")
+            (group_sources if d.split == "by_family" else languages.group_sources)(len(specs))
     except DataError as exc:
         raise ConfigError(str(exc)) from None
 

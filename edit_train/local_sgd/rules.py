@@ -83,7 +83,8 @@ class PenaltyConfig:
         """How the sync treats an MoE model's experts (`experts.Experts`): below `min_tokens` routed tokens a
         cluster does not send an expert's rows (the verified rule's option); `weighs`: the rule may weigh them."""
         verified = self.rule == "verified"
-        return {"min_tokens": self.verified.expert_min_tokens if verified else 0,
+        subsets = verified and bool(self.verified.expert_subsets)  # a cluster reports 0 tokens to others' experts
+        return {"min_tokens": max(self.verified.expert_min_tokens, int(subsets)) if verified else 0,
                 "weighs": not verified or self.verified.expert_weights != "none"}
 
     def validate(self) -> None:

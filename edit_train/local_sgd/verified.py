@@ -74,6 +74,10 @@ class VerifiedConfig(NormTestConfig):
     # expert_weights=tokens: a cluster that routed fewer tokens than this to an expert sends none of its rows and
     # is no contribution to it (0: every row is sent)
     expert_min_tokens: int = 0
+    # expert subsets (SPES-style; "" off): a cluster trains and sends only its experts, the others stay at the
+    # anchor on it, and an expert's update comes only from its owners — "split" (expert e is cluster e mod N's)
+    # or each cluster's experts as "0,1,2,3|4,5,6,7" (`experts.owned_experts`); needs expert_weights=tokens
+    expert_subsets: str = ""
 
     def validate(self, rule: str = "verified") -> None:
         super().validate(rule)
@@ -91,6 +95,9 @@ class VerifiedConfig(NormTestConfig):
         check_fields(self.expert_min_tokens >= 0 and (self.expert_min_tokens == 0 or self.expert_weights == "tokens"),
                      f"{rule}.expert_min_tokens", f"must be >= 0, and 0 unless expert_weights=tokens (rows a cluster "
                      f"does not send need weights per expert), got {self.expert_min_tokens}")
+        check_fields(not self.expert_subsets or self.expert_weights == "tokens", f"{rule}.expert_subsets",
+                     f"needs expert_weights=tokens (an expert's update comes from its owners only, weighed by the "
+                     f"tokens each routed to it), got expert_weights={self.expert_weights}")
         check_fields(self.probe_tokens >= 0 and self.max_token_ratio >= 1.0 and self.report_tolerance > 0, rule,
                      ": probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
