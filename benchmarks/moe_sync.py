@@ -57,7 +57,7 @@ from paired import paired_gain  # noqa: E402
 DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
-ARMS = ("default", "tokens", "skip")
+ARMS = ("default", "tokens", "skip", "subsets")
 # the data settings: the stdlib families and their IID counterpart (the whole standard library split across the
 # clusters); the four languages (one per cluster, docs/noniid.md) and theirs (`lang:all` split across them)
 DATA = {"noniid": ["data.split=by_family"], "iid": [], "lang": ["data.split=by_language"],
@@ -115,6 +115,8 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
         out.append("algo.penalty.verified.expert_weights=tokens")
     if arm == "skip":
         out.append(f"algo.penalty.verified.expert_min_tokens={a.min_tokens}")
+    if arm == "subsets":  # SPES-style: expert e is cluster (e mod P)'s; the others stay at the anchor on it
+        out.append("algo.penalty.verified.expert_subsets=split")
     return out
 
 
@@ -131,8 +133,17 @@ def model_shape(model: str) -> dict[str, Any]:
     with torch.device("meta"):
         m = CausalLM(cfg.model)
     units = build_units(m, fsdp_units(m))
+    expert = 3 * cfg.model.hidden_size * cfg.model.moe_intermediate_size  # one expert's gate, up, down rows
     return {"units": len(units), "params": sum(p.numel() for p in m.parameters()),
-            "counts": len(m.moe_layers()) * cfg.model.num_experts}
+            "counts": len(m.moe_layers()) * cfg.model.num_experts, "moe_layers": len(m.moe_layers()),
+            "experts": cfg.model.num_experts, "expert_params": expert}
+
+
+def subsets_unsent(shape: dict[str, Any], clusters: int) -> list[int]:
+    """Expert subsets (`split`): the elements each cluster leaves at home per sync — the experts it does not own
+    (E − ⌈(E − i) / P⌉ of them for cluster i), every MoE layer's."""
+    e = shape["experts"]
+    return [(e - len(range(i, e, clusters))) * shape["expert_params"] * shape["moe_layers"] for i in range(clusters)]
 
 
 def formula(shape: dict[str, Any], clusters: int, unsent: int) -> int:
@@ -177,6 +188,9 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     syncs = job.events("sync")
     off = [e for e in syncs if e["bytes"] != formula(shape, len(e["quorum"]), e.get("unsent_params", 0))]
     mine = [e for e in syncs if e.get("cluster") == "c0"]
+    home = subsets_unsent(shape, groups) if arm == "subsets" else [0] * groups
+    # an owner that routed no token to its expert in an interval leaves it home too: at least the formula's
+    below_home = [e for e in syncs if e.get("unsent_params", 0) < home[e.get("cluster_index", 0) % groups]]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
             "val_loss_by_source": job.summary.get("final_val_loss_by_source"),
@@ -185,6 +199,8 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
             "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
             if syncs else None,
             "sync_events": len(syncs), "off_formula": len(off), "anomalies": job.summary.get("anomalies"),
+            "subsets_home": home, "subsets_home_exact": sum(e.get("unsent_params", 0) == home[
+                e.get("cluster_index", 0) % groups] for e in syncs), "below_home": len(below_home),
             "routing_skew": routing_skew(job.events("experts")),
             "job_wall_s": job.wall_s, "load_before": before, "load_after": C.load(), "run_dir": str(run_dir)}
 

@@ -279,7 +279,7 @@ def expert_weights(counts: Tensor, sent: Tensor, kept: Tensor, rejected: Tensor)
 # ------------------------------------------------------------------------------------------ expert subsets
 def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[bool, ...] | None:
     """Which experts cluster `index` (of `clusters` configured) trains and sends under `expert_subsets=spec`
-    (SPES-style; None: off, every expert). ``split``: expert e is cluster (e mod clusters)'s; ``0,1|2,3``: cluster
+    (SPES-style; None: off, every expert). ``split``: expert e is cluster (e mod clusters)'s; ``0+1|2+3``: cluster
     i's experts are the i-th ``|``-separated list. Raises ValueError (one line) for a spec that leaves an expert
     to nobody or names one the model does not have."""
     if not spec:
@@ -288,9 +288,9 @@ def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[b
         owners = [[e for e in range(experts) if e % clusters == i] for i in range(clusters)]
     else:
         try:
-            owners = [[int(x) for x in part.split(",") if x.strip()] for part in spec.split("|")]
+            owners = [[int(x) for x in part.split("+") if x.strip()] for part in spec.split("|")]
         except ValueError:
-            raise ValueError(f"expert_subsets={spec!r}: use split, or each cluster's experts as 0,1|2,3") from None
+            raise ValueError(f"expert_subsets={spec!r}: use split, or each cluster's experts as 0+1|2+3") from None
         if len(owners) != clusters:
             raise ValueError(f"expert_subsets={spec!r} names {len(owners)} clusters' experts, the federation has "
                              f"{clusters}")

@@ -76,7 +76,7 @@ class VerifiedConfig(NormTestConfig):
     expert_min_tokens: int = 0
     # expert subsets (SPES-style; "" off): a cluster trains and sends only its experts, the others stay at the
     # anchor on it, and an expert's update comes only from its owners — "split" (expert e is cluster e mod N's)
-    # or each cluster's experts as "0,1,2,3|4,5,6,7" (`experts.owned_experts`); needs expert_weights=tokens
+    # or each cluster's experts as "0+1+2+3|4+5+6+7" (`experts.owned_experts`); needs expert_weights=tokens
     expert_subsets: str = ""
 
     def validate(self, rule: str = "verified") -> None:
