@@ -10,24 +10,33 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
 * `tokens`  — each expert's rows weighed by the tokens each cluster routed to it (`expert_weights=tokens`);
 * `skip`    — `tokens`, and a cluster that routed fewer than `--min-tokens` tokens to an expert in the interval
   sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
-  H · batch · seq · top-k / experts = 2048 for both models).
+  H · batch · seq · top-k / experts = 2048 for both models);
+* `subsets` — expert subsets per site (`expert_subsets=split`: expert e is cluster e mod P's, the others frozen
+  at the anchor on it and never sent; docs/sync_math.md, "Expert subsets"); `subsets_home` is what each cluster
+  must leave at home per sync by the formula, `subsets_home_exact` the sync events that left exactly that.
 
 Every run also reports its routing skew (`routing_skew`): how far, from the sixth interval on, token weights would
 be from today's rule — the mean |wᵢₑ − 1/P| of each cluster's equal-backing token weight per expert; 0 when every
 cluster routes alike (the weighting then has nothing to work with).
 
 Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
-validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
+validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters); `lang`
+(`data.split=by_language`: one language per cluster, docs/noniid.md "Four languages") and `lang_iid` (its IID
+counterpart, `data.source=lang:all`), both validated on the four languages and on each alone. Per run:
 the final validation loss (`train.eval_batches`, default 32 batches = 32,768 tokens, on the shared validation),
 the bytes of every `sync` event (every cluster's) against the formula of docs/sync_math.md ("Experts") over what
 the event says was left out (`unsent_params`), their mean, and the mean share of the model left out. Per setting (model, clusters, data): each
-arm's loss per seed, its gain over `default` (default − arm, per seed: mean, sample std, min) and whether it is
+arm's loss per seed, its gain over `default` compared seed by seed (same seeds, same data order: default − arm
+per seed; mean, sample std, min, and the mean's 95 % confidence interval from Student's t, `paired.py` — `pays`:
+the interval lies above 0), the same per validation source (`gain_by_source`: per language) and whether it is
 ≤ default on every seed.
 
     python benchmarks/moe_sync.py --quick            # tiny, 2 clusters, seed 0, noniid + iid, 3 arms: 6 runs
     python benchmarks/moe_sync.py --reuse            # the grid: 2 models x 2 cluster counts x 2 data x 3 seeds x 3 arms
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
     python benchmarks/moe_sync.py --finished-only    # report every finished run of the grid, start none
+    python benchmarks/moe_sync.py --reuse --models tiny --clusters 2 --steps 160 --seeds 0 1 2 3 4 \
+        --data lang lang_iid --arms default tokens subsets   # the four-language grid (docs/moe_sync_lang.json)
 
 The noise a comparison has to beat: on IID data `tokens` is today's rule in expectation (docs/sync_math.md), so
 its per-seed difference from `default` there measures how far a small change of the merge moves a run's final
