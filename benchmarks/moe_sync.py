@@ -35,8 +35,8 @@ the interval lies above 0), the same per validation source (`gain_by_source`: pe
     python benchmarks/moe_sync.py --reuse            # the grid: 2 models x 2 cluster counts x 2 data x 3 seeds x 3 arms
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
     python benchmarks/moe_sync.py --finished-only    # report every finished run of the grid, start none
-    python benchmarks/moe_sync.py --reuse --models tiny --clusters 2 --steps 160 --seeds 0 1 2 3 4 \
-        --data lang lang_iid --arms default tokens subsets   # the four-language grid (docs/moe_sync_lang.json)
+    python benchmarks/moe_sync.py --reuse --models tiny --clusters 2 --steps 160 --seeds 0 1 2 3 4 --data lang lang_iid
+    # ^ the four-language grid, docs/moe_sync_lang.json (it ran --arms default tokens subsets)
 
 The noise a comparison has to beat: on IID data `tokens` is today's rule in expectation (docs/sync_math.md), so
 its per-seed difference from `default` there measures how far a small change of the merge moves a run's final
