@@ -10,24 +10,33 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
 * `tokens`  — each expert's rows weighed by the tokens each cluster routed to it (`expert_weights=tokens`);
 * `skip`    — `tokens`, and a cluster that routed fewer than `--min-tokens` tokens to an expert in the interval
   sends none of its rows (`expert_min_tokens`; default 512 = a quarter of the uniform share, which is
-  H · batch · seq · top-k / experts = 2048 for both models).
+  H · batch · seq · top-k / experts = 2048 for both models);
+* `subsets` — expert subsets per site (`expert_subsets=split`: expert e is cluster e mod P's, the others frozen
+  at the anchor on it and never sent; docs/sync_math.md, "Expert subsets"); `subsets_home` is what each cluster
+  must leave at home per sync by the formula, `subsets_home_exact` the sync events that left exactly that.
 
 Every run also reports its routing skew (`routing_skew`): how far, from the sixth interval on, token weights would
 be from today's rule — the mean |wᵢₑ − 1/P| of each cluster's equal-backing token weight per expert; 0 when every
 cluster routes alike (the weighting then has nothing to work with).
 
 Data: `noniid` (`data.split=by_family`: each cluster trains on its own standard-library families, every cluster
-validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters). Per run:
+validates on all four, docs/noniid.md) and `iid` (the default: one corpus split across the clusters); `lang`
+(`data.split=by_language`: one language per cluster, docs/noniid.md "Four languages") and `lang_iid` (its IID
+counterpart, `data.source=lang:all`), both validated on the four languages and on each alone. Per run:
 the final validation loss (`train.eval_batches`, default 32 batches = 32,768 tokens, on the shared validation),
 the bytes of every `sync` event (every cluster's) against the formula of docs/sync_math.md ("Experts") over what
 the event says was left out (`unsent_params`), their mean, and the mean share of the model left out. Per setting (model, clusters, data): each
-arm's loss per seed, its gain over `default` (default − arm, per seed: mean, sample std, min) and whether it is
+arm's loss per seed, its gain over `default` compared seed by seed (same seeds, same data order: default − arm
+per seed; mean, sample std, min, and the mean's 95 % confidence interval from Student's t, `paired.py` — `pays`:
+the interval lies above 0), the same per validation source (`gain_by_source`: per language) and whether it is
 ≤ default on every seed.
 
     python benchmarks/moe_sync.py --quick            # tiny, 2 clusters, seed 0, noniid + iid, 3 arms: 6 runs
     python benchmarks/moe_sync.py --reuse            # the grid: 2 models x 2 cluster counts x 2 data x 3 seeds x 3 arms
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
     python benchmarks/moe_sync.py --finished-only    # report every finished run of the grid, start none
+    python benchmarks/moe_sync.py --reuse --models tiny --clusters 2 --steps 160 --seeds 0 1 2 3 4 --data lang lang_iid
+    # ^ the four-language grid, docs/moe_sync_lang.json (it ran --arms default tokens subsets)
 
 The noise a comparison has to beat: on IID data `tokens` is today's rule in expectation (docs/sync_math.md), so
 its per-seed difference from `default` there measures how far a small change of the merge moves a run's final
@@ -52,11 +61,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from paired import paired_gain  # noqa: E402
 
 DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
-ARMS = ("default", "tokens", "skip")
+ARMS = ("default", "tokens", "skip", "subsets")
+# the data settings: the stdlib families and their IID counterpart (the whole standard library split across the
+# clusters); the four languages (one per cluster, docs/noniid.md) and theirs (`lang:all` split across them)
+DATA = {"noniid": ["data.split=by_family"], "iid": [], "lang": ["data.split=by_language"],
+        "lang_iid": ["data.source=lang:all"]}
+IID_OF = {"noniid": "iid", "iid": "iid", "lang": "lang_iid", "lang_iid": "lang_iid"}
 SETTLED = 5  # intervals after which routing has settled (the skew is measured from there on)
 TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's per-cluster scalars (round.EXTRA)
 
@@ -66,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="tiny, 2 clusters, seed 0 (noniid + iid, every arm)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(STEPS))
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
-    ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=["noniid", "iid"])
+    ap.add_argument("--data", nargs="+", default=["noniid", "iid"], choices=sorted(DATA))
     ap.add_argument("--seeds", type=int, nargs="+", default=None)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--min-tokens", type=int, default=512, help="expert_min_tokens of the `skip` arm")
@@ -75,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=80)
     ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json",
                     help="edit's tuned point (tune.best.edit)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more overrides for every run (use another --workdir: run directories do not name them)")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--finished-only", action="store_true",
                     help="report the grid's finished runs (identical overrides) and start none; list the rest")
@@ -102,12 +119,13 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
            f"seed={seed}", f"train.steps={a.steps or STEPS[model]}", "train.batch_size=8", "train.seq_len=128",
            f"train.eval_every={a.eval_every}", f"train.eval_batches={a.eval_batches}", "algo.interval=8",
            "algo.warmup_steps=0", *tuned_point(a.tuned)]
-    if data == "noniid":
-        out.append("data.split=by_family")
+    out += DATA[data] + list(a.set)
     if arm != "default":
         out.append("algo.rule.verified.expert_weights=tokens")
     if arm == "skip":
         out.append(f"algo.rule.verified.expert_min_tokens={a.min_tokens}")
+    if arm == "subsets":  # SPES-style: expert e is cluster (e mod P)'s; the others stay at the anchor on it
+        out.append("algo.rule.verified.expert_subsets=split")
     return out
 
 
@@ -124,8 +142,17 @@ def model_shape(model: str) -> dict[str, Any]:
     with torch.device("meta"):
         m = CausalLM(cfg.model)
     units = build_units(m, fsdp_units(m))
+    expert = 3 * cfg.model.hidden_size * cfg.model.moe_intermediate_size  # one expert's gate, up, down rows
     return {"units": len(units), "params": sum(p.numel() for p in m.parameters()),
-            "counts": len(m.moe_layers()) * cfg.model.num_experts}
+            "counts": len(m.moe_layers()) * cfg.model.num_experts, "moe_layers": len(m.moe_layers()),
+            "experts": cfg.model.num_experts, "expert_params": expert}
+
+
+def subsets_unsent(shape: dict[str, Any], clusters: int) -> list[int]:
+    """Expert subsets (`split`): the elements each cluster leaves at home per sync — the experts it does not own
+    (E − ⌈(E − i) / P⌉ of them for cluster i), every MoE layer's."""
+    e = shape["experts"]
+    return [(e - len(range(i, e, clusters))) * shape["expert_params"] * shape["moe_layers"] for i in range(clusters)]
 
 
 def formula(shape: dict[str, Any], clusters: int, unsent: int) -> int:
@@ -170,13 +197,19 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     syncs = job.events("sync")
     off = [e for e in syncs if e["bytes"] != formula(shape, len(e["quorum"]), e.get("unsent_params", 0))]
     mine = [e for e in syncs if e.get("cluster") == "c0"]
+    home = subsets_unsent(shape, groups) if arm == "subsets" else [0] * groups
+    # an owner that routed no token to its expert in an interval leaves it home too: at least the formula's
+    below_home = [e for e in syncs if e.get("unsent_params", 0) < home[e.get("cluster_index", 0) % groups]]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
+            "val_loss_by_source": job.summary.get("final_val_loss_by_source"),
             "syncs": len(mine), "bytes_per_sync": statistics.fmean(e["bytes"] for e in syncs) if syncs else None,
             "formula_per_sync_full": formula(shape, groups, 0),
             "unsent_share": statistics.fmean(e.get("unsent_params", 0) for e in syncs) / shape["params"]
             if syncs else None,
             "sync_events": len(syncs), "off_formula": len(off), "anomalies": job.summary.get("anomalies"),
+            "subsets_home": home, "subsets_home_exact": sum(e.get("unsent_params", 0) == home[
+                e.get("cluster_index", 0) % groups] for e in syncs), "below_home": len(below_home),
             "routing_skew": routing_skew(job.events("experts")),
             "job_wall_s": job.wall_s, "load_before": before, "load_after": C.load(), "run_dir": str(run_dir)}
 
@@ -186,34 +219,43 @@ def spread(xs: list[float]) -> dict[str, Any]:
             "max": max(xs), "n": len(xs)} if xs else {}
 
 
-def paired_noise(runs: list[dict[str, Any]], model: str, clusters: int) -> dict[str, Any]:
-    """IID, `tokens` − `default` per seed: what a small change of the merge does to a run's final loss."""
+def paired_noise(runs: list[dict[str, Any]], model: str, clusters: int, data: str = "iid") -> dict[str, Any]:
+    """IID (`data`: `iid` or `lang_iid`), `tokens` − `default` per seed: what a small change of the merge does to
+    a run's final loss."""
     loss = {(r["arm"], r["seed"]): r["final_val_loss"] for r in runs
-            if (r["model"], r["clusters"], r["data"]) == (model, clusters, "iid")}
+            if (r["model"], r["clusters"], r["data"]) == (model, clusters, data)}
     diffs = [loss[("default", s)] - loss[("tokens", s)] for a, s in loss if a == "default" and ("tokens", s) in loss]
     return {**spread(diffs), "max_abs": max(abs(d) for d in diffs)} if diffs else {}
 
 
 def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any]]:
-    """Per setting (model, clusters, data): each arm's losses by seed, its gain over default, its bytes, and
-    (with the IID runs of its model and cluster count) whether the gain is beyond the IID paired noise."""
+    """Per setting (model, clusters, data): each arm's losses by seed, its paired gain over default (seed by seed:
+    mean and 95 % t interval, overall and per validation source), its bytes, and (with the IID runs of its model
+    and cluster count) whether the gain is beyond the IID paired noise."""
     out = []
     for key in sorted({(r["model"], r["clusters"], r["data"]) for r in runs}):
         rs = [r for r in runs if (r["model"], r["clusters"], r["data"]) == key]
         loss = {arm: {r["seed"]: r["final_val_loss"] for r in rs if r["arm"] == arm} for arm in arms}
-        noise = paired_noise(runs, key[0], key[1])
+        noise = paired_noise(runs, key[0], key[1], IID_OF[key[2]])
         row: dict[str, Any] = {"model": key[0], "clusters": key[1], "data": key[2], "loss": loss,
                                "iid_paired_noise": noise or None}
         for arm in arms:
             rr = [r for r in rs if r["arm"] == arm]
             seeds = sorted(set(loss[arm]) & set(loss.get("default", {})))
             gain = [loss["default"][s] - loss[arm][s] for s in seeds]
+            by_source = {r["seed"]: r.get("val_loss_by_source") or {} for r in rr}
+            base = {r["seed"]: r.get("val_loss_by_source") or {} for r in rs if r["arm"] == "default"}
+            sources = sorted({src for v in by_source.values() for src in v})
             row[arm] = {"loss": spread(list(loss[arm].values())),
-                        "gain": spread(gain) if arm != "default" else None,
+                        "gain": {**spread(gain), **paired_gain(loss["default"], loss[arm])}
+                        if arm != "default" else None,
+                        "gain_by_source": {src: paired_gain({s: v[src] for s, v in base.items() if src in v},
+                                                            {s: v[src] for s, v in by_source.items() if src in v})
+                                           for src in sources} if arm != "default" else None,
                         "le_default_every_seed": all(g >= 0 for g in gain) if gain and arm != "default" else None,
                         # a mean gain (or cost) larger than the largest IID paired difference
                         "beyond_noise": (abs(statistics.fmean(gain)) > noise["max_abs"])
-                        if gain and noise and arm != "default" and key[2] == "noniid" else None,
+                        if gain and noise and arm != "default" and IID_OF[key[2]] != key[2] else None,
                         "bytes_per_sync": spread([r["bytes_per_sync"] for r in rr if r["bytes_per_sync"]]),
                         "unsent_share": spread([r["unsent_share"] for r in rr if r["unsent_share"] is not None]),
                         "routing_skew": spread([r["routing_skew"] for r in rr if r.get("routing_skew") is not None]),
@@ -242,8 +284,9 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
             x = i + (k - (len(others) - 1) / 2) * width
             ax.scatter([x] * len(gains), gains, color=f"C{k + 1}", s=18, label=arm if i == 0 else None)
             if gains:
-                ax.errorbar([x], [statistics.fmean(gains)], yerr=[statistics.stdev(gains) if len(gains) > 1 else 0],
-                            color=f"C{k + 1}", fmt="_", markersize=14, capsize=4)
+                half = (r[arm]["gain"] or {}).get("half_width") or 0.0  # the paired 95 % t interval
+                ax.errorbar([x], [statistics.fmean(gains)], yerr=[half], color=f"C{k + 1}", fmt="_", markersize=14,
+                            capsize=4)
             b, d, u = r[arm]["bytes_per_sync"], r["default"]["bytes_per_sync"], r[arm]["unsent_share"]
             if b and d:
                 bx.bar(x, 100 * (1 - b["mean"] / d["mean"]), width=width * 0.9, color=f"C{k + 1}",
@@ -263,7 +306,7 @@ def plot(rows: list[dict[str, Any]], arms: list[str], path: Path) -> Path:
     ax.axhline(0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)), labels, fontsize=8)
     ax.set_ylabel("val loss gain over default (default − arm)")
-    ax.set_title("per seed (dots), mean ± std")
+    ax.set_title("per seed (dots), mean and its paired 95 % CI")
     ax.legend(fontsize=8)
     bx.axhline(0, color="k", lw=0.8)
     bx.set_xticks(range(len(rows)), labels, fontsize=8)
@@ -317,14 +360,16 @@ def main(argv: list[str] | None = None) -> int:
         for arm in a.arms:
             x = r[arm]
             gain = x["gain"] or {}
+            ci = gain.get("ci") or [None, None]
             print(f"{r['model']:5s} x{r['clusters']} {r['data']:6s} {arm:7s} loss {C.fmt(x['loss'].get('mean'))} "
                   f"± {C.fmt(x['loss'].get('std'))}  gain {C.fmt(gain.get('mean'), '+.4f')} ± {C.fmt(gain.get('std'))} "
+                  f"95 % CI [{C.fmt(ci[0], '+.4f')}, {C.fmt(ci[1], '+.4f')}] "
                   f"(min {C.fmt(gain.get('min'), '+.4f')}) ≤ default every seed: {C.fmt(x['le_default_every_seed'])}  "
                   f"B/sync {C.fmt((x['bytes_per_sync'] or {}).get('mean'), ',.0f')}  left out "
                   f"{C.fmt(100 * (x['unsent_share'] or {}).get('mean', 0), '.1f')} %  off formula {x['off_formula']}"
                   f"/{x['sync_events']}  routing skew {C.fmt((x['routing_skew'] or {}).get('mean'))}  beyond the IID "
                   f"paired noise: {C.fmt(x.get('beyond_noise'))}")
-        if r["data"] == "noniid" and r["iid_paired_noise"]:
+        if IID_OF[r["data"]] != r["data"] and r["iid_paired_noise"]:
             n = r["iid_paired_noise"]
             print(f"{r['model']:5s} x{r['clusters']} IID paired noise (tokens − default per seed): std "
                   f"{C.fmt(n['std'])}, largest |difference| {C.fmt(n['max_abs'])}")

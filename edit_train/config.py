@@ -37,7 +37,8 @@ class DataConfig:
     val_fraction: float = DEFAULT_VAL_FRACTION  # 0.02; edit-train-prepare's default too (same cache entry)
     seed: int = 0
     # shared: the clusters split `source` (or their own cluster.clusters[i].data.source); by_family: cluster i of
-    # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all
+    # N trains on its standard-library families (data/families.py GROUPS) and every cluster validates on all;
+    # by_language: cluster i of N trains on one language (data/languages.py GROUPS), validation on all four
     split: str = "shared"
     # how many parts the clusters sharing a source cut it into (0: one per configured cluster); the parts beyond
     # the configured clusters are kept for clusters added mid-run (edit-train-keygen add), in the order added
@@ -294,7 +295,8 @@ def validate(cfg: Config) -> None:
         why = refuse_mode(rule, a.rule.name, len(cluster_specs(cfg)), cfg.sync.gather_max,
                           cfg.sync.unsent == "keep" and cfg.sync.compression == "topk")
         _need(not why, "algo.rule.name", why)
-        refused = capabilities_of(rule).refuse(len(cluster_specs(cfg)), cfg.sync.gather_max, cfg.sync.compression)
+        refused = capabilities_of(rule).refuse(len(cluster_specs(cfg)), cfg.sync.gather_max, cfg.sync.compression,
+                                              cfg.model.num_experts)
         _need(refused is None, *(refused or ("", "")))  # the rule's own check of the federation it is to serve
     _need(cfg.sync.mode in ("layerwise", "at_end", "overlap"), "sync.mode",
           f"must be layerwise, at_end or overlap, got {cfg.sync.mode!r}")
@@ -361,19 +363,23 @@ def validate(cfg: Config) -> None:
 
 
 def _check_split(cfg: Config, specs: list[ClusterSpec]) -> None:
+    from edit_train.data import languages
     from edit_train.data.families import group_sources, parse_source
     from edit_train.data.tokenizer import DataError
 
     d = cfg.data
-    _need(d.split in ("shared", "by_family"), "data.split", f"must be shared or by_family, got {d.split!r}")
+    _need(d.split in ("shared", "by_family", "by_language"), "data.split",
+          f"must be shared, by_family or by_language, got {d.split!r}")
     try:
         for source in [s.source for s in specs] + [d.source]:
             if source.startswith("stdlib:"):
                 parse_source(source)
-        if d.split == "by_family":
-            _need(d.source == "stdlib", "data.source", f"data.split=by_family splits the standard library by "
-                  f"family; leave data.source=stdlib (got {d.source!r}) or use data.split=shared")
-            group_sources(len(specs))
+            if languages.is_language_source(source):
+                languages.parse_source(source)
+        if d.split in ("by_family", "by_language"):
+            _need(d.source == "stdlib", "data.source", f"data.split={d.split} chooses each cluster's data itself; "
+                  f"leave data.source=stdlib (got {d.source!r}) or use data.split=shared")
+            (group_sources if d.split == "by_family" else languages.group_sources)(len(specs))
     except DataError as exc:
         raise ConfigError(str(exc)) from None
 

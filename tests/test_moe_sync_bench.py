@@ -47,3 +47,61 @@ def test_the_iid_paired_noise_is_tokens_against_default_per_seed() -> None:
     n = m.paired_noise(runs, "tiny", 2)
     assert n["n"] == 2 and n["max_abs"] == pytest.approx(0.03) and n["mean"] == pytest.approx(-0.01)
     assert m.paired_noise(runs, "small", 2) == {}
+
+
+# ------------------------------------------------------------------------------------- the paired criterion
+def _paired() -> Any:
+    _bench()  # puts benchmarks/ on sys.path
+    import paired
+
+    return paired
+
+
+def test_the_t_quantile_matches_its_closed_forms() -> None:
+    import math
+
+    p = _paired()
+    # ν = 1 (Cauchy): t = tan(π (0.975 − 1/2)); ν = 2: t = (2q − 1) / √(2 q (1 − q)), q = 0.975
+    assert p.t_quantile(1) == pytest.approx(math.tan(math.pi * 0.475), rel=1e-9)
+    assert p.t_quantile(2) == pytest.approx(0.95 / math.sqrt(2 * 0.975 * 0.025), rel=1e-9)
+    # ν = 4: A(t) = sin θ (1 + cos²θ / 2) with θ = atan(t / 2), at the tabulated 2.776445105
+    assert p.t_two_sided(2.776445105197793, 4) == pytest.approx(0.95, abs=1e-12)
+    assert p.t_quantile(4) == pytest.approx(2.776445105197793, rel=1e-9)
+    # ν = 3 (odd): A(t) = (2/π)(θ + sin θ cos θ), θ = atan(t / √3)
+    th = math.atan(p.t_quantile(3) / math.sqrt(3))
+    assert 2 / math.pi * (th + math.sin(th) * math.cos(th)) == pytest.approx(0.95, abs=1e-12)
+    assert p.t_quantile(1000) == pytest.approx(1.962339081, abs=1e-6)  # tabulated; → the normal 1.95996
+
+
+def test_the_paired_gain_is_seed_by_seed_with_its_t_interval() -> None:
+    import math
+    import statistics
+
+    p = _paired()
+    default = {0: 2.00, 1: 2.10, 2: 1.95, 3: 2.05, 4: 2.02, 9: 7.0}  # seed 9: no pair, left out
+    arm = {0: 1.98, 1: 2.07, 2: 1.94, 3: 2.01, 4: 2.00}
+    g = p.paired_gain(default, arm)
+    d = [0.02, 0.03, 0.01, 0.04, 0.02]
+    half = 2.7764451051977934 * statistics.stdev(d) / math.sqrt(5)
+    assert g["seeds"] == [0, 1, 2, 3, 4] and g["per_seed"] == pytest.approx(d)
+    assert g["mean"] == pytest.approx(0.024) and g["half_width"] == pytest.approx(half)
+    assert g["ci"] == pytest.approx([0.024 - half, 0.024 + half]) and g["pays"] is True and g["costs"] is False
+    assert p.paired_gain({0: 1.0}, {0: 0.5})["ci"] is None  # one seed: no interval
+    assert p.paired_gain({0: 1.0}, {1: 0.5}) == {}
+
+
+def test_the_summary_reports_the_paired_gain_overall_and_per_language() -> None:
+    m = _bench()
+    runs = []
+    for s in range(5):
+        for arm, shift in (("default", 0.0), ("tokens", 0.01 * (s % 2))):
+            by = {"lang:python": 2.0 + s / 10 - shift, "lang:man": 3.0 + s / 10}
+            runs.append({"model": "tiny", "clusters": 2, "data": "lang", "arm": arm, "seed": s,
+                         "final_val_loss": sum(by.values()) / 2, "val_loss_by_source": by, "bytes_per_sync": 1.0,
+                         "unsent_share": 0.0, "routing_skew": 0.1, "off_formula": 0, "sync_events": 1})
+    row = m.summarize(runs, ["default", "tokens"])[0]
+    g = row["tokens"]
+    assert g["gain"]["n"] == 5 and g["gain"]["mean"] == pytest.approx(0.002) and len(g["gain"]["ci"]) == 2
+    assert g["gain_by_source"]["lang:python"]["mean"] == pytest.approx(0.004)
+    assert g["gain_by_source"]["lang:man"]["mean"] == pytest.approx(0.0)
+    assert g["gain_by_source"]["lang:man"]["pays"] is False

@@ -295,6 +295,11 @@ def check_data_source(source: str) -> None:
     if is_family_source(source):
         parse_source(source)  # an unknown family: one line
         return
+    from edit_train.data.languages import is_language_source, parse_source as parse_language
+
+    if is_language_source(source):
+        parse_language(source)  # an unknown language: one line (a missing one: the cluster that trains on it)
+        return
     if is_stdlib(source):
         return
     expanded = os.path.expanduser(source)

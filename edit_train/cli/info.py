@@ -13,6 +13,7 @@ from edit_train.cli.common import compose, fail, one_line
 def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-untyped-def]
     from edit_train.memplan import plan_for_config
     from edit_train.model import count_params
+    from edit_train.train.expert_subsets import subsets_plan
     from edit_train.train.mfu import flops_per_token
 
     counts = count_params(cfg.model)
@@ -37,6 +38,7 @@ def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-u
         "device_state_bytes_per_rank": int(sum(on_device.values())),
         "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len, counts["active_params"]),
         "memory_plan": plan_for_config(cfg, gpu_mem_gb),
+        **({"expert_subsets": subsets} if (subsets := subsets_plan(cfg)) else {}),  # what each cluster saves
     }
 
 

@@ -16,6 +16,7 @@ by size before tokenizing (`planned_sides`), so a document is on the same side i
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .families import family_files, family_of, is_family_source, stdlib_root
+from .languages import is_language_source, language_of, source_files
 from .tokenizer import DataError
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,12 @@ def resolve_files(source: str | None) -> tuple[list[Path], Path]:
     if is_family_source(source):
         assert source is not None
         return family_files(source), _stdlib_root()
+    if is_language_source(source):
+        assert source is not None
+        files = [Path(os.path.abspath(p)) for p in source_files(source)]
+        if not files:
+            raise DataError(f"data {source}: none of its files are on this machine (edit_train/data/languages.py)")
+        return files, Path("/")
     if is_stdlib(source):
         return stdlib_files(), _stdlib_root()
     assert source is not None
@@ -203,6 +211,14 @@ def read_piece(piece: Piece, text_column: str = "text", skip_bad_utf8: bool = Fa
     if piece.kind == "text":
         for path, key in zip(piece.paths, piece.keys):
             raw = Path(path).read_bytes()
+            if path.endswith(".gz"):  # a gzipped manual page (lang:man)
+                try:
+                    raw = gzip.decompress(raw)
+                except (OSError, EOFError) as exc:
+                    if skip_bad_utf8:
+                        log.info("skipping %s: not a readable gzip file (%s)", path, exc)
+                        continue
+                    raise DataError(f"{path}: not a readable gzip file ({exc})") from None
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -254,12 +270,13 @@ def planned_sides(source: str | None, pieces: list[dict], val_fraction: float, s
     systems``'s val is exactly ``stdlib:net``'s and ``stdlib:systems``'s); a small corpus of text files (fewer
     than ``SMALL_CORPUS_VAL_DOCS / val_fraction`` of them) is split by size as a whole, said in one line. Empty
     for any other source: each document's `split_score` decides as it is read."""
-    if not is_family_source(source):
+    if not is_family_source(source) and not is_language_source(source):
         return small_corpus_sides(source, pieces, val_fraction, seed)
+    group_of = language_of if is_language_source(source) else family_of
     by_family: dict[str, list[tuple[str, int]]] = {}
     for piece in pieces:
         for path, key in zip(piece["paths"], piece["keys"]):
-            by_family.setdefault(family_of(key), []).append((key, os.path.getsize(path)))
+            by_family.setdefault(group_of(key), []).append((key, os.path.getsize(path)))
     sides: dict[str, str] = {}
     for docs in by_family.values():
         sides.update(split_by_size(docs, val_fraction, seed))

@@ -37,6 +37,7 @@ import numpy as np
 
 from .corpus import is_stdlib, stdlib_files
 from .families import is_family_source
+from .languages import fingerprint as language_fingerprint, is_language_source
 from .tokenize import Stats, locked, tokenize_corpus
 from .tokenizer import DataError, load_tokenizer, tokenizer_id
 
@@ -237,7 +238,7 @@ def prepare_with_stats(source: str | None, out_dir: str | os.PathLike[str], toke
         try:
             job = {"tokenizer": str(tokenizer), "dtype": meta["dtype"], "shard_tokens": int(shard_tokens),
                    "val_fraction": float(val_fraction), "seed": int(seed), "text_column": text_column,
-                   "skip_bad_utf8": is_stdlib(source)}
+                   "skip_bad_utf8": is_stdlib(source) or is_language_source(source)}
             splits, stats = tokenize_corpus(source, label, work, job, workers, progress=progress)
             splits.pop("_content_tokens")
             meta["splits"] = splits
@@ -287,6 +288,10 @@ def dataset_key(source: str | None, tokenizer: str = "byte", val_fraction: float
         assert source is not None
         src = f"{source}-py{sys.version.split()[0]}"
         prefix = src.replace(":", "-")
+    elif is_language_source(source):  # the files this machine holds, sampled (edit_train/data/languages.py)
+        assert source is not None
+        src = f"{source}-{language_fingerprint(source)}"
+        prefix = source.replace(":", "-")
     elif is_stdlib(source):
         src = f"stdlib-py{sys.version.split()[0]}"
         prefix = src

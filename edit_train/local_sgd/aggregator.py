@@ -105,7 +105,7 @@ class Decision:
         return d
 
 
-def _serves_any(clusters: int, gather_max: int, compression: str) -> tuple[str, str] | None:
+def _serves_any(clusters: int, gather_max: int, compression: str, experts: int = 0) -> tuple[str, str] | None:
     return None
 
 
@@ -120,8 +120,12 @@ class Capabilities:
     retract: bool = False  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
     expert_min_tokens: int = 0  # a cluster sends no rows of an expert it routed fewer tokens to (0: every row)
     weighs_experts: bool = True  # the rule may weigh experts (a gathered round measures each expert's Gram matrix)
-    # (clusters, sync.gather_max, sync.compression) -> (config field, why) when the rule cannot serve them
-    refuse: Callable[[int, int, str], tuple[str, str] | None] = _serves_any
+    # expert subsets per site ("" off): the experts each cluster trains and sends (`experts.owned_experts`'s spec);
+    # the others stay at the anchor on it and report no routed tokens, so their update comes from their owners only
+    expert_subsets: str = ""
+    # (clusters, sync.gather_max, sync.compression, the model's experts) -> (config field, why) when the rule
+    # cannot serve them
+    refuse: Callable[[int, int, str, int], tuple[str, str] | None] = _serves_any
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from edit_train.local_sgd.evidence import shard_range, snap
 from edit_train.local_sgd.penalty import weighted
 
 __all__ = ["Pieces", "RoutedCounts", "UnitExperts", "Experts", "pin", "merged_sqnorm", "token_shares",
-           "expert_weights", "Held", "unsent_rows"]
+           "expert_weights", "Held", "unsent_rows", "owned_experts", "owned_counts"]
 
 Pieces = list[list[tuple[int, slice]]]  # per expert: (index into the unit's params, rows of that parameter)
 Held = list[tuple[int, Tensor, Tensor]]  # (parameter index, local dim-0 row indices, a copy of those rows of Δ)
@@ -274,3 +274,41 @@ def expert_weights(counts: Tensor, sent: Tensor, kept: Tensor, rejected: Tensor)
     den = num.sum(0) + token_shares(counts, sent, rejected).sum(0)
     w = torch.where(den > 0, num / den.clamp_min(1e-300), torch.zeros_like(num))
     return w.T.contiguous()
+
+
+# ------------------------------------------------------------------------------------------ expert subsets
+def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[bool, ...] | None:
+    """Which experts cluster `index` (of `clusters` configured) trains and sends under `expert_subsets=spec`
+    (SPES-style; None: off, every expert). ``split``: expert e is cluster (e mod clusters)'s; ``0+1|2+3``: cluster
+    i's experts are the i-th ``|``-separated list. Raises ValueError (one line) for a spec that leaves an expert
+    to nobody or names one the model does not have."""
+    if not spec:
+        return None
+    if spec == "split":
+        owners = [[e for e in range(experts) if e % clusters == i] for i in range(clusters)]
+    else:
+        try:
+            owners = [[int(x) for x in part.split("+") if x.strip()] for part in spec.split("|")]
+        except ValueError:
+            raise ValueError(f"expert_subsets={spec!r}: use split, or each cluster's experts as 0+1|2+3") from None
+        if len(owners) != clusters:
+            raise ValueError(f"expert_subsets={spec!r} names {len(owners)} clusters' experts, the federation has "
+                             f"{clusters}")
+    named = {e for o in owners for e in o}
+    if bad := sorted(e for e in named if not 0 <= e < experts):
+        raise ValueError(f"expert_subsets={spec!r}: expert(s) {bad} not in the model's {experts}")
+    if orphans := sorted(set(range(experts)) - named):
+        raise ValueError(f"expert_subsets={spec!r}: expert(s) {orphans} belong to no cluster (nobody would train "
+                         "them); give each expert at least one owner")
+    mine = set(owners[index % clusters])
+    return tuple(e in mine for e in range(experts))
+
+
+def owned_counts(counts: Tensor, owned: Sequence[bool] | None) -> Tensor:
+    """A cluster's routed counts [layers, experts] as it reports them under expert subsets: 0 for every expert it
+    does not own, so every cluster knows from the exchange that it sends none of that expert's rows and backs
+    none of its update (`Experts.sent` with min_tokens ≥ 1)."""
+    if owned is None:
+        return counts
+    mask = torch.tensor(list(owned), dtype=torch.bool)
+    return torch.where(mask[None, :], counts, torch.zeros_like(counts))

@@ -74,6 +74,10 @@ class VerifiedConfig(NormTestConfig):
     # expert_weights=tokens: a cluster that routed fewer tokens than this to an expert sends none of its rows and
     # is no contribution to it (0: every row is sent)
     expert_min_tokens: int = 0
+    # expert subsets (SPES-style; "" off): a cluster trains and sends only its experts, the others stay at the
+    # anchor on it, and an expert's update comes only from its owners — "split" (expert e is cluster e mod N's)
+    # or each cluster's experts as "0+1+2+3|4+5+6+7" (`experts.owned_experts`); needs expert_weights=tokens
+    expert_subsets: str = ""
 
     def validate(self, rule: str = "verified") -> None:
         super().validate(rule)
@@ -91,6 +95,9 @@ class VerifiedConfig(NormTestConfig):
         check_fields(self.expert_min_tokens >= 0 and (self.expert_min_tokens == 0 or self.expert_weights == "tokens"),
                      f"{rule}.expert_min_tokens", f"must be >= 0, and 0 unless expert_weights=tokens (rows a cluster "
                      f"does not send need weights per expert), got {self.expert_min_tokens}")
+        check_fields(not self.expert_subsets or self.expert_weights == "tokens", f"{rule}.expert_subsets",
+                     f"needs expert_weights=tokens (an expert's update comes from its owners only, weighed by the "
+                     f"tokens each routed to it), got expert_weights={self.expert_weights}")
         check_fields(self.probe_tokens >= 0 and self.max_token_ratio >= 1.0 and self.report_tolerance > 0, rule,
                      ": probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
@@ -113,11 +120,15 @@ class VerifiedRule:
         """Sketches of `sketch_dim`; the probe, its retraction and the expert options as configured."""
         c = self.cfg
         return Capabilities(sketch_dim=c.sketch_dim, probe_tokens=c.probe_tokens, probe_tolerance=c.probe_tolerance,
-                            retract=c.retract, expert_min_tokens=c.expert_min_tokens,
-                            weighs_experts=c.expert_weights != "none", refuse=self.refuse)
+                            retract=c.retract,
+                            # under subsets a cluster reports 0 tokens to others' experts: below 1, not sent
+                            expert_min_tokens=max(c.expert_min_tokens, int(bool(c.expert_subsets))),
+                            weighs_experts=c.expert_weights != "none", expert_subsets=c.expert_subsets,
+                            refuse=self.refuse)
 
-    def refuse(self, clusters: int, gather_max: int, compression: str) -> tuple[str, str] | None:
-        """Expert-aware merging (`expert_weights=tokens`, experts.py): what a sync can carry with it."""
+    def refuse(self, clusters: int, gather_max: int, compression: str, experts: int = 0) -> tuple[str, str] | None:
+        """Expert-aware merging (`expert_weights=tokens`, experts.py): what a sync can carry with it (`experts`:
+        the model's experts, for the subsets' map; 0: not checked)."""
         c, key = self.cfg, "algo.rule.verified"
         if c.expert_weights == "none":
             return None
@@ -128,6 +139,16 @@ class VerifiedRule:
         if c.expert_min_tokens != 0 and compression != "none":
             return (f"{key}.expert_min_tokens", f"rows a cluster does not send cannot go compressed (error feedback "
                     f"needs every row): set sync.compression=none (now {compression}) or expert_min_tokens=0")
+        if c.expert_subsets and compression != "none":
+            return (f"{key}.expert_subsets", f"the experts a cluster does not own are not sent, and rows left out "
+                    f"cannot go compressed: set sync.compression=none (now {compression})")
+        if c.expert_subsets and experts:
+            from edit_train.local_sgd.experts import owned_experts
+
+            try:
+                owned_experts(c.expert_subsets, 0, clusters, experts)
+            except ValueError as exc:
+                return f"{key}.expert_subsets", str(exc)
         return None
 
     def _rows(self, key: str, names: list[str]) -> tuple[EWMAStats, Tensor]:

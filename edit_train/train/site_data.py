@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edit_train.config import ClusterSpec, Config, ConfigError
+from edit_train.data import languages
 from edit_train.data.families import NAMES, group_sources, source_of
 from edit_train.data.prepare import ensure_dataset
+from edit_train.data.tokenizer import DataError
 from edit_train.data.tokenizer import tokenizer_id
 
 log = logging.getLogger(__name__)
@@ -39,13 +41,18 @@ def train_source(cfg: Config, spec: ClusterSpec, clusters: int) -> str:
         return spec.source
     if cfg.data.split == "by_family":
         return group_sources(clusters)[spec.index % clusters]
+    if cfg.data.split == "by_language":
+        return languages.group_sources(clusters)[spec.index % clusters]
     return cfg.data.source
 
 
 def val_sources(cfg: Config) -> tuple[str, ...]:
-    """What every cluster validates on: every family under data.split=by_family, else data.source."""
+    """What every cluster validates on: every family under data.split=by_family; every language (this machine
+    holds) under by_language or data.source=lang:all; else data.source."""
     if cfg.data.split == "by_family":
         return tuple(source_of((f,)) for f in NAMES)
+    if cfg.data.split == "by_language" or cfg.data.source == "lang:all":
+        return languages.present(tuple(languages.source_of(n) for n in languages.NAMES))
     return (cfg.data.source,)
 
 
@@ -61,15 +68,22 @@ def site_data(cfg: Config, specs: list[ClusterSpec], spec: ClusterSpec) -> SiteD
         part = sharing.index(spec.name)
     else:
         part = len(sharing) + spec.index - len(specs)  # the joiners come in order after the configured clusters
-        if cfg.data.split == "by_family":
-            raise ConfigError(f"cluster {spec.name} joins the federation, but data.split=by_family gives every family "
-                              f"to the {len(specs)} configured clusters and none to it: list it in cluster.clusters")
+        if cfg.data.split in ("by_family", "by_language"):
+            what = "family" if cfg.data.split == "by_family" else "language"
+            raise ConfigError(f"cluster {spec.name} joins the federation, but data.split={cfg.data.split} gives every "
+                              f"{what} to the {len(specs)} configured clusters and none to it: list it in "
+                              "cluster.clusters")
         if part >= parts:
             kept = f" and keeps {parts - len(sharing)} for clusters added later" if parts > len(sharing) else ""
             raise ConfigError(f"cluster {spec.name} joins the federation, but the data plan has no part of {mine} for "
                               f"it: data.parts={cfg.data.parts} cuts it into one part per configured cluster{kept}; "
                               f"start the federation with data.parts={part + 1} (or more) to keep a part for every "
                               "cluster added mid-run, or list it in cluster.clusters")
+    if languages.is_language_source(mine):
+        try:
+            languages.check_language(mine, f"cluster {spec.name}")
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
     return SiteData(mine, spec.tokenizer or cfg.data.tokenizer, part, parts, val_sources(cfg))
 
 

@@ -8,6 +8,7 @@ forward pass (layer-wise sync hooks). Everything else here is plain training.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import logging
@@ -27,6 +28,7 @@ from edit_train.cluster.threads import ThreadBudget
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
+from edit_train.train.expert_subsets import frozen_rows
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.errors import SyncAborted
@@ -115,8 +117,10 @@ class Trainer:
         resume_from = self._resume_point()
         self.metrics = MetricsLogger(self._sinks(resume_from))
         probe = self._usefulness_probe()
+        self.frozen = frozen_rows(cfg, self.model, topo.index, len(self.specs))  # expert subsets (off: None)
         self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
-                                 cfg.algo.warmup_steps, t.log_every)  # routed tokens per expert and interval
+                                 cfg.algo.warmup_steps, t.log_every,  # routed tokens per expert and interval
+                                 owned=self.frozen.owned if self.frozen else None)
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
@@ -222,6 +226,18 @@ class Trainer:
             self._log_eval(val_loss)
         return val_loss
 
+    def eval_by_source(self) -> dict[str, float] | None:
+        """The final model's val loss on each source of a shared validation of several (each language or family
+        alone: its share of the same windows, so their mean is the overall loss when the batches divide); None
+        with one source."""
+        if len(self.val_dirs) < 2:
+            return None
+        t = dataclasses.replace(self.cfg.train, eval_batches=max(1, -(-self.cfg.train.eval_batches
+                                                                      // len(self.val_dirs))))
+        with self.timing.span("eval"):
+            return {src: evaluate(self.model, [d], t, self.topo, self._autocast)
+                    for src, d in zip(self.site.val_sources, self.val_dirs)}
+
     def _log_eval(self, val_loss: float) -> None:
         p = self.state
         record = {"step": p.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50)),
@@ -289,9 +305,13 @@ class Trainer:
         else:
             with self.timing.span("sync"):
                 self.algo.after_backward(step, None)
+        if self.frozen is not None:
+            self.frozen.hold()  # the experts this cluster does not own stay at the anchor
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
         finite = torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
         step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
+        if self.frozen is not None:
+            self.frozen.restore()
         self.optimizer.zero_grad(set_to_none=True)
         applied = finite if spike is None else finite | spike  # a spike's skip is not a non-finite step
         self._pending.append((step, loss_sum, shared, applied, spike,
@@ -408,9 +428,10 @@ class Trainer:
             self.tally.take()
         self._account_useful(0.0, final=True)
         val_loss = self.eval_logged()
+        by_source = self.eval_by_source()
         if cfg.checkpoint.at_end:
             self.save_checkpoint(final=True)
-        summary = self._summary(val_loss)
+        summary = self._summary(val_loss, by_source)
         self.metrics.close(summary)
         self.algo.close()
         if topo.distributed:
@@ -428,12 +449,14 @@ class Trainer:
             if self.is_leader and (self.federated and self.cfg.algo.local_sgd or final):
                 self.state.save()
 
-    def _summary(self, val_loss: float) -> dict[str, Any]:
+    def _summary(self, val_loss: float, by_source: dict[str, float] | None = None) -> dict[str, Any]:
         """This cluster's record merged by its leader with every other cluster's into `summary.json`."""
         record = cluster_record(self.state, self.topo.group, self.algo.stats(), index=self.topo.index,
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
+        if by_source:
+            record["final_val_loss_by_source"] = by_source
         record["memory_plan_gib"] = plan_for_config(self.cfg)["total_gib"]  # per rank (edit-train-info's plan)
         if self.topo.device.type == "cuda":  # this rank's peak, to hold against the plan
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.topo.device) / 1024 ** 3

@@ -1,0 +1,143 @@
+"""Expert subsets per site (SPES-style, the verified rule's `expert_subsets`; off by default): this cluster
+trains only the experts it owns; every other expert stays frozen at the anchor on it.
+
+Which experts a cluster owns is a pure function of the configuration and the cluster's configured index
+(`local_sgd/experts.owned_experts`), so a resumed, restarted or healed cluster has the same assignment: nothing
+about it is saved, and a cluster whose config differs is refused by the configuration fingerprint.
+
+* **Frozen rows.** An expert is whole dim-0 rows of the stacked ``gate_proj``/``up_proj``/``down_proj``
+  (`model/expert_params.py`), so its rows share one parameter — and one AdamW state — with the owned experts':
+  they cannot be left out of the optimizer. `FrozenRows` zeroes their gradients (before the clip: Adam's
+  moments for them stay 0) and copies the rows before each optimizer step, and writes them back after it: the
+  rows change only at a sync, where they take the merged anchor. Exact, whatever the weight
+  decay; the memory it costs is the copy (the unowned share of the expert rows), and it saves none (the
+  optimizer state is per stacked tensor).
+* **The counts it reports** (`RoutedTally`): 0 for the experts it does not own (`experts.owned_counts`), so the
+  sync leaves them out of what it sends and out of their merge (docs/sync_math.md, "Expert subsets").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from edit_train.config import Config
+from edit_train.model.expert_params import EXPERT_PARAMS
+from edit_train.model.moe import MoEBlock
+
+
+def _local(p: Tensor) -> Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class FrozenRows:
+    """The rows of the experts this cluster does not own, held through each optimizer step."""
+
+    def __init__(self, model: nn.Module, owned: Sequence[bool]) -> None:
+        self.owned = tuple(owned)
+        self.params: list[tuple[nn.Parameter, Tensor]] = []  # (stacked parameter, local rows to hold)
+        for block in model.modules():
+            if not isinstance(block, MoEBlock):
+                continue
+            for name in EXPERT_PARAMS:
+                p = getattr(block.experts, name)
+                rows = self._local_rows(p)
+                if rows.numel():
+                    self.params.append((p, rows))
+        self.saved: list[Tensor] = []
+
+    def _local_rows(self, p: Tensor) -> Tensor:
+        """This rank's local dim-0 rows of `p` that belong to experts it does not own (FSDP2 Shard(0) layout)."""
+        from edit_train.local_sgd.evidence import shard_range
+
+        placements = getattr(p, "placements", None)
+        if placements is not None:
+            mesh = p.device_mesh
+            lo, hi = shard_range(p, mesh.get_local_rank(), mesh.size())
+        else:
+            lo, hi = 0, p.shape[0]
+        frozen = [r - lo for r in range(lo, hi) if not self.owned[r]]
+        return torch.tensor(frozen, dtype=torch.int64)
+
+    @property
+    def elements(self) -> int:
+        """Parameter elements this rank holds frozen (what one copy of them costs)."""
+        return sum(int(rows.numel()) * (_local(p).numel() // max(_local(p).shape[0], 1)) for p, rows in self.params)
+
+    @torch.no_grad()
+    def hold(self) -> None:
+        """Before an optimizer step (and its gradient clip): zero the frozen rows' gradients and copy the rows."""
+        for p, rows in self.params:
+            if p.grad is not None:
+                _local(p.grad).index_fill_(0, rows.to(_local(p.grad).device), 0.0)
+        self.saved = [_local(p).detach().index_select(0, rows.to(_local(p).device)) for p, rows in self.params]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """After it: write them back (the step's weight decay and any momentum never touch them)."""
+        for (p, rows), kept in zip(self.params, self.saved):
+            _local(p).index_copy_(0, rows.to(kept.device), kept)
+        self.saved = []
+
+
+def subsets_spec(cfg: Config) -> str:
+    """The rule's expert subsets ("" off or without local SGD): asked of the rule, never read by its name."""
+    from edit_train.local_sgd.aggregator import capabilities_of
+    from edit_train.local_sgd.rules import make_rule
+
+    return capabilities_of(make_rule(cfg.algo.rule)).expert_subsets if cfg.algo.local_sgd else ""
+
+
+def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> FrozenRows | None:
+    """This cluster's frozen rows under the rule's expert subsets (None: off, no MoE layer, or no local SGD)."""
+    from edit_train.local_sgd.experts import owned_experts
+
+    spec = subsets_spec(cfg)
+    if not spec:
+        return None
+    if not any(isinstance(m, MoEBlock) for m in model.modules()):
+        return None
+    owned = owned_experts(spec, index, clusters, cfg.model.num_experts)
+    return FrozenRows(model, owned) if owned is not None else None
+
+
+def subsets_plan(cfg: Config) -> dict | None:
+    """What expert subsets save, per configured cluster (`edit-train-info`): the experts it owns, the elements
+    it leaves at home per sync, its sync's bytes (payload and tags, `plan/traffic.sync_bytes`, gathered at one
+    rank per cluster: exact) against every expert sent, and the memory the frozen rows' copy costs per rank.
+    None when off."""
+    from edit_train.cluster.mesh import fsdp_units
+    from edit_train.config import cluster_specs
+    from edit_train.local_sgd.experts import UnitExperts, owned_experts
+    from edit_train.local_sgd.round import build_units
+    from edit_train.model import CausalLM
+    from edit_train.model.expert_params import sync_pieces
+    from edit_train.plan.traffic import sync_bytes
+
+    spec = subsets_spec(cfg)
+    if not (spec and cfg.model.num_experts):
+        return None
+    with torch.device("meta"):
+        model = CausalLM(cfg.model)
+    units = build_units(model, fsdp_units(model))
+    pieces = sync_pieces(model)
+    found = [(u, pieces(u.name, u.module, u.params)) for u in units]
+    numels = [sum(p.numel() for p in u.params) for u in units]
+    specs = cluster_specs(cfg)
+    world, ranks = len(specs), cfg.cluster.ranks
+    every = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max)
+    out = {}
+    for s in specs:
+        owned = owned_experts(spec, s.index, world, cfg.model.num_experts)
+        assert owned is not None
+        home = [UnitExperts.of(f[0], f[1], u.params).unsent(owned, u.params) if f else 0 for u, f in found]
+        nbytes = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max,
+                            unsent=home)
+        out[s.name] = {"experts": [e for e, o in enumerate(owned) if o], "unsent_params_per_sync": sum(home),
+                       "bytes_per_sync": nbytes, "bytes_per_sync_every_expert": every,
+                       "bytes_saved_per_sync": every - nbytes,
+                       "frozen_copy_bytes_per_rank": 4 * sum(home) // ranks,  # fp32 rows held through a step
+                       "optimizer_bytes_saved_per_rank": 0}  # stacked experts: one AdamW state per tensor
+    return out
