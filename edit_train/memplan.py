@@ -28,8 +28,10 @@ and what a step holds for a while (the *transient* terms):
                     last one backward reaches, when every other gradient exists) holds, or its recompute
 * ``sync``          local SGD, while a layer-wise sync runs inside the forward: the undo record of every unit
                     until the vote (parameters + anchor + outer state, ``4 (1 + k) P / S`` with k the outer
-                    buffers on the device), and the contributions of the unit being applied and the one in
-                    flight, ``2 (n + 1) 4 max_unit / S`` for n clusters
+                    buffers on the device), this cluster's Δ of every unit, computed once at the norm exchange
+                    and held until the unit is applied (``4 P / S``, on the parameters' device), and the other
+                    clusters' contributions of the unit being applied and the one in flight, ``2 n 4 max_unit / S``
+                    for n clusters
 
 These do not all peak together. The plan is the static terms plus the largest of three phases:
 
@@ -149,7 +151,9 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
     sync = 0.0
     if local_sgd:
         on_device = 0 if offload else outer_states  # the undo record's anchor + outer state
-        sync = 4 * (1 + on_device) * p_total / s + 2 * (clusters + 1) * 4 * max_unit / s
+        # undo record + this cluster's held Δ of every unit (round.py: once per unit, held until applied) +
+        # the others' contributions of the unit being applied and the one in flight
+        sync = 4 * (1 + on_device) * p_total / s + 4 * p_total / s + 2 * clusters * 4 * max_unit / s
     plan: dict[str, float] = {
         "params": 4 * p_total / s,
         "param_compute": param_compute,
