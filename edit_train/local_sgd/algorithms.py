@@ -102,7 +102,8 @@ class LocalSGD:
     def start_local_phase(self) -> None:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
         units, pen = self.replica.units, self.cfg.penalty
-        core = SyncCore(units, OuterState({u.name: u.live() for u in units}, self.cfg.outer), self.rule, self.t,
+        outer = OuterState({u.name: u.live() for u in units}, self.cfg.outer, self.t.cluster.sum_)
+        core = SyncCore(units, outer, self.rule, self.t,
                         pen.clip_phi, self.span, self.cfg.gather_max,
                         getattr(self.rule, "sketch_dim", 0), self.probe.keep if self.probe.enabled else None,
                         retract=Retraction(pen.verified.probe_tolerance) if self.probe.enabled and pen.verified.retract
