@@ -181,3 +181,14 @@ def test_a_run_with_the_correction_resumes_bit_identically(tmp_path, small_corpu
         a, b = load_file(str(fa)), load_file(str(fb))
         assert a.keys() == b.keys(), fa.name
         assert not [k for k in a if not torch.equal(a[k], b[k])], fa.name
+
+
+def test_an_overlapped_a_edit_run_with_the_correction_trains(tmp_path, small_corpus, torch_one_thread) -> None:
+    """Where the merged Δ is stale (`sync.mode=overlap` lands it one interval late): a real `algo=a_edit` run with
+    the correction on ends finite and synced."""
+    from conftest import run_train, tiny_overrides
+
+    s = run_train(tiny_overrides(tmp_path / "run", small_corpus, "algo=a_edit", "algo.interval=3", "algo.sync_time_s=0.5",
+                                 "algo.warmup_steps=0", "sync.mode=overlap", "algo.outer.staleness_correction=true",
+                                 "train.steps=9", "train.eval_every=9"))
+    assert s["steps"] >= 9 and s["syncs"] >= 2 and math.isfinite(s["final_val_loss"])
