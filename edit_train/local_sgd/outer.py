@@ -117,7 +117,6 @@ class OuterConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{_PREFIX}.kwargs rejected by torch.optim.{self.optimizer}: {e}") from e
 
-
     def _validate_staleness(self) -> None:
         for key, lo, hi in (("staleness_strength", 0.0, math.inf), ("staleness_cap", 0.0, 1.0),
                             ("staleness_kappa", 0.0, math.inf)):
