@@ -31,6 +31,7 @@ fast group waits (s_1 - s_0) x interval at the first sync; `--first-interval` (d
     python benchmarks/heterogeneity.py --quick    # 6 runs x 45 s budget + start-up: ~6 min on 2 cores
     python benchmarks/heterogeneity.py            # 6 runs x 240 s, batch 16 x 128, tau 10 s, H 32
     python benchmarks/heterogeneity.py --budget 120 --sync-time 8 --out r.json --plot r.png
+    python benchmarks/heterogeneity.py --runs a_edit+overlap a_edit+overlap+staleness   # issue 51's correction
 """
 
 from __future__ import annotations
@@ -56,8 +57,12 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "edit": ("edit", []),
     "a_edit": ("a_edit", []),
     "a_edit+overlap": ("a_edit", ["sync.mode=overlap"]),
+    # issue 51: the staleness correction where the merged Δ is stale (overlap lands it one interval late)
+    "a_edit+overlap+staleness": ("a_edit", ["sync.mode=overlap", "algo.outer.staleness_correction=true"]),
 }
-COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red"}
+DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/heterogeneity.json
+COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
+          "a_edit+overlap+staleness": "tab:purple"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,7 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (per group for a_edit)")
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS),
+                    help="runs to make (a_edit+overlap+staleness: issue 51's staleness correction, not by default)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every job (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "heterogeneity", help="run directories")

@@ -106,7 +106,8 @@ class LocalSGD:
         units, pen, caps, probing = self.replica.units, self.cfg.rule, self.caps, self.probe.enabled
         experts = Experts(self.routed, [(u.name, u.module, u.params) for u in units], caps.expert_min_tokens,
                           caps.weighs_experts) if self.routed is not None else None
-        core = SyncCore(units=units, outer=OuterState({u.name: u.live() for u in units}, self.cfg.outer),
+        outer = OuterState({u.name: u.live() for u in units}, self.cfg.outer, self.t.cluster.sum_)
+        core = SyncCore(units=units, outer=outer,
                         rule=self.rule, transport=self.t, clip=pen.clip_phi, span=self.span,
                         gather_max=self.cfg.gather_max, sketch_dim=caps.sketch_dim,
                         keep=self.probe.keep if probing else None,

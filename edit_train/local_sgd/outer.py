@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from edit_train.local_sgd.staleness import MOMENTUM_KEYS, StalenessConfig, correct
 
 __all__ = ["OuterConfig", "OuterState"]
 
@@ -35,6 +37,19 @@ class OuterConfig:
     lr_warmup_syncs: int = 0  # lr·min(1, t/W_lr) (0 = off)
     lr_decay_syncs: int = 0  # > 0: cosine from lr (after the warm-up) to lr·min_lr_ratio at t = this, then flat
     min_lr_ratio: float = 0.1
+    # the staleness correction (HeLoCo, arXiv 2606.00271; staleness.py): a merged Δ's block that points against the
+    # outer momentum loses part of its component along it, β = min(strength·(−cos)·conf, cap)
+    staleness_correction: bool = False
+    staleness_strength: float = 1.0
+    staleness_cap: float = 1.0
+    staleness_kappa: float = 1.0
+
+    @property
+    def staleness(self) -> StalenessConfig | None:
+        """The correction's parameters, or None when it is off."""
+        if not self.staleness_correction:
+            return None
+        return StalenessConfig(self.staleness_strength, self.staleness_cap, self.staleness_kappa)
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         cls = getattr(torch.optim, self.optimizer, None)
@@ -86,6 +101,7 @@ class OuterConfig:
                              f"got {self.lr_decay_syncs}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"{_PREFIX}.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        self._validate_staleness()
         cls = self.optimizer_class()
         if not self.lr > 0:
             raise ValueError(f"{_PREFIX}.lr must be > 0, got {self.lr}")
@@ -101,6 +117,16 @@ class OuterConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{_PREFIX}.kwargs rejected by torch.optim.{self.optimizer}: {e}") from e
 
+    def _validate_staleness(self) -> None:
+        for key, lo, hi in (("staleness_strength", 0.0, math.inf), ("staleness_cap", 0.0, 1.0),
+                            ("staleness_kappa", 0.0, math.inf)):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and lo <= v <= hi and math.isfinite(v)):
+                raise ValueError(f"{_PREFIX}.{key} must be in [{lo:g}, {hi:g}], got {v!r}")
+        if self.staleness_correction and self.optimizer == "SGD" and not self.momentum:
+            raise ValueError(f"{_PREFIX}.staleness_correction=true needs an outer momentum to compare against "
+                             f"({_PREFIX}.momentum > 0, or an optimizer with one, e.g. Adam)")
+
 
 def _anchor_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else dtype
@@ -109,9 +135,13 @@ def _anchor_dtype(dtype: torch.dtype) -> torch.dtype:
 class OuterState:
     """Per-unit anchors θ̄ and one outer optimizer per unit (so units step independently)."""
 
-    def __init__(self, modules: dict[str, list[Tensor]], cfg: OuterConfig) -> None:
+    def __init__(self, modules: dict[str, list[Tensor]], cfg: OuterConfig,
+                 reduce: Callable[[Tensor], Tensor] | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
+        self.reduce = reduce  # sums a small tensor over the cluster's ranks (the staleness correction's cosines)
+        self.staleness = cfg.staleness
+        self.cosines: dict[str, list[float]] = {}  # the correction's last cosines per unit (NaN: no momentum yet)
         self.params: dict[str, list[Tensor]] = {n: list(ps) for n, ps in modules.items()}
         self._pin = cfg.offload and torch.cuda.is_available()
         self.anchors: dict[str, list[Tensor]] = {}
@@ -212,6 +242,8 @@ class OuterState:
                     )
                 a.grad = d.detach().to(device=a.device, dtype=a.dtype)
             opt = self.optimizers[name]
+            if self.staleness is not None:
+                self._correct(name)
             t = self._schedule(name) if self.cfg.scheduled else 0
             opt.step()
             if t:  # after the step: an optimizer that initialises empty state (Adam) must still find it empty
@@ -220,6 +252,17 @@ class OuterState:
         finally:
             if own:
                 self.release(name)
+
+    def _correct(self, name: str) -> None:
+        """The staleness correction of the grads about to step, against this unit's outer momentum."""
+        anchors, opt = self.anchors[name], self.optimizers[name]
+        momentum = [next((v for k, v in opt.state.get(a, {}).items() if k in MOMENTUM_KEYS), None) for a in anchors]
+        assert self.staleness is not None
+        dev, reduce = self.params[name][0].device, self.reduce
+        on_params = (lambda t: reduce(t.to(dev))) if reduce is not None else None  # the collective's device
+        fixed, self.cosines[name] = correct([a.grad for a in anchors], momentum, self.staleness, on_params)
+        for a, g in zip(anchors, fixed):
+            a.grad = g
 
     COUNT = "outer_syncs"  # the unit's outer steps so far, beside its optimizer state (checkpoints, heals, rollbacks)
 
