@@ -151,3 +151,26 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
     for f in sorted(src.glob("*.py"))[:40]:
         (out / f.name).write_bytes(f.read_bytes())
     return str(out / "*.py")
+
+
+def resumed_bit_identically(tmp_path: Path, corpus, *common: str) -> list[dict[str, Any]]:
+    """9 steps uninterrupted == 6 steps (checkpoint every 3) then resume=auto to 9, every checkpointed tensor bit for
+    bit (asserted). Returns the step-9 checkpoint's files, loaded, for the caller's own checks."""
+    import torch
+    from safetensors.torch import load_file
+
+    full, seg = tmp_path / "full", tmp_path / "seg"
+    s_full = run_train(tiny_overrides(full, corpus, *common, "train.steps=9", "checkpoint.every=9"))
+    run_train(tiny_overrides(seg, corpus, *common, "train.steps=6", "checkpoint.every=3"))
+    s2 = run_train(tiny_overrides(seg, corpus, *common, "train.steps=9", "checkpoint.every=3", "resume=auto"))
+    assert s2["steps"] == 9 and s2["final_val_loss"] == s_full["final_val_loss"]
+    a_files = sorted((full / "checkpoints").glob("step_00000009/**/*.safetensors"))
+    b_files = sorted((seg / "checkpoints").glob("step_00000009/**/*.safetensors"))
+    assert a_files and [f.relative_to(full) for f in a_files] == [f.relative_to(seg) for f in b_files]
+    loaded = []
+    for fa, fb in zip(a_files, b_files):
+        a, b = load_file(str(fa)), load_file(str(fb))
+        assert a.keys() == b.keys(), fa.name
+        assert not [k for k in a if not torch.equal(a[k], b[k])], fa.name
+        loaded.append(a)
+    return loaded

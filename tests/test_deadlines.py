@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -25,31 +24,14 @@ from edit_train.federation.link import LinkClock
 from edit_train.local_sgd.errors import ClusterError, FederationError
 from edit_train.local_sgd.protocols import Member, Quorum
 from mp_utils import free_port
+from silent_listener import silent_listener
 
 
 @pytest.fixture
 def silent_store():  # type: ignore[no-untyped-def]
     """A TCP server that accepts every connection and never says a word."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"127.0.0.1:{srv.getsockname()[1]}"
-    stop.set()
-    for s in held:
-        s.close()
-    srv.close()
+    with silent_listener() as addr:
+        yield addr
 
 
 def _issued(store: str) -> dict:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.cluster.mesh import bound_store
 from edit_train.federation.lanes import BoundGloo, Lanes, store_answers
 from edit_train.federation.transport import LaneTransport
+from silent_listener import silent_listener
 from liar_utils import KEY, SYNCS, TOTAL, GateRun, run_threads, toy_config
 from toy_federation import Outcome, train_cluster
 
@@ -35,26 +34,8 @@ DEADLINE_S = 4.0  # federation.collective_timeout_s of every cluster here
 @pytest.fixture
 def silent() -> Iterator[str]:
     """A TCP listener on 127.0.0.1 that accepts every connection and never sends a byte."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield f"127.0.0.1:{srv.getsockname()[1]}"
-    stop.set()
-    t.join(5)
-    for c in held:
-        c.close()
-    srv.close()
+    with silent_listener() as addr:
+        yield addr
 
 
 def _transport(run: GateRun, name: str, store_addr: str | None = None) -> LaneTransport:

@@ -172,25 +172,11 @@ def test_error_feedback_decay_one_is_plain_error_feedback_and_bad_values_are_one
 def test_a_run_with_every_option_resumes_bit_identically(tmp_path, small_corpus, torch_one_thread) -> None:
     """`algo=edit` with Muon inner steps and Pier's warm-up and schedule: 6 steps (checkpoint every 3) then
     resume=auto to 9 == 9 steps uninterrupted, every checkpointed tensor (model, inner and outer state) bit for bit."""
-    from safetensors.torch import load_file
+    from conftest import resumed_bit_identically
 
-    from conftest import run_train, tiny_overrides
-
-    common = ("algo=edit", "algo.interval=3", "algo.warmup_steps=0", "train.optimizer=muon", "train.eval_every=3",
-              "algo.outer.momentum_warmup_syncs=3", "algo.outer.lr_warmup_syncs=2", "algo.outer.lr_decay_syncs=3")
-    full, seg = tmp_path / "full", tmp_path / "seg"
-    s_full = run_train(tiny_overrides(full, small_corpus, *common, "train.steps=9", "checkpoint.every=9"))
-    run_train(tiny_overrides(seg, small_corpus, *common, "train.steps=6", "checkpoint.every=3"))
-    s2 = run_train(tiny_overrides(seg, small_corpus, *common, "train.steps=9", "checkpoint.every=3", "resume=auto"))
-    assert s2["steps"] == 9 and s2["final_val_loss"] == s_full["final_val_loss"]
-    a_files = sorted((full / "checkpoints").glob("step_00000009/**/*.safetensors"))
-    b_files = sorted((seg / "checkpoints").glob("step_00000009/**/*.safetensors"))
-    assert a_files and [f.relative_to(full) for f in a_files] == [f.relative_to(seg) for f in b_files]
-    counts = []
-    for fa, fb in zip(a_files, b_files):
-        a, b = load_file(str(fa)), load_file(str(fb))
-        assert a.keys() == b.keys(), fa.name
-        assert not [k for k in a if not torch.equal(a[k], b[k])], fa.name
-        counts += [int(v) for k, v in a.items() if k.endswith("outer_syncs/0")]
+    loaded = resumed_bit_identically(tmp_path, small_corpus, "algo=edit", "algo.interval=3", "algo.warmup_steps=0",
+                                     "train.optimizer=muon", "train.eval_every=3", "algo.outer.momentum_warmup_syncs=3",
+                                     "algo.outer.lr_warmup_syncs=2", "algo.outer.lr_decay_syncs=3")
+    counts = [int(v) for a in loaded for k, v in a.items() if k.endswith("outer_syncs/0")]
     assert counts and set(counts) == {3}  # the schedule's position is in the checkpoint
-    assert any(k.endswith("momentum_buffer") for f in a_files for k in load_file(str(f)))  # Muon's state too
+    assert any(k.endswith("momentum_buffer") for a in loaded for k in a)  # Muon's state too

@@ -163,24 +163,10 @@ def test_a_healed_cluster_carries_the_momentum_the_correction_reads() -> None:
 def test_a_run_with_the_correction_resumes_bit_identically(tmp_path, small_corpus, torch_one_thread) -> None:
     """`algo=a_edit`-style correction on a real `algo=edit` run (the trainer, checkpoints on disk): 6 steps
     (checkpoint every 3) then resume=auto to 9 == 9 steps uninterrupted, every checkpointed tensor bit for bit."""
-    from safetensors.torch import load_file
+    from conftest import resumed_bit_identically
 
-    from conftest import run_train, tiny_overrides
-
-    common = ("algo=edit", "algo.interval=3", "algo.warmup_steps=0", "train.eval_every=3",
-              "algo.outer.staleness_correction=true")
-    full, seg = tmp_path / "full", tmp_path / "seg"
-    s_full = run_train(tiny_overrides(full, small_corpus, *common, "train.steps=9", "checkpoint.every=9"))
-    run_train(tiny_overrides(seg, small_corpus, *common, "train.steps=6", "checkpoint.every=3"))
-    s2 = run_train(tiny_overrides(seg, small_corpus, *common, "train.steps=9", "checkpoint.every=3", "resume=auto"))
-    assert s2["steps"] == 9 and s2["final_val_loss"] == s_full["final_val_loss"]
-    a_files = sorted((full / "checkpoints").glob("step_00000009/**/*.safetensors"))
-    b_files = sorted((seg / "checkpoints").glob("step_00000009/**/*.safetensors"))
-    assert a_files and [f.relative_to(full) for f in a_files] == [f.relative_to(seg) for f in b_files]
-    for fa, fb in zip(a_files, b_files):
-        a, b = load_file(str(fa)), load_file(str(fb))
-        assert a.keys() == b.keys(), fa.name
-        assert not [k for k in a if not torch.equal(a[k], b[k])], fa.name
+    resumed_bit_identically(tmp_path, small_corpus, "algo=edit", "algo.interval=3", "algo.warmup_steps=0",
+                            "train.eval_every=3", "algo.outer.staleness_correction=true")
 
 
 def test_an_overlapped_a_edit_run_with_the_correction_trains(tmp_path, small_corpus, torch_one_thread) -> None:
