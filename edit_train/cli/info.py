@@ -13,7 +13,7 @@ from edit_train.cli.common import compose, fail, one_line
 def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-untyped-def]
     from edit_train.memplan import plan_for_config
     from edit_train.model import count_params
-    from edit_train.train.expert_subsets import subsets_plan
+    from edit_train.expert_plan import subsets_plan
     from edit_train.train.mfu import flops_per_token
 
     counts = count_params(cfg.model)
