@@ -118,7 +118,11 @@ def finished_run(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | No
         rec = json.loads(record.read_text())
     except json.JSONDecodeError:
         return None
-    return rec if rec.get("args") == job_args(run_dir, overrides) else None
+    from edit_train.retired import current_override
+
+    # a run recorded before a key's rename (edit_train/retired.py) is the same run under today's key
+    args = [current_override(x)[0] for x in rec.get("args") or []]
+    return rec if args == job_args(run_dir, overrides) else None
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -77,6 +77,15 @@ def entry_field(spec: dict, where: str) -> dict:
     return out
 
 
+def current_override(o: str) -> tuple[str, str | None]:
+    """One command-line override with a `RENAMED` (or moved) key read as its successor, and the retired key it had
+    (None: already today's)."""
+    prefix = o[:len(o) - len(o.lstrip("+~"))]
+    key, eq, value = o[len(prefix):].partition("=")
+    new = (RENAMED.get(key) or moved_key(key)) if not o.startswith("-") else None
+    return (o, None) if new is None else (f"{prefix}{new}{eq}{value}", key)
+
+
 def renamed_overrides(overrides: list[str]) -> list[str]:
     """Command-line overrides with every `RENAMED` key read as its successor (`cluster.groups=2` →
     `cluster.count=2`, also with a `+`/`~` prefix and in sweeps), one deprecation line on stderr per key."""
@@ -84,15 +93,12 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
 
     out = []
     for o in overrides:
-        prefix = o[:len(o) - len(o.lstrip("+~"))]
-        key, eq, value = o[len(prefix):].partition("=")
-        new = (RENAMED.get(key) or moved_key(key)) if not o.startswith("-") else None
-        if new is None:
-            out.append(o)
-            continue
-        print(f"warning: {key} is deprecated: read as {new} (docs/glossary.md); use {new}={value}" if eq else
-              f"warning: {key} is deprecated: read as {new} (docs/glossary.md)", file=sys.stderr, flush=True)
-        out.append(f"{prefix}{new}{eq}{value}")
+        now, old = current_override(o)
+        if old is not None:
+            new, _, value = now.lstrip("+~").partition("=")
+            print(f"warning: {old} is deprecated: read as {new} (docs/glossary.md); use {new}={value}" if "=" in o
+                  else f"warning: {old} is deprecated: read as {new} (docs/glossary.md)", file=sys.stderr, flush=True)
+        out.append(now)
     return out
 
 

@@ -105,3 +105,44 @@ def test_the_summary_reports_the_paired_gain_overall_and_per_language() -> None:
     assert g["gain_by_source"]["lang:python"]["mean"] == pytest.approx(0.004)
     assert g["gain_by_source"]["lang:man"]["mean"] == pytest.approx(0.0)
     assert g["gain_by_source"]["lang:man"]["pays"] is False
+
+
+def test_routing_skew_over_the_run_cancels_noise_that_the_per_interval_skew_keeps() -> None:
+    m = _bench()
+    k = m.SETTLED
+    # c0 swings 3:1 then 1:3, c1 routes 1:1: every interval is skewed, the run is not (noise cancels)
+    swings = [_experts(k, "c0", [[30, 10]]), _experts(k, "c1", [[20, 20]]),
+              _experts(k + 1, "c0", [[10, 30]]), _experts(k + 1, "c1", [[20, 20]])]
+    assert m.interval_skew(swings) == pytest.approx((0.1 + 0.1 + 1 / 6 + 1 / 6) / 4)
+    assert m.routing_skew(swings) == pytest.approx(0.0)
+    # a site's own routing persists: the same 3:1 in both intervals is the same skew either way
+    steady = [_experts(k + i, c, [[30, 10]] if c == "c0" else [[20, 20]]) for i in range(2) for c in ("c0", "c1")]
+    assert m.routing_skew(steady) == pytest.approx(m.interval_skew(steady))
+    assert m.routing_skew(steady) == pytest.approx((0.1 + 0.1 + 1 / 6 + 1 / 6) / 4)
+
+
+def test_a_setting_reports_its_skew_against_its_iid_counterpart_per_seed() -> None:
+    m = _bench()
+    runs = [{"model": "tiny", "clusters": 2, "data": d, "arm": "default", "seed": s, "routing_skew": v}
+            for d, s, v in [("lang", 0, 0.03), ("lang", 1, 0.04), ("lang_iid", 0, 0.01), ("lang_iid", 1, 0.01)]]
+    v = m.skew_against_iid(runs, "tiny", 2, "lang")
+    assert v["per_seed"] == {0: pytest.approx(3.0), 1: pytest.approx(4.0)}
+    assert v["min_ratio"] == pytest.approx(3.0) and v["mean_ratio"] == pytest.approx(3.5)
+    assert m.skew_against_iid(runs, "tiny", 2, "lang_iid") is None  # IID against itself: nothing to say
+    assert m.skew_against_iid(runs, "tiny", 4, "lang") is None  # no runs at 4 clusters
+
+
+def test_a_finished_run_recorded_under_a_retired_key_is_reused_under_todays(tmp_path: Path) -> None:
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import _common as C
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    today = ["model=tiny", "algo.rule.verified.expert_weights=tokens"]
+    old = ["model=tiny", "algo.penalty.verified.expert_weights=tokens"]  # before issue 50's rename
+    (run / "bench_job.json").write_text(json.dumps({"args": C.job_args(run, old)}))
+    assert C.finished_run(run, today) is not None
+    assert C.finished_run(run, ["model=tiny", "algo.rule.verified.expert_weights=none"]) is None
