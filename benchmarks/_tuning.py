@@ -29,9 +29,8 @@ AVERAGING = (1.0, 0.0)
 
 def option_variants(algo: str, steps: int, interval: int) -> dict[str, tuple[str, ...]]:
     """Issue 51's options, tried at an algorithm's best point (the "options" stage): Muon inner steps for every
-    algorithm; for the outer-tuned ones also Pier's outer-momentum warm-up and outer-lr schedule (warm-up over
-    the first ~10 % of the syncs, cosine to 0.1 x at the last). Every algorithm gets 3 option runs: ddp and
-    post_local_sgd try Muon at each of their 3 inner lrs (tuned as hard), diloco and edit the three options."""
+    algorithm (at each of the Muon lrs, `option_grid`); for the outer-tuned ones also Pier's outer-momentum
+    warm-up and outer-lr schedule (warm-up over the first ~10 % of the syncs, cosine to 0.1 x at the last)."""
     syncs = max(2, steps // max(interval, 1))
     warm = max(1, syncs // 10)
     out: dict[str, tuple[str, ...]] = {"muon": ("train.optimizer=muon",)}
@@ -113,20 +112,27 @@ def inner_grid(best: Setting, lrs: Sequence[float]) -> list[Setting]:
     return [replace(best, lr=lr) for lr in lrs]
 
 
-def option_grid(best: Setting, lrs: Sequence[float], steps: int, interval: int) -> list[Setting]:
-    """The options stage: diloco/edit each option at the best point; the others Muon at every inner lr."""
+MUON_LRS = (1e-2, 2e-2, 4e-2)  # Muon's own lr grid: its optimum is not AdamW's (tiny, seed 0, 2 clusters: DDP
+# 2.06 at AdamW's 3e-3, 1.72 at 1e-2, 1.66 at 2e-2 — `adjust_lr_fn="match_rms_adamw"` matches the RMS of one
+# update, not the lr that trains best)
+
+
+def option_grid(best: Setting, muon_lrs: Sequence[float], steps: int, interval: int) -> list[Setting]:
+    """The options stage, the same for every algorithm: Muon at each of `muon_lrs` at the best point (its outer
+    settings kept); diloco and edit also Pier's two options at the best point."""
     variants = option_variants(best.algo, steps, interval)
-    if best.algo in OUTER_TUNED:
-        return [replace(best, variant=v, extra=o) for v, o in variants.items()]
-    return [replace(best, lr=lr, variant="muon", extra=variants["muon"]) for lr in dict.fromkeys(lrs)]
+    extra = variants.pop("muon")
+    muon = [replace(best, lr=lr, variant="muon", extra=extra) for lr in dict.fromkeys(muon_lrs)]
+    return muon + [replace(best, variant=v, extra=o) for v, o in variants.items()]
 
 
 def planned_tune_runs(algos: Sequence[str], inner_lrs: Sequence[float], base_lr: float,
-                      outer_lrs: Sequence[float], momenta: Sequence[float], options: bool = False) -> int:
+                      outer_lrs: Sequence[float], momenta: Sequence[float], options: bool = False,
+                      muon_lrs: Sequence[float] = MUON_LRS) -> int:
     n = 0
     for algo in algos:
         if options:
-            n += 3 if algo in OUTER_TUNED else len(set(inner_lrs))
+            n += len(set(muon_lrs)) + (2 if algo in OUTER_TUNED else 0)
         if algo in OUTER_TUNED:  # the inner run at the base lr is the best outer point itself
             n += len(outer_lrs) * len(momenta) + len([x for x in set(inner_lrs) if x != base_lr])
         else:
@@ -294,7 +300,7 @@ def tune(a: argparse.Namespace, run: Runner) -> dict[str, Any]:
                 go(base_setting(algo, lr), "inner")
         if getattr(a, "options", False):  # issue 51: the new options at the best point so far
             b = Setting.from_dict(min(rows, key=lambda r: finite_loss(r["final_val_loss"])))
-            for st in option_grid(b, a.inner_lrs, a.steps, a.interval):
+            for st in option_grid(b, a.muon_lrs, a.steps, a.interval):
                 go(st, "options")
         top = min(rows, key=lambda r: finite_loss(r["final_val_loss"]))
         top["best"] = "*"

@@ -55,9 +55,10 @@ finished run with identical overrides is not run again (an interrupted grid resu
     python benchmarks/convergence.py --smoke                    # the whole tuned machinery in miniature (minutes)
 
 Options stage (issue 51; on by default in tuned mode, `--no-options` for the grid before it): at each
-algorithm's best point after the inner stage, `_tuning.option_grid` — every algorithm 3 runs: ddp and
-post_local_sgd Muon inner steps (`train.optimizer=muon`) at each of their inner lrs, diloco and edit Muon,
-Pier's outer-momentum warm-up and Pier's outer-lr schedule (warm-up over ~10 % of the syncs, cosine to 0.1 x).
+algorithm's best point after the inner stage, `_tuning.option_grid` — every algorithm Muon inner steps
+(`train.optimizer=muon`) at each of `--muon-lrs` (Muon's own lr grid, 1e-2 2e-2 4e-2: its best lr is not
+AdamW's), diloco and edit also Pier's outer-momentum warm-up and Pier's outer-lr schedule (warm-up over ~10 %
+of the syncs, cosine to 0.1 x).
 The best of all stages is what --confirm runs on 3 seeds; docs/algorithms.md says what it must show before a
 default changes.
 """
@@ -105,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model", default="tiny", help="tuned mode: model preset (conf/model)")
     ap.add_argument("--inner-lrs", type=float, nargs="+", default=None, help="tuned mode: train.lr grid "
                     "(default 2e-3 3e-3 5e-3; --quick: 3e-3)")
+    ap.add_argument("--muon-lrs", type=float, nargs="+", default=None, help="tuned mode: train.lr grid of the "
+                    "options stage's Muon runs, the same for every algorithm (default 1e-2 2e-2 4e-2; --quick/--smoke "
+                    "1e-2)")
     ap.add_argument("--base-lr", type=float, default=3e-3, help="tuned mode: train.lr of the outer grid")
     ap.add_argument("--outer-lrs", type=float, nargs="+", default=None, help="tuned mode: algo.outer.lr grid "
                     "(default 0.5 0.7 1.0; --quick: 0.5 1.0)")
@@ -139,6 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.steps, a.interval, a.batch_size, a.seq_len = a.steps or 12, a.interval or 4, a.batch_size or 2, 32
         a.eval_every, a.eval_batches, a.seeds, a.clusters = 6, 1, a.seeds or [0], a.clusters or [TUNE_GROUPS]
         a.inner_lrs, a.outer_lrs, a.outer_momenta = [a.base_lr], a.outer_lrs or [0.7], a.outer_momenta or [0.8]
+        a.muon_lrs = a.muon_lrs or [1e-2]
         if a.out == DEFAULT_OUT:
             a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
     a.tuned_mode = a.tune or a.confirm
@@ -147,6 +152,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.eval_every = a.eval_every if a.eval_every is not None else (20 if a.quick else 100)
         a.clusters = a.clusters or ([TUNE_GROUPS] if a.quick else [TUNE_GROUPS, 4])
         a.inner_lrs = a.inner_lrs or ([a.base_lr] if a.quick else [2e-3, 3e-3, 5e-3])
+        a.muon_lrs = a.muon_lrs or ([1e-2] if a.quick else list(T.MUON_LRS))
         a.outer_lrs = a.outer_lrs or ([0.5, 1.0] if a.quick else [0.5, 0.7, 1.0])
         a.outer_momenta = a.outer_momenta or ([0.0, 0.8] if a.quick else [0.0, 0.5, 0.8])
     a.steps = a.steps or (200 if a.quick else 320)
@@ -367,7 +373,7 @@ def tuned_main(a: argparse.Namespace) -> dict[str, Any]:
             if tu.get(k) != getattr(a, k):
                 print(f"warning: the tuning in {src} was at {k}={tu.get(k)}, this run uses {getattr(a, k)}")
     n_tune = T.planned_tune_runs(a.algos, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta,
-                                 a.options) if a.tune else 0
+                                 a.options, a.muon_lrs) if a.tune else 0
     plan = [TUNE_GROUPS] * n_tune
     if a.confirm:
         plan += [G for G in a.clusters for s in a.seeds

@@ -20,21 +20,22 @@ from edit_train.config import validate  # noqa: E402
 
 def test_every_algorithm_gets_the_same_options_budget() -> None:
     a = convergence.parse_args(["--tune", "--confirm"])
-    assert a.options and a.inner_lrs == [2e-3, 3e-3, 5e-3]
+    assert a.options and a.inner_lrs == [2e-3, 3e-3, 5e-3] and a.muon_lrs == [1e-2, 2e-2, 4e-2]
     sizes = {}
     for algo in convergence.ALGOS:
         base = T.Setting(algo, 3e-3, 0.7, 0.8) if algo in T.OUTER_TUNED else T.base_setting(algo, 3e-3)
-        grid = T.option_grid(base, a.inner_lrs, a.steps, a.interval)
+        grid = T.option_grid(base, a.muon_lrs, a.steps, a.interval)
         sizes[algo] = len(grid)
         assert all(s.variant and s.extra for s in grid) and len({s.tag() for s in grid}) == len(grid)
-        assert any(s.variant == "muon" for s in grid)  # DDP tuned with Muon too
-    assert set(sizes.values()) == {3}
-    edit = {s.variant: s for s in T.option_grid(T.Setting("edit", 3e-3, 0.7, 0.8), a.inner_lrs, 1000, 8)}
+        # every algorithm's Muon on the same lr grid (DDP tuned with Muon as hard as ours)
+        assert sorted(s.lr for s in grid if s.variant == "muon") == a.muon_lrs
+    assert sizes == {"ddp": 3, "post_local_sgd": 3, "diloco": 5, "edit": 5}
+    edit = {s.variant: s for s in T.option_grid(T.Setting("edit", 3e-3, 0.7, 0.8), a.muon_lrs, 1000, 8)}
     assert edit["outer_schedule"].overrides()[-2:] == ["algo.outer.lr_warmup_syncs=12", "algo.outer.lr_decay_syncs=125"]
     assert T.Setting.from_dict(edit["outer_warmup"].as_dict()) == edit["outer_warmup"]
     with_opts = T.planned_tune_runs(convergence.ALGOS, a.inner_lrs, a.base_lr, a.outer_lrs, a.outer_momenta, True)
     assert with_opts == T.planned_tune_runs(convergence.ALGOS, a.inner_lrs, a.base_lr, a.outer_lrs,
-                                            a.outer_momenta) + 12
+                                            a.outer_momenta) + sum(sizes.values())
 
 
 @pytest.mark.parametrize("algo", convergence.ALGOS)
@@ -42,7 +43,7 @@ def test_every_option_override_is_a_valid_config(algo: str) -> None:
     """Each options-stage run's overrides build a config edit_train accepts (a typo would fail every run)."""
     a = convergence.parse_args(["--smoke"])
     base = T.Setting(algo, 3e-3, 0.7, 0.8) if algo in T.OUTER_TUNED else T.base_setting(algo, 3e-3)
-    for st in T.option_grid(base, a.inner_lrs, a.steps, a.interval):
+    for st in T.option_grid(base, a.muon_lrs, a.steps, a.interval):
         validate(compose(T.tuned_overrides(st, a, 0, 2)))
 
 
