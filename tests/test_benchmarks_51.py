@@ -66,3 +66,30 @@ def test_error_feedback_as_momentum_schemes_keep_their_twins_payloads() -> None:
         beta = float(kv["sync.error_feedback_decay"])
         CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)), kv["sync.scale_dtype"], True,
                           float(kv["sync.topk_density"]), int(kv["sync.bits"]), error_feedback_decay=beta).validate()
+
+
+def test_muon_lr_benchmark_settings_are_valid_and_tune_both_sides_alike(tmp_path: Path) -> None:
+    """benchmarks/muon_lr.py: every setting builds a config edit_train accepts; DDP and edit sweep Muon's lr over
+    grids of the same reach; a run started by hand is adopted only when its resolved config is the setting's."""
+    import json
+
+    import muon_lr as M
+
+    from edit_train.config import to_container
+
+    sweep = M.sweep()
+    assert len({s["name"] for s in sweep}) == len(sweep)
+    for s in sweep:
+        validate(compose([*M.C.BASE_OVERRIDES, *s["overrides"]]))
+    lrs = {a: sorted({s["lr"] for s in sweep if s["algo"] == a and s["optimizer"] == "muon"}) for a in ("ddp", "edit")}
+    assert len(lrs["ddp"]) >= 4 and min(lrs["ddp"]) <= min(lrs["edit"]) and max(lrs["ddp"]) >= 4e-2
+    s = M.setting("edit", "muon", 4e-2, "1.0/0")
+    run = tmp_path / s["name"]
+    run.mkdir()
+    (run / "summary.json").write_text("{}")
+    cfg = to_container(compose([*M.C.BASE_OVERRIDES, *s["overrides"], "run.dir=/elsewhere"]))
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert M.adoptable(run, s["overrides"])  # only run.dir differs
+    cfg["train"]["lr"] = 0.02
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert not M.adoptable(run, s["overrides"])

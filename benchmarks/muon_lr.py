@@ -1,0 +1,199 @@
+"""Muon at its own learning rate: DDP and edit, each tuned with `train.optimizer=muon` (issue 51).
+
+The convergence grid first tried Muon at AdamW's tuned lr (3e-3) and found it worse for every algorithm. That lr
+is not Muon's: `adjust_lr_fn="match_rms_adamw"` matches the RMS of one update, not the lr that trains best. This
+benchmark sweeps Muon's lr for DDP and for edit (and edit's outer point under Muon), at the convergence
+benchmark's setting (tiny, 320 steps, H = 8, batch 8 x 128, eval 8 batches), against both algorithms' tuned
+AdamW points, then confirms each algorithm's best on more seeds and at 4 clusters:
+
+    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (21 runs) + the confirmation (6 runs)
+    python benchmarks/muon_lr.py --reuse --sweep     # the sweep only
+
+Run directories: <workdir>/<setting>; `--reuse` reuses a finished run with identical overrides, `--adopt` also a
+run started by hand whose resolved configuration (`config.json`) equals this setting's in every key but
+`run.dir` (checked key by key; the record notes it was adopted). Output: docs/muon_lr.json and docs/muon_lr.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+DOCS = C.BENCH_DIR.parent / "docs"
+BASE = ["cluster=local", "cluster.ranks=1", "model=tiny", "train.steps=320", "train.batch_size=8",
+        "train.seq_len=128", "train.eval_every=40", "train.eval_batches=8"]
+LOCAL = ["algo=edit", "algo.interval=8", "algo.warmup_steps=0"]
+OUTER = {"0.5/0.5N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.5", "algo.outer.nesterov=true"],
+         "0.7/0.5N": ["algo.outer.lr=0.7", "algo.outer.momentum=0.5", "algo.outer.nesterov=true"],
+         "0.5/0.8N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.8", "algo.outer.nesterov=true"],
+         "1.0/0": ["algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"],
+         "1.2/0": ["algo.outer.lr=1.2", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]}
+
+
+def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, clusters: int = 2) -> dict[str, Any]:
+    ov = [*BASE, f"cluster.count={clusters}", f"seed={seed}", f"train.lr={lr!r}"]
+    ov += ["algo=ddp"] if algo == "ddp" else [*LOCAL, *OUTER[outer or "0.5/0.5N"]]
+    ov += ["train.optimizer=muon"] if opt == "muon" else []
+    name = f"{algo}_{opt}_lr{lr:g}" + (f"_o{outer}" if algo != "ddp" else "") + f"_g{clusters}_s{seed}"
+    return {"name": name.replace("/", "-"), "algo": algo, "optimizer": opt, "lr": lr, "outer": outer if algo != "ddp"
+            else None, "seed": seed, "clusters": clusters, "overrides": ov}
+
+
+def sweep() -> list[dict[str, Any]]:
+    """Seed 0, 2 clusters: both AdamW points (the convergence grid's best), DDP Muon over its lr, edit Muon over
+    its lr at the AdamW outer point, and over the outer point at the better lrs."""
+    out = [setting("ddp", "adamw", 3e-3, None), setting("edit", "adamw", 3e-3, "0.5/0.5N")]
+    out += [setting("ddp", "muon", lr, None) for lr in (1e-2, 2e-2, 3e-2, 4e-2)]
+    out += [setting("edit", "muon", lr, "0.5/0.5N") for lr in (1e-2, 2e-2, 4e-2, 6e-2)]
+    out += [setting("edit", "muon", 2e-2, o) for o in ("0.7/0.5N", "0.5/0.8N", "1.0/0", "1.2/0")]
+    out += [setting("edit", "muon", 4e-2, o) for o in ("0.7/0.5N", "1.0/0")] + [setting("edit", "muon", 3e-2, "1.0/0")]
+    return out
+
+
+def best_of(rows: list[dict[str, Any]], algo: str, opt: str) -> dict[str, Any] | None:
+    rs = [r for r in rows if (r["algo"], r["optimizer"], r["seed"], r["clusters"]) == (algo, opt, 0, 2)]
+    return min(rs, key=lambda r: r["final_val_loss"]) if rs else None
+
+
+def confirm(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each algorithm's best Muon point on seeds 1 and 2 (2 clusters) and on seed 0 at 4 clusters."""
+    out = []
+    for algo in ("ddp", "edit"):
+        b = best_of(rows, algo, "muon")
+        if b:
+            out += [setting(algo, "muon", b["lr"], b["outer"], seed=s) for s in (1, 2)]
+            out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4))
+    return out
+
+
+def adoptable(run_dir: Path, overrides: list[str]) -> bool:
+    """A run started by hand with exactly this setting's resolved configuration (every key but run.dir)."""
+    from edit_train.cli.common import compose
+    from edit_train.config import to_container
+
+    saved, summary = run_dir / "config.json", run_dir / "summary.json"
+    if not (saved.exists() and summary.exists()):
+        return False
+    want = json.loads(json.dumps(to_container(compose([*C.BASE_OVERRIDES, *overrides, f"run.dir={run_dir}"]))))
+    have = json.loads(saved.read_text())
+    want["run"].pop("dir", None)
+    have.get("run", {}).pop("dir", None)
+    return want == have
+
+
+def run(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+    run_dir = (a.workdir / s["name"]).resolve()
+    adopted = False
+    if a.adopt and C.finished_run(run_dir, s["overrides"]) is None and adoptable(run_dir, s["overrides"]):
+        adopted = True
+        job = C.Job(s["name"], run_dir, C.job_args(run_dir, s["overrides"]), float("nan"), C.read_summary(run_dir),
+                    C.read_metrics(run_dir))
+        print(f"{s['name']}: adopting the run in {run_dir} (its config.json equals this setting's)", flush=True)
+    else:
+        job = C.run_job(s["name"], run_dir, s["overrides"], timeout=a.timeout, reuse=a.reuse)
+    return {**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": job.summary["final_val_loss"],
+            "curve": job.eval_curve(), "job_wall_s": job.wall_s, "adopted": adopted, "run_dir": str(run_dir)}
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """edit's best against DDP's best, per optimizer (seed 0) and, for Muon, per confirmed seed / cluster count."""
+    out: dict[str, Any] = {}
+    for opt in ("adamw", "muon"):
+        d, e = best_of(rows, "ddp", opt), best_of(rows, "edit", opt)
+        if d and e:
+            out[opt] = {"ddp": {k: d[k] for k in ("lr", "final_val_loss")},
+                        "edit": {k: e[k] for k in ("lr", "outer", "final_val_loss")},
+                        "edit_over_ddp_seed0": e["final_val_loss"] / d["final_val_loss"]}
+    d, e = best_of(rows, "ddp", "muon"), best_of(rows, "edit", "muon")
+    if d and e:
+        def at(r: dict[str, Any], algo: str, b: dict[str, Any]) -> bool:
+            return r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == b["lr"] and r["outer"] == b["outer"]
+        per: dict[str, float] = {}
+        for seed, g in ((0, 2), (1, 2), (2, 2), (0, 4)):
+            dd = [r for r in rows if at(r, "ddp", d) and (r["seed"], r["clusters"]) == (seed, g)]
+            ee = [r for r in rows if at(r, "edit", e) and (r["seed"], r["clusters"]) == (seed, g)]
+            if dd and ee:
+                per[f"g{g}_s{seed}"] = ee[0]["final_val_loss"] / dd[0]["final_val_loss"]
+        two = [v for k, v in per.items() if k.startswith("g2")]
+        out["muon"]["edit_over_ddp"] = per
+        out["muon"]["edit_over_ddp_2_clusters"] = {"mean": statistics.fmean(two), "max": max(two), "n": len(two)}
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Path:
+    plt = C.pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    sweep_rows = [r for r in rows if (r["seed"], r["clusters"]) == (0, 2)]
+    for k, (algo, outer) in enumerate([("ddp", None), *[("edit", o) for o in OUTER]]):
+        rs = sorted((r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["outer"] == outer),
+                    key=lambda r: r["lr"])
+        if rs:
+            ax.plot([r["lr"] for r in rs], [r["final_val_loss"] for r in rs], "o-" if algo == "ddp" else "s--",
+                    color=f"C{k}", label=f"{algo} Muon" + (f", outer {outer}" if outer else ""))
+    for k, algo in enumerate(("ddp", "edit")):
+        b = best_of(rows, algo, "adamw")
+        if b:
+            ax.axhline(b["final_val_loss"], color=f"C{k * 1}", ls=":", lw=1,
+                       label=f"{algo} AdamW (lr {b['lr']:g}" + (f", outer {b['outer']})" if b["outer"] else ")"))
+    ax.set_xscale("log")
+    ax.set_xlabel("train.lr (Muon)")
+    ax.set_ylabel("final validation loss")
+    ax.set_title("tiny, 2 clusters, 320 steps, H = 8, seed 0")
+    ax.legend(fontsize=7)
+    for k, algo in enumerate(("ddp", "edit")):
+        for opt, m in (("adamw", "o"), ("muon", "s")):
+            b = best_of(rows, algo, opt)
+            if not b:
+                continue
+            rs = [r for r in rows if r["algo"] == algo and r["optimizer"] == opt and r["lr"] == b["lr"]
+                  and r["outer"] == b["outer"]]
+            for r in rs:
+                steps, loss = r["curve"]
+                if (r["seed"], r["clusters"]) == (0, 2):
+                    bx.plot(steps, loss, color=f"C{k}", ls="-" if opt == "muon" else ":",
+                            label=f"{algo} {opt} (best, seed 0)")
+    bx.set_ylim(1.5, 3.0)
+    bx.set_xlabel("step")
+    bx.set_ylabel("validation loss")
+    bx.set_title("each algorithm's best point")
+    bx.legend(fontsize=8)
+    return C.save_fig(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="the seed-0 sweep only, no confirmation runs")
+    ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
+    ap.add_argument("--adopt", action="store_true", help="also adopt runs whose config.json equals the setting's")
+    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "muon_lr")
+    ap.add_argument("--out", type=Path, default=DOCS / "muon_lr.json")
+    ap.add_argument("--plot", type=Path, default=DOCS / "muon_lr.png")
+    ap.add_argument("--timeout", type=float, default=3600.0)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    rows = [run(a, s) for s in sweep()]
+    if not a.sweep:
+        rows += [run(a, s) for s in confirm(rows)]
+    summary = ratios(rows)
+    C.write_json(a.out, {"benchmark": "muon_lr", "setup": {"base": BASE, "outer_points": OUTER}, "summary": summary,
+                         "runs": rows, "wall_s": time.perf_counter() - t0, "env": C.environment()})
+    plot(rows, a.plot)
+    for opt, s in summary.items():
+        print(f"{opt}: ddp lr {s['ddp']['lr']:g} {s['ddp']['final_val_loss']:.4f}; edit lr {s['edit']['lr']:g} outer "
+              f"{s['edit']['outer']} {s['edit']['final_val_loss']:.4f}; edit / ddp (seed 0) "
+              f"{s['edit_over_ddp_seed0']:.4f}" + (f"; confirmed {json.dumps(s.get('edit_over_ddp'))}"
+                                                  if s.get("edit_over_ddp") else ""))
+    print(f"wrote {a.out} and {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
