@@ -89,10 +89,14 @@ def adoptable(run_dir: Path, overrides: list[str]) -> bool:
     return want == have
 
 
-def run(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any]:
+def run(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any] | None:
     run_dir = (a.workdir / s["name"]).resolve()
     adopted = False
-    if a.adopt and C.finished_run(run_dir, s["overrides"]) is None and adoptable(run_dir, s["overrides"]):
+    finished = C.finished_run(run_dir, s["overrides"]) is not None
+    if a.finished_only and not finished and not (a.adopt and adoptable(run_dir, s["overrides"])):
+        print(f"  not run: {s['name']}", flush=True)
+        return None
+    if a.adopt and not finished and adoptable(run_dir, s["overrides"]):
         adopted = True
         job = C.Job(s["name"], run_dir, C.job_args(run_dir, s["overrides"]), float("nan"), C.read_summary(run_dir),
                     C.read_metrics(run_dir))
@@ -173,15 +177,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="the seed-0 sweep only, no confirmation runs")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--adopt", action="store_true", help="also adopt runs whose config.json equals the setting's")
+    ap.add_argument("--finished-only", action="store_true", help="report the finished (or adoptable) runs, start none")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "muon_lr")
     ap.add_argument("--out", type=Path, default=DOCS / "muon_lr.json")
     ap.add_argument("--plot", type=Path, default=DOCS / "muon_lr.png")
     ap.add_argument("--timeout", type=float, default=3600.0)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = [run(a, s) for s in sweep()]
+    rows = [r for s in sweep() if (r := run(a, s))]
     if not a.sweep:
-        rows += [run(a, s) for s in confirm(rows)]
+        rows += [r for s in confirm(rows) if (r := run(a, s))]
     summary = ratios(rows)
     C.write_json(a.out, {"benchmark": "muon_lr", "setup": {"base": BASE, "outer_points": OUTER}, "summary": summary,
                          "runs": rows, "wall_s": time.perf_counter() - t0, "env": C.environment()})
