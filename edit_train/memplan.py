@@ -32,13 +32,17 @@ and what a step holds for a while (the *transient* terms):
                     and held until the unit is applied (``4 P / S``, on the parameters' device), and the other
                     clusters' contributions of the unit being applied and the one in flight, ``2 n 4 max_unit / S``
                     for n clusters
+* ``frozen_rows``   expert subsets (the rule's ``expert_subsets``): the rows of the experts this cluster does not
+                    own, copied before each optimizer step and written back after it (``train/expert_subsets.py``),
+                    ``4 F / S`` for F such elements (the most any cluster holds); no optimizer state is saved (one
+                    AdamW state per stacked tensor)
 
 These do not all peak together. The plan is the static terms plus the largest of three phases:
 
 * ``forward_backward``: activations + compute copies + one unit's gradients (+ all the gradients from the
   second micro-batch on, ``grad_accum > 1``)
 * ``backward_end``: all the gradients + one unit's gradients + one layer's activations (+ the working
-  copies when they are kept)
+  copies when they are kept) + the frozen rows' copy
 * ``sync`` (local SGD): ``forward_backward`` + ``sync``
 
 Measured on the CPU allocator (tests/test_memplan_peak.py) the plan is within 10 % of a step's peak. ``fits``
@@ -123,8 +127,8 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
 def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len: int, precision: str = "fp32",
                 checkpointing: str = "none", local_sgd: bool = False, outer_optimizer: str = "SGD",
                 outer_momentum: float = 0.0, offload: bool = False, gpu_mem_gb: float | None = None,
-                grad_accum: int = 1, clusters: int = 1, codec_residual: bool = False, compiled: bool = False
-                ) -> dict[str, Any]:
+                grad_accum: int = 1, clusters: int = 1, codec_residual: bool = False, compiled: bool = False,
+                frozen_rows: int = 0) -> dict[str, Any]:
     """The per-rank plan (bytes) described in the module docstring."""
     units = _unit_params(model)
     p_total = units.pop("total")
@@ -165,11 +169,13 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
         "unit_grads": unit_grads,
         "layer_activations": layer_activations,
         "sync": sync,
+        "frozen_rows": 4 * frozen_rows / s,
     }
     static = plan["params"] + plan["inner_optimizer"] + plan["outer_state"] + plan["codec"]
     forward_backward = activations + param_compute + unit_grads + (grads if grad_accum > 1 else 0)
     phases = {"forward_backward": forward_backward,
-              "backward_end": grads + unit_grads + layer_activations + (param_compute if copies_kept else 0)}
+              "backward_end": grads + unit_grads + layer_activations + (param_compute if copies_kept else 0)
+              + plan["frozen_rows"]}
     if local_sgd:
         phases["sync"] = forward_backward + sync
     peak_phase = max(phases, key=lambda k: phases[k])
@@ -198,6 +204,28 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
     return out
 
 
+def frozen_expert_rows(cfg: Any) -> int:
+    """Expert subsets (the rule's `expert_subsets`, a static map): the most expert-row elements any configured
+    cluster holds frozen — the experts it does not own, every MoE layer (0: off)."""
+    from edit_train.config import cluster_specs
+    from edit_train.local_sgd.experts import owned_experts
+    from edit_train.model.expert_params import EXPERT_PARAMS
+    from edit_train.model.moe import MoEBlock
+    from edit_train.model.transformer import CausalLM
+    from edit_train.train.expert_subsets import subsets_spec
+
+    spec = subsets_spec(cfg)
+    if not (spec and cfg.model.num_experts):
+        return 0
+    with torch.device("meta"):
+        model = CausalLM(cfg.model)
+    per_expert = sum(getattr(b.experts, n)[0].numel() for b in model.modules() if isinstance(b, MoEBlock)
+                     for n in EXPERT_PARAMS)
+    specs = cluster_specs(cfg)
+    owned = [owned_experts(spec, s.index, len(specs), cfg.model.num_experts) or () for s in specs]
+    return max((len(o) - sum(o)) * per_expert for o in owned)
+
+
 def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]:
     """``memory_plan`` for a composed ``Config`` (train/cluster/algo sections)."""
     from edit_train.config import cluster_specs
@@ -209,7 +237,8 @@ def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]
                        local_sgd=cfg.algo.local_sgd, outer_optimizer=o.optimizer, outer_momentum=o.momentum,
                        offload=o.offload, gpu_mem_gb=gpu_mem_gb, grad_accum=t.grad_accum,
                        clusters=max(len(cluster_specs(cfg)), 1),
-                       codec_residual=sync.compression != "none" and sync.error_feedback, compiled=t.compile)
+                       codec_residual=sync.compression != "none" and sync.error_feedback, compiled=t.compile,
+                       frozen_rows=frozen_expert_rows(cfg))
 
 
 class OutOfMemory(ClusterError):

@@ -161,3 +161,17 @@ def test_edit_train_info_reports_the_bytes_and_memory_each_cluster_saves() -> No
         assert plan[c]["bytes_saved_per_sync"] == 4 * home  # gathered, 2 clusters: fp32 rows to the other one
         assert plan[c]["frozen_copy_bytes_per_rank"] == 4 * home
     assert "expert_subsets" not in estimate(_cfg("experiment=noniid_lang_2"))
+
+
+def test_the_memory_plan_counts_the_frozen_rows_copy_and_no_optimizer_saving() -> None:
+    from edit_train.cli.info import estimate
+    from edit_train.memplan import plan_for_config
+
+    on = estimate(_cfg(*SUBSETS, "experiment=noniid_lang_4"))
+    off = plan_for_config(_cfg("algo=edit", "algo.rule.verified.expert_weights=tokens", "experiment=noniid_lang_4"))
+    mem = on["memory_plan"]
+    held = max(c["frozen_copy_bytes_per_rank"] for c in on["expert_subsets"].values())  # 6 of 8 experts each
+    assert mem["bytes"]["frozen_rows"] == held
+    assert off["bytes"]["frozen_rows"] == 0
+    assert mem["bytes"]["inner_optimizer"] == off["bytes"]["inner_optimizer"]  # one AdamW state per stacked tensor
+    assert mem["phases"]["backward_end"] - off["phases"]["backward_end"] == held

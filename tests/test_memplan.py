@@ -132,7 +132,7 @@ def test_info_prints_memory_plan(monkeypatch, capsys) -> None:
     plan = info["memory_plan"]
     assert plan["fits"] is True and plan["activation_checkpointing"] == "full"
     assert set(plan["bytes"]) == {"params", "param_compute", "grads", "inner_optimizer", "outer_state", "codec",
-                                  "activations", "unit_grads", "layer_activations", "sync"}
+                                  "activations", "unit_grads", "layer_activations", "sync", "frozen_rows"}
     assert plan["total_bytes"] == plan["phases"][plan["peak_phase"]]
     main(["model=ling_lite", "--gpu-mem-gb=24"])
     assert json.loads(capsys.readouterr().out.strip())["memory_plan"]["fits"] is False
