@@ -49,7 +49,9 @@ def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, cl
 
 def sweep() -> list[dict[str, Any]]:
     """Seed 0, 2 clusters: both AdamW points (the convergence grid's best), DDP Muon over its lr, edit Muon over
-    its lr at the AdamW outer point, and over the outer point at the better lrs."""
+    its lr at the AdamW outer point, and over the outer point at the better lrs. edit gets more runs (its outer point
+is a second dimension DDP does not have); both lr optima are checked against the grid's edges (DDP's is
+interior; edit's averaging point is best at the top lr tried with it, 4e-2 — say so when quoting it)."""
     out = [setting("ddp", "adamw", 3e-3, None), setting("edit", "adamw", 3e-3, "0.5/0.5N")]
     out += [setting("ddp", "muon", lr, None) for lr in (1e-2, 2e-2, 3e-2, 4e-2)]
     out += [setting("edit", "muon", lr, "0.5/0.5N") for lr in (1e-2, 2e-2, 4e-2, 6e-2)]
@@ -145,7 +147,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     for k, algo in enumerate(("ddp", "edit")):
         b = best_of(rows, algo, "adamw")
         if b:
-            ax.axhline(b["final_val_loss"], color=f"C{k * 1}", ls=":", lw=1,
+            ax.axhline(b["final_val_loss"], color="0.3" if algo == "ddp" else "0.6", ls=":", lw=1,
                        label=f"{algo} AdamW (lr {b['lr']:g}" + (f", outer {b['outer']})" if b["outer"] else ")"))
     ax.set_xscale("log")
     ax.set_xlabel("train.lr (Muon)")
