@@ -14,6 +14,9 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
 * `subsets` — expert subsets per site (`expert_subsets=split`: expert e is cluster e mod P's, the others frozen
   at the anchor on it and never sent; docs/sync_math.md, "Expert subsets"); `subsets_home` is what each cluster
   must leave at home per sync by the formula, `subsets_home_exact` the sync events that left exactly that.
+* `routed`  — expert subsets assigned by routing (`expert_subsets=routed`: every cluster trains every expert for
+  the first `expert_subsets_syncs` = 4 syncs, then owns the experts it routed the largest share of its tokens to,
+  balanced; `local_sgd/assignment.py`); its home is `subsets`' sizes, from the fifth sync on.
 
 Every run also reports its routing skew (`routing_skew`): how differently the sites route over the run — each
 cluster's routed counts summed from the sixth interval on, then the mean |wᵢₑ − 1/P| of each cluster's equal-backing
@@ -69,7 +72,8 @@ from paired import paired_gain  # noqa: E402
 DOCS = C.BENCH_DIR.parent / "docs"
 DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
-ARMS = ("default", "tokens", "skip", "subsets")
+ARMS = ("default", "tokens", "skip", "subsets", "routed")
+ROUTED_SYNCS = 4  # algo.rule.verified.expert_subsets_syncs's default: the warm-up of the `routed` arm
 # the data settings: the stdlib families and their IID counterpart (the whole standard library split across the
 # clusters); the four languages (one per cluster, docs/noniid.md) and theirs (`lang:all` split across them)
 DATA = {"noniid": ["data.split=by_family"], "iid": [], "lang": ["data.split=by_language"],
@@ -129,6 +133,8 @@ def overrides(a: argparse.Namespace, model: str, groups: int, data: str, seed: i
         out.append(f"algo.rule.verified.expert_min_tokens={a.min_tokens}")
     if arm == "subsets":  # SPES-style: expert e is cluster (e mod P)'s; the others stay at the anchor on it
         out.append("algo.rule.verified.expert_subsets=split")
+    if arm == "routed":  # the experts each cluster routed most to over the first ROUTED_SYNCS syncs
+        out.append("algo.rule.verified.expert_subsets=routed")
     return out
 
 
@@ -224,9 +230,11 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
     syncs = job.events("sync")
     off = [e for e in syncs if e["bytes"] != formula(shape, len(e["quorum"]), e.get("unsent_params", 0))]
     mine = [e for e in syncs if e.get("cluster") == "c0"]
-    home = subsets_unsent(shape, groups) if arm == "subsets" else [0] * groups
+    home = subsets_unsent(shape, groups) if arm in ("subsets", "routed") else [0] * groups
+    # the map holds from the sync after `routed`'s warm-up (its sizes: split's, balanced)
+    mapped = [e for e in syncs if arm != "routed" or e["sync"] > ROUTED_SYNCS]
     # an owner that routed no token to its expert in an interval leaves it home too: at least the formula's
-    below_home = [e for e in syncs if e.get("unsent_params", 0) < home[e.get("cluster_index", 0) % groups]]
+    below_home = [e for e in mapped if e.get("unsent_params", 0) < home[e.get("cluster_index", 0) % groups]]
     return {"model": model, "clusters": groups, "data": data, "seed": seed, "arm": arm,
             "final_val_loss": job.summary.get("final_val_loss"), "curve": job.eval_curve(),
             "val_loss_by_source": job.summary.get("final_val_loss_by_source"),
@@ -236,7 +244,7 @@ def run_one(a: argparse.Namespace, model: str, groups: int, data: str, seed: int
             if syncs else None,
             "sync_events": len(syncs), "off_formula": len(off), "anomalies": job.summary.get("anomalies"),
             "subsets_home": home, "subsets_home_exact": sum(e.get("unsent_params", 0) == home[
-                e.get("cluster_index", 0) % groups] for e in syncs), "below_home": len(below_home),
+                e.get("cluster_index", 0) % groups] for e in mapped), "below_home": len(below_home),
             "routing_skew": routing_skew(job.events("experts")), "interval_skew": interval_skew(job.events("experts")),
             "job_wall_s": job.wall_s, "load_before": before, "load_after": C.load(), "run_dir": str(run_dir)}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from edit_train.config import Config
-from edit_train.train.expert_subsets import subsets_spec
+from edit_train.train.expert_subsets import planned_experts, subsets_spec
 
 
 def subsets_plan(cfg: Config) -> dict | None:
@@ -16,7 +16,7 @@ def subsets_plan(cfg: Config) -> dict | None:
     None when off."""
     from edit_train.cluster.mesh import fsdp_units
     from edit_train.config import cluster_specs
-    from edit_train.local_sgd.experts import UnitExperts, owned_experts
+    from edit_train.local_sgd.experts import UnitExperts
     from edit_train.local_sgd.round import build_units
     from edit_train.model import CausalLM
     from edit_train.model.expert_params import sync_pieces
@@ -36,12 +36,12 @@ def subsets_plan(cfg: Config) -> dict | None:
     every = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max)
     out = {}
     for s in specs:
-        owned = owned_experts(spec, s.index, world, cfg.model.num_experts)
+        owned = planned_experts(spec, s.index, world, cfg.model.num_experts)
         assert owned is not None
         home = [UnitExperts.of(f[0], f[1], u.params).unsent(owned, u.params) if f else 0 for u, f in found]
         nbytes = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max,
                             unsent=home)
-        out[s.name] = {"experts": [e for e, o in enumerate(owned) if o], "unsent_params_per_sync": sum(home),
+        out[s.name] = {"experts": "routed" if spec == "routed" else [e for e, o in enumerate(owned) if o], "unsent_params_per_sync": sum(home),
                        "bytes_per_sync": nbytes, "bytes_per_sync_every_expert": every,
                        "bytes_saved_per_sync": every - nbytes,
                        "frozen_copy_bytes_per_rank": 4 * sum(home) // ranks,  # fp32 rows held through a step

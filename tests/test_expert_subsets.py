@@ -30,7 +30,7 @@ def test_which_experts_a_cluster_owns() -> None:
     for spec, clusters, why in (("0+1|2", 2, r"expert\(s\) \[3\] belong to no cluster"),
                                 ("0+1+2+3", 2, "names 1 clusters' experts, the federation has 2"),
                                 ("0+1|2+3+9", 2, r"expert\(s\) \[9\] not in the model's 4"),
-                                ("a|b", 2, "use split, or each cluster's experts as 0\\+1\\|2\\+3")):
+                                ("a|b", 2, "use split, routed, or each cluster's experts as 0\\+1\\|2\\+3")):
         with pytest.raises(ValueError, match=why) as err:
             owned_experts(spec, 0, clusters, 4)
         assert "\n" not in str(err.value)

@@ -123,6 +123,7 @@ class Capabilities:
     # expert subsets per site ("" off): the experts each cluster trains and sends (`experts.owned_experts`'s spec);
     # the others stay at the anchor on it and report no routed tokens, so their update comes from their owners only
     expert_subsets: str = ""
+    expert_subsets_syncs: int = 0  # `routed`: the committed syncs of every-expert training the map is decided after
     # (clusters, sync.gather_max, sync.compression, the model's experts) -> (config field, why) when the rule
     # cannot serve them
     refuse: Callable[[int, int, str, int], tuple[str, str] | None] = _serves_any

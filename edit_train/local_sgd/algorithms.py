@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import capabilities_of
+from edit_train.local_sgd.assignment import RoutedAssignment
 from edit_train.local_sgd.drivers import BlockingDriver, Driver, OverlapDriver
 from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
 from edit_train.local_sgd.experts import Experts, RoutedCounts
@@ -94,8 +95,11 @@ class LocalSGD:
                         judge=self._judge_anchor if self.probe.enabled else None)
         self.membership = Membership(cfg.membership, transport, healer, self.pacer,
                                      digest=lambda: self.state.anchor_digest(), suspects=self.suspects)
+        # expert_subsets=routed: the map the warm-up's committed exchanges decide (checkpointed and healed)
+        self.assignment = RoutedAssignment(self.caps.expert_subsets_syncs) \
+            if self.caps.expert_subsets == "routed" and routed_counts is not None else None
         self.state = SyncState(self.replica, self.rule, self.pacer, self.membership, self.records, transport, outer,
-                               self.start_local_phase)
+                               self.start_local_phase, self.assignment)
         self.grads = GradientExchange(transport, self.membership)
         self._blocked_mark = 0.0
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
@@ -105,7 +109,7 @@ class LocalSGD:
         """Anchor θ̄ ← current params (identical across clusters at init and after the warm-up)."""
         units, pen, caps, probing = self.replica.units, self.cfg.rule, self.caps, self.probe.enabled
         experts = Experts(self.routed, [(u.name, u.module, u.params) for u in units], caps.expert_min_tokens,
-                          caps.weighs_experts) if self.routed is not None else None
+                          caps.weighs_experts, self.assignment) if self.routed is not None else None
         outer = OuterState({u.name: u.live() for u in units}, self.cfg.outer, self.t.cluster.sum_)
         core = SyncCore(units=units, outer=outer,
                         rule=self.rule, transport=self.t, clip=pen.clip_phi, span=self.span,
@@ -117,6 +121,24 @@ class LocalSGD:
                         probe_tolerance=caps.probe_tolerance)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
+
+    def owned_experts(self, experts: int) -> tuple[bool, ...] | None:
+        """Under `expert_subsets=routed`, the experts this cluster trains and sends now (None: every one — the
+        warm-up, another spec, or a cluster the decided map does not name)."""
+        return self.assignment.owned(self.t.name, experts) if self.assignment is not None else None
+
+    def to_anchor(self) -> int:
+        """Under a decided routed map, the rows of the experts this cluster does not own take the anchor's values
+        — after every committed sync and where the map first applies (decided, healed, resumed): what they made
+        since the last sync is let go, and frozen from there they carry no Δ. Elements reset on this rank."""
+        core = self.driver.core if self.driver is not None else None
+        if core is None or core.experts is None or not core.experts.units:
+            return 0
+        owned = self.owned_experts(next(iter(core.experts.units.values())).count)
+        if owned is None:
+            return 0
+        units = [(u.name, u.live(), core.outer.anchors[u.name], u.params) for u in core.units]
+        return core.experts.to_anchor(units, owned, *core.where)
 
     def _judge_anchor(self, tensors: dict[str, Tensor]) -> str | None:
         """A received anchor on this cluster's probe slice against its own (why not to adopt it, or None)."""
@@ -263,6 +285,8 @@ class LocalSGD:
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)
         self.probe.committed(report.quorum)
+        if self.assignment is not None:
+            self.to_anchor()
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()

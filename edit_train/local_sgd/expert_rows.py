@@ -136,4 +136,4 @@ class ExpertRows:
 
     def committed(self) -> None:
         if self.experts is not None:
-            self.experts.committed()
+            self.experts.committed(self.exchanged, self.report.quorum)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Decision
+from edit_train.local_sgd.assignment import RoutedAssignment
 from edit_train.local_sgd.evidence import shard_range, snap
 from edit_train.local_sgd.penalty import weighted
 
@@ -146,8 +147,9 @@ class Experts:
     for the clip norm; the verified rule with `expert_weights=none` never does)."""
 
     def __init__(self, routed: RoutedCounts, units: Sequence[tuple[str, nn.Module, list[nn.Parameter]]],
-                 min_tokens: int = 0, weighs: bool = True) -> None:
+                 min_tokens: int = 0, weighs: bool = True, assignment: RoutedAssignment | None = None) -> None:
         self.hook, self.min_tokens, self.weighs = routed.take, min_tokens, weighs
+        self.assignment = assignment  # expert_subsets=routed: what the committed exchanges decide (assignment.py)
         self.units: dict[str, UnitExperts] = {}
         self.shares: dict[str, list[float]] = {}  # unit -> each expert's share of its elements
         for name, module, params in units:
@@ -164,8 +166,33 @@ class Experts:
         self.pending = got if self.pending is None or self.pending.shape != got.shape else self.pending + got
         return self.pending.reshape(-1).tolist()
 
-    def committed(self) -> None:
+    def committed(self, exchanged: Tensor | None = None, names: Sequence[str] = ()) -> None:
+        """The round committed: its counts are spent; under `expert_subsets=routed` the warm-up counts what every
+        member reported (`exchanged` [P, L, E], `names` in quorum order)."""
         self.pending = None
+        if self.assignment is not None and exchanged is not None:
+            self.assignment.observe(names, exchanged)
+
+    @torch.no_grad()
+    def to_anchor(self, units: Sequence[tuple[str, list[Tensor], list[Tensor], Sequence[Tensor]]], owned: Sequence[bool],
+                  rank: int, size: int) -> int:
+        """The rows of the experts a cluster does not own take the anchor's values (`units`: per unit its name,
+        live local shards, anchor local shards and parameters): where a newly decided map freezes them. Returns
+        the elements reset on this rank."""
+        done = 0
+        for name, live, anchor, params in units:
+            ue = self.units.get(name)
+            if ue is None:
+                continue
+            for k, rows in enumerate(ue.rows(owned, params)):
+                if rows is None or live[k].dim() == 0:
+                    continue
+                lo, hi = shard_range(params[k], rank, size)
+                idx = (~rows[lo:hi]).nonzero().flatten().to(live[k].device)
+                if idx.numel():
+                    live[k].index_copy_(0, idx, anchor[k].index_select(0, idx.to(anchor[k].device)).to(live[k].dtype))
+                    done += int(idx.numel()) * _rowsize(params[k])
+        return done
 
     @property
     def width(self) -> int:
@@ -280,9 +307,10 @@ def expert_weights(counts: Tensor, sent: Tensor, kept: Tensor, rejected: Tensor)
 def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[bool, ...] | None:
     """Which experts cluster `index` (of `clusters` configured) trains and sends under `expert_subsets=spec`
     (SPES-style; None: off, every expert). ``split``: expert e is cluster (e mod clusters)'s; ``0+1|2+3``: cluster
-    i's experts are the i-th ``|``-separated list. Raises ValueError (one line) for a spec that leaves an expert
-    to nobody or names one the model does not have."""
-    if not spec:
+    i's experts are the i-th ``|``-separated list; ``routed``: decided at run time (`assignment.py`), None here.
+    Raises ValueError (one line) for a spec that leaves an expert to nobody or names one the model does not
+    have."""
+    if not spec or spec == "routed":
         return None
     if spec == "split":
         owners = [[e for e in range(experts) if e % clusters == i] for i in range(clusters)]
@@ -290,7 +318,8 @@ def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[b
         try:
             owners = [[int(x) for x in part.split("+") if x.strip()] for part in spec.split("|")]
         except ValueError:
-            raise ValueError(f"expert_subsets={spec!r}: use split, or each cluster's experts as 0+1|2+3") from None
+            raise ValueError(f"expert_subsets={spec!r}: use split, routed, or each cluster's experts as 0+1|2+3") \
+                from None
         if len(owners) != clusters:
             raise ValueError(f"expert_subsets={spec!r} names {len(owners)} clusters' experts, the federation has "
                              f"{clusters}")

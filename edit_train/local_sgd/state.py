@@ -1,5 +1,6 @@
 """What a checkpoint keeps of the sync machinery, and what a heal copies between clusters: the outer state,
-the aggregation rule's statistics, the transport's error-feedback residuals, the pacer and the counters."""
+the aggregation rule's statistics, the transport's error-feedback residuals, the pacer, the counters and the
+routed expert assignment (`expert_subsets=routed`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from torch import Tensor
 
+from edit_train.local_sgd.assignment import RoutedAssignment
 from edit_train.local_sgd.healing import (LocalState, Replica, adopt_outer, adopt_replica, anchor_digest,
                                           collect_state, prefixed)
 from edit_train.local_sgd.membership import Membership
@@ -20,9 +22,11 @@ from edit_train.local_sgd.rules import Aggregator
 
 class SyncState:
     def __init__(self, replica: Replica, rule: Aggregator, pacer: Pacer, membership: Membership, records: Records,
-                 transport: Transport, outer: Callable[[], OuterState | None], start_local: Callable[[], None]) -> None:
+                 transport: Transport, outer: Callable[[], OuterState | None], start_local: Callable[[], None],
+                 assignment: RoutedAssignment | None = None) -> None:
         self.replica, self.rule, self.pacer, self.membership = replica, rule, pacer, membership
         self.records, self.t, self.outer, self.start_local = records, transport, outer, start_local
+        self.assignment = assignment
 
     # ------------------------------------------------------------------ heal
     def heal_out(self) -> tuple[dict[str, Any], LocalState]:
@@ -30,7 +34,8 @@ class SyncState:
         rule_meta, rule_tensors = self.rule.state()
         outer = self.outer()
         meta = {"sync_index": self.membership.sync_index, "total_steps": self.pacer.total_steps,
-                "global_step": self.pacer.global_step, "rule": rule_meta, "local_phase": outer is not None}
+                "global_step": self.pacer.global_step, "rule": rule_meta, "local_phase": outer is not None,
+                **self._assignment()}
         return meta, collect_state(self.replica, outer, rule_tensors)
 
     def anchor_digest(self) -> str:
@@ -45,7 +50,10 @@ class SyncState:
         return anchor_digest(full) if c.rank == 0 else ""
 
     def heal_in(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-        """A healer takes what it received (keeping its local progress in the local-SGD phase)."""
+        """A healer takes what it received (keeping its local progress in the local-SGD phase) and the source's
+        expert assignment."""
+        if self.assignment is not None:
+            self.assignment.load(meta.get("assignment"))
         if meta.get("local_phase"):
             if self.outer() is None:
                 self.start_local()
@@ -76,7 +84,10 @@ class SyncState:
     def json(self) -> dict[str, Any]:
         return {"sync_index": self.membership.sync_index, "local_phase": self.outer() is not None,
                 "bytes_sent": self.t.bytes_sent, "blocked_s": self.t.blocked_s, "rule": self.rule.state()[0],
-                **self.pacer.state_json(), **self.records.state_json()}
+                **self.pacer.state_json(), **self.records.state_json(), **self._assignment()}
+
+    def _assignment(self) -> dict[str, Any]:
+        return {"assignment": self.assignment.state_json()} if self.assignment is not None else {}
 
     def load(self, tensors: dict[str, dict[str, Tensor]], state: dict[str, Any]) -> None:
         self.membership.holds(int(state["sync_index"]))
@@ -84,6 +95,8 @@ class SyncState:
         self.pacer.load(state)
         self.records.load(state)
         self.t.carry(int(state["bytes_sent"]), float(state["blocked_s"]))
+        if self.assignment is not None:
+            self.assignment.load(state.get("assignment"))
         if state["local_phase"]:
             if self.outer() is None:
                 self.start_local()

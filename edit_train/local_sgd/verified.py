@@ -76,8 +76,11 @@ class VerifiedConfig(NormTestConfig):
     expert_min_tokens: int = 0
     # expert subsets (SPES-style; "" off): a cluster trains and sends only its experts, the others stay at the
     # anchor on it, and an expert's update comes only from its owners — "split" (expert e is cluster e mod N's)
-    # or each cluster's experts as "0+1+2+3|4+5+6+7" (`experts.owned_experts`); needs expert_weights=tokens
+    # or each cluster's experts as "0+1+2+3|4+5+6+7" (`experts.owned_experts`), or "routed": after
+    # `expert_subsets_syncs` committed syncs of every cluster training every expert, each cluster owns the experts it
+    # routed the largest share of its tokens to, balanced (`assignment.py`); needs expert_weights=tokens
     expert_subsets: str = ""
+    expert_subsets_syncs: int = 4
 
     def validate(self, rule: str = "verified") -> None:
         super().validate(rule)
@@ -98,6 +101,8 @@ class VerifiedConfig(NormTestConfig):
         check_fields(not self.expert_subsets or self.expert_weights == "tokens", f"{rule}.expert_subsets",
                      f"needs expert_weights=tokens (an expert's update comes from its owners only, weighed by the "
                      f"tokens each routed to it), got expert_weights={self.expert_weights}")
+        check_fields(self.expert_subsets_syncs >= 1, f"{rule}.expert_subsets_syncs",
+                     f"must be >= 1 (the syncs the routed map is measured over), got {self.expert_subsets_syncs}")
         check_fields(self.probe_tokens >= 0 and self.max_token_ratio >= 1.0 and self.report_tolerance > 0, rule,
                      ": probe_tokens must be >= 0, max_token_ratio >= 1, report_tolerance > 0")
 
@@ -124,6 +129,7 @@ class VerifiedRule:
                             # under subsets a cluster reports 0 tokens to others' experts: below 1, not sent
                             expert_min_tokens=max(c.expert_min_tokens, int(bool(c.expert_subsets))),
                             weighs_experts=c.expert_weights != "none", expert_subsets=c.expert_subsets,
+                            expert_subsets_syncs=c.expert_subsets_syncs,
                             refuse=self.refuse)
 
     def refuse(self, clusters: int, gather_max: int, compression: str, experts: int = 0) -> tuple[str, str] | None:

@@ -1,9 +1,12 @@
 """Expert subsets per site (SPES-style, the verified rule's `expert_subsets`; off by default): this cluster
 trains only the experts it owns; every other expert stays frozen at the anchor on it.
 
-Which experts a cluster owns is a pure function of the configuration and the cluster's configured index
-(`local_sgd/experts.owned_experts`), so a resumed, restarted or healed cluster has the same assignment: nothing
-about it is saved, and a cluster whose config differs is refused by the configuration fingerprint.
+Which experts a cluster owns is, for a static map (``split``, ``0+1|2+3``), a pure function of the configuration
+and the cluster's configured index (`local_sgd/experts.owned_experts`), so a resumed, restarted or healed cluster
+has the same assignment: nothing about it is saved, and a cluster whose config differs is refused by the
+configuration fingerprint. Under ``routed`` the sync core decides the map after a warm-up of syncs
+(`local_sgd/assignment.py`; checkpointed and healed with the sync state) and the trainer follows it
+(`follow`): every expert trains until then, only the cluster's own from the step the map reaches it.
 
 * **Frozen rows.** An expert is whole dim-0 rows of the stacked ``gate_proj``/``up_proj``/``down_proj``
   (`model/expert_params.py`), so its rows share one parameter — and one AdamW state — with the owned experts':
@@ -90,6 +93,15 @@ def subsets_spec(cfg: Config) -> str:
     return capabilities_of(make_rule(cfg.algo.rule)).expert_subsets if cfg.algo.local_sgd else ""
 
 
+def planned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[bool, ...] | None:
+    """The experts a plan counts cluster `index` as owning (`edit-train-info`, the memory plan): the static map's,
+    or for ``routed`` — decided at run time — ``split``'s, which has its sizes (⌊E/P⌋ or ⌈E/P⌉ each; only which
+    experts differs). None: off."""
+    from edit_train.local_sgd.experts import owned_experts
+
+    return owned_experts("split" if spec == "routed" else spec, index, clusters, experts)
+
+
 def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> FrozenRows | None:
     """This cluster's frozen rows under the rule's expert subsets (None: off, no MoE layer, or no local SGD)."""
     from edit_train.local_sgd.experts import owned_experts
@@ -101,3 +113,12 @@ def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> Fro
         return None
     owned = owned_experts(spec, index, clusters, cfg.model.num_experts)
     return FrozenRows(model, owned) if owned is not None else None
+
+
+def follow(current: FrozenRows | None, model: nn.Module, owned: Sequence[bool] | None) -> FrozenRows | None:
+    """Under ``routed``: the frozen rows for the map the sync core holds now (`owned`, None: not decided or not
+    routed — `current` stays). A new FrozenRows when the map is new to this trainer (decided, healed in, resumed);
+    `current` itself otherwise."""
+    if owned is None or (current is not None and current.owned == tuple(owned)):
+        return current
+    return FrozenRows(model, owned)

@@ -25,9 +25,10 @@ from edit_train.model.expert_params import sync_pieces
 
 class RoutedTally:
     def __init__(self, model: CausalLM, topo: Topology, emit: Callable[..., None], step: Callable[[], int],
-                 local_sgd: bool, warmup_steps: int, log_every: int, owned: Sequence[bool] | None = None) -> None:
+                 local_sgd: bool, warmup_steps: int, log_every: int,
+                 owned: Callable[[], Sequence[bool] | None] = lambda: None) -> None:
         self.model, self.topo, self.emit, self.step = model, topo, emit, step
-        self.owned = owned  # expert subsets: the experts this cluster owns (None: every one)
+        self.owned = owned  # expert subsets: the experts this cluster owns now (None: every one)
         self.local_sgd, self.warmup_steps, self.log_every = local_sgd, warmup_steps, max(log_every, 1)
         self.layers = model.moe_layers()
         self.steps = 0  # training steps in the open interval
@@ -68,4 +69,4 @@ class RoutedTally:
                       interval=self.intervals, steps=self.steps, layers=self.layers, counts=counts.tolist())
         self.intervals += 1
         self.steps = 0
-        return owned_counts(counts, self.owned)  # what it sends: 0 for an expert it does not own (the event: all)
+        return owned_counts(counts, self.owned())  # what it sends: 0 for an expert it does not own (the event: all)

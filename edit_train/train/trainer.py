@@ -28,7 +28,7 @@ from edit_train.cluster.threads import ThreadBudget
 from edit_train.config import cluster_specs
 from edit_train.model import CausalLM, count_params
 from edit_train.sim.build import step_hooks
-from edit_train.train.expert_subsets import frozen_rows
+from edit_train.train.expert_subsets import follow, frozen_rows
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.errors import SyncAborted
@@ -120,7 +120,7 @@ class Trainer:
         self.frozen = frozen_rows(cfg, self.model, topo.index, len(self.specs))  # expert subsets (off: None)
         self.tally = RoutedTally(self.model, topo, self.metrics.log, lambda: self.state.step, cfg.algo.local_sgd,
                                  cfg.algo.warmup_steps, t.log_every,  # routed tokens per expert and interval
-                                 owned=self.frozen.owned if self.frozen else None)
+                                 owned=lambda: self.frozen.owned if self.frozen else self._routed_map())
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
@@ -131,6 +131,21 @@ class Trainer:
         if resume_from is not None:
             resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
+
+    def _routed_map(self) -> tuple[bool, ...] | None:
+        """The experts this cluster owns under a decided `expert_subsets=routed` map (None: every one)."""
+        return self.algo.owned_experts(self.cfg.model.num_experts)
+
+    def _follow_map(self) -> None:
+        """Under `expert_subsets=routed`: freeze the experts this cluster does not own once the map reaches it,
+        from the anchor's values (their progress since the last sync is let go), and say so in one event."""
+        frozen = follow(self.frozen, self.model, self._routed_map())
+        if frozen is self.frozen or frozen is None:
+            return
+        self.frozen = frozen
+        self.algo.to_anchor()
+        self.metrics.log("expert_subsets", step=self.state.step, cluster=self.topo.name,
+                         experts=[e for e, o in enumerate(frozen.owned) if o])
 
     # ------------------------------------------------------------------ build
     def _build_model(self) -> None:
@@ -305,6 +320,7 @@ class Trainer:
         else:
             with self.timing.span("sync"):
                 self.algo.after_backward(step, None)
+        self._follow_map()  # expert_subsets=routed: the map the sync core decided (or healed, or resumed)
         if self.frozen is not None:
             self.frozen.hold()  # the experts this cluster does not own stay at the anchor
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
