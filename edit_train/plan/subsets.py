@@ -49,9 +49,8 @@ def saving(units: Sequence[int], unsent: Sequence[int], world: int, codec: Codec
            paired: bool = True, chunks: int = 4, gather_max: int = 4,
            needs: str = "measurements") -> dict[str, int | float]:
     """What one cluster saves by leaving `unsent` (per unit) at home, in a sync among `world` clusters."""
-    kw = dict(ranks=ranks, paired=paired, chunks=chunks, gather_max=gather_max, needs=needs)
-    every = sync_bytes(units, world, codec, **kw)  # type: ignore[arg-type]
-    nbytes = sync_bytes(units, world, codec, unsent=unsent, **kw)  # type: ignore[arg-type]
+    every, nbytes = (sync_bytes(units, world, codec, ranks=ranks, paired=paired, chunks=chunks, gather_max=gather_max,
+                                needs=needs, unsent=left) for left in (None, unsent))
     return {"unsent_params_per_sync": sum(unsent), "bytes_per_sync": nbytes, "bytes_per_sync_every_expert": every,
             "bytes_saved_per_sync": every - nbytes, "bytes_saved_fraction": (every - nbytes) / every if every else 0.0,
             "frozen_copy_bytes_per_rank": 4 * sum(unsent) // max(ranks, 1),  # fp32 rows held through a step
