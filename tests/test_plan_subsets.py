@@ -180,6 +180,7 @@ def test_edit_train_plan_prints_the_block_and_writes_it_to_the_json(tmp_path, mo
 
     data = json.loads((tmp_path / "plan.json").read_text())
     assert set(data["expert_subsets"]["clusters"]) == {"c0", "c1"}
+    assert {c["expert_subsets"] for c in data["candidates"]} == {"split", None}
     figures = data["expert_subsets"]["clusters"]["c0"]
     assert figures["bytes_saved_per_sync"] == figures["bytes_per_sync_every_expert"] - figures["bytes_per_sync"] > 0
 

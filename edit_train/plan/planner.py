@@ -49,6 +49,7 @@ class Row:
         return {"label": c.label, "algo": c.algo, "mode": c.mode if c.local_sgd else None,
                 "compression": c.compression if c.local_sgd else None,
                 "topk": dict(vars(c.topk)) if c.local_sgd and c.compression == "topk" else None,
+                "expert_subsets": c.subsets or None,
                 "interval": c.interval if c.local_sgd and not c.timed else None,
                 "sync_time_s": c.sync_time_s if c.timed else None, "tokens_per_s": self.tokens_per_s,
                 "blocked_frac": self.blocked, "bytes_per_token": self.bytes_per_token,
