@@ -6,21 +6,21 @@ from __future__ import annotations
 import torch
 
 from edit_train.config import Config
-from edit_train.train.expert_subsets import planned_experts, subsets_spec
+from edit_train.train.expert_subsets import subsets_spec
 
 
 def subsets_plan(cfg: Config) -> dict | None:
     """What expert subsets save, per configured cluster (`edit-train-info`): the experts it owns, the elements
     it leaves at home per sync, its sync's bytes (payload and tags, `plan/traffic.sync_bytes`, gathered at one
-    rank per cluster: exact) against every expert sent, and the memory the frozen rows' copy costs per rank.
-    None when off."""
+    rank per cluster: exact) against every expert sent, and the memory the frozen rows' copy costs per rank
+    (`plan/subsets.saving`, the planner's figures too). None when off."""
     from edit_train.cluster.mesh import fsdp_units
     from edit_train.config import cluster_specs
     from edit_train.local_sgd.experts import UnitExperts
     from edit_train.local_sgd.round import build_units
     from edit_train.model import CausalLM
     from edit_train.model.expert_params import sync_pieces
-    from edit_train.plan.traffic import sync_bytes
+    from edit_train.plan.subsets import cluster_map, saving
 
     spec = subsets_spec(cfg)
     if not (spec and cfg.model.num_experts):
@@ -32,18 +32,13 @@ def subsets_plan(cfg: Config) -> dict | None:
     found = [(u, pieces(u.name, u.module, u.params)) for u in units]
     numels = [sum(p.numel() for p in u.params) for u in units]
     specs = cluster_specs(cfg)
-    world, ranks = len(specs), cfg.cluster.ranks
-    every = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max)
-    out = {}
+    world = len(specs)
+    owners, note = cluster_map(spec, world, cfg.model.num_experts)  # `routed`: split's sizes (the note says so)
+    out: dict = {}
     for s in specs:
-        owned = planned_experts(spec, s.index, world, cfg.model.num_experts)
-        assert owned is not None
+        owned = owners[s.index]
         home = [UnitExperts.of(f[0], f[1], u.params).unsent(owned, u.params) if f else 0 for u, f in found]
-        nbytes = sync_bytes(numels, world, cfg.sync.compression, ranks=ranks, gather_max=cfg.sync.gather_max,
-                            unsent=home)
-        out[s.name] = {"experts": "routed" if spec == "routed" else [e for e, o in enumerate(owned) if o], "unsent_params_per_sync": sum(home),
-                       "bytes_per_sync": nbytes, "bytes_per_sync_every_expert": every,
-                       "bytes_saved_per_sync": every - nbytes,
-                       "frozen_copy_bytes_per_rank": 4 * sum(home) // ranks,  # fp32 rows held through a step
-                       "optimizer_bytes_saved_per_rank": 0}  # stacked experts: one AdamW state per tensor
+        out[s.name] = {"experts": [e for e, o in enumerate(owned) if o] if not note else note,
+                       **saving(numels, home, world, cfg.sync.compression, ranks=cfg.cluster.ranks,
+                                gather_max=cfg.sync.gather_max)}
     return out

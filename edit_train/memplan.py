@@ -205,13 +205,14 @@ def memory_plan(model: ModelConfig, *, shard_size: int, batch_size: int, seq_len
 
 
 def frozen_expert_rows(cfg: Any) -> int:
-    """Expert subsets (the rule's `expert_subsets`; `routed` counted as its balanced sizes): the most expert-row
-    elements any configured cluster holds frozen — the experts it does not own, every MoE layer (0: off)."""
+    """Expert subsets (the rule's `expert_subsets`, a static map): the most expert-row elements any configured
+    cluster holds frozen — the experts it does not own, every MoE layer (0: off)."""
     from edit_train.config import cluster_specs
     from edit_train.model.expert_params import EXPERT_PARAMS
     from edit_train.model.moe import MoEBlock
     from edit_train.model.transformer import CausalLM
-    from edit_train.train.expert_subsets import planned_experts, subsets_spec
+    from edit_train.plan.subsets import cluster_map
+    from edit_train.train.expert_subsets import subsets_spec
 
     spec = subsets_spec(cfg)
     if not (spec and cfg.model.num_experts):
@@ -220,8 +221,7 @@ def frozen_expert_rows(cfg: Any) -> int:
         model = CausalLM(cfg.model)
     per_expert = sum(getattr(b.experts, n)[0].numel() for b in model.modules() if isinstance(b, MoEBlock)
                      for n in EXPERT_PARAMS)
-    specs = cluster_specs(cfg)
-    owned = [planned_experts(spec, s.index, len(specs), cfg.model.num_experts) or () for s in specs]
+    owned, _ = cluster_map(spec, len(cluster_specs(cfg)), cfg.model.num_experts)
     return max((len(o) - sum(o)) * per_expert for o in owned)
 
 

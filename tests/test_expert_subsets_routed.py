@@ -188,3 +188,16 @@ def test_a_two_cluster_run_follows_the_routed_map(tmp_path, small_corpus: str) -
     for c in ("c0", "c1"):
         state = json.loads(next((run / "checkpoints" / c).glob("step_*/rank0-state.json")).read_text())
         assert state["algo"]["assignment"]["owners"] == decided
+
+
+def test_edit_train_info_plans_a_routed_map_at_splits_sizes_and_says_so() -> None:
+    from edit_train.cli.common import compose
+    from edit_train.cli.info import estimate
+
+    base = ["logger=none", "algo=edit", "algo.rule.verified.expert_weights=tokens", "experiment=noniid_lang_2"]
+    routed = estimate(compose([*base, "algo.rule.verified.expert_subsets=routed"]))["expert_subsets"]
+    split = estimate(compose([*base, "algo.rule.verified.expert_subsets=split"]))["expert_subsets"]
+    for c in ("c0", "c1"):
+        assert "decided at run time" in routed[c]["experts"]
+        assert {k: v for k, v in routed[c].items() if k != "experts"} == \
+            {k: v for k, v in split[c].items() if k != "experts"}

@@ -61,6 +61,8 @@ def run_plan(overrides: list[str]) -> dict[str, Any]:
           f"({plan.events_per_s:,.0f} events/s)")
     print(report.table(plan, top=int(cfg["top"])))
     print(report.recommendation(plan))  # a stale calibration is its first note
+    if plan.subsets:
+        print(report.subsets_block(plan))
     print(f"wrote {js} and {png}")
     return report.to_json(plan)
 

@@ -31,10 +31,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from edit_train.plan import hardware, pipeline, traffic
+from edit_train.plan import hardware, pipeline, subsets, traffic
 from edit_train.plan.dist import StepDist
 from edit_train.plan.profile import Profile
-from edit_train.plan.spec import Candidate, Scenario
+from edit_train.plan.spec import Candidate, PlanError, Scenario
 
 FWD_FRACTION = 1.0 / 3.0  # forward share of a step (backward ≈ 2× forward)
 EXACT = 8  # up to this many steps are drawn one by one
@@ -59,6 +59,10 @@ class Fed:
     mean_step: np.ndarray  # mean cluster step (slowest rank) + per-step overhead
     std_step: np.ndarray
     demand: np.ndarray  # cores each cluster wants while it trains (ranks / slowdown; contention.py)
+    # expert subsets (the scenario's `expert_subsets`): per cluster and sync unit, the elements it leaves at home
+    # (plan/subsets.py; zeros when off), and the note of a map decided at run time
+    home: np.ndarray | None = None
+    subsets_note: str = ""
 
     @property
     def n(self) -> int:
@@ -92,9 +96,12 @@ class Fed:
             return lk.lanes
         return traffic.lanes(int(self.ranks[c]), paired, self.scenario.chunks) if self.scenario.simulated_link else 1
 
-    def unit_bytes(self, c: int, world: int, paired: bool, codec: traffic.Codec, needs: str) -> np.ndarray:
+    def unit_bytes(self, c: int, world: int, paired: bool, codec: traffic.Codec, needs: str,
+                   subsets: bool = False) -> np.ndarray:
+        """Bytes cluster `c` sends of each unit in one sync (`subsets`: its unowned experts' rows left out)."""
+        unsent = tuple(int(x) for x in self.home[c]) if subsets and self.home is not None else None
         return _unit_bytes(tuple(self.facts.unit_sizes), world, codec, int(self.ranks[c]), paired,
-                           self.scenario.chunks, self.scenario.gather_max, needs)
+                           self.scenario.chunks, self.scenario.gather_max, needs, unsent)
 
     def codec_s(self, c: int, world: int, paired: bool, codec: traffic.Codec, needs: str) -> float:
         """Seconds cluster `c`'s codec takes in one sync among `world`: its own contribution encoded, the
@@ -125,7 +132,8 @@ class Fed:
         world, paired = len(members), self.paired(members)
         codec = cand.codec(self.scenario)
         needs = traffic.NEEDS.get(cand.algo, "measurements")
-        per_unit = np.array([self.unit_bytes(int(c), world, paired, codec, needs) for c in members])
+        per_unit = np.array([self.unit_bytes(int(c), world, paired, codec, needs, bool(cand.subsets))
+                             for c in members])
         nbytes = per_unit.sum(axis=1)
         cpu = self.cpu_share(members)
         apply = cpu * p.work_s(self.facts.total_params)  # norms, outer steps, re-bases: between the units
@@ -201,9 +209,11 @@ class Fed:
 
 @lru_cache(maxsize=4096)
 def _unit_bytes(units: tuple[int, ...], world: int, scheme: traffic.Codec, ranks: int, paired: bool, chunks: int,
-                gather_max: int, needs: str) -> np.ndarray:
+                gather_max: int, needs: str, unsent: tuple[int, ...] | None = None) -> np.ndarray:
+    left = unsent or (0,) * len(units)
     return np.array([traffic.sync_bytes([u], world, scheme, ranks=ranks, paired=paired, chunks=chunks,
-                                        gather_max=gather_max, needs=needs) for u in units], dtype=float)
+                                        gather_max=gather_max, needs=needs, unsent=[s]) for u, s in zip(units, left)],
+                    dtype=float)
 
 
 def resolve(scn: Scenario, profile: Profile, facts: hardware.ModelFacts | None = None) -> Fed:
@@ -223,9 +233,24 @@ def resolve(scn: Scenario, profile: Profile, facts: hardware.ModelFacts | None =
     means = np.array([d.mean_max(int(r)) for d, r in zip(dists, ranks)]) + profile.other_step_s
     stds = np.array([d.std_max(int(r)) for d, r in zip(dists, ranks)])
     demand = np.array([c.ranks / max(c.slowdown, 1.0) for c in scn.clusters])
+    home, note = subsets_home(scn, facts)
     return Fed(scn, profile, facts, [c.name for c in scn.clusters], ranks, dists, np.array(tps, dtype=float),
                np.array(bw), np.array(lat), np.array(up), [u.bandwidth_mbps * 1e6 / 8 for u in scn.uplinks],
-               means, stds, demand)
+               means, stds, demand, home, note)
+
+
+def subsets_home(scn: Scenario, facts: hardware.ModelFacts) -> tuple[np.ndarray | None, str]:
+    """The scenario's expert subsets: per cluster and unit, the elements it leaves at home (None: off), and the
+    note of a map decided at run time (`plan/subsets.cluster_map`, the product's own parser)."""
+    if not scn.expert_subsets:
+        return None, ""
+    if not facts.experts:
+        raise PlanError(f"expert_subsets: model {facts.name} has no routed experts")
+    try:
+        owners, note = subsets.cluster_map(scn.expert_subsets, len(scn.clusters), facts.experts)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    return np.array([subsets.home(o, facts.expert_sizes) for o in owners], dtype=np.int64), note
 
 
 def rank_dist(c, profile: Profile, facts: hardware.ModelFacts, batch: int, seq_len: int) -> StepDist:

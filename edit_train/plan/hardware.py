@@ -37,6 +37,8 @@ class ModelFacts:
     total_params: int
     active_params: int
     flops_per_token_at: tuple[int, int, int]  # (6 * active-non-embedding, 12 * L * d_attn, tie) -> per seq_len
+    experts: int = 0  # routed experts per MoE layer
+    expert_sizes: tuple[int, ...] = ()  # per sync unit, one routed expert's elements (its gate/up/down rows; 0: none)
 
     @property
     def unit_sizes(self) -> list[int]:
@@ -81,11 +83,13 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
     if not tied:
         units.append(("word_embeddings", v * h))
     inactive = 0
+    per_expert: dict[str, int] = {}
     for i in range(n_layers):
         if experts > 0 and i >= int(c["first_k_dense_replace"]):
             routed = experts * 3 * h * moe_i
             mlp = h * experts + routed + (3 * h * shared * moe_i if shared > 0 else 0)
             inactive += routed // experts * (experts - top_k)
+            per_expert[f"layers.{i}"] = 3 * h * moe_i
         else:
             mlp = 3 * h * dense_i
         units.append((f"layers.{i}", attn + norms + mlp))
@@ -97,7 +101,8 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
     active = total - inactive
     embedding = 0 if tied else v * h
     return ModelFacts(name or (preset if isinstance(preset, str) else "custom"), n_layers, tuple(units), total,
-                      active, (6 * (active - embedding), 12 * n_layers * heads * hd, int(tied)))
+                      active, (6 * (active - embedding), 12 * n_layers * heads * hd, int(tied)),
+                      experts if per_expert else 0, tuple(per_expert.get(name, 0) for name, _ in units))
 
 
 def accelerator(kind: str) -> dict[str, float]:
@@ -115,8 +120,10 @@ def step_seconds(facts: ModelFacts, kind: str, tokens_per_rank: int, seq_len: in
     return facts.flops_per_token(seq_len) * tokens_per_rank / (accelerator(kind)["peak_flops"] * mfu)
 
 
-def memory_per_rank_gb(facts: ModelFacts, ranks: int, local_sgd: bool) -> float:
+def memory_per_rank_gb(facts: ModelFacts, ranks: int, local_sgd: bool, frozen: int = 0) -> float:
     """Rough resident state per rank (fp32 master + grads + AdamW, + anchor and outer momentum for local SGD),
-    without activations: `edit-train-info` has the exact plan."""
+    without activations, + the fp32 copy of `frozen` expert-row elements that expert subsets hold through each
+    optimizer step (no optimizer state saved: one AdamW state per stacked tensor): `edit-train-info` has the
+    exact plan."""
     per_param = 4 + 4 + 8 + (8 if local_sgd else 0)
-    return facts.total_params * per_param / max(ranks, 1) / 1e9
+    return (facts.total_params * per_param + 4 * frozen) / max(ranks, 1) / 1e9

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from edit_train.plan import faults, hardware
+from edit_train.plan import faults, hardware, subsets, traffic
 from edit_train.plan.costs import Fed, resolve
 from edit_train.plan.engine import simulate
 from edit_train.plan.loss import LossModel, default_model
 from edit_train.plan.profile import Profile, nearest_timed
 from edit_train.plan.simbase import SimOptions, SimResult
-from edit_train.plan.spec import Candidate, Scenario, TopK
+from edit_train.plan.spec import SUBSET_ALGOS, Candidate, Scenario, TopK
 
 
 @dataclass
@@ -49,6 +49,7 @@ class Row:
         return {"label": c.label, "algo": c.algo, "mode": c.mode if c.local_sgd else None,
                 "compression": c.compression if c.local_sgd else None,
                 "topk": dict(vars(c.topk)) if c.local_sgd and c.compression == "topk" else None,
+                "expert_subsets": c.subsets or None,
                 "interval": c.interval if c.local_sgd and not c.timed else None,
                 "sync_time_s": c.sync_time_s if c.timed else None, "tokens_per_s": self.tokens_per_s,
                 "blocked_frac": self.blocked, "bytes_per_token": self.bytes_per_token,
@@ -69,6 +70,7 @@ class Plan:
     events: int
     cluster_steps: int
     notes: list[str] = field(default_factory=list)
+    subsets: dict[str, Any] | None = None  # what expert subsets save (`subsets_saving`), when the scenario has them
 
     @property
     def events_per_s(self) -> float:
@@ -85,21 +87,55 @@ def candidates(scn: Scenario, fed: Fed) -> list[Candidate]:
             continue
         for mode in cs.modes:
             for comp in cs.compressions:
+                # expert subsets only where the user turned them on, and where the product runs them
+                sub = scn.expert_subsets if algo in SUBSET_ALGOS and comp == "none" else ""
                 for topk in [TopK(**t) for t in cs.topk] if comp == "topk" else [TopK()]:
                     if algo == "a_edit":
-                        out += [Candidate(algo, mode, comp, cs.intervals[0] if cs.intervals else 16, float(t), topk)
-                                for t in taus]
+                        out += [Candidate(algo, mode, comp, cs.intervals[0] if cs.intervals else 16, float(t), topk,
+                                          sub) for t in taus]
                     else:
-                        out += [Candidate(algo, mode, comp, int(h), topk=topk) for h in cs.intervals]
+                        out += [Candidate(algo, mode, comp, int(h), topk=topk, subsets=sub) for h in cs.intervals]
     return out
 
 
+def memory_gb(fed: Fed, cand: Candidate, c: int) -> float:
+    """Cluster `c`'s rough state per rank under `cand` (expert subsets: + the frozen rows' copy)."""
+    frozen = int(fed.home[c].sum()) if cand.subsets and fed.home is not None else 0
+    return hardware.memory_per_rank_gb(fed.facts, int(fed.ranks[c]), cand.local_sgd, frozen)
+
+
 def fits_memory(scn: Scenario, fed: Fed, cand: Candidate) -> bool:
-    for c in scn.clusters:
+    for i, c in enumerate(scn.clusters):
         mem = c.memory_gb or (hardware.accelerator(c.accelerator)["memory_gb"] if c.accelerator else 0.0)
-        if mem and hardware.memory_per_rank_gb(fed.facts, c.ranks, cand.local_sgd) > 0.9 * mem:
+        if mem and memory_gb(fed, cand, i) > 0.9 * mem:
             return False
     return True
+
+
+def subsets_saving(scn: Scenario, fed: Fed, rows: list[Row]) -> dict[str, Any] | None:
+    """What the scenario's expert subsets save each cluster in a sync of every cluster (`plan/subsets.saving`,
+    the figures `edit-train-info` reports) and the at_end sync's predicted seconds with and without them, on
+    the best candidate that carries them; None when off."""
+    if fed.home is None:
+        return None
+    carried = [r for r in rows if r.cand.subsets]
+    if not carried:
+        return None
+    cand = max(carried, key=lambda r: r.effective).cand
+    members = np.arange(fed.n)
+    paired = fed.paired(members)
+    needs = traffic.NEEDS[cand.algo]
+    on, off = fed.sync_cost(members, cand), fed.sync_cost(members, replace(cand, subsets=""))
+    per = {}
+    for i, name in enumerate(fed.names):
+        figures = subsets.saving(fed.facts.unit_sizes, [int(x) for x in fed.home[i]], fed.n, cand.codec(scn),
+                                 ranks=int(fed.ranks[i]), paired=paired, chunks=scn.chunks,
+                                 gather_max=scn.gather_max, needs=needs)
+        per[name] = {**figures, "at_end_sync_s": float(on["at_end"][i]),
+                     "at_end_sync_s_every_expert": float(off["at_end"][i]),
+                     "memory_gb_per_rank": memory_gb(fed, cand, i),
+                     "memory_gb_per_rank_every_expert": memory_gb(fed, replace(cand, subsets=""), i)}
+    return {"spec": scn.expert_subsets, "candidate": cand.label, "note": fed.subsets_note, "clusters": per}
 
 
 def sim_options(scn: Scenario, seed: int = 0, quick: bool = False) -> SimOptions:
@@ -137,7 +173,7 @@ def make_plan(scn: Scenario, profile: Profile | None = None, loss: LossModel | N
     rows = [evaluate(scn, fed, c, loss, seed, quick) for c in candidates(scn, fed)]
     ok = [r for r in rows if r.fits] or rows
     best = max(ok, key=lambda r: (r.effective, -r.bytes_per_s))
-    notes = []
+    notes = []  # a run-time expert map's note is in the subsets' block
     if not profile.calibrated:
         notes.append("uncalibrated: step times from FLOPs at the given MFU and default sync costs; run "
                      "`edit-train-plan calibrate RUN_DIR...` for measured ones")
@@ -152,7 +188,7 @@ def make_plan(scn: Scenario, profile: Profile | None = None, loss: LossModel | N
     events = sum(r.sim.events for r in rows if r.sim)
     steps = sum(r.sim.cluster_steps for r in rows if r.sim)
     return Plan(scn, rows, best, overrides(scn, best.cand), loss, profile, time.perf_counter() - t0, events,
-                steps, notes)
+                steps, notes, subsets_saving(scn, fed, rows))
 
 
 def overrides(scn: Scenario, cand: Candidate) -> list[str]:
@@ -168,6 +204,9 @@ def overrides(scn: Scenario, cand: Candidate) -> list[str]:
         if cand.compression in ("int8", "fp8", "topk") and (scn.block_size, scn.scale_dtype) != (256, "fp32"):
             out += [f"sync.block_size={scn.block_size}", f"sync.scale_dtype={scn.scale_dtype}"]
         out.append(f"algo.sync_time_s={cand.sync_time_s:g}" if cand.timed else f"algo.interval={cand.interval}")
+        if cand.subsets:
+            out += ["algo.rule.verified.expert_weights=tokens", f"algo.rule.verified.expert_subsets={cand.subsets}",
+                    f"sync.gather_max={scn.gather_max}"]  # every cluster gathered: weights per expert
     specs = []
     for c in scn.clusters:
         extra = f",slowdown:{c.slowdown:g}" if c.slowdown != 1.0 else ""

@@ -43,6 +43,22 @@ def recommendation(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def subsets_block(plan: Plan) -> str:
+    """What the scenario's expert subsets save, per cluster, in one short block ("" when off)."""
+    sub = plan.subsets
+    if not sub:
+        return ""
+    lines = [f"expert subsets ({sub['spec']}; on {sub['candidate']}; the loss model does not charge them: "
+             "docs/noniid.md measures their cost):"]
+    for name, c in sub["clusters"].items():
+        lines.append(f"  {name}: {c['bytes_per_sync'] / 1e6:,.2f} MB/sync instead of "
+                     f"{c['bytes_per_sync_every_expert'] / 1e6:,.2f} (-{c['bytes_saved_fraction']:.1%}), at_end sync "
+                     f"{c['at_end_sync_s']:.3g} s instead of {c['at_end_sync_s_every_expert']:.3g}; per rank "
+                     f"+{c['frozen_copy_bytes_per_rank'] / 1e6:,.1f} MB frozen-rows copy, no optimizer state saved")
+    lines += [f"  note: {sub['note']}"] if sub["note"] else []
+    return "\n".join(lines)
+
+
 def _quote(o: str) -> str:
     return f"'{o}'" if any(ch in o for ch in "[]{},") else o
 
@@ -57,6 +73,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "candidates": [r.to_json() for r in sorted(plan.rows, key=lambda r: -r.effective)],
             "loss_model": plan.loss.to_json(), "profile_calibrated": plan.profile.calibrated,
             "profile_fit": plan.profile.fit, "notes": plan.notes,
+            **({"expert_subsets": plan.subsets} if plan.subsets else {}),
             "elapsed_s": plan.elapsed_s, "events": plan.events, "cluster_steps": plan.cluster_steps,
             "events_per_s": plan.events_per_s}
 

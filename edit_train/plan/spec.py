@@ -12,6 +12,7 @@ from typing import Any
 from edit_train.plan.traffic import COMPRESSIONS, Codec
 
 ALGOS = ("ddp", "post_local_sgd", "diloco", "edit", "a_edit")
+SUBSET_ALGOS = ("edit", "a_edit")  # the verified rule's: the algorithms expert subsets run under
 MODES = ("layerwise", "at_end", "overlap")
 
 
@@ -100,6 +101,9 @@ class Scenario:
     checkpoint_every: int = 0
     min_steps: int = 1
     target_loss: float = 0.0  # loss side: tokens to reach this (0: a fraction of the way from the prior)
+    # expert subsets per site (algo.rule.verified.expert_subsets; "" off, never turned on by the planner itself):
+    # split or a static map 0+1|2+3 — the edit / a_edit candidates with compression none run with it (plan/subsets.py)
+    expert_subsets: str = ""
 
     @property
     def accelerators(self) -> int:
@@ -195,6 +199,13 @@ def check(s: Scenario) -> None:
     need(all(h >= 1 for h in s.candidates.intervals), "candidates.intervals", "local steps must be >= 1")
     need(all(t > 0 for t in s.candidates.sync_times_s), "candidates.sync_times_s", "seconds must be > 0")
     need(s.batch_size >= 1 and s.seq_len >= 2, "batch_size/seq_len", "must be >= 1 / >= 2")
+    if s.expert_subsets:
+        need(isinstance(s.expert_subsets, str), "expert_subsets", f"split or a map 0+1|2+3, got {s.expert_subsets!r}")
+        need(any(a in SUBSET_ALGOS for a in s.candidates.algos) and "none" in s.candidates.compressions,
+             "expert_subsets", "only edit / a_edit candidates with compression none carry them (the verified "
+             "rule's option; rows left out cannot go compressed): list them in candidates")
+        need(len(s.clusters) <= s.gather_max, "expert_subsets", f"needs every cluster gathered (expert_weights="
+             f"tokens): gather_max={s.gather_max} < {len(s.clusters)} clusters")
     need(s.hours > 0 or s.steps > 0, "hours", "a plan needs a horizon (hours > 0) or a number of steps")
     need(s.join_timeout_s > 0 and s.heartbeat_timeout_s > 0, "join_timeout_s", "timeouts must be > 0")
     need(s.min_clusters >= 1, "min_clusters", "must be >= 1")
@@ -235,6 +246,7 @@ class Candidate:
     interval: int = 32
     sync_time_s: float = 0.0
     topk: TopK = TopK()
+    subsets: str = ""  # expert subsets (the scenario's `expert_subsets`; "" off)
 
     def codec(self, s: Scenario) -> Codec:
         """The wire format this candidate sends in scenario `s` (its block size and scale type)."""
@@ -261,4 +273,5 @@ class Candidate:
         if self.algo == "ddp":
             return "ddp"
         knob = f"tau={self.sync_time_s:g}s" if self.timed else f"H={self.interval}"
-        return f"{self.algo}/{self.mode}/{self.compression_label}/{knob}"
+        subsets = "+subsets" if self.subsets else ""
+        return f"{self.algo}/{self.mode}/{self.compression_label}{subsets}/{knob}"

@@ -93,15 +93,6 @@ def subsets_spec(cfg: Config) -> str:
     return capabilities_of(make_rule(cfg.algo.rule)).expert_subsets if cfg.algo.local_sgd else ""
 
 
-def planned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[bool, ...] | None:
-    """The experts a plan counts cluster `index` as owning (`edit-train-info`, the memory plan): the static map's,
-    or for ``routed`` — decided at run time — ``split``'s, which has its sizes (⌊E/P⌋ or ⌈E/P⌉ each; only which
-    experts differs). None: off."""
-    from edit_train.local_sgd.experts import owned_experts
-
-    return owned_experts("split" if spec == "routed" else spec, index, clusters, experts)
-
-
 def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> FrozenRows | None:
     """This cluster's frozen rows under the rule's expert subsets (None: off, no MoE layer, or no local SGD)."""
     from edit_train.local_sgd.experts import owned_experts
