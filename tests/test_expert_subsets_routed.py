@@ -125,9 +125,10 @@ def test_after_the_warm_up_each_expert_takes_its_owners_delta_alone_and_the_rest
                                            [0.0, 0.5, 0.5, 0.0] if n == "c1" else [0.25, 0.25, 0.5, 0.0])
         mine = [1.0 if e in MAP[n] and COUNTS[NAMES.index(n), e] > 0 else 0.0 for e in range(E)]
         assert weights[1] == weights[2] == mine, n  # after it: an expert's update is its owner's Δ alone
-        # the rows of the experts it does not own are the anchor's after every sync once the map is decided
-        # (`LocalSGD.to_anchor`; without it they would hold θ̄ − Δ, the Δ they did not send)
-        for k in (1, 2, 3):
+        # the rows of the experts it does not own are the anchor's after every sync after the decision
+        # (`ExpertRows.unowned_to_anchor`; without it they would hold θ̄ − Δ, the Δ they did not send: this toy
+        # trains them on, the trainer freezes them)
+        for k in (2, 3):
             after = out.snapshots[("after", k * H - 1)]
             live, anchor = [after["params"][i] for i in UNIT2], after["anchor"][1]
             on = [all(torch.equal(p[ROWS * e:ROWS * (e + 1)], a[ROWS * e:ROWS * (e + 1)]) for p, a in zip(live, anchor))
@@ -136,6 +137,25 @@ def test_after_the_warm_up_each_expert_takes_its_owners_delta_alone_and_the_rest
 
 
 UNIT2 = [i for i, (name, _) in enumerate(toy_model().named_parameters()) if name.startswith("2.")]
+
+
+def test_where_the_map_first_applies_the_unowned_rows_take_the_anchor_and_the_owned_keep_their_progress() -> None:
+    """`LocalSGD.to_anchor`: what the trainer calls when the map reaches it (decided, healed, resumed), between a
+    backward and the optimizer step."""
+    outs = _run(syncs=1, warmup=1)
+    algo = outs["c1"].algo
+    assert algo is not None and algo.driver is not None
+    unit = algo.replica.units[1]
+    anchor = algo.driver.core.outer.anchors[unit.name]
+    with torch.no_grad():
+        for p in unit.params:
+            p.add_(1.0)  # progress on every row since the sync
+    assert algo.to_anchor() == 2 * ROWS * 25  # experts 0 and 3 (c1 owns 1, 2): 6 rows of 24 + 1 values each
+    for p, a in zip(unit.params, anchor):
+        for e in range(E):
+            rows = slice(ROWS * e, ROWS * (e + 1))
+            assert torch.equal(p[rows], a[rows] + 1.0) if e in MAP["c1"] else torch.equal(p[rows], a[rows]), e
+    assert outs["c0"].algo is not None and outs["c0"].algo.to_anchor() == 3 * ROWS * 25  # c0 owns expert 0 only
 
 
 def test_the_map_survives_a_checkpoint_and_a_heal() -> None:

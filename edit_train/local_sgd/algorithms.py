@@ -128,9 +128,10 @@ class LocalSGD:
         return self.assignment.owned(self.t.name, experts) if self.assignment is not None else None
 
     def to_anchor(self) -> int:
-        """Under a decided routed map, the rows of the experts this cluster does not own take the anchor's values
-        — after every committed sync and where the map first applies (decided, healed, resumed): what they made
-        since the last sync is let go, and frozen from there they carry no Δ. Elements reset on this rank."""
+        """Under a decided routed map, the rows of the experts this cluster does not own take the anchor's values:
+        the trainer's call where the map first reaches it (decided, healed, resumed), between a backward and the
+        optimizer step — what they made since the last sync is let go, and frozen from there they carry no Δ
+        (every later sync lands them on θ̄_new itself: `ExpertRows.unowned_to_anchor`). Elements reset here."""
         core = self.driver.core if self.driver is not None else None
         if core is None or core.experts is None or not core.experts.units:
             return 0
@@ -285,8 +286,6 @@ class LocalSGD:
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)
         self.probe.committed(report.quorum)
-        if self.assignment is not None:
-            self.to_anchor()
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()

@@ -131,6 +131,19 @@ class ExpertRows:
             p.index_add_(0, idx.to(p.device), rows.to(p.device, p.dtype), alpha=-1)
         return True
 
+    def unowned_to_anchor(self, name: str, live: list[Tensor]) -> None:
+        """Under a decided routed map (`expert_subsets=routed`), after the apply of unit `name`: the rows of the
+        experts this cluster does not own are θ̄_new exactly, whatever the re-base and `keep` left there (before the
+        unit's forward in a layer-wise sync)."""
+        a = self.experts.assignment if self.experts is not None else None
+        if a is None or not a.decided or name not in self.experts.units:
+            return
+        owned = a.owned(self.core.transport.name, self.experts.units[name].count)
+        if owned is not None:
+            unit = self.core.unit(name)
+            self.experts.to_anchor([(name, live, self.core.outer.anchors[name], unit.params)], owned,
+                                   *self.core.where)
+
     def forget(self) -> None:
         self.held.clear()
 

@@ -173,6 +173,7 @@ class SyncRound:
         w = float(decision.weights[report.position])
         _keep_unsent(c, name, live, w, failed, self.merge.gathers)
         c.kept = self.ctx.rows.keep(name, live, w > 0.0 and not failed) or c.kept
+        self.ctx.rows.unowned_to_anchor(name, live)  # expert_subsets=routed, once decided
         if self.merge.mode != "sketched":  # (a sketched round may gather again: its Δ stays until the verdict)
             self.delta.pop(name, None)
         c.outer.release(name)
