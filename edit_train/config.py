@@ -305,8 +305,6 @@ def validate(cfg: Config) -> None:
     _need(c.count >= 1, "cluster.count", f"must be >= 1, got {c.count}")
     _need(c.ranks >= 1, "cluster.ranks", f"must be >= 1, got {c.ranks}")
     specs = cluster_specs(cfg)
-    _need(cfg.train.optimizer != "muon" or all(sp.ranks == 1 for sp in specs), "train.optimizer",
-          "=muon needs whole matrices: every cluster must have ranks=1 (FSDP2 shards them by rows)")
     for i, spec in enumerate(specs):
         _check_cluster_name(f"cluster.clusters[{i}].name" if c.clusters else "cluster.count", spec.name)
     if c.only:

@@ -14,8 +14,14 @@ The Muon update is torch.optim.Muon's (momentum ``lerp``, Nesterov, its quintic 
 with ``adjust_lr_fn="match_rms_adamw"`` (the update's RMS matches AdamW's, 0.2·√max(a, b)), so one ``train.lr``
 and one schedule serve both halves; 2-D weights step bit-identically to ``torch.optim.Muon``
 (tests/test_muon.py). One optimizer object holds both halves: one ``state`` (checkpoints and heals read it
-per parameter, as for AdamW) and the param groups the trainer sets the lr on. Sharded clusters
-(``cluster.ranks`` > 1) are refused: Newton–Schulz needs each whole matrix and FSDP2 shards them by rows.
+per parameter, as for AdamW) and the param groups the trainer sets the lr on.
+
+**Sharded clusters** (FSDP2 ``Shard(0)``, ``cluster.ranks`` > 1): Newton–Schulz needs each whole matrix, and a
+rank holds a block of its rows. A 2-D matrix's update is gathered whole over the cluster's ranks
+(``full_tensor``: one all-gather of the matrix per step), orthogonalised on every rank alike, and each rank keeps
+its own rows (`local_sgd/evidence.shard_range`, FSDP2's chunk layout) — the same update as on one rank, for one
+gather and a redundant Newton–Schulz per rank. A 3-D expert stack needs nothing: dim 0 is the experts, so a rank's
+rows are whole expert matrices, orthogonalised where they are.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import Tensor
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr, \
     _zeropower_via_newtonschulz
 
-__all__ = ["MuonAdamW", "uses_muon"]
+__all__ = ["MuonAdamW", "uses_muon", "orthogonalised", "sharded_orthogonalised"]
 
 _LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 ADJUST_LR = "match_rms_adamw"
@@ -38,6 +44,26 @@ ADJUST_LR = "match_rms_adamw"
 def uses_muon(name: str, p: Tensor) -> bool:
     """A decoder layer's 2-D matrix or 3-D expert stack (everything else steps with AdamW)."""
     return p.ndim in (2, 3) and bool(_LAYER.search(name))
+
+
+def _sharded(t: Tensor) -> bool:
+    return hasattr(t, "placements") and any(not pl.is_replicate() for pl in t.placements)
+
+
+def sharded_orthogonalised(update: Tensor, ns_steps: int = DEFAULT_NS_STEPS) -> Tensor:
+    """`orthogonalised` of a parameter's update, as this rank's local tensor: a DTensor sharded by rows is
+    gathered whole (2-D) or orthogonalised per local expert (3-D); anything else as it is."""
+    if not _sharded(update):
+        return orthogonalised(update.to_local() if hasattr(update, "to_local") else update, ns_steps)
+    from edit_train.local_sgd.evidence import shard_range
+
+    if update.ndim == 3:  # dim 0 is the experts: this rank's rows are whole expert matrices
+        local = update.to_local()
+        return orthogonalised(local, ns_steps) if local.numel() else local.clone()
+    mesh = update.device_mesh
+    whole = orthogonalised(update.full_tensor(), ns_steps)  # collective: every rank of the cluster, same order
+    lo, hi = shard_range(update, mesh.get_local_rank(), mesh.size())
+    return whole[lo:hi]
 
 
 def orthogonalised(update: Tensor, ns_steps: int = DEFAULT_NS_STEPS) -> Tensor:
@@ -102,9 +128,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 buf = st["momentum_buffer"]
                 buf.lerp_(grad, 1 - mom)
                 update = grad.lerp(buf, mom) if group["nesterov"] else buf
-                update = orthogonalised(update, group["ns_steps"])
-                p.mul_(1 - lr * wd)
-                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
+                update = sharded_orthogonalised(update, group["ns_steps"])  # this rank's rows
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.mul_(1 - lr * wd)
+                local.add_(update.to(local.dtype), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
         if self.adamw is not None:
             self.adamw.step()
         return loss
