@@ -301,7 +301,7 @@ def summarize(runs: list[dict[str, Any]], arms: list[str]) -> list[dict[str, Any
             base = {r["seed"]: r.get("val_loss_by_source") or {} for r in rs if r["arm"] == "default"}
             sources = sorted({src for v in by_source.values() for src in v})
             row[arm] = {"loss": spread(list(loss[arm].values())),
-                        "gain": {**spread(gain), **paired_gain(loss["default"], loss[arm])}
+                        "gain": {**spread(gain), **paired_gain(loss.get("default", {}), loss[arm])}
                         if arm != "default" else None,
                         "gain_by_source": {src: paired_gain({s: v[src] for s, v in base.items() if src in v},
                                                             {s: v[src] for s, v in by_source.items() if src in v})
