@@ -23,7 +23,7 @@ from toy_federation import H, Outcome, config, toy_model, train_cluster, units_o
 NAMES = ["c0", "c1", "c2"]
 E, ROWS = 4, 6  # unit "2" (Linear 24x24) cut into 4 experts of 6 rows (as tests/test_expert_sync.py)
 COUNTS = torch.tensor([[12, 4, 0, 0], [0, 8, 8, 0], [8, 8, 16, 0]], dtype=torch.int64)
-MAP = {"c0": (0,), "c1": (1, 2), "c2": (3,)}  # worked below
+MAP = {"c0": (0,), "c1": (1, 2), "c2": (3,)}  # worked below (the toy has one MoE layer: unit "2")
 
 
 def test_routed_owners_in_closed_form() -> None:
@@ -50,14 +50,23 @@ def test_routed_owners_gives_every_expert_one_owner_balanced(clusters: int, expe
     assert sizes == [low] * (clusters - extra) + [low + 1] * extra
 
 
-def test_the_map_is_decided_after_the_warm_up_and_round_trips_through_json() -> None:
+def _experts(owned: tuple[tuple[bool, ...], ...] | None) -> list[tuple[int, ...]]:
+    assert owned is not None
+    return [tuple(e for e, o in enumerate(layer) if o) for layer in owned]
+
+
+def test_the_map_is_decided_layer_by_layer_after_the_warm_up_and_round_trips_through_json() -> None:
     a = RoutedAssignment(2)
-    per_layer = COUNTS[:, None, :].repeat(1, 3, 1)  # [P, L, E]: three MoE layers routing alike
-    assert not a.observe(NAMES, per_layer) and a.owned("c0", E) is None  # the warm-up trains every expert
-    assert a.observe(NAMES, per_layer) and a.decided
-    assert {n: tuple(e for e, o in enumerate(a.owned(n, E)) if o) for n in NAMES} == MAP
+    layers = torch.stack([COUNTS, COUNTS.flip(0), COUNTS], 1)  # [P, L, E]: layer 1 routes as if c0 and c2 swapped
+    assert not a.observe(NAMES, layers) and a.owned("c0", E) is None  # the warm-up trains every expert
+    assert a.observe(NAMES, layers) and a.decided
+    # layer 1: shares c0 .25 .25 .5 0 | c1 0 .5 .5 0 | c2 .75 .25 0 0 — c2 takes e0, c0 e2 (first of the .5s), c1
+    # e1; of the 0s c0 is first to take its second expert: e3
+    flipped = {"c0": (2, 3), "c1": (1,), "c2": (0,)}
+    for n in NAMES:
+        assert _experts(a.owned(n, E)) == [MAP[n], flipped[n], MAP[n]], n  # each layer its own map
     assert a.owned("c9", E) is None  # a cluster the map does not name trains and sends every expert
-    assert not a.observe(NAMES, per_layer * 0)  # decided once
+    assert not a.observe(NAMES, layers * 0)  # decided once
     again = RoutedAssignment(2)
     again.load(json.loads(json.dumps(a.state_json())))  # what a checkpoint or a heal carries: JSON
     assert again.owners == a.owners and again.seen == 2 and again.counts == a.counts
@@ -69,8 +78,17 @@ def test_counts_sum_per_cluster_name_over_the_warm_up_whatever_the_quorum_order(
     a = RoutedAssignment(2)
     a.observe(["c1", "c0"], torch.tensor([[[0, 0, 9, 9]], [[9, 9, 0, 0]]]))
     a.observe(["c0", "c1"], torch.tensor([[[1, 0, 0, 0]], [[0, 0, 0, 1]]]))
-    assert a.counts == {"c0": [10.0, 9.0, 0.0, 0.0], "c1": [0.0, 0.0, 9.0, 10.0]}
-    assert a.owners == {"c0": (0, 1), "c1": (2, 3)}
+    assert a.counts == {"c0": [[10.0, 9.0, 0.0, 0.0]], "c1": [[0.0, 0.0, 9.0, 10.0]]}
+    assert a.owners == {"c0": ((0, 1),), "c1": ((2, 3),)}
+
+
+def test_owned_counts_and_frozen_rows_take_a_mask_per_layer() -> None:
+    from edit_train.local_sgd.experts import layer_mask
+
+    owned = ((True, False), (False, True))
+    assert layer_mask(owned, 1) == (False, True) and layer_mask((True, False), 1) == (True, False)
+    assert owned_counts(torch.tensor([[3, 4], [5, 6]]), owned).tolist() == [[3, 0], [0, 6]]
+    assert owned_counts(torch.tensor([[3, 4], [5, 6]]), (True, False)).tolist() == [[3, 0], [5, 0]]
 
 
 # ------------------------------------------------------------------------------------------ whole rounds
@@ -118,7 +136,7 @@ def test_after_the_warm_up_each_expert_takes_its_owners_delta_alone_and_the_rest
     outs = _run(syncs=3, warmup=1)
     for n, out in outs.items():
         assert out.algo is not None and out.algo.assignment is not None
-        assert out.algo.assignment.owners == MAP, n  # one map everywhere, from the exchanged counts
+        assert out.algo.assignment.owners == {c: (v,) for c, v in MAP.items()}, n  # one map everywhere
         weights = [e["expert_weights"]["2"] for e in out.events if e["event"] == "sync"]
         assert len(weights) == 3
         assert weights[0] == pytest.approx([0.75, 0.25, 0.0, 0.0] if n == "c0" else  # the warm-up: token weights
@@ -165,7 +183,7 @@ def test_the_map_survives_a_checkpoint_and_a_heal() -> None:
     src = outs["c0"].algo
     assert src is not None
     saved = json.loads(json.dumps(src.state.json()))  # the checkpoint's sync state is JSON
-    assert saved["assignment"]["owners"] == {n: list(v) for n, v in MAP.items()}
+    assert saved["assignment"]["owners"] == {n: [list(v)] for n, v in MAP.items()}
     cfg = src.cfg
     fresh_hub = InProcessFederation(min_clusters=1, join_timeout_s=5.0, timeout_s=5.0)
 
@@ -178,17 +196,17 @@ def test_the_map_survives_a_checkpoint_and_a_heal() -> None:
     resumed = fresh()
     assert resumed.owned_experts(E) is None
     resumed.state.load(src.state.tensors(), saved)
-    assert resumed.owned_experts(E) == (False, True, True, False)  # a resumed cluster keeps its experts
+    assert resumed.owned_experts(E) == ((False, True, True, False),)  # a resumed cluster keeps its experts
     meta, local = src.state.heal_out()
     healed = fresh()
     healed.state.heal_in(json.loads(json.dumps(meta)), {k: t for k, (t, _like) in local.items()})
-    assert healed.owned_experts(E) == (False, True, True, False)  # a healed one takes the source's map
+    assert healed.owned_experts(E) == ((False, True, True, False),)  # a healed one takes the source's map
 
 
 def test_a_two_cluster_run_follows_the_routed_map(tmp_path, small_corpus: str) -> None:
     """What a user runs: `edit-train` with two clusters on the tiny MoE. After 2 syncs both clusters name the same
-    map (a partition of the 8 experts, 4 each) in one `expert_subsets` event; from then on each cluster's expert
-    weights are 0 on the experts it does not own, and its checkpoint keeps the map."""
+    map (per MoE layer a partition of the 8 experts, 4 each) in one `expert_subsets` event; from then on each
+    cluster's expert weights are 0 on the experts it does not own, and its checkpoint keeps the map."""
     from conftest import read_events, run_cli, tiny_overrides
 
     run = tmp_path / "run"
@@ -200,11 +218,13 @@ def test_a_two_cluster_run_follows_the_routed_map(tmp_path, small_corpus: str) -
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     events = read_events(run / "metrics.jsonl")
     decided = {e["cluster"]: e["experts"] for e in events if e["event"] == "expert_subsets"}
-    assert sorted(decided) == ["c0", "c1"] and sorted(decided["c0"] + decided["c1"]) == list(range(8))
-    assert len(decided["c0"]) == len(decided["c1"]) == 4
+    assert sorted(decided) == ["c0", "c1"] and len(decided["c0"]) == 3  # the tiny model's 3 MoE layers
+    for layer in range(3):
+        assert sorted(decided["c0"][layer] + decided["c1"][layer]) == list(range(8))
+        assert len(decided["c0"][layer]) == len(decided["c1"][layer]) == 4
     for e in (e for e in events if e["event"] == "sync" and e["sync"] > 2):
-        for unit, w in e["expert_weights"].items():
-            assert all(w[x] == 0.0 for x in range(8) if x not in decided[e["cluster"]]), (e["sync"], unit)
+        for layer, (unit, w) in enumerate(sorted(e["expert_weights"].items())):  # layers.1, .2, .3
+            assert all(w[x] == 0.0 for x in range(8) if x not in decided[e["cluster"]][layer]), (e["sync"], unit)
     for c in ("c0", "c1"):
         state = json.loads(next((run / "checkpoints" / c).glob("step_*/rank0-state.json")).read_text())
         assert state["algo"]["assignment"]["owners"] == decided

@@ -122,9 +122,9 @@ class LocalSGD:
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 
-    def owned_experts(self, experts: int) -> tuple[bool, ...] | None:
-        """Under `expert_subsets=routed`, the experts this cluster trains and sends now (None: every one — the
-        warm-up, another spec, or a cluster the decided map does not name)."""
+    def owned_experts(self, experts: int) -> tuple[tuple[bool, ...], ...] | None:
+        """Under `expert_subsets=routed`, per MoE layer the experts this cluster trains and sends now (None: every
+        one — the warm-up, another spec, or a cluster the decided map does not name)."""
         return self.assignment.owned(self.t.name, experts) if self.assignment is not None else None
 
     def to_anchor(self) -> int:

@@ -1,7 +1,8 @@
 """Expert subsets assigned by routing (`expert_subsets=routed`): every cluster trains and sends every expert for
-the first `syncs` committed syncs (the warm-up), counting the tokens each member routed to each expert as the
-exchange carried them; at the commit that ends the warm-up each cluster decides the same map from the same
-counts (`routed_owners`), and from then on trains and sends only its own experts (`experts.owned_counts`).
+the first `syncs` committed syncs (the warm-up), counting the tokens each member routed to each expert of each MoE
+layer as the exchange carried them; at the commit that ends the warm-up each cluster decides the same map from the
+same counts (`routed_owners`, layer by layer: expert e of one layer is another map than expert e of the next),
+and from then on trains and sends only its own experts (`experts.owned_counts`).
 
 * **One map everywhere.** The counts are the exchange's (every member of a sync holds the same numbers), summed
   per cluster name over the warm-up's committed syncs; the map is a pure function of them. A cluster that missed
@@ -65,19 +66,19 @@ class RoutedAssignment:
             raise ValueError(f"expert_subsets=routed needs a warm-up of >= 1 sync, got {syncs}")
         self.syncs = syncs  # committed syncs of every-expert training the map is measured over
         self.seen = 0  # committed syncs counted so far
-        self.counts: dict[str, list[float]] = {}  # cluster name -> tokens routed to each expert, summed over layers
-        self.owners: dict[str, tuple[int, ...]] | None = None  # decided: name -> its experts
+        self.counts: dict[str, list[list[float]]] = {}  # cluster name -> [MoE layer][expert] tokens routed
+        self.owners: dict[str, tuple[tuple[int, ...], ...]] | None = None  # decided: name -> per layer its experts
 
     @property
     def decided(self) -> bool:
         return self.owners is not None
 
-    def owned(self, name: str, experts: int) -> tuple[bool, ...] | None:
-        """Which experts cluster `name` trains and sends (None: every one — the warm-up, or not in the map)."""
+    def owned(self, name: str, experts: int) -> tuple[tuple[bool, ...], ...] | None:
+        """Per MoE layer, which experts cluster `name` trains and sends (None: every one — the warm-up, or not in
+        the map)."""
         if self.owners is None or name not in self.owners:
             return None
-        mine = set(self.owners[name])
-        return tuple(e in mine for e in range(experts))
+        return tuple(tuple(e in set(layer) for e in range(experts)) for layer in self.owners[name])
 
     def observe(self, names: Sequence[str], exchanged: Tensor) -> bool:
         """A committed sync's exchange: `exchanged` [P, MoE layers, experts], the routed tokens each member in
@@ -85,30 +86,32 @@ class RoutedAssignment:
         this sync decided it."""
         if self.owners is not None:
             return False
-        per = exchanged.to(torch.float64).sum(1)  # [P, E]
-        for name, row in zip(names, per.tolist()):
+        for name, rows in zip(names, exchanged.to(torch.float64).tolist()):
             old = self.counts.get(name)
-            self.counts[name] = row if old is None else [a + b for a, b in zip(old, row)]
+            self.counts[name] = rows if old is None else [[a + b for a, b in zip(o, r)] for o, r in zip(old, rows)]
         self.seen += 1
         if self.seen < self.syncs:
             return False
         order = sorted(self.counts)
-        owner = routed_owners(torch.tensor([self.counts[n] for n in order], dtype=torch.float64))
-        self.owners = {n: tuple(e for e, o in enumerate(owner) if o == i) for i, n in enumerate(order)}
-        log.info("expert subsets decided after %d syncs: %s", self.seen,
-                 "; ".join(f"{n} {list(v)}" for n, v in self.owners.items()))
+        counts = torch.tensor([self.counts[n] for n in order], dtype=torch.float64)  # [P, L, E]
+        per_layer = [routed_owners(counts[:, layer]) for layer in range(counts.shape[1])]
+        self.owners = {n: tuple(tuple(e for e, o in enumerate(owner) if o == i) for owner in per_layer)
+                       for i, n in enumerate(order)}
+        log.info("expert subsets decided after %d syncs (per MoE layer): %s", self.seen,
+                 "; ".join(f"{n} {[list(x) for x in v]}" for n, v in self.owners.items()))
         return True
 
     # ------------------------------------------------------------------ checkpoint and heal (JSON)
     def state_json(self) -> dict[str, Any]:
         return {"syncs": self.syncs, "seen": self.seen, "counts": self.counts,
-                "owners": None if self.owners is None else {n: list(v) for n, v in self.owners.items()}}
+                "owners": None if self.owners is None else {n: [list(x) for x in v] for n, v in self.owners.items()}}
 
     def load(self, state: dict[str, Any] | None) -> None:
         """A checkpoint's or a healing source's state (its map replaces this cluster's view)."""
         if not state:
             return
         self.seen = int(state["seen"])
-        self.counts = {str(n): [float(x) for x in v] for n, v in dict(state["counts"]).items()}
+        self.counts = {str(n): [[float(x) for x in row] for row in v] for n, v in dict(state["counts"]).items()}
         owners = state.get("owners")
-        self.owners = None if owners is None else {str(n): tuple(int(e) for e in v) for n, v in owners.items()}
+        self.owners = None if owners is None else {str(n): tuple(tuple(int(e) for e in layer) for layer in v)
+                                                   for n, v in owners.items()}

@@ -30,8 +30,11 @@ from edit_train.local_sgd.evidence import shard_range, snap
 from edit_train.local_sgd.penalty import weighted
 
 __all__ = ["Pieces", "RoutedCounts", "UnitExperts", "Experts", "pin", "merged_sqnorm", "token_shares",
-           "expert_weights", "Held", "unsent_rows", "owned_experts", "owned_counts"]
+           "expert_weights", "Held", "unsent_rows", "owned_experts", "owned_counts", "Owned", "layer_mask"]
 
+# the experts a cluster owns under expert subsets: one mask for every MoE layer (a static map), or one per MoE layer
+# (`routed`: each layer's experts are its own); `layer_mask` reads either
+Owned = Sequence[bool] | Sequence[Sequence[bool]]
 Pieces = list[list[tuple[int, slice]]]  # per expert: (index into the unit's params, rows of that parameter)
 Held = list[tuple[int, Tensor, Tensor]]  # (parameter index, local dim-0 row indices, a copy of those rows of Δ)
 
@@ -174,7 +177,7 @@ class Experts:
             self.assignment.observe(names, exchanged)
 
     @torch.no_grad()
-    def to_anchor(self, units: Sequence[tuple[str, list[Tensor], list[Tensor], Sequence[Tensor]]], owned: Sequence[bool],
+    def to_anchor(self, units: Sequence[tuple[str, list[Tensor], list[Tensor], Sequence[Tensor]]], owned: Owned,
                   rank: int, size: int) -> int:
         """The rows of the experts a cluster does not own take the anchor's values (`units`: per unit its name,
         live local shards, anchor local shards and parameters): where a newly decided map freezes them. Returns
@@ -184,7 +187,9 @@ class Experts:
             ue = self.units.get(name)
             if ue is None:
                 continue
-            for k, rows in enumerate(ue.rows(owned, params)):
+            mask = layer_mask(owned, ue.row)
+            assert mask is not None
+            for k, rows in enumerate(ue.rows(mask, params)):
                 if rows is None or live[k].dim() == 0:
                     continue
                 lo, hi = shard_range(params[k], rank, size)
@@ -333,11 +338,20 @@ def owned_experts(spec: str, index: int, clusters: int, experts: int) -> tuple[b
     return tuple(e in mine for e in range(experts))
 
 
-def owned_counts(counts: Tensor, owned: Sequence[bool] | None) -> Tensor:
+def layer_mask(owned: Owned | None, layer: int) -> tuple[bool, ...] | None:
+    """MoE layer `layer`'s mask of `owned` (None: every expert)."""
+    if owned is None:
+        return None
+    if len(owned) and isinstance(owned[0], (tuple, list)):
+        return tuple(bool(x) for x in owned[layer])  # type: ignore[union-attr]
+    return tuple(bool(x) for x in owned)  # type: ignore[arg-type]
+
+
+def owned_counts(counts: Tensor, owned: Owned | None) -> Tensor:
     """A cluster's routed counts [layers, experts] as it reports them under expert subsets: 0 for every expert it
     does not own, so every cluster knows from the exchange that it sends none of that expert's rows and backs
     none of its update (`Experts.sent` with min_tokens ≥ 1)."""
     if owned is None:
         return counts
-    mask = torch.tensor(list(owned), dtype=torch.bool)
-    return torch.where(mask[None, :], counts, torch.zeros_like(counts))
+    mask = torch.tensor([layer_mask(owned, layer) for layer in range(counts.shape[0])], dtype=torch.bool)
+    return torch.where(mask, counts, torch.zeros_like(counts))

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.config import Config
+from edit_train.local_sgd.experts import Owned, layer_mask
 from edit_train.model.expert_params import EXPERT_PARAMS
 from edit_train.model.moe import MoEBlock
 
@@ -38,20 +39,22 @@ def _local(p: Tensor) -> Tensor:
 class FrozenRows:
     """The rows of the experts this cluster does not own, held through each optimizer step."""
 
-    def __init__(self, model: nn.Module, owned: Sequence[bool]) -> None:
-        self.owned = tuple(owned)
+    def __init__(self, model: nn.Module, owned: Owned) -> None:
+        self.owned = owned  # one mask for every MoE layer (a static map) or one per layer (routed)
         self.params: list[tuple[nn.Parameter, Tensor]] = []  # (stacked parameter, local rows to hold)
-        for block in model.modules():
-            if not isinstance(block, MoEBlock):
-                continue
+        blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]  # in MoE-layer order, as the counts
+        for layer, block in enumerate(blocks):
+            mask = layer_mask(owned, layer)
+            assert mask is not None
             for name in EXPERT_PARAMS:
                 p = getattr(block.experts, name)
-                rows = self._local_rows(p)
+                rows = self._local_rows(p, mask)
                 if rows.numel():
                     self.params.append((p, rows))
         self.saved: list[Tensor] = []
 
-    def _local_rows(self, p: Tensor) -> Tensor:
+    @staticmethod
+    def _local_rows(p: Tensor, owned: Sequence[bool]) -> Tensor:
         """This rank's local dim-0 rows of `p` that belong to experts it does not own (FSDP2 Shard(0) layout)."""
         from edit_train.local_sgd.evidence import shard_range
 
@@ -61,7 +64,7 @@ class FrozenRows:
             lo, hi = shard_range(p, mesh.get_local_rank(), mesh.size())
         else:
             lo, hi = 0, p.shape[0]
-        frozen = [r - lo for r in range(lo, hi) if not self.owned[r]]
+        frozen = [r - lo for r in range(lo, hi) if not owned[r]]
         return torch.tensor(frozen, dtype=torch.int64)
 
     @property
@@ -106,10 +109,10 @@ def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> Fro
     return FrozenRows(model, owned) if owned is not None else None
 
 
-def follow(current: FrozenRows | None, model: nn.Module, owned: Sequence[bool] | None) -> FrozenRows | None:
-    """Under ``routed``: the frozen rows for the map the sync core holds now (`owned`, None: not decided or not
-    routed — `current` stays). A new FrozenRows when the map is new to this trainer (decided, healed in, resumed);
-    `current` itself otherwise."""
-    if owned is None or (current is not None and current.owned == tuple(owned)):
+def follow(current: FrozenRows | None, model: nn.Module, owned: Owned | None) -> FrozenRows | None:
+    """Under ``routed``: the frozen rows for the map the sync core holds now (`owned`, per MoE layer; None: not
+    decided or not routed — `current` stays). A new FrozenRows when the map is new to this trainer (decided,
+    healed in, resumed); `current` itself otherwise."""
+    if owned is None or (current is not None and current.owned == owned):
         return current
     return FrozenRows(model, owned)

@@ -12,13 +12,13 @@ events which cluster feeds which expert (report/experts.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from edit_train.cluster.mesh import Topology
-from edit_train.local_sgd.experts import RoutedCounts, owned_counts
+from edit_train.local_sgd.experts import Owned, RoutedCounts, owned_counts
 from edit_train.model import CausalLM
 from edit_train.model.expert_params import sync_pieces
 
@@ -26,7 +26,7 @@ from edit_train.model.expert_params import sync_pieces
 class RoutedTally:
     def __init__(self, model: CausalLM, topo: Topology, emit: Callable[..., None], step: Callable[[], int],
                  local_sgd: bool, warmup_steps: int, log_every: int,
-                 owned: Callable[[], Sequence[bool] | None] = lambda: None) -> None:
+                 owned: Callable[[], Owned | None] = lambda: None) -> None:
         self.model, self.topo, self.emit, self.step = model, topo, emit, step
         self.owned = owned  # expert subsets: the experts this cluster owns now (None: every one)
         self.local_sgd, self.warmup_steps, self.log_every = local_sgd, warmup_steps, max(log_every, 1)

@@ -132,8 +132,9 @@ class Trainer:
             resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
-    def _routed_map(self) -> tuple[bool, ...] | None:
-        """The experts this cluster owns under a decided `expert_subsets=routed` map (None: every one)."""
+    def _routed_map(self) -> tuple[tuple[bool, ...], ...] | None:
+        """Per MoE layer, the experts this cluster owns under a decided `expert_subsets=routed` map (None: every
+        one)."""
         return self.algo.owned_experts(self.cfg.model.num_experts)
 
     def _follow_map(self) -> None:
@@ -145,7 +146,7 @@ class Trainer:
         self.frozen = frozen
         self.algo.to_anchor()
         self.metrics.log("expert_subsets", step=self.state.step, cluster=self.topo.name,
-                         experts=[e for e, o in enumerate(frozen.owned) if o])
+                         experts=[[e for e, o in enumerate(layer) if o] for layer in frozen.owned])  # per layer
 
     # ------------------------------------------------------------------ build
     def _build_model(self) -> None:
