@@ -6,7 +6,6 @@ sync, and the map kept by a checkpoint and carried by a heal."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from edit_train.local_sgd.experts import RoutedCounts, owned_counts
 from edit_train.cluster.group import RankGroup
 from edit_train.federation import heal
 from edit_train.federation.inproc import InProcessFederation
-from toy_federation import H, Outcome, config, toy_model, train_cluster, units_of
+from toy_federation import H, Outcome, config, run_inproc, toy_model, units_of
 
 NAMES = ["c0", "c1", "c2"]
 E, ROWS = 4, 6  # unit "2" (Linear 24x24) cut into 4 experts of 6 rows (as tests/test_expert_sync.py)
@@ -112,24 +111,8 @@ def _run(syncs: int, warmup: int) -> dict[str, Outcome]:
             return owned_counts(COUNTS[i][None], algo.owned_experts(E) if algo is not None else None)
         return RoutedCounts(take, _pieces)
 
-    errors: list[BaseException] = []
-    transports = {n: hub.transport(n, RankGroup()) for n in NAMES}  # all known before the first quorum
-
-    def one(i: int, n: str) -> None:
-        try:
-            train_cluster(i, transports[n], cfg, out=outs[n], routed=routed,
-                          after_at=tuple(k * H - 1 for k in range(1, syncs + 1)))
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i, n), daemon=True) for i, n in enumerate(NAMES)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return outs
+    return run_inproc(NAMES, cfg, hub=hub, outs=outs, routed=routed,
+                      after_at=tuple(k * H - 1 for k in range(1, syncs + 1)))
 
 
 def test_after_the_warm_up_each_expert_takes_its_owners_delta_alone_and_the_rest_stays_on_the_anchor() -> None:

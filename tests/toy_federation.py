@@ -157,6 +157,7 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
     hub = hub or InProcessFederation(min_clusters=1, join_timeout_s=30.0, timeout_s=30.0)
     tkw = {k: kw.pop(k) for k in ("compression", "link") if k in kw}
     wraps = kw.pop("wraps", {})
+    outs: dict[str, Outcome] = kw.pop("outs", {})  # a cluster's Outcome to fill while it runs (default: a new one)
     ascents = kw.pop("ascent", {})
     spec = kw.pop("transport", None)  # a transport by name or import path (federation/registry.py), over `hub`
     if spec is not None:
@@ -171,7 +172,8 @@ def run_inproc(names: list[str], cfg: LocalSGDConfig, *, hub: InProcessFederatio
 
     def one(i: int, n: str) -> None:
         try:
-            results[n] = train_cluster(i, transports[n], cfg, wrap=wraps.get(n), ascent=ascents.get(n, (0, 0)), **kw)
+            results[n] = train_cluster(i, transports[n], cfg, wrap=wraps.get(n), ascent=ascents.get(n, (0, 0)),
+                                       out=outs.get(n), **kw)
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
 
