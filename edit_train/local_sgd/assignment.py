@@ -78,7 +78,7 @@ class RoutedAssignment:
         the map)."""
         if self.owners is None or name not in self.owners:
             return None
-        return tuple(tuple(e in set(layer) for e in range(experts)) for layer in self.owners[name])
+        return tuple(tuple(e in layer for e in range(experts)) for layer in self.owners[name])
 
     def observe(self, names: Sequence[str], exchanged: Tensor) -> bool:
         """A committed sync's exchange: `exchanged` [P, MoE layers, experts], the routed tokens each member in

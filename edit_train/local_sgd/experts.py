@@ -192,8 +192,7 @@ class Experts:
             for k, rows in enumerate(ue.rows(mask, params)):
                 if rows is None or live[k].dim() == 0:
                     continue
-                lo, hi = shard_range(params[k], rank, size)
-                idx = (~rows[lo:hi]).nonzero().flatten().to(live[k].device)
+                idx = _unsent_local(rows, params[k], rank, size).to(live[k].device)
                 if idx.numel():
                     live[k].index_copy_(0, idx, anchor[k].index_select(0, idx.to(anchor[k].device)).to(live[k].dtype))
                     done += int(idx.numel()) * _rowsize(params[k])
@@ -248,6 +247,12 @@ class Experts:
         return ue.scaled(delta, params, rank, size, 1.0, keep)
 
 
+def _unsent_local(rows: Tensor, param: Tensor, rank: int, size: int) -> Tensor:
+    """This rank's local dim-0 indices of the rows `rows` (bool, the whole parameter's rows that go) leaves out."""
+    lo, hi = shard_range(param, rank, size)
+    return (~rows[lo:hi]).nonzero().flatten()
+
+
 def unsent_rows(delta: Sequence[Tensor], rows: Sequence[Tensor | None], params: Sequence[Tensor], rank: int,
                 size: int) -> Held:
     """The rows of this rank's local shards `delta` that do not go (`rows`: per parameter, the whole parameter's
@@ -256,8 +261,7 @@ def unsent_rows(delta: Sequence[Tensor], rows: Sequence[Tensor | None], params: 
     for k, (t, r) in enumerate(zip(delta, rows)):
         if r is None or t.dim() == 0:
             continue
-        lo, hi = shard_range(params[k], rank, size)
-        idx = (~r[lo:hi]).nonzero().flatten().to(t.device)
+        idx = _unsent_local(r, params[k], rank, size).to(t.device)
         if idx.numel():
             out.append((k, idx, t.index_select(0, idx)))
     return out
