@@ -432,3 +432,39 @@ def test_the_held_out_set_is_apart_and_covers_what_the_issue_asks():
     assert min(float(k.get("cluster.link.bandwidth_mbps", 1e9)) for k in keys) <= 20
     assert any("kill_cluster" in k.get("faults", "") for k in keys)
     assert set(S.HOSTS) & set(S.HELD_OUT) and set(S.HOSTS) & set(S.FITTING)
+
+
+def test_error_feedback_as_momentum_is_planned_with_its_own_measured_loss():
+    """`candidates.topk[].ef_decay` (sync.error_feedback_decay < 1, issue 51): the same bytes as the plain
+    setting, its own label, the loss factor `docs/compression_2026.json` measured for it (not the plain one's),
+    and overrides that are a valid edit-train config at the outer point it was measured at."""
+    from edit_train.cli.common import compose
+    from edit_train.config import validate
+    from edit_train.plan.loss import COMPRESSION_RESULTS, _compression_factors, default_model
+    from edit_train.plan.planner import make_plan, overrides
+    from edit_train.plan.spec import Candidate, TopK
+
+    plain, efm = {"density": 0.01, "bits": 2}, {"density": 0.01, "bits": 2, "ef_decay": 0.95}
+    scn = scenario_from_dict({"name": "efm", "model": "tiny", "batch_size": 4, "seq_len": 64, "hours": 1,
+                              "clusters": [{"name": "c0", "ranks": 1, "step_s": 0.05},
+                                           {"name": "c1", "ranks": 1, "step_s": 0.05}],
+                              "link": {"bandwidth_mbps": 5, "latency_ms": 50}, "simulated_link": True,
+                              "candidates": {"algos": ["edit"], "modes": ["overlap"], "intervals": [8],
+                                             "compressions": ["topk"], "topk": [plain, efm]}})
+    plan = make_plan(scn, quick=True)
+    rows = {r.cand.label: r for r in plan.rows}
+    a, b = rows["edit/overlap/topk(0.01,2b,g1)/H=8"], rows["edit/overlap/topk(0.01,2b,g1,efm0.95)/H=8"]
+    assert a.bytes_per_token == b.bytes_per_token
+    # the measured factors: the 2026 file's ratio for the β = 0.95 scheme, the 2024 file's for the plain one
+    model = default_model(hardware.model_facts("tiny").total_params)
+    ratios = [_compression_factors(json.loads(p.read_text()))[1] for p in COMPRESSION_RESULTS]
+    assert ratios[1]["topk(0.01,2b,g1,efm0.95)"] != ratios[0]["topk(0.01,2b,g1)"]
+    assert model.compression["topk(0.01,2b,g1,efm0.95)"] != model.compression["topk(0.01,2b,g1)"]
+    assert a.multiplier != b.multiplier
+    assert json.loads(json.dumps(b.to_json()))["topk"]["ef_decay"] == 0.95
+    cfg = compose(overrides(scn, Candidate("edit", "overlap", "topk", 8, topk=TopK(**efm))))
+    validate(cfg)
+    assert (cfg.sync.error_feedback, cfg.sync.error_feedback_decay, cfg.algo.outer.momentum) == (True, 0.95, 0.0)
+    with pytest.raises(PlanError, match=r"candidates.topk\[0\]: sync.error_feedback_decay must be in \(0, 1\]"):
+        scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}],
+                            "candidates": {"topk": [{"density": 0.1, "bits": 2, "ef_decay": 1.5}]}})

@@ -126,7 +126,8 @@ def codec_of_run(cfg: dict[str, Any]) -> traffic.Codec:
     sy = cfg.get("sync") or {}
     return traffic.Codec(str(sy.get("compression", "none")), int(sy.get("block_size", 256)),
                          str(sy.get("scale_dtype", "fp32")), float(sy.get("topk_density", 0.01)),
-                         int(sy.get("bits", 2)), int(sy.get("topk_group", 1)), str(sy.get("unsent", "resend")))
+                         int(sy.get("bits", 2)), int(sy.get("topk_group", 1)), str(sy.get("unsent", "resend")),
+                         float(sy.get("error_feedback_decay", 1.0)))
 
 
 def candidate_of_run(run: RunData) -> Candidate:
@@ -136,7 +137,7 @@ def candidate_of_run(run: RunData) -> Candidate:
     name = str(algo.get("name", run.summary.get("algo", "edit")))
     return Candidate(name, str(sy.get("mode", "layerwise")), c.scheme, int(algo.get("interval", 8)),
                      float(algo.get("sync_time_s", 0.0)) if name == "a_edit" else 0.0,
-                     TopK(c.density, c.bits, c.group, c.unsent) if c.sparse else TopK())
+                     TopK(c.density, c.bits, c.group, c.unsent, c.ef_decay) if c.sparse else TopK())
 
 
 def calibrate(run_dirs: list[str | Path], codec: dict[str, dict[str, list[float]]] | None = None,

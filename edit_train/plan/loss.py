@@ -13,8 +13,9 @@ parallelism grows with M and with the interval and shrinks as the model grows):
 * γ is the prior's (0.3: not identifiable from one model size), N₀, H₀ and M=2 are the runs';
 * A-EDiT has no convergence runs: it takes EDiT's κ (its time-based interval ≈ EDiT's H at equal speed);
   compression multiplies by the tokens its measured loss ratio (`docs/compression.json`: int8 and top-k
-  settings; fp8 taken as int8's) costs on the ddp curve, never below 1; a dense scheme without a measurement
-  is 1, a top-k setting without one takes the worst top-k factor measured.
+  settings; fp8 taken as int8's; `docs/compression_2026.json`: top-k with error feedback as outer momentum,
+  `sync.error_feedback_decay` < 1, its own labels) costs on the ddp curve, never below 1; a dense scheme without
+  a measurement is 1, a top-k setting without one takes the worst top-k factor measured.
 
 With no convergence data every κ is the prior (0.05 ± 0.05) and the report says "prior". The quality side
 never enters a throughput figure: the planner shows tokens/s and this multiplier in separate columns and
@@ -34,6 +35,9 @@ import numpy as np
 GAMMA_PRIOR = 0.3
 KAPPA_PRIOR = (0.05, 0.05)
 REPO = Path(__file__).resolve().parents[2]
+# `benchmarks/compression.py` results the loss model reads, in this order: the 2024 schemes, then issue 51's
+# error feedback as outer momentum (a label's factor comes from the first file that measured it)
+COMPRESSION_RESULTS = (REPO / "docs" / "compression.json", REPO / "docs" / "compression_2026.json")
 
 
 @dataclass
@@ -95,8 +99,11 @@ def tokens_for(curve: tuple[float, float, float], loss: float) -> float:
     return ((loss - e) / b) ** (-1.0 / beta)
 
 
-def fit(convergence: dict[str, Any], compression: dict[str, Any] | None = None, params: int = 0) -> LossModel:
-    """κ per algorithm from a `benchmarks/convergence.py` result (and loss ratios from `compression.py`)."""
+def fit(convergence: dict[str, Any], compression: dict[str, Any] | list[dict[str, Any]] | None = None,
+        params: int = 0) -> LossModel:
+    """κ per algorithm from a `benchmarks/convergence.py` result (and loss ratios from one or more
+    `compression.py` results: each ratio is to its own file's uncompressed run, the first file's wins a label
+    measured twice)."""
     curves, setup = convergence["curves"], convergence.get("setup", {})
     t = np.concatenate([np.array(c["tokens_M"]) * 1e6 for c in curves["ddp"].values()])
     y = np.concatenate([np.array(c["val_loss"]) for c in curves["ddp"].values()])
@@ -115,9 +122,10 @@ def fit(convergence: dict[str, Any], compression: dict[str, Any] | None = None, 
             model.kappa[algo] = (float(np.mean(ks)), float(np.std(ks, ddof=1)) if len(ks) > 1 else abs(ks[0]))
     if "edit" in model.kappa:
         model.kappa.setdefault("a_edit", model.kappa["edit"])
-    if compression:
-        base, ratios = _compression_factors(compression)
-        model.compression = {k: _token_factor(model.ddp_curve, base, r) for k, r in ratios.items()}
+    for result in [compression] if isinstance(compression, dict) else compression or []:
+        base, ratios = _compression_factors(result)
+        for k, r in ratios.items():
+            model.compression.setdefault(k, _token_factor(model.ddp_curve, base, r))
     return model
 
 
@@ -168,7 +176,7 @@ def _label_of(overrides: list[str]) -> str:
     try:
         c = Codec(keys.get("sync.compression", "none"), density=float(keys.get("sync.topk_density", 0.01)),
                   bits=int(keys.get("sync.bits", 2)), group=int(keys.get("sync.topk_group", 1)),
-                  unsent=keys.get("sync.unsent", "resend"))
+                  unsent=keys.get("sync.unsent", "resend"), ef_decay=float(keys.get("sync.error_feedback_decay", 1)))
     except ValueError:
         return ""
     return c.label if c.error() is None else ""
@@ -181,11 +189,10 @@ def default_model(params: int = 0) -> LossModel:
         return LossModel()
     try:
         convergence = json.loads(conv.read_text())
-        comp_path = REPO / "docs" / "compression.json"
-        comp = json.loads(comp_path.read_text()) if comp_path.is_file() else None
+        comps = [json.loads(p.read_text()) for p in COMPRESSION_RESULTS if p.is_file()]
         from edit_train.plan.hardware import model_facts
 
         base = model_facts(str(convergence.get("setup", {}).get("model", "tiny"))).total_params
-        return fit(convergence, comp, base or params)
+        return fit(convergence, comps, base or params)
     except (OSError, ValueError, KeyError, TypeError):
         return LossModel()

@@ -188,8 +188,9 @@ def check(s: Scenario) -> None:
         need(c in COMPRESSIONS, "candidates.compressions", f"{c!r} is not one of {', '.join(COMPRESSIONS)}")
     for i, t in enumerate(s.candidates.topk):
         where = f"candidates.topk[{i}]"
-        need(isinstance(t, dict) and set(t) <= {"density", "bits", "group", "unsent"}, where,
-             "give {density, bits, group, unsent} (the sync.topk_density, sync.bits, sync.topk_group, sync.unsent)")
+        need(isinstance(t, dict) and set(t) <= {"density", "bits", "group", "unsent", "ef_decay"}, where,
+             "give {density, bits, group, unsent[, ef_decay]} (the sync.topk_density, sync.bits, sync.topk_group, "
+             "sync.unsent[, sync.error_feedback_decay])")
         why = topk_codec(s, TopK(**t)).error()
         need(why is None, where, str(why))
     need(bool(s.candidates.topk) or "topk" not in s.candidates.compressions, "candidates.topk",
@@ -229,10 +230,11 @@ class TopK:
     bits: int = 2
     group: int = 1
     unsent: str = "resend"
+    ef_decay: float = 1.0  # sync.error_feedback_decay: < 1 is error feedback as outer momentum (docs/algorithms.md)
 
 
 def topk_codec(s: Scenario, t: TopK) -> Codec:
-    return Codec("topk", s.block_size, s.scale_dtype, t.density, t.bits, t.group, t.unsent)
+    return Codec("topk", s.block_size, s.scale_dtype, t.density, t.bits, t.group, t.unsent, float(t.ef_decay))
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,8 @@ class Candidate:
     @property
     def compression_label(self) -> str:
         t = self.topk
-        return Codec("topk", density=t.density, bits=t.bits, group=t.group, unsent=t.unsent).label \
+        return Codec("topk", density=t.density, bits=t.bits, group=t.group, unsent=t.unsent,
+                     ef_decay=float(t.ef_decay)).label \
             if self.compression == "topk" else self.compression
 
     @property

@@ -50,7 +50,9 @@ UNSENT = ("resend", "keep")
 @dataclass(frozen=True)
 class Codec:
     """`sync.compression` and the keys that shape its wire format (`sync.block_size`, `sync.scale_dtype`, and
-    for top-k `sync.topk_density`, `sync.bits`, `sync.topk_group`, `sync.unsent`)."""
+    for top-k `sync.topk_density`, `sync.bits`, `sync.topk_group`, `sync.unsent`), and the one that shapes what
+    the residual it keeps does (`sync.error_feedback_decay` β: < 1 is error feedback as outer momentum). β moves
+    no byte; it is in the codec because its loss differs (the planner's loss model reads it by `label`)."""
 
     scheme: str = "none"
     block_size: int = 256
@@ -59,6 +61,7 @@ class Codec:
     bits: int = 2
     group: int = 1
     unsent: str = "resend"
+    ef_decay: float = 1.0
 
     def error(self, prefix: str = "sync") -> str | None:
         """What is wrong with these settings (one line naming the key), or None."""
@@ -70,6 +73,9 @@ class Codec:
             return f"{prefix}.scale_dtype must be one of {', '.join(SCALE_BYTES)}, got {self.scale_dtype!r}"
         if self.unsent not in UNSENT or (self.unsent == "keep" and not self.sparse):
             return f"{prefix}.unsent must be one of {', '.join(UNSENT)} (keep: top-k only), got {self.unsent!r}"
+        if not 0.0 < self.ef_decay <= 1.0 or (self.ef_decay < 1.0 and not self.lossy):
+            return (f"{prefix}.error_feedback_decay must be in (0, 1] (< 1: a lossy compression only), "
+                    f"got {self.ef_decay!r}")
         return format_error(self.density, self.bits, self.block_size, self.group, prefix) if self.sparse else None
 
     @property
@@ -95,10 +101,13 @@ class Codec:
 
     @property
     def label(self) -> str:
+        """`none`, `int8`, …, `topk(0.02,4b,g1[,keep])`; error feedback as momentum adds `,efm0.95` (inside the
+        top-k parentheses, `int8(efm0.95)` for a dense scheme): a different loss, the same bytes."""
+        efm = f"efm{self.ef_decay:g}" if self.ef_decay < 1.0 else ""
         if not self.sparse:
-            return self.scheme
+            return f"{self.scheme}({efm})" if efm else self.scheme
         keep = ",keep" if self.unsent == "keep" else ""
-        return f"topk({self.density:g},{self.bits}b,g{self.group}{keep})"
+        return f"topk({self.density:g},{self.bits}b,g{self.group}{keep}{',' + efm if efm else ''})"
 
 
 def codec(c: Codec | str, block: int = 256) -> Codec:
