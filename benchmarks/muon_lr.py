@@ -4,14 +4,16 @@ The convergence grid first tried Muon at AdamW's tuned lr (3e-3) and found it wo
 is not Muon's: `adjust_lr_fn="match_rms_adamw"` matches the RMS of one update, not the lr that trains best. This
 benchmark sweeps Muon's lr for DDP and for edit (and edit's outer point under Muon), at the convergence
 benchmark's setting (tiny, 320 steps, H = 8, batch 8 x 128, eval 8 batches), against both algorithms' tuned
-AdamW points, then confirms each algorithm's best on more seeds and at 4 clusters:
+AdamW points, then confirms each algorithm's best on more seeds and at 4 clusters. The sweep goes past edit's
+best averaging lr until it turns (`EDGE_LRS`) and tries the lr schedule's floor at 0 for both:
 
-    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (21 runs) + the confirmation (6 runs)
+    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (22 runs) + the confirmation (6 runs)
     python benchmarks/muon_lr.py --reuse --sweep     # the sweep only
 
 Run directories: <workdir>/<setting>; `--reuse` reuses a finished run with identical overrides, `--adopt` also a
 run started by hand whose resolved configuration (`config.json`) equals this setting's in every key but
-`run.dir` (checked key by key; the record notes it was adopted). Output: docs/muon_lr.json and docs/muon_lr.png.
+`run.dir` (checked key by key; the record notes it was adopted; `--reuse` adopts such a run too rather than
+start it again over its directory). Output: docs/muon_lr.json and docs/muon_lr.png.
 """
 
 from __future__ import annotations
@@ -38,13 +40,17 @@ OUTER = {"0.5/0.5N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.5", "algo.oute
          "1.2/0": ["algo.outer.lr=1.2", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]}
 
 
-def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, clusters: int = 2) -> dict[str, Any]:
+def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, clusters: int = 2,
+            min_lr_ratio: float | None = None) -> dict[str, Any]:
+    """One run; `min_lr_ratio` None keeps the schedule's default floor (`train.min_lr_ratio`, 0.1)."""
     ov = [*BASE, f"cluster.count={clusters}", f"seed={seed}", f"train.lr={lr!r}"]
     ov += ["algo=ddp"] if algo == "ddp" else [*LOCAL, *OUTER[outer or "0.5/0.5N"]]
     ov += ["train.optimizer=muon"] if opt == "muon" else []
+    ov += [f"train.min_lr_ratio={min_lr_ratio!r}"] if min_lr_ratio is not None else []
     name = f"{algo}_{opt}_lr{lr:g}" + (f"_o{outer}" if algo != "ddp" else "") + f"_g{clusters}_s{seed}"
+    name += "_min0" if min_lr_ratio == 0.0 else (f"_min{min_lr_ratio:g}" if min_lr_ratio is not None else "")
     return {"name": name.replace("/", "-"), "algo": algo, "optimizer": opt, "lr": lr, "outer": outer if algo != "ddp"
-            else None, "seed": seed, "clusters": clusters, "overrides": ov}
+            else None, "seed": seed, "clusters": clusters, "min_lr_ratio": min_lr_ratio, "overrides": ov}
 
 
 def sweep() -> list[dict[str, Any]]:
@@ -57,7 +63,15 @@ interior; edit's averaging point is best at the top lr tried with it, 4e-2 — s
     out += [setting("edit", "muon", lr, "0.5/0.5N") for lr in (1e-2, 2e-2, 4e-2, 6e-2)]
     out += [setting("edit", "muon", 2e-2, o) for o in ("0.7/0.5N", "0.5/0.8N", "1.0/0", "1.2/0")]
     out += [setting("edit", "muon", 4e-2, o) for o in ("0.7/0.5N", "1.0/0")] + [setting("edit", "muon", 3e-2, "1.0/0")]
+    # the edge: edit's averaging point was best at the top lr tried (4e-2); go on until it turns
+    out += [setting("edit", "muon", lr, "1.0/0") for lr in EDGE_LRS]
+    # the schedule's floor, the same change for both (cosine to 0 instead of to 0.1 x): DDP at its best lr, edit at
+    # its averaging point's 4e-2
+    out += [setting("ddp", "muon", 3e-2, None, min_lr_ratio=0.0), setting("edit", "muon", 4e-2, "1.0/0", min_lr_ratio=0.0)]
     return out
+
+
+EDGE_LRS = (6e-2, 8e-2, 1.2e-1)
 
 
 def best_of(rows: list[dict[str, Any]], algo: str, opt: str) -> dict[str, Any] | None:
@@ -71,8 +85,9 @@ def confirm(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for algo in ("ddp", "edit"):
         b = best_of(rows, algo, "muon")
         if b:
-            out += [setting(algo, "muon", b["lr"], b["outer"], seed=s) for s in (1, 2)]
-            out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4))
+            floor = b.get("min_lr_ratio")
+            out += [setting(algo, "muon", b["lr"], b["outer"], seed=s, min_lr_ratio=floor) for s in (1, 2)]
+            out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4, min_lr_ratio=floor))
     return out
 
 
@@ -98,7 +113,9 @@ def run(a: argparse.Namespace, s: dict[str, Any]) -> dict[str, Any] | None:
     if a.finished_only and not finished and not (a.adopt and adoptable(run_dir, s["overrides"])):
         print(f"  not run: {s['name']}", flush=True)
         return None
-    if a.adopt and not finished and adoptable(run_dir, s["overrides"]):
+    # --reuse adopts too: a run with this setting's configuration is this setting's run, and starting it again
+    # would wipe its directory (what a --reuse without --adopt once did to an adopted run)
+    if (a.adopt or a.reuse) and not finished and adoptable(run_dir, s["overrides"]):
         adopted = True
         job = C.Job(s["name"], run_dir, C.job_args(run_dir, s["overrides"]), float("nan"), C.read_summary(run_dir),
                     C.read_metrics(run_dir))
@@ -121,7 +138,8 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     d, e = best_of(rows, "ddp", "muon"), best_of(rows, "edit", "muon")
     if d and e:
         def at(r: dict[str, Any], algo: str, b: dict[str, Any]) -> bool:
-            return r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == b["lr"] and r["outer"] == b["outer"]
+            return r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == b["lr"] and r["outer"] == b["outer"] \
+                and r.get("min_lr_ratio") == b.get("min_lr_ratio")
         per: dict[str, float] = {}
         for seed, g in ((0, 2), (1, 2), (2, 2), (0, 4)):
             dd = [r for r in rows if at(r, "ddp", d) and (r["seed"], r["clusters"]) == (seed, g)]
@@ -139,8 +157,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     sweep_rows = [r for r in rows if (r["seed"], r["clusters"]) == (0, 2)]
     for k, (algo, outer) in enumerate([("ddp", None), *[("edit", o) for o in OUTER]]):
-        rs = sorted((r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["outer"] == outer),
-                    key=lambda r: r["lr"])
+        rs = sorted((r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["outer"] == outer
+                     and r.get("min_lr_ratio") is None), key=lambda r: r["lr"])
         if rs:
             ax.plot([r["lr"] for r in rs], [r["final_val_loss"] for r in rs], "o-" if algo == "ddp" else "s--",
                     color=f"C{k}", label=f"{algo} Muon" + (f", outer {outer}" if outer else ""))
@@ -149,7 +167,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
         if b:
             ax.axhline(b["final_val_loss"], color="0.3" if algo == "ddp" else "0.6", ls=":", lw=1,
                        label=f"{algo} AdamW (lr {b['lr']:g}" + (f", outer {b['outer']})" if b["outer"] else ")"))
-    ax.set_xscale("log")
+    for r in sweep_rows:
+        if r.get("min_lr_ratio") is not None:
+            ax.plot([r["lr"]], [r["final_val_loss"]], "x", color="k", ms=8)
+            ax.annotate(f"{r['algo']}, lr floor {r['min_lr_ratio']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
+                        xytext=(4, 4), textcoords="offset points")
+        ax.set_xscale("log")
     ax.set_xlabel("train.lr (Muon)")
     ax.set_ylabel("final validation loss")
     ax.set_title("tiny, 2 clusters, 320 steps, H = 8, seed 0")
@@ -160,7 +183,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             if not b:
                 continue
             rs = [r for r in rows if r["algo"] == algo and r["optimizer"] == opt and r["lr"] == b["lr"]
-                  and r["outer"] == b["outer"]]
+                  and r["outer"] == b["outer"] and r.get("min_lr_ratio") == b.get("min_lr_ratio")]
             for r in rs:
                 steps, loss = r["curve"]
                 if (r["seed"], r["clusters"]) == (0, 2):
