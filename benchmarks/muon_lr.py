@@ -53,6 +53,9 @@ def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, cl
             else None, "seed": seed, "clusters": clusters, "min_lr_ratio": min_lr_ratio, "overrides": ov}
 
 
+EDGE_LRS = (6e-2, 8e-2, 1.2e-1)  # edit's averaging point past 4e-2, the top of the first sweep
+
+
 def sweep() -> list[dict[str, Any]]:
     """Seed 0, 2 clusters: both AdamW points (the convergence grid's best), DDP Muon over its lr, edit Muon over
     its lr at the AdamW outer point, and over the outer point at the better lrs. edit gets more runs (its outer point
@@ -69,9 +72,6 @@ interior; edit's averaging point is best at the top lr tried with it, 4e-2 — s
     # its averaging point's 4e-2
     out += [setting("ddp", "muon", 3e-2, None, min_lr_ratio=0.0), setting("edit", "muon", 4e-2, "1.0/0", min_lr_ratio=0.0)]
     return out
-
-
-EDGE_LRS = (6e-2, 8e-2, 1.2e-1)
 
 
 def best_of(rows: list[dict[str, Any]], algo: str, opt: str) -> dict[str, Any] | None:
@@ -172,7 +172,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             ax.plot([r["lr"]], [r["final_val_loss"]], "x", color="k", ms=8)
             ax.annotate(f"{r['algo']}, lr floor {r['min_lr_ratio']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
                         xytext=(4, 4), textcoords="offset points")
-        ax.set_xscale("log")
+    ax.set_xscale("log")
     ax.set_xlabel("train.lr (Muon)")
     ax.set_ylabel("final validation loss")
     ax.set_title("tiny, 2 clusters, 320 steps, H = 8, seed 0")

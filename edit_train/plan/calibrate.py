@@ -124,10 +124,11 @@ def _link_s(cfg: dict[str, Any], nbytes: float, lanes: int) -> float:
 def codec_of_run(cfg: dict[str, Any]) -> traffic.Codec:
     """The wire format a run's `sync` section configured."""
     sy = cfg.get("sync") or {}
+    lossy = str(sy.get("compression", "none")) != "none"  # β only shapes a lossy codec's residual
     return traffic.Codec(str(sy.get("compression", "none")), int(sy.get("block_size", 256)),
                          str(sy.get("scale_dtype", "fp32")), float(sy.get("topk_density", 0.01)),
                          int(sy.get("bits", 2)), int(sy.get("topk_group", 1)), str(sy.get("unsent", "resend")),
-                         float(sy.get("error_feedback_decay", 1.0)))
+                         float(sy.get("error_feedback_decay", 1.0)) if lossy else 1.0)
 
 
 def candidate_of_run(run: RunData) -> Candidate:
