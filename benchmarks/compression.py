@@ -113,6 +113,11 @@ SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
 SETTINGS = {"convergence": [], "slow_link": SLOW}
 EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
         "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
+# issue 51: Muon inner steps at edit's tuned Muon point (benchmarks/muon_lr.py, docs/muon_lr.json: lr 6e-2 with
+# plain averaging), so the uncompressed reference and every scheme run the 2026 inner optimizer alike
+EDIT_MUON = ["algo=edit", "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
+             "algo.warmup_steps=0", "train.optimizer=muon", "train.lr=0.06"]
+INNER = {"adamw": EDIT, "muon": EDIT_MUON}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -138,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--retime", nargs="+", default=[], choices=list(SCHEMES), metavar="SCHEME",
                     help="with --codec-only: run these schemes' timing runs again (tiny and small), so their codec "
                          "share is over a sync that ran with the codec as it is now")
+    ap.add_argument("--inner", choices=list(INNER), default="adamw",
+                    help="the inner optimizer of every edit run: adamw at the convergence grid's point (default) or "
+                    "muon at its own tuned point (lr 6e-2, plain averaging; issue 51)")
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
     ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "compression.png")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
@@ -186,7 +194,7 @@ def one_setting(a: argparse.Namespace, setting: str) -> dict[str, Any]:
     per: dict[str, dict[str, Any]] = {}
     for name in names:
         runs = [C.run_job(f"{setting}/{name}-s{seed}", work / f"{name}_s{seed}",
-                          [*base, *EDIT, f"seed={seed}", *SCHEMES[name]], reuse=a.reuse) for seed in seeds]
+                          [*base, *INNER[a.inner], f"seed={seed}", *SCHEMES[name]], reuse=a.reuse) for seed in seeds]
         per[name] = {"val_loss": [r.summary["final_val_loss"] for r in runs],
                      "bytes_per_token": [r.summary["cross_cluster_bytes"] / r.summary["tokens"] for r in runs],
                      "blocked_per_sync": [r.summary["blocked_s"] / max(r.summary["syncs"], 1) for r in runs],
@@ -292,7 +300,7 @@ def small_sync_times(a: argparse.Namespace, schemes: list[str], workdir: Path | 
     for name in schemes:
         job = C.run_job(f"timing/small-{name}", (workdir or a.workdir) / "timing" / f"small_{name}",
                         [*common(a, "small"), "train.steps=32", "train.eval_every=32", "train.eval_batches=1",
-                         *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse)
+                         *INNER[a.inner], "seed=0", *SCHEMES[name]], reuse=a.reuse)
         times[name] = sync_time(job)
     return times
 
@@ -398,7 +406,7 @@ def retime(a: argparse.Namespace, schemes: list[str]) -> dict[str, dict[str, flo
     seed-0 run; small, the timing run (`small_sync_times`)."""
     work = a.workdir / "retime"
     tiny = {name: sync_time(C.run_job(f"retime/tiny-{name}", work / f"tiny_{name}",
-                                      [*common(a), *EDIT, "seed=0", *SCHEMES[name]], reuse=a.reuse))
+                                      [*common(a), *INNER[a.inner], "seed=0", *SCHEMES[name]], reuse=a.reuse))
             for name in schemes}
     return {"tiny": tiny, "small": small_sync_times(a, schemes, work)}
 
@@ -452,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
                                "interval": a.interval, "seeds": a.seeds, "schemes": {s: SCHEMES[s] for s in a.schemes},
                                "slow_link_schemes": a.slow_schemes, "slow_link_seeds": a.slow_seeds,
                                "command": " ".join(["python", "benchmarks/compression.py", *sys.argv[1:]]),
-                               "edit_overrides": EDIT, "settings": {s: SETTINGS[s] for s in a.settings},
+                               "inner": a.inner, "edit_overrides": INNER[a.inner], "settings": {s: SETTINGS[s] for s in a.settings},
                                "results": results, "codec": codec, "targets": tg,
                                "wall_s": time.perf_counter() - t0, "env": C.environment()})
     print()

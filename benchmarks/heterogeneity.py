@@ -32,6 +32,7 @@ fast group waits (s_1 - s_0) x interval at the first sync; `--first-interval` (d
     python benchmarks/heterogeneity.py            # 6 runs x 240 s, batch 16 x 128, tau 10 s, H 32
     python benchmarks/heterogeneity.py --budget 120 --sync-time 8 --out r.json --plot r.png
     python benchmarks/heterogeneity.py --runs a_edit+overlap a_edit+overlap+staleness   # issue 51's correction
+    python benchmarks/heterogeneity.py --quick --runs ddp a_edit ddp+muon a_edit+muon     # issue 51's Muon
 """
 
 from __future__ import annotations
@@ -59,10 +60,15 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "a_edit+overlap": ("a_edit", ["sync.mode=overlap"]),
     # issue 51: the staleness correction where the merged Δ is stale (overlap lands it one interval late)
     "a_edit+overlap+staleness": ("a_edit", ["sync.mode=overlap", "algo.outer.staleness_correction=true"]),
+    # issue 51: Muon inner steps, each algorithm at its tuned Muon point of benchmarks/muon_lr.py (docs/muon_lr.json:
+    # DDP lr 3e-2; edit lr 6e-2 with plain averaging), not retuned at this batch
+    "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03"]),
+    "a_edit+muon": ("a_edit", ["train.optimizer=muon", "train.lr=0.06", "algo.outer.lr=1.0", "algo.outer.momentum=0.0",
+                               "algo.outer.nesterov=false"]),
 }
 DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/heterogeneity.json
 COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
-          "a_edit+overlap+staleness": "tab:purple"}
+          "a_edit+overlap+staleness": "tab:purple", "ddp+muon": "tab:cyan", "a_edit+muon": "tab:olive"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -5,10 +5,13 @@ is not Muon's: `adjust_lr_fn="match_rms_adamw"` matches the RMS of one update, n
 benchmark sweeps Muon's lr for DDP and for edit (and edit's outer point under Muon), at the convergence
 benchmark's setting (tiny, 320 steps, H = 8, batch 8 x 128, eval 8 batches), against both algorithms' tuned
 AdamW points, then confirms each algorithm's best on more seeds and at 4 clusters. The sweep goes past edit's
-best averaging lr until it turns (`EDGE_LRS`) and tries the lr schedule's floor at 0 for both:
+best averaging lr until it turns (`EDGE_LRS`), tries the lr schedule's floor at 0 for both and Muon's momentum
+(`MOMENTA`, the same values for both, each at its best lr; where a momentum wins, the lr's two neighbours are
+tried at it). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seed 0):
 
-    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (22 runs) + the confirmation (6 runs)
+    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (~30 runs) + the confirmation (6 runs)
     python benchmarks/muon_lr.py --reuse --sweep     # the sweep only
+    python benchmarks/muon_lr.py --reuse --long      # and the run-length study (2 runs of 1280 steps)
 
 Run directories: <workdir>/<setting>; `--reuse` reuses a finished run with identical overrides, `--adopt` also a
 run started by hand whose resolved configuration (`config.json`) equals this setting's in every key but
@@ -41,16 +44,23 @@ OUTER = {"0.5/0.5N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.5", "algo.oute
 
 
 def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, clusters: int = 2,
-            min_lr_ratio: float | None = None) -> dict[str, Any]:
-    """One run; `min_lr_ratio` None keeps the schedule's default floor (`train.min_lr_ratio`, 0.1)."""
+            min_lr_ratio: float | None = None, momentum: float | None = None, steps: int = 320) -> dict[str, Any]:
+    """One run; `min_lr_ratio` None keeps the schedule's default floor (`train.min_lr_ratio`, 0.1), `momentum` None
+    Muon's default (`train.muon_momentum`, 0.95); `steps` other than 320 is the run-length study (same eval
+    cadence)."""
     ov = [*BASE, f"cluster.count={clusters}", f"seed={seed}", f"train.lr={lr!r}"]
     ov += ["algo=ddp"] if algo == "ddp" else [*LOCAL, *OUTER[outer or "0.5/0.5N"]]
     ov += ["train.optimizer=muon"] if opt == "muon" else []
     ov += [f"train.min_lr_ratio={min_lr_ratio!r}"] if min_lr_ratio is not None else []
+    ov += [f"train.muon_momentum={momentum!r}"] if momentum is not None else []
+    ov += [f"train.steps={steps}"] if steps != 320 else []
     name = f"{algo}_{opt}_lr{lr:g}" + (f"_o{outer}" if algo != "ddp" else "") + f"_g{clusters}_s{seed}"
     name += "_min0" if min_lr_ratio == 0.0 else (f"_min{min_lr_ratio:g}" if min_lr_ratio is not None else "")
+    name += f"_m{momentum:g}" if momentum is not None else ""
+    name += f"_T{steps}" if steps != 320 else ""
     return {"name": name.replace("/", "-"), "algo": algo, "optimizer": opt, "lr": lr, "outer": outer if algo != "ddp"
-            else None, "seed": seed, "clusters": clusters, "min_lr_ratio": min_lr_ratio, "overrides": ov}
+            else None, "seed": seed, "clusters": clusters, "min_lr_ratio": min_lr_ratio, "momentum": momentum,
+            "steps": steps, "overrides": ov}
 
 
 EDGE_LRS = (6e-2, 8e-2, 1.2e-1)  # edit's averaging point past 4e-2, the top of the first sweep
@@ -71,11 +81,47 @@ interior; edit's averaging point is best at the top lr tried with it, 4e-2 — s
     # the schedule's floor, the same change for both (cosine to 0 instead of to 0.1 x): DDP at its best lr, edit at
     # its averaging point's 4e-2
     out += [setting("ddp", "muon", 3e-2, None, min_lr_ratio=0.0), setting("edit", "muon", 4e-2, "1.0/0", min_lr_ratio=0.0)]
+    # Muon's momentum, the same values for both at each one's best lr: a buffer with a memory (1 / (1 - 0.95) = 20
+    # steps) longer than the interval (8) carries a cluster's own direction across the sync that averaged it away
+    out += [setting(algo, "muon", lr, outer, momentum=m) for algo, lr, outer in (("ddp", 3e-2, None),
+                                                                                 ("edit", 6e-2, "1.0/0"))
+            for m in MOMENTA]
+    return out
+
+
+MOMENTA = (0.6, 0.7, 0.8, 0.9)  # train.muon_momentum tried besides the default 0.95 (DDP best at 0.8, the first edge)
+LONG_STEPS = 1280  # the run-length study: each algorithm's best point at 4 x the steps
+
+
+def lr_at_best_momentum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where an algorithm's best seed-0 point has a momentum of its own, its lr is checked again there: the two
+    neighbours of that lr on the algorithm's own sweep (DDP's lrs; edit's averaging lrs)."""
+    grid = {"ddp": sorted({s["lr"] for s in sweep() if s["algo"] == "ddp" and s["optimizer"] == "muon"}),
+            "edit": sorted({s["lr"] for s in sweep() if s["algo"] == "edit" and s["outer"] == "1.0/0"})}
+    out = []
+    for algo in ("ddp", "edit"):
+        b = best_of(rows, algo, "muon")
+        if b and b.get("momentum") is not None and b["lr"] in grid[algo]:
+            i = grid[algo].index(b["lr"])
+            out += [setting(algo, "muon", grid[algo][j], b["outer"], momentum=b["momentum"])
+                    for j in (i - 1, i + 1) if 0 <= j < len(grid[algo])]
+    return out
+
+
+def long_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each algorithm's best Muon point (seed 0, 2 clusters) at LONG_STEPS: is the gap a short run's?"""
+    out = []
+    for algo in ("ddp", "edit"):
+        b = best_of(rows, algo, "muon")
+        if b:
+            out.append(setting(algo, "muon", b["lr"], b["outer"], min_lr_ratio=b.get("min_lr_ratio"),
+                               momentum=b.get("momentum"), steps=LONG_STEPS))
     return out
 
 
 def best_of(rows: list[dict[str, Any]], algo: str, opt: str) -> dict[str, Any] | None:
-    rs = [r for r in rows if (r["algo"], r["optimizer"], r["seed"], r["clusters"]) == (algo, opt, 0, 2)]
+    rs = [r for r in rows if (r["algo"], r["optimizer"], r["seed"], r["clusters"], r.get("steps", 320))
+          == (algo, opt, 0, 2, 320)]
     return min(rs, key=lambda r: r["final_val_loss"]) if rs else None
 
 
@@ -86,8 +132,9 @@ def confirm(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         b = best_of(rows, algo, "muon")
         if b:
             floor = b.get("min_lr_ratio")
-            out += [setting(algo, "muon", b["lr"], b["outer"], seed=s, min_lr_ratio=floor) for s in (1, 2)]
-            out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4, min_lr_ratio=floor))
+            m = b.get("momentum")
+            out += [setting(algo, "muon", b["lr"], b["outer"], seed=s, min_lr_ratio=floor, momentum=m) for s in (1, 2)]
+            out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4, min_lr_ratio=floor, momentum=m))
     return out
 
 
@@ -139,7 +186,8 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if d and e:
         def at(r: dict[str, Any], algo: str, b: dict[str, Any]) -> bool:
             return r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == b["lr"] and r["outer"] == b["outer"] \
-                and r.get("min_lr_ratio") == b.get("min_lr_ratio")
+                and r.get("min_lr_ratio") == b.get("min_lr_ratio") and r.get("momentum") == b.get("momentum") \
+                and r.get("steps", 320) == 320
         per: dict[str, float] = {}
         for seed, g in ((0, 2), (1, 2), (2, 2), (0, 4)):
             dd = [r for r in rows if at(r, "ddp", d) and (r["seed"], r["clusters"]) == (seed, g)]
@@ -149,16 +197,21 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         two = [v for k, v in per.items() if k.startswith("g2")]
         out["muon"]["edit_over_ddp"] = per
         out["muon"]["edit_over_ddp_2_clusters"] = {"mean": statistics.fmean(two), "max": max(two), "n": len(two)}
+        long = {r["algo"]: r for r in rows if r.get("steps", 320) == LONG_STEPS and r["optimizer"] == "muon"}
+        if "ddp" in long and "edit" in long:
+            out["muon"]["long"] = {"steps": LONG_STEPS, "ddp": long["ddp"]["final_val_loss"],
+                                   "edit": long["edit"]["final_val_loss"],
+                                   "edit_over_ddp": long["edit"]["final_val_loss"] / long["ddp"]["final_val_loss"]}
     return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     plt = C.pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
-    sweep_rows = [r for r in rows if (r["seed"], r["clusters"]) == (0, 2)]
+    sweep_rows = [r for r in rows if (r["seed"], r["clusters"], r.get("steps", 320)) == (0, 2, 320)]
     for k, (algo, outer) in enumerate([("ddp", None), *[("edit", o) for o in OUTER]]):
         rs = sorted((r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["outer"] == outer
-                     and r.get("min_lr_ratio") is None), key=lambda r: r["lr"])
+                     and r.get("min_lr_ratio") is None and r.get("momentum") is None), key=lambda r: r["lr"])
         if rs:
             ax.plot([r["lr"] for r in rs], [r["final_val_loss"] for r in rs], "o-" if algo == "ddp" else "s--",
                     color=f"C{k}", label=f"{algo} Muon" + (f", outer {outer}" if outer else ""))
@@ -172,6 +225,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             ax.plot([r["lr"]], [r["final_val_loss"]], "x", color="k", ms=8)
             ax.annotate(f"{r['algo']}, lr floor {r['min_lr_ratio']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
                         xytext=(4, 4), textcoords="offset points")
+        if r.get("momentum") is not None:
+            ax.plot([r["lr"]], [r["final_val_loss"]], "+", color="k", ms=8)
+            ax.annotate(f"{r['algo']}, Muon momentum {r['momentum']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
+                        xytext=(4, -8), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("train.lr (Muon)")
     ax.set_ylabel("final validation loss")
@@ -183,12 +240,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             if not b:
                 continue
             rs = [r for r in rows if r["algo"] == algo and r["optimizer"] == opt and r["lr"] == b["lr"]
-                  and r["outer"] == b["outer"] and r.get("min_lr_ratio") == b.get("min_lr_ratio")]
+                  and r["outer"] == b["outer"] and r.get("min_lr_ratio") == b.get("min_lr_ratio")
+                  and r.get("momentum") == b.get("momentum")]
             for r in rs:
                 steps, loss = r["curve"]
                 if (r["seed"], r["clusters"]) == (0, 2):
-                    bx.plot(steps, loss, color=f"C{k}", ls="-" if opt == "muon" else ":",
-                            label=f"{algo} {opt} (best, seed 0)")
+                    n = r.get("steps", 320)
+                    bx.plot(steps, loss, color=f"C{k}", ls=("-" if n == 320 else "-.") if opt == "muon" else ":",
+                            label=f"{algo} {opt} (best, seed 0" + (f", {n} steps)" if n != 320 else ")"))
     bx.set_ylim(1.5, 3.0)
     bx.set_xlabel("step")
     bx.set_ylabel("validation loss")
@@ -201,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="the seed-0 sweep only, no confirmation runs")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
+    ap.add_argument("--long", action="store_true", help=f"also each algorithm's best at {LONG_STEPS} steps (seed 0)")
     ap.add_argument("--adopt", action="store_true", help="also adopt runs whose config.json equals the setting's")
     ap.add_argument("--finished-only", action="store_true", help="report the finished (or adoptable) runs, start none")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "muon_lr")
@@ -210,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = [r for s in sweep() if (r := run(a, s))]
+    rows += [r for s in lr_at_best_momentum(rows) if (r := run(a, s))]
     if not a.sweep:
         rows += [r for s in confirm(rows) if (r := run(a, s))]
+    if a.long:
+        rows += [r for s in long_runs(rows) if (r := run(a, s))]
     summary = ratios(rows)
     C.write_json(a.out, {"benchmark": "muon_lr", "setup": {"base": BASE, "outer_points": OUTER}, "summary": summary,
                          "runs": rows, "wall_s": time.perf_counter() - t0, "env": C.environment()})

@@ -93,3 +93,65 @@ def test_muon_lr_benchmark_settings_are_valid_and_tune_both_sides_alike(tmp_path
     cfg["train"]["lr"] = 0.02
     (run / "config.json").write_text(json.dumps(cfg))
     assert not M.adoptable(run, s["overrides"])
+
+
+def test_muon_momentum_and_run_length_studies_treat_both_sides_alike() -> None:
+    """benchmarks/muon_lr.py: Muon's momentum is tried at the same values for DDP and edit (each at its best lr),
+    and the run-length study takes each algorithm's best seed-0 point to LONG_STEPS; neither enters the lr sweep's
+    best (a 1280-step run is not a 320-step setting)."""
+    import muon_lr as M
+
+    sweep = M.sweep()
+    momenta = {a: sorted(s["momentum"] for s in sweep if s["algo"] == a and s["momentum"] is not None)
+               for a in ("ddp", "edit")}
+    assert momenta["ddp"] == momenta["edit"] == sorted(M.MOMENTA) and 0.95 not in M.MOMENTA
+    rows = [{**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": 2.0 + i / 100}
+            for i, s in enumerate(sweep)]
+    rows.append({**M.setting("edit", "muon", 6e-2, "1.0/0", steps=M.LONG_STEPS), "final_val_loss": 0.1})
+    best = M.best_of(rows, "edit", "muon")
+    assert best["steps"] == 320 and best["final_val_loss"] > 2.0
+    long = M.long_runs(rows)
+    assert [s["algo"] for s in long] == ["ddp", "edit"] and all(s["steps"] == M.LONG_STEPS for s in long)
+    for s in long:
+        assert f"train.steps={M.LONG_STEPS}" in s["overrides"]
+        validate(compose([*M.C.BASE_OVERRIDES, *s["overrides"]]))
+    for s in sweep:
+        if s["momentum"] is not None:
+            assert f"train.muon_momentum={s['momentum']!r}" in s["overrides"]
+
+
+def test_compression_with_muon_runs_every_scheme_and_its_reference_at_muons_point() -> None:
+    """`compression.py --inner muon`: the uncompressed reference and each scheme take Muon at edit's tuned Muon point;
+    every run's overrides build a valid config, and the scheme's own outer lr (1.0) agrees with that point."""
+    a = compression.parse_args(["--inner", "muon", "--schemes", "topk_1pct_2b_efm95", "--settings", "convergence"])
+    assert a.inner == "muon" and a.schemes[0] == "none"
+    for name in a.schemes:
+        ov = [*compression.common(a), *compression.INNER[a.inner], "seed=0", *compression.SCHEMES[name]]
+        cfg = compose(ov)
+        validate(cfg)
+        assert cfg.train.optimizer == "muon" and cfg.train.lr == 0.06 and cfg.algo.outer.lr == 1.0
+    assert compression.parse_args([]).inner == "adamw"
+
+
+def test_heterogeneity_muon_arms_are_valid_configs() -> None:
+    import heterogeneity as H
+
+    a = H.parse_args(["--quick", "--runs", "ddp+muon", "a_edit+muon"])
+    for name in a.runs:
+        cfg = compose(H.run_overrides(name, a))
+        validate(cfg)
+        assert cfg.train.optimizer == "muon" and cfg.algo.name == H.RUNS[name][0]
+
+
+def test_a_winning_momentum_gets_its_lr_checked_on_the_algorithms_own_grid() -> None:
+    import muon_lr as M
+
+    rows = [{**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": 2.0} for s in M.sweep()]
+    for r in rows:
+        if (r["algo"], r["lr"], r["momentum"]) in (("ddp", 3e-2, 0.8), ("edit", 6e-2, 0.9)):
+            r["final_val_loss"] = 1.0
+    got = {(s["algo"], s["lr"], s["momentum"], s["outer"]) for s in M.lr_at_best_momentum(rows)}
+    assert got == {("ddp", 2e-2, 0.8, None), ("ddp", 4e-2, 0.8, None),
+                   ("edit", 4e-2, 0.9, "1.0/0"), ("edit", 8e-2, 0.9, "1.0/0")}
+    plain = [{**r, "final_val_loss": 1.0 if r["momentum"] is None and r["lr"] == 3e-2 else 2.0} for r in rows]
+    assert M.lr_at_best_momentum(plain) == []  # the default momentum won: nothing to check again
