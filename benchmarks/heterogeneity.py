@@ -61,10 +61,11 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     # issue 51: the staleness correction where the merged Δ is stale (overlap lands it one interval late)
     "a_edit+overlap+staleness": ("a_edit", ["sync.mode=overlap", "algo.outer.staleness_correction=true"]),
     # issue 51: Muon inner steps, each algorithm at its tuned Muon point of benchmarks/muon_lr.py (docs/muon_lr.json:
-    # DDP lr 3e-2; edit lr 6e-2 with plain averaging), not retuned at this batch
-    "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03"]),
-    "a_edit+muon": ("a_edit", ["train.optimizer=muon", "train.lr=0.06", "algo.outer.lr=1.0", "algo.outer.momentum=0.0",
-                               "algo.outer.nesterov=false"]),
+    # DDP lr 3e-2 with momentum 0.8; edit lr 4e-2 with momentum 0.9 and plain averaging), tuned under a decaying lr;
+    # `--muon-lr` sets another lr for both arms (this benchmark's lr does not decay: train.steps is out of reach)
+    "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03", "train.muon_momentum=0.8"]),
+    "a_edit+muon": ("a_edit", ["train.optimizer=muon", "train.lr=0.04", "train.muon_momentum=0.9",
+                               "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]),
 }
 DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/heterogeneity.json
 COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (per group for a_edit)")
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--muon-lr", type=float, default=None,
+                    help="train.lr of the +muon arms (default: each one's tuned point of benchmarks/muon_lr.py)")
     ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS),
                     help="runs to make (a_edit+overlap+staleness: issue 51's staleness correction, not by default)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
@@ -117,6 +120,8 @@ def run_overrides(name: str, a: argparse.Namespace) -> list[str]:
         out += [f"algo.interval={a.interval}", "algo.warmup_steps=0"]
     if algo == "a_edit":
         out += [f"algo.interval={a.first_interval}", "algo.warmup_steps=0", f"algo.sync_time_s={a.sync_time:g}"]
+    if a.muon_lr is not None and "train.optimizer=muon" in extra:
+        extra = [x for x in extra if not x.startswith("train.lr=")] + [f"train.lr={a.muon_lr!r}"]
     return out + extra + common_overrides(a)
 
 
@@ -288,7 +293,8 @@ def plot(jobs: dict[str, C.Job], rows: dict[str, dict[str, Any]], a: argparse.Na
         ax2.bar_label(bars, fmt="%.2f", fontsize=7)
     ax2.axhline(0.95, color="tab:green", ls="--", lw=1, label="target throughput 0.95")
     ax2.axhline(0.02, color="black", ls="--", lw=1, label="target blocked 0.02")
-    ax2.set_xticks(list(x), names)
+    ax2.set_xticks(list(x), names, rotation=20 if len(names) > 4 else 0, ha="right" if len(names) > 4 else "center",
+                   fontsize=8 if len(names) > 4 else None)
     ax2.set_ylim(0, 1.4)
     ax2.set_title("throughput and time blocked on cross-cluster sync", fontsize=10)
     ax2.legend(fontsize=7, loc="upper left", ncol=2)

@@ -207,7 +207,7 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     plt = C.pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (ax, mx, bx) = plt.subplots(1, 3, figsize=(18, 4.8))
     sweep_rows = [r for r in rows if (r["seed"], r["clusters"], r.get("steps", 320)) == (0, 2, 320)]
     for k, (algo, outer) in enumerate([("ddp", None), *[("edit", o) for o in OUTER]]):
         rs = sorted((r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["outer"] == outer
@@ -225,15 +225,26 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             ax.plot([r["lr"]], [r["final_val_loss"]], "x", color="k", ms=8)
             ax.annotate(f"{r['algo']}, lr floor {r['min_lr_ratio']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
                         xytext=(4, 4), textcoords="offset points")
-        if r.get("momentum") is not None:
-            ax.plot([r["lr"]], [r["final_val_loss"]], "+", color="k", ms=8)
-            ax.annotate(f"{r['algo']}, Muon momentum {r['momentum']:g}", (r["lr"], r["final_val_loss"]), fontsize=6,
-                        xytext=(4, -8), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_xlabel("train.lr (Muon)")
     ax.set_ylabel("final validation loss")
     ax.set_title("tiny, 2 clusters, 320 steps, H = 8, seed 0")
     ax.legend(fontsize=7)
+    for k, (algo, outer) in enumerate((("ddp", None), ("edit", "1.0/0"))):
+        lrs = sorted({r["lr"] for r in sweep_rows if r["algo"] == algo and r.get("momentum") is not None})
+        for j, lr in enumerate(lrs):
+            rs = [r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == lr
+                  and r["outer"] == outer and r.get("min_lr_ratio") is None]
+            pts = sorted((r.get("momentum") or 0.95, r["final_val_loss"]) for r in rs)
+            if pts:
+                shades = ("deepskyblue", "tab:blue", "navy") if algo == "ddp" else ("gold", "tab:orange", "saddlebrown")
+                mx.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if algo == "ddp" else "s--",
+                        color=shades[min(j, 2)], label=f"{algo} Muon, lr {lr:g}")
+    mx.set_xlabel("train.muon_momentum (0.95: the default)")
+    mx.set_ylabel("final validation loss")
+    mx.set_title("Muon's momentum (seed 0; edit: outer 1.0/0)")
+    mx.legend(fontsize=7)
+    lows = []
     for k, algo in enumerate(("ddp", "edit")):
         for opt, m in (("adamw", "o"), ("muon", "s")):
             b = best_of(rows, algo, opt)
@@ -248,7 +259,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
                     n = r.get("steps", 320)
                     bx.plot(steps, loss, color=f"C{k}", ls=("-" if n == 320 else "-.") if opt == "muon" else ":",
                             label=f"{algo} {opt} (best, seed 0" + (f", {n} steps)" if n != 320 else ")"))
-    bx.set_ylim(1.5, 3.0)
+                    lows.append(min(loss))
+    bx.set_ylim(min(lows, default=1.5) - 0.05, 3.0)
     bx.set_xlabel("step")
     bx.set_ylabel("validation loss")
     bx.set_title("each algorithm's best point")

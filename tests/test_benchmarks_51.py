@@ -155,3 +155,12 @@ def test_a_winning_momentum_gets_its_lr_checked_on_the_algorithms_own_grid() -> 
                    ("edit", 4e-2, 0.9, "1.0/0"), ("edit", 8e-2, 0.9, "1.0/0")}
     plain = [{**r, "final_val_loss": 1.0 if r["momentum"] is None and r["lr"] == 3e-2 else 2.0} for r in rows]
     assert M.lr_at_best_momentum(plain) == []  # the default momentum won: nothing to check again
+
+
+def test_heterogeneity_muon_lr_replaces_both_arms_lr_and_nothing_else() -> None:
+    import heterogeneity as H
+
+    a = H.parse_args(["--quick", "--muon-lr", "0.01", "--runs", "ddp", "ddp+muon", "a_edit+muon"])
+    for name in ("ddp+muon", "a_edit+muon"):
+        assert compose(H.run_overrides(name, a)).train.lr == 0.01
+    assert compose(H.run_overrides("ddp", a)).train.lr == compose([]).train.lr

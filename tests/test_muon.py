@@ -213,3 +213,13 @@ def test_a_sharded_cluster_steps_as_one_rank() -> None:
     assert any(n.endswith("experts.gate_proj") for n in muon_sharded)
     worst = max(names, key=lambda n: res[0][n])
     assert res[0][worst] <= 1e-5, (worst, res[0][worst])
+
+
+def test_muon_with_sparse_top_k_gets_a_line_saying_what_it_measured() -> None:
+    from edit_train.cli.common import compose
+    from edit_train.train.build import pairing_warning
+
+    line = pairing_warning(compose(["train.optimizer=muon", "sync.compression=topk"]))
+    assert line is not None and "1.25-1.29" in line and "docs/compression.md" in line
+    assert pairing_warning(compose(["train.optimizer=muon", "sync.compression=int8"])) is None
+    assert pairing_warning(compose(["sync.compression=topk"])) is None

@@ -152,6 +152,15 @@ def credentials(cfg: Config, name: str) -> Credentials | None:
     return creds
 
 
+def pairing_warning(cfg: Config) -> str | None:
+    """A line for a pairing the benchmarks measured as costly and a user may not expect: Muon inner steps with
+    sparse top-k pseudo-gradients (docs/compression.md, "With Muon inner steps")."""
+    if cfg.train.optimizer == "muon" and cfg.sync.compression == "topk":
+        return ("train.optimizer=muon with sync.compression=topk: measured at 1.25-1.29 x the uncompressed loss "
+                "(AdamW: 1.05-1.08 x; docs/compression.md); the top-k loss ratios edit-train plan uses are AdamW's")
+    return None
+
+
 def build_transport(cfg: Config, topo: Topology, federated: bool, creds: Credentials | None = None) -> Transport:
     """This rank's cross-cluster transport, the one `sync.transport` names (default: torchft's Lighthouse and gloo
     lanes bound to this host's address); `creds`: this cluster's identity and the roster."""
@@ -170,6 +179,8 @@ def build_transport(cfg: Config, topo: Topology, federated: bool, creds: Credent
     if federated and creds is None and key != auth.INSECURE:
         log.warning("cluster %s: no roster (federation.roster_file): any holder of the federation key can speak "
                     "for any cluster; `edit-train-keygen federation DIR` makes a roster and identities", topo.name)
+    if federated and topo.is_leader and (line := pairing_warning(cfg)):
+        log.warning("cluster %s: %s", topo.name, line)
     request = TransportRequest(name=topo.name, cluster=topo.group, federated=federated, lighthouse=lighthouse,
                                host=host, chunks=f.chunks,
                                link=LinkModel(cfg.cluster.link.bandwidth_mbps, cfg.cluster.link.latency_ms),
