@@ -40,7 +40,11 @@ OUTER = {"0.5/0.5N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.5", "algo.oute
          "0.7/0.5N": ["algo.outer.lr=0.7", "algo.outer.momentum=0.5", "algo.outer.nesterov=true"],
          "0.5/0.8N": ["algo.outer.lr=0.5", "algo.outer.momentum=0.8", "algo.outer.nesterov=true"],
          "1.0/0": ["algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"],
-         "1.2/0": ["algo.outer.lr=1.2", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]}
+         "1.2/0": ["algo.outer.lr=1.2", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"],
+         # averaging without the rule's clip: φ = 10 bounds each module's merged update, and Muon's (RMS ~0.2·lr per
+         # value) is 6-90 after 8 steps at lr 4e-2-6e-2 — clipped at 44-54 of 80 syncs, to as little as 0.29
+         "1.0/0-noclip": ["algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
+                          "algo.rule.clip=false"]}
 
 
 def setting(algo: str, opt: str, lr: float, outer: str | None, seed: int = 0, clusters: int = 2,
@@ -86,6 +90,11 @@ interior; edit's averaging point is best at the top lr tried with it, 4e-2 — s
     out += [setting(algo, "muon", lr, outer, momentum=m) for algo, lr, outer in (("ddp", 3e-2, None),
                                                                                  ("edit", 6e-2, "1.0/0"))
             for m in MOMENTA]
+    # edit's momentum 0.9 won with the clip on (the default): its lr neighbours there, kept in the record whatever
+    # wins later
+    out += [setting("edit", "muon", lr, "1.0/0", momentum=0.9) for lr in (4e-2, 8e-2)]
+    # the rule's clip off at edit's best momentum (its Muon updates are clipped at most syncs; AdamW's at none)
+    out += [setting("edit", "muon", lr, "1.0/0-noclip", momentum=0.9) for lr in (4e-2, 6e-2)]
     return out
 
 
@@ -97,7 +106,8 @@ def lr_at_best_momentum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where an algorithm's best seed-0 point has a momentum of its own, its lr is checked again there: the two
     neighbours of that lr on the algorithm's own sweep (DDP's lrs; edit's averaging lrs)."""
     grid = {"ddp": sorted({s["lr"] for s in sweep() if s["algo"] == "ddp" and s["optimizer"] == "muon"}),
-            "edit": sorted({s["lr"] for s in sweep() if s["algo"] == "edit" and s["outer"] == "1.0/0"})}
+            "edit": sorted({s["lr"] for s in sweep() if s["algo"] == "edit" and s["outer"] == "1.0/0"
+                            and s["momentum"] is None})}
     out = []
     for algo in ("ddp", "edit"):
         b = best_of(rows, algo, "muon")
@@ -116,6 +126,11 @@ def long_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if b:
             out.append(setting(algo, "muon", b["lr"], b["outer"], min_lr_ratio=b.get("min_lr_ratio"),
                                momentum=b.get("momentum"), steps=LONG_STEPS))
+    # and edit's best with the rule's clip on (the default), when the best is without it
+    c = best_clipped(rows)
+    if out and out[-1]["outer"] != "1.0/0" and c:
+        out.append(setting("edit", "muon", c["lr"], c["outer"], min_lr_ratio=c.get("min_lr_ratio"),
+                           momentum=c.get("momentum"), steps=LONG_STEPS))
     return out
 
 
@@ -135,7 +150,18 @@ def confirm(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = b.get("momentum")
             out += [setting(algo, "muon", b["lr"], b["outer"], seed=s, min_lr_ratio=floor, momentum=m) for s in (1, 2)]
             out.append(setting(algo, "muon", b["lr"], b["outer"], clusters=4, min_lr_ratio=floor, momentum=m))
+    c = best_clipped(rows)
+    if c and best_of(rows, "edit", "muon") is not c:  # edit's best with the rule's clip on (the default) too
+        out += [setting("edit", "muon", c["lr"], c["outer"], seed=s, momentum=c.get("momentum")) for s in (1, 2)]
+        out.append(setting("edit", "muon", c["lr"], c["outer"], clusters=4, momentum=c.get("momentum")))
     return out
+
+
+def best_clipped(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """edit's best seed-0 Muon point with plain averaging and the rule's clip on (the default)."""
+    rs = [r for r in rows if r["algo"] == "edit" and r["optimizer"] == "muon" and r["outer"] == "1.0/0"
+          and r.get("min_lr_ratio") is None and (r["seed"], r["clusters"], r.get("steps", 320)) == (0, 2, 320)]
+    return min(rs, key=lambda r: r["final_val_loss"]) if rs else None
 
 
 def adoptable(run_dir: Path, overrides: list[str]) -> bool:
@@ -197,11 +223,13 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         two = [v for k, v in per.items() if k.startswith("g2")]
         out["muon"]["edit_over_ddp"] = per
         out["muon"]["edit_over_ddp_2_clusters"] = {"mean": statistics.fmean(two), "max": max(two), "n": len(two)}
-        long = {r["algo"]: r for r in rows if r.get("steps", 320) == LONG_STEPS and r["optimizer"] == "muon"}
-        if "ddp" in long and "edit" in long:
-            out["muon"]["long"] = {"steps": LONG_STEPS, "ddp": long["ddp"]["final_val_loss"],
-                                   "edit": long["edit"]["final_val_loss"],
-                                   "edit_over_ddp": long["edit"]["final_val_loss"] / long["ddp"]["final_val_loss"]}
+        long = [r for r in rows if r.get("steps", 320) == LONG_STEPS and r["optimizer"] == "muon"]
+        dl = [r for r in long if r["algo"] == "ddp"]
+        if dl:
+            out["muon"]["long"] = {"steps": LONG_STEPS, "ddp": dl[0]["final_val_loss"],
+                                   "edit": {r["outer"]: r["final_val_loss"] for r in long if r["algo"] == "edit"},
+                                   "edit_over_ddp": {r["outer"]: r["final_val_loss"] / dl[0]["final_val_loss"]
+                                                     for r in long if r["algo"] == "edit"}}
     return out
 
 
@@ -230,16 +258,18 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("final validation loss")
     ax.set_title("tiny, 2 clusters, 320 steps, H = 8, seed 0")
     ax.legend(fontsize=7)
-    for k, (algo, outer) in enumerate((("ddp", None), ("edit", "1.0/0"))):
-        lrs = sorted({r["lr"] for r in sweep_rows if r["algo"] == algo and r.get("momentum") is not None})
+    for k, (algo, outer) in enumerate((("ddp", None), ("edit", "1.0/0"), ("edit", "1.0/0-noclip"))):
+        lrs = sorted({r["lr"] for r in sweep_rows if r["algo"] == algo and r.get("momentum") is not None
+                      and r["outer"] == outer})
         for j, lr in enumerate(lrs):
             rs = [r for r in sweep_rows if r["algo"] == algo and r["optimizer"] == "muon" and r["lr"] == lr
                   and r["outer"] == outer and r.get("min_lr_ratio") is None]
             pts = sorted((r.get("momentum") or 0.95, r["final_val_loss"]) for r in rs)
             if pts:
-                shades = ("deepskyblue", "tab:blue", "navy") if algo == "ddp" else ("gold", "tab:orange", "saddlebrown")
-                mx.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if algo == "ddp" else "s--",
-                        color=shades[min(j, 2)], label=f"{algo} Muon, lr {lr:g}")
+                shades = (("deepskyblue", "tab:blue", "navy"), ("gold", "tab:orange", "saddlebrown"),
+                          ("lightgreen", "tab:green", "darkgreen"))[k]
+                mx.plot([p[0] for p in pts], [p[1] for p in pts], ("o-", "s--", "^:")[k], color=shades[min(j, 2)],
+                        label=f"{algo} Muon, lr {lr:g}" + (", no clip" if outer and "noclip" in outer else ""))
     mx.set_xlabel("train.muon_momentum (0.95: the default)")
     mx.set_ylabel("final validation loss")
     mx.set_title("Muon's momentum (seed 0; edit: outer 1.0/0)")
@@ -282,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = [r for s in sweep() if (r := run(a, s))]
-    rows += [r for s in lr_at_best_momentum(rows) if (r := run(a, s))]
+    done = {r["name"] for r in rows}
+    rows += [r for s in lr_at_best_momentum(rows) if s["name"] not in done and (r := run(a, s))]
     if not a.sweep:
         rows += [r for s in confirm(rows) if (r := run(a, s))]
     if a.long:

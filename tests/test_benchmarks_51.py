@@ -102,8 +102,8 @@ def test_muon_momentum_and_run_length_studies_treat_both_sides_alike() -> None:
     import muon_lr as M
 
     sweep = M.sweep()
-    momenta = {a: sorted(s["momentum"] for s in sweep if s["algo"] == a and s["momentum"] is not None)
-               for a in ("ddp", "edit")}
+    momenta = {a: sorted({s["momentum"] for s in sweep if s["algo"] == a and s["momentum"] is not None
+                          and s["outer"] in (None, "1.0/0")}) for a in ("ddp", "edit")}
     assert momenta["ddp"] == momenta["edit"] == sorted(M.MOMENTA) and 0.95 not in M.MOMENTA
     rows = [{**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": 2.0 + i / 100}
             for i, s in enumerate(sweep)]
@@ -111,7 +111,8 @@ def test_muon_momentum_and_run_length_studies_treat_both_sides_alike() -> None:
     best = M.best_of(rows, "edit", "muon")
     assert best["steps"] == 320 and best["final_val_loss"] > 2.0
     long = M.long_runs(rows)
-    assert [s["algo"] for s in long] == ["ddp", "edit"] and all(s["steps"] == M.LONG_STEPS for s in long)
+    assert [s["algo"] for s in long][:2] == ["ddp", "edit"] and all(s["steps"] == M.LONG_STEPS for s in long)
+    assert all(s["algo"] == "edit" and s["outer"] == "1.0/0" for s in long[2:])  # edit's best with the clip on
     for s in long:
         assert f"train.steps={M.LONG_STEPS}" in s["overrides"]
         validate(compose([*M.C.BASE_OVERRIDES, *s["overrides"]]))
@@ -164,3 +165,24 @@ def test_heterogeneity_muon_lr_replaces_both_arms_lr_and_nothing_else() -> None:
     for name in ("ddp+muon", "a_edit+muon"):
         assert compose(H.run_overrides(name, a)).train.lr == 0.01
     assert compose(H.run_overrides("ddp", a)).train.lr == compose([]).train.lr
+
+
+def test_inner_state_harness_averages_parameters_and_the_named_state_only() -> None:
+    import inner_state as I
+
+    torch = pytest.importorskip("torch")
+    models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.1) for m in models]
+    for m, o in zip(models, opts):
+        m(torch.randn(4, 3)).sum().backward()
+        o.step()
+    w = [m.weight.detach().clone() for m in models]
+    avg1 = [o.state[m.weight]["exp_avg"].clone() for m, o in zip(models, opts)]
+    sq = [o.state[m.weight]["exp_avg_sq"].clone() for m, o in zip(models, opts)]
+    I.average_params(models)
+    I.average_state(models, opts, ("exp_avg",))
+    for m, o, s in zip(models, opts, sq):
+        assert torch.equal(m.weight, (w[0] + w[1]) / 2)
+        assert torch.allclose(o.state[m.weight]["exp_avg"], (avg1[0] + avg1[1]) / 2)
+        assert torch.equal(o.state[m.weight]["exp_avg_sq"], s)  # not named: left alone
+        assert o.state[m.weight]["step"].ndim == 0  # counters untouched
