@@ -7,11 +7,12 @@ benchmark's setting (tiny, 320 steps, H = 8, batch 8 x 128, eval 8 batches), aga
 AdamW points, then confirms each algorithm's best on more seeds and at 4 clusters. The sweep goes past edit's
 best averaging lr until it turns (`EDGE_LRS`), tries the lr schedule's floor at 0 for both and Muon's momentum
 (`MOMENTA`, the same values for both, each at its best lr; where a momentum wins, the lr's two neighbours are
-tried at it). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seed 0):
+tried at it), and edit's averaging without the rule's clip (`1.0/0-noclip`; where that wins, edit's best with the
+clip on is confirmed too). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seed 0):
 
-    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (~30 runs) + the confirmation (6 runs)
+    python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (34 runs) + the confirmation (6-9 runs)
     python benchmarks/muon_lr.py --reuse --sweep     # the sweep only
-    python benchmarks/muon_lr.py --reuse --long      # and the run-length study (2 runs of 1280 steps)
+    python benchmarks/muon_lr.py --reuse --long      # and the run-length study (2-3 runs of 1280 steps)
 
 Run directories: <workdir>/<setting>; `--reuse` reuses a finished run with identical overrides, `--adopt` also a
 run started by hand whose resolved configuration (`config.json`) equals this setting's in every key but
@@ -272,7 +273,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
                         label=f"{algo} Muon, lr {lr:g}" + (", no clip" if outer and "noclip" in outer else ""))
     mx.set_xlabel("train.muon_momentum (0.95: the default)")
     mx.set_ylabel("final validation loss")
-    mx.set_title("Muon's momentum (seed 0; edit: outer 1.0/0)")
+    mx.set_title("Muon's momentum (seed 0; edit: plain averaging, the rule's clip on / off)")
     mx.legend(fontsize=7)
     lows = []
     for k, algo in enumerate(("ddp", "edit")):
