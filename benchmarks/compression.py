@@ -113,8 +113,9 @@ SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
 SETTINGS = {"convergence": [], "slow_link": SLOW}
 EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
         "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
-# issue 51: Muon inner steps at edit's tuned Muon point (benchmarks/muon_lr.py, docs/muon_lr.json: lr 6e-2 with
-# plain averaging), so the uncompressed reference and every scheme run the 2026 inner optimizer alike
+# issue 51: Muon inner steps at edit's tuned Muon point when docs/compression_2026_muon.json was measured (lr 6e-2,
+# momentum 0.95, plain averaging; benchmarks/muon_lr.py has since found momentum 0.9 and the rule's clip off better),
+# so the uncompressed reference and every scheme run the 2026 inner optimizer alike
 EDIT_MUON = ["algo=edit", "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
              "algo.warmup_steps=0", "train.optimizer=muon", "train.lr=0.06"]
 INNER = {"adamw": EDIT, "muon": EDIT_MUON}
@@ -460,7 +461,8 @@ def main(argv: list[str] | None = None) -> None:
                                "interval": a.interval, "seeds": a.seeds, "schemes": {s: SCHEMES[s] for s in a.schemes},
                                "slow_link_schemes": a.slow_schemes, "slow_link_seeds": a.slow_seeds,
                                "command": " ".join(["python", "benchmarks/compression.py", *sys.argv[1:]]),
-                               "inner": a.inner, "edit_overrides": INNER[a.inner], "settings": {s: SETTINGS[s] for s in a.settings},
+                               "inner": a.inner, "edit_overrides": INNER[a.inner],
+                               "settings": {s: SETTINGS[s] for s in a.settings},
                                "results": results, "codec": codec, "targets": tg,
                                "wall_s": time.perf_counter() - t0, "env": C.environment()})
     print()

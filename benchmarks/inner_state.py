@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @torch.no_grad()
 def average_params(models: list[nn.Module]) -> None:
     for ps in zip(*[m.parameters() for m in models]):
-        mean = torch.stack([p for p in ps]).mean(0)
+        mean = torch.stack(ps).mean(0)
         for p in ps:
             p.copy_(mean)
 

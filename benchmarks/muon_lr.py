@@ -106,8 +106,9 @@ LONG_STEPS = 1280  # the run-length study: each algorithm's best point at 4 x th
 def lr_at_best_momentum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Where an algorithm's best seed-0 point has a momentum of its own, its lr is checked again there: the two
     neighbours of that lr on the algorithm's own sweep (DDP's lrs; edit's averaging lrs)."""
-    grid = {"ddp": sorted({s["lr"] for s in sweep() if s["algo"] == "ddp" and s["optimizer"] == "muon"}),
-            "edit": sorted({s["lr"] for s in sweep() if s["algo"] == "edit" and s["outer"] == "1.0/0"
+    settings = sweep()
+    grid = {"ddp": sorted({s["lr"] for s in settings if s["algo"] == "ddp" and s["optimizer"] == "muon"}),
+            "edit": sorted({s["lr"] for s in settings if s["algo"] == "edit" and s["outer"] == "1.0/0"
                             and s["momentum"] is None})}
     out = []
     for algo in ("ddp", "edit"):
