@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,11 @@ def _probe_config(names: tuple[str, ...]) -> LocalSGDConfig:
 
 def gate_federation(root: Path, names: list[str], cfg: LocalSGDConfig,
                     liar: Callable[[Any, Callable[[], Any]], Any] | None,
-                    keys: dict[str, str] | None = None) -> dict[str, Outcome]:
+                    keys: dict[str, str] | None = None, first_late_s: float = 0.0) -> dict[str, Outcome]:
     """`names` train the toy model, each a thread, over a real gate with a roster (lanes over the in-process
     hub's threads); the last one's transport is `liar(transport, its algorithm)` when given. Every cluster
-    scores the others' updates on its own held-out batch (`probe`). `keys` gets each cluster's roster key id."""
+    scores the others' updates on its own held-out batch (`probe`). `keys` gets each cluster's roster key id.
+    The first cluster starts `first_late_s` after the others."""
     run = GateRun(root, names, honest=len(names)).start()
     if keys is not None:
         keys.update({n: run.creds[n].key_id(n) for n in names})
@@ -55,8 +57,12 @@ def gate_federation(root: Path, names: list[str], cfg: LocalSGDConfig,
                              f"inproc:{n}", key=KEY, quorum_timeout_s=30.0, connect_timeout_s=10.0) for n in names}
         if liar is not None:
             transports[names[-1]] = liar(transports[names[-1]], lambda: outs[names[-1]].algo)
-        return run_threads({n: (lambda i=i, n=n: train_cluster(i, transports[n], cfg, out=outs[n], probe=True))
-                            for i, n in enumerate(names)})
+
+        def one(i: int, n: str) -> Outcome:
+            time.sleep(first_late_s if i == 0 else 0.0)
+            return train_cluster(i, transports[n], cfg, out=outs[n], probe=True)
+
+        return run_threads({n: (lambda i=i, n=n: one(i, n)) for i, n in enumerate(names)})
     finally:
         run.close()
 
@@ -108,3 +114,22 @@ def test_a_two_cluster_heal_tie_keeps_what_you_have_over_a_gate(tmp_path: Path,
     loss, base = final_loss(o, 0), final_loss(clean["c0"], 0)
     assert abs(loss - base) <= TOLERANCE * base, (loss, base)
     _one_line(caplog.records, keys["c1"], "cluster c0: kept its own state", "cluster c1's sync")
+
+
+def test_a_liar_alone_at_start_waits_for_the_roster_like_anyone(tmp_path: Path) -> None:
+    """c0 starts past the gate's join timeout, so the liar's first quorum holds only itself, and as it claims one
+    sync ahead that quorum's agreed sync is 1. Before, a fresh start judged "the federation has begun" by that
+    agreed sync: the liar trained its first interval alone, c0 met it with no step taken, weighed 0 in the
+    first sync and skipped its first interval (+3.7 % loss; one CI run in six met this by chance). Now only
+    another member's anchor says the federation has begun: both meet at step 0, c0 weighs in every sync and
+    ends where it ends when both start together."""
+    names = ["c0", "c1"]
+    cfg = _probe_config(tuple(names))
+    together = gate_federation(tmp_path / "together", names, cfg, NoisedAhead)
+    late = gate_federation(tmp_path / "late", names, cfg, NoisedAhead, first_late_s=GateRun.join_timeout_s + 1.0)
+    o = late["c0"]
+    assert o.algo is not None and o.algo.membership.healed_from == [], o.algo.membership.healed_from
+    syncs = _every_sync_every_step(o, names, "c0")
+    assert all(e["local_steps"] > 0 and e["weight"] > 0 for e in syncs), [(e["local_steps"], e["weight"])
+                                                                          for e in syncs]
+    assert final_loss(o, 0) == pytest.approx(final_loss(together["c0"], 0), rel=1e-6)

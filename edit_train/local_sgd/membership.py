@@ -194,7 +194,10 @@ class Membership:
         """Is this start-up quorum one to ask again for (a configured cluster is still missing)?"""
         total_steps = self.pacer.total_steps
         missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
-        fresh = q is not None and q.agreed_sync == 0 and total_steps == 0 and not self.cfg.restarted \
+        # the federation has begun when another member holds a newer anchor; this cluster's own claim does not
+        # count (a solo quorum's agreed sync is its own: a transport claiming ahead must not make it start alone)
+        begun = q is not None and any(m.sync > 0 for i, m in enumerate(q.members) if i != q.me)
+        fresh = q is not None and not begun and total_steps == 0 and not self.cfg.restarted \
             and time.time() < deadline
         resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
             and time.time() < regroup
