@@ -83,6 +83,9 @@ class AlgoConfig:
     local_sgd: bool = False  # False: gradients all-reduced across clusters every step (ddp)
     schedule: str = "step"  # step | time
     interval: int = 32  # local steps between syncs (schedule=step)
+    # schedule=step: p > 0 puts the same number of syncs at equal quantiles of Σ lr^p (intervals ∝ 1/lr^p: short
+    # while the lr is high, long as it decays; docs/algorithms.md "Intervals that follow the lr"); 0: every interval
+    interval_power: float = 0.0
     warmup_steps: int = 0  # fully synchronous steps before local SGD starts
     sync_time_s: float = 10.0  # A-EDiT wall-clock budget tau (schedule=time)
     min_steps: int = 1
@@ -283,6 +286,9 @@ def validate(cfg: Config) -> None:
           f"unknown algorithm {a.name!r}; choose ddp, post_local_sgd, diloco, edit or a_edit")
     _need(a.schedule in ("step", "time"), "algo.schedule", f"must be step or time, got {a.schedule!r}")
     _need(a.interval >= 1, "algo.interval", f"must be >= 1, got {a.interval}")
+    _need(0.0 <= a.interval_power <= 4.0, "algo.interval_power", f"must be in [0, 4], got {a.interval_power}")
+    _need(a.interval_power == 0 or (a.local_sgd and a.schedule == "step"), "algo.interval_power",
+          "places the syncs of a step schedule (algo.schedule=step, a local-SGD algorithm); set it to 0")
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
     a.outer.validate()
@@ -353,7 +359,7 @@ def validate(cfg: Config) -> None:
     _need(str(cfg.resume).lower() in ("false", "true", "auto"), "resume",
           f"must be false or auto, got {cfg.resume!r}")
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 1, "checkpoint.every/keep", "must be >= 0 / >= 1")
-    _need(not (a.local_sgd and a.schedule == "step" and cfg.checkpoint.every)
+    _need(not (a.local_sgd and a.schedule == "step" and cfg.checkpoint.every and a.interval_power == 0)
           or (cfg.checkpoint.every - a.warmup_steps) % a.interval == 0 and cfg.checkpoint.every > a.warmup_steps,
           "checkpoint.every", f"{cfg.checkpoint.every} is not a sync boundary: checkpoints are taken where every "
           f"cluster holds the anchor, so use warmup_steps + a multiple of algo.interval ({a.interval})")

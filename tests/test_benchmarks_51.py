@@ -111,8 +111,10 @@ def test_muon_momentum_and_run_length_studies_treat_both_sides_alike() -> None:
     best = M.best_of(rows, "edit", "muon")
     assert best["steps"] == 320 and best["final_val_loss"] > 2.0
     long = M.long_runs(rows)
-    assert [s["algo"] for s in long][:2] == ["ddp", "edit"] and all(s["steps"] == M.LONG_STEPS for s in long)
-    assert all(s["algo"] == "edit" and s["outer"] == "1.0/0" for s in long[2:])  # edit's best with the clip on
+    n = 2 * len(M.LONG_SEEDS)
+    assert [(s["algo"], s["seed"]) for s in long][:n] == [(a, sd) for sd in M.LONG_SEEDS for a in ("ddp", "edit")]
+    assert all(s["steps"] == M.LONG_STEPS for s in long)
+    assert all(s["algo"] == "edit" and s["outer"] == "1.0/0" and s["seed"] == 0 for s in long[n:])  # clip on
     for s in long:
         assert f"train.steps={M.LONG_STEPS}" in s["overrides"]
         validate(compose([*M.C.BASE_OVERRIDES, *s["overrides"]]))
@@ -186,3 +188,34 @@ def test_inner_state_harness_averages_parameters_and_the_named_state_only() -> N
         assert torch.allclose(o.state[m.weight]["exp_avg"], (avg1[0] + avg1[1]) / 2)
         assert torch.equal(o.state[m.weight]["exp_avg_sq"], s)  # not named: left alone
         assert o.state[m.weight]["step"].ndim == 0  # counters untouched
+
+
+def test_interval_power_benchmark_pairs_each_edit_run_with_its_ddp_and_only_adds_the_power() -> None:
+    import interval_power as IP
+    import muon_lr as M
+
+    runs = IP.settings()
+    for s in runs:
+        validate(compose(s["overrides"]))
+    edit = [s for s in runs if s["algo"] == "edit"]
+    # each p = 1 run is its p = 0 twin (the muon_lr.py run, same name) plus the one override
+    for s in (s for s in edit if s["power"] > 0):
+        twin = next(t for t in edit if t["power"] == 0 and t["name"] == s["name"].removesuffix(f"_p{IP.POWER:g}"))
+        assert s["overrides"] == [*twin["overrides"], f"algo.interval_power={IP.POWER!r}"]
+    assert {s["name"] for s in runs if s["power"] == 0} <= {x["name"] for x in M.sweep()} | {
+        M.setting(a, "muon", 3e-2, o, seed=sd, clusters=g, momentum=m)["name"]
+        for a, o, m in (("ddp", None, 0.8), ("edit", "1.0/0-noclip", 0.9)) for g, sd in ((2, 0), (2, 1), (2, 2), (4, 0))}
+    rows = [{**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": 1.0 + 0.1 * (s["algo"] == "edit")
+             - 0.05 * (s["power"] > 0)} for s in runs]
+    summary = IP.summarize(rows)
+    assert summary["muon g2 s1"]["p0"]["ratio"] == pytest.approx(1.1)
+    assert summary["adamw g2 s0"]["p1"]["ratio"] == pytest.approx(1.05)
+
+
+def test_inner_state_harness_places_the_syncs_like_the_product() -> None:
+    import inner_state
+
+    from edit_train.local_sgd.schedule import lr_boundaries
+    assert sorted(inner_state.sync_steps(320, 8, 0.0)) == list(lr_boundaries([1.0] * 320, 0, 8, 1.0))
+    grow = sorted(inner_state.sync_steps(320, 8, 0.75))
+    assert len(grow) == 40 and grow[-1] == 320 and grow[1] - grow[0] < 8 < grow[-1] - grow[-2]

@@ -12,6 +12,7 @@ from edit_train.local_sgd.claims import TIME_MARGIN, Terms, agreed_steps, vet
 from edit_train.local_sgd.errors import FederationRefused, HealError
 from edit_train.local_sgd.healing import Expect, Healer, anchor_digest, check_payload
 from edit_train.local_sgd.protocols import Member, Quorum
+from edit_train.local_sgd.schedule import ScheduleConfig
 from test_heal import _HostileTransport
 
 D, E, X = "d" * 32, "e" * 32, "f" * 32
@@ -86,15 +87,23 @@ def test_a_healer_is_not_sent_again_to_a_source_it_refused() -> None:
     assert q.source_for(1) == 0  # the only holder: asked again
 
 
+EVERY_8 = ScheduleConfig(interval=8).steps_at  # a step schedule, a sync every 8 steps
+
+
 def test_the_step_a_joiner_adopts_is_the_lower_median_of_every_claim_bounded_by_the_sync_count() -> None:
     assert agreed_steps(_q((5, D, {"total_steps": 40}), (5, D, {"total_steps": 2**50}), (0, E, {"total_steps": 0}),
                            me=2)) == 40
     # two clusters: the joiner's own claim counts, raised to what the agreed sync implies (5 syncs of 8 steps)
-    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1), per_sync=8) == 40
+    assert agreed_steps(_q((5, D, {"total_steps": 40}), (0, E, {"total_steps": 16}), me=1), EVERY_8) == 40
     # a claim of the run's end (64) from the only other member: bounded by sync 0's one interval, not adopted
-    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), me=1), per_sync=8) == 0
+    assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), me=1), EVERY_8) == 0
     assert agreed_steps(_q((0, D, {"total_steps": 64}), (0, D, {"total_steps": 0}), (0, D, {"total_steps": 0}),
-                           me=1), per_sync=8) == 0
+                           me=1), EVERY_8) == 0
+    # syncs that follow the lr (algo.interval_power): the bound is the boundaries', not 8 per sync
+    ramp = ScheduleConfig(interval=8, boundaries=(16, 23, 28, 33, 37)).steps_at
+    assert agreed_steps(_q((3, D, {"total_steps": 33}), (0, E, {"total_steps": 0}), me=1), ramp) == 28
+    assert agreed_steps(_q((3, D, {"total_steps": 33}), (0, E, {"total_steps": 40}), me=1), ramp) == 33
+    assert agreed_steps(_q((6, D, {"total_steps": 53}), (0, E, {"total_steps": 0}), me=1), ramp) == 45  # 37 + 8
 
 
 # ------------------------------------------------------------------ heal payloads
@@ -140,7 +149,7 @@ def test_a_healer_refuses_a_source_whose_anchor_is_not_the_agreed_one_and_says_s
     assert applied == [] and healer.refused == ["c2"]
     good = encode({"sync_index": 5, "local_phase": True, "total_steps": 40}, _state())
     healer.t = _HostileTransport(good)  # type: ignore[assignment]
-    assert healer.run(q, 64, agreed_steps(q, per_sync=8), rejoining=True) == "c2" and healer.refused == []
+    assert healer.run(q, 64, agreed_steps(q, EVERY_8), rejoining=True) == "c2" and healer.refused == []
     assert applied[0]["total_steps"] == 40  # what sync 5 of 8-step intervals implies (the source's claim agrees)
 
 

@@ -301,6 +301,10 @@ class LocalSGD:
     def lockstep(self) -> bool:
         return self.pacer.lockstep
 
+    def saves_at(self, step: int, every: int) -> bool:
+        """Lockstep: is `step` where the checkpoint every `every` steps is taken (a sync boundary)?"""
+        return self.cfg.schedule.saves_at(step, every)
+
     @property
     def global_step(self) -> int:
         return self.pacer.global_step

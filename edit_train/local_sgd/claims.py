@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edit_train.local_sgd.errors import FederationRefused
@@ -130,24 +131,24 @@ def nonce_of(nonce: str, members: list[Member]) -> str:
     return hashlib.sha256(f"{nonce}|{names}".encode()).hexdigest()[:32]
 
 
-def agreed_steps(q: Quorum, per_sync: int = 0, base: int = 0) -> int:
+def agreed_steps(q: Quorum, steps_at: Callable[[int], int] | None = None) -> int:
     """The step a member behind takes: the lower median of every member's claim, this cluster's own counted,
-    each bounded by what the agreed sync count implies. Under a step schedule (`per_sync`: its interval,
-    `base`: the warm-up steps) a member asking with the agreed anchor S has taken at most base + (S + 1) x
-    per_sync steps, and a member behind that heals to S has at least base + S x per_sync (its own claim is
-    raised to that). So a liar can hold a joiner back by an interval at most, never send it to the end of the
-    run; with two clusters the joiner keeps what the sync count implies (a tie keeps what you have).
-    `per_sync` 0 (no sync count to bound by: a time schedule, ddp, where the sync index is the step): the lower
-    median of the others' claims, its own if alone (`Terms.max_steps` bounds them)."""
+    each bounded by what the agreed sync count implies. Under a step schedule (`steps_at(S)`: the total steps
+    once S syncs are done, `ScheduleConfig.steps_at`) a member asking with the agreed anchor S has taken at most
+    steps_at(S + 1) steps, and a member behind that heals to S has at least steps_at(S) (its own claim is raised
+    to that). So a liar can hold a joiner back by an interval at most, never send it to the end of the run;
+    with two clusters the joiner keeps what the sync count implies (a tie keeps what you have).
+    `steps_at` None (no sync count to bound by: a time schedule, ddp, where the sync index is the step): the
+    lower median of the others' claims, its own if alone (`Terms.max_steps` bounds them)."""
     me = q.members[q.me]
     own = int(me.data.get("total_steps", 0))
-    if per_sync <= 0:
+    if steps_at is None:
         claims = [int(m.data.get("total_steps", 0)) for i, m in enumerate(q.members) if i != q.me] or [own]
     else:
         sync = q.agreed_sync
-        bound = base + (sync + 1) * per_sync
+        bound = steps_at(sync + 1)
         if me.sync != sync:
-            own = max(own, base + sync * per_sync)
+            own = max(own, steps_at(sync))
         claims = [min(own if i == q.me else int(m.data.get("total_steps", 0)), bound)
                   for i, m in enumerate(q.members)]
     claims.sort()

@@ -139,10 +139,9 @@ class Membership:
         """The step the quorum's claims agree on (`claims.agreed_steps`): bounded by the sync count under a step
         schedule; every claim bounded above by it is named."""
         sched = self.pacer.cfg.schedule
-        per_sync = sched.interval if self.lockstep_sgd else 0
-        agreed = claims.agreed_steps(q, per_sync, sched.warmup_steps)
-        if per_sync > 0:
-            bound = sched.warmup_steps + (q.agreed_sync + 1) * per_sync
+        agreed = claims.agreed_steps(q, sched.steps_at if self.lockstep_sgd else None)
+        if self.lockstep_sgd:
+            bound = sched.steps_at(q.agreed_sync + 1)
             for i, m in enumerate(q.members):
                 claim = m.data.get("total_steps", 0)
                 if i != q.me and isinstance(claim, int) and claim > bound:

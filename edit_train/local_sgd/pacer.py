@@ -54,7 +54,7 @@ class Pacer:
         self.planner = TimePlanner(cfg.schedule) if cfg.schedule.kind == "time" else None
         # local steps before the next sync; a time schedule's first interval is planned from this cluster's
         # own step times (nothing has been exchanged yet): sync once τ has been spent
-        self.planned = cfg.schedule.interval if self.planner is None else 0
+        self.planned = cfg.schedule.interval_after(cfg.schedule.warmup_steps) if self.planner is None else 0
         self.timer = StepTimer()
         self.local_steps = 0
         self.total_steps = 0  # this cluster's steps so far
@@ -144,14 +144,14 @@ class Pacer:
         """A sync started with the local steps taken so far."""
         self.last_exchange_t = time.time()
         self.local_steps = 0
-        if self.planner is None:
-            self.planned = self.cfg.schedule.interval
+        if self.planner is None:  # to the next boundary: every `interval` steps unless they follow the lr
+            self.planned = self.cfg.schedule.interval_after(self.total_steps)
         self.timer.reset()
 
     def missed(self) -> None:
         """Cut off: keep training from the local replica; try again after another interval."""
         self.last_exchange_t = time.time()
-        base = self.cfg.schedule.interval if self.planner is None else max(self.planned, 1)
+        base = self.cfg.schedule.interval_after(self.total_steps) if self.planner is None else max(self.planned, 1)
         self.planned = self.local_steps + base
         self._plan_checkpoint()  # cut off for long: its local progress is saved too
 

@@ -6,10 +6,11 @@ Pure Python; the cross-cluster exchange of measured step times is done by the ca
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ScheduleConfig", "StepSchedule", "TimePlanner", "StepTimer"]
+__all__ = ["ScheduleConfig", "StepSchedule", "TimePlanner", "StepTimer", "lr_boundaries"]
 
 _KINDS = ("step", "time")
 
@@ -24,6 +25,46 @@ class ScheduleConfig:
     sync_time_s: float = 10.0
     min_steps: int = 1
     max_steps: int = 0
+    # kind="step": the total steps after which each sync happens, when they are not every `interval` steps
+    # (`lr_boundaries`: algo.interval_power); past the last one, every `interval` steps again
+    boundaries: tuple[int, ...] = ()
+
+    def steps_at(self, sync: int) -> int:
+        """kind="step": the total steps a cluster holds once `sync` syncs of the local phase are done (0: the
+        warm-up's end)."""
+        if sync <= 0:
+            return self.warmup_steps
+        b = self.boundaries
+        if sync <= len(b):
+            return b[sync - 1]
+        return (b[-1] if b else self.warmup_steps) + (sync - len(b)) * self.interval
+
+    def interval_after(self, total_steps: int) -> int:
+        """kind="step": local steps from `total_steps` to the next boundary (every `interval` steps when there
+        are no boundaries, or past the last one)."""
+        nxt = next((x for x in self.boundaries if x > total_steps), None)
+        if nxt is not None:
+            return nxt - total_steps
+        if self.boundaries:
+            return self.interval - (total_steps - self.boundaries[-1]) % self.interval
+        return self.interval
+
+    def saves_at(self, total_steps: int, every: int) -> bool:
+        """kind="step": is `total_steps` where a checkpoint is taken every `every` steps? A multiple of `every`
+        (a sync boundary: config.py checks) or, when the syncs follow the lr, the first boundary at or past each
+        multiple — where every cluster holds the anchor."""
+        if every <= 0:
+            return False
+        if not self.boundaries:
+            return total_steps % every == 0
+        b = (self.warmup_steps, *self.boundaries)
+        if total_steps in b[1:]:
+            prev = b[b.index(total_steps) - 1]
+        elif total_steps > b[-1] and (total_steps - b[-1]) % self.interval == 0:
+            prev = total_steps - self.interval
+        else:
+            return False
+        return total_steps // every > prev // every
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""
@@ -43,6 +84,34 @@ class ScheduleConfig:
             raise ValueError(
                 f"algo.max_steps ({self.max_steps}) must be >= algo.min_steps ({self.min_steps}) or 0"
             )
+        b = (self.warmup_steps, *self.boundaries)
+        if any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"schedule boundaries must increase past warmup_steps ({self.warmup_steps}), got "
+                             f"{list(self.boundaries)}")
+
+
+def lr_boundaries(lrs: Sequence[float], start: int, interval: int, power: float) -> tuple[int, ...]:
+    """Where the syncs of a step schedule go when they follow the learning rate (`algo.interval_power` p):
+    the (len(lrs) − start) // interval syncs of the local phase (steps `start`..) at equal quantiles of the running
+    sum of lr^p, so each interval holds the same Σ lr^p — an interval is ∝ 1/lr^p where the lr changes slowly.
+    p = 0 gives start + k·interval (every `interval` steps). The last sync is where it is with p = 0, every
+    interval is at least one step. `lrs[s]`: the lr of 0-based step s."""
+    n = (len(lrs) - start) // interval
+    end = start + n * interval
+    weights = [max(float(x), 0.0) ** power for x in lrs[start:end]]
+    total = sum(weights)
+    if n <= 0 or total <= 0 or not math.isfinite(total):
+        return tuple(start + k * interval for k in range(1, n + 1))
+    out: list[int] = []
+    acc, k = 0.0, 1
+    for step, w in enumerate(weights, start=start + 1):
+        acc += w
+        while k <= n and acc >= total * k / n * (1 - 1e-12):
+            prev = out[-1] if out else start
+            out.append(min(max(step, prev + 1), end - (n - k)))
+            k += 1
+    out[-1] = end
+    return tuple(out)
 
 
 class StepSchedule:

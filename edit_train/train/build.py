@@ -25,7 +25,8 @@ from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.experts import RoutedCounts
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.membership import MembershipConfig
-from edit_train.local_sgd.schedule import ScheduleConfig
+from edit_train.local_sgd.schedule import ScheduleConfig, lr_boundaries
+from edit_train.train.lr import lr_at
 from edit_train.train.metrics import MetricsLogger
 from edit_train.train.progress import restart_count
 
@@ -44,6 +45,8 @@ def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     keep["model"].pop("init_from", None)
     keep["model"].pop("loss_chunk", None)  # how the loss is computed, not what: clusters may differ
+    if boundaries := sync_boundaries(cfg):  # syncs that follow the lr: where they go, from train's lr schedule
+        keep["boundaries"] = list(boundaries)
     digest = hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
     return f"model/algo/sync={digest} tokenizer={tokenizer_id(tokenizer or cfg.data.tokenizer)}"
 
@@ -91,7 +94,7 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
     `roster`: where the federation's terms came from (this cluster's config was checked against it)."""
     a = cfg.algo
     schedule = ScheduleConfig(kind=a.schedule, interval=a.interval, warmup_steps=a.warmup_steps,
-                              sync_time_s=a.sync_time_s, min_steps=a.min_steps)
+                              sync_time_s=a.sync_time_s, min_steps=a.min_steps, boundaries=sync_boundaries(cfg))
     membership = MembershipConfig(fingerprint=fingerprint(cfg, tokenizer),
                                   expected=tuple(s.name for s in cluster_specs(cfg)),
                                   quorum_timeout_s=cfg.federation.quorum_timeout_s,
@@ -105,6 +108,16 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                           membership=membership, shares_loss=cfg.train.spike_factor > 0,
                           tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max,
                           max_tokens_per_step=max_tokens_per_step(cfg))
+
+
+def sync_boundaries(cfg: Config) -> tuple[int, ...]:
+    """algo.interval_power > 0: where a step schedule's syncs go, from this run's lr schedule (`fingerprint`
+    holds them: every cluster must sync at the same steps); () for every algo.interval steps."""
+    a, t = cfg.algo, cfg.train
+    if not (a.local_sgd and a.schedule == "step" and a.interval_power > 0):
+        return ()
+    lrs = [lr_at(s, t.lr, t.steps, t.lr_warmup_steps, t.min_lr_ratio) for s in range(t.steps)]
+    return lr_boundaries(lrs, a.warmup_steps, a.interval, a.interval_power)
 
 
 def max_tokens_per_step(cfg: Config) -> int:

@@ -429,10 +429,11 @@ class Trainer:
                 self.eval_logged()
             elif not self.algo.lockstep and outcome.eval_due:  # every cluster sees the same exchange: all eval
                 self.eval_logged()
-            # lockstep: every cluster at the same multiple of checkpoint.every (a sync boundary, config.py says);
-            # a time schedule: each cluster at its own pace, right after a sync (Pacer.checkpoint_due)
+            # lockstep: every cluster at the same multiple of checkpoint.every (a sync boundary, config.py says;
+            # when the syncs follow the lr, the first boundary past each multiple); a time schedule: each cluster
+            # at its own pace, right after a sync (Pacer.checkpoint_due)
             every = cfg.checkpoint.every
-            due = every > 0 and (p.step % every == 0 if self.algo.lockstep else outcome.checkpoint_due)
+            due = every > 0 and (self.algo.saves_at(p.step, every) if self.algo.lockstep else outcome.checkpoint_due)
             if due and not self.algo.should_stop(p.step):
                 with self.timing.span("sync"):
                     self.algo.flush()
