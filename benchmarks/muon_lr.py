@@ -8,11 +8,11 @@ AdamW points, then confirms each algorithm's best on more seeds and at 4 cluster
 best averaging lr until it turns (`EDGE_LRS`), tries the lr schedule's floor at 0 for both and Muon's momentum
 (`MOMENTA`, the same values for both, each at its best lr; where a momentum wins, the lr's two neighbours are
 tried at it), and edit's averaging without the rule's clip (`1.0/0-noclip`; where that wins, edit's best with the
-clip on is confirmed too). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seeds 0-2):
+clip on is confirmed too). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seeds 0-2 and 4 clusters):
 
     python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (34 runs) + the confirmation (6-9 runs)
     python benchmarks/muon_lr.py --reuse --sweep     # the sweep only
-    python benchmarks/muon_lr.py --reuse --long      # and the run-length study (6-7 runs of 1280 steps)
+    python benchmarks/muon_lr.py --reuse --long      # and the run-length study (8-9 runs of 1280 steps)
 
 Run directories: <workdir>/<setting>; `--reuse` reuses a finished run with identical overrides, `--adopt` also a
 run started by hand whose resolved configuration (`config.json`) equals this setting's in every key but
@@ -101,7 +101,7 @@ interior; edit's averaging point is best at the top lr tried with it, 4e-2 — s
 
 MOMENTA = (0.6, 0.7, 0.8, 0.9)  # train.muon_momentum tried besides the default 0.95 (DDP best at 0.8, the first edge)
 LONG_STEPS = 1280  # the run-length study: each algorithm's best point at 4 x the steps
-LONG_SEEDS = (0, 1, 2)  # ... on each seed (edit's clipped point: seed 0 only)
+LONG_AT = ((2, 0), (2, 1), (2, 2), (4, 0))  # ... at each (clusters, seed) (edit's clipped point: 2 clusters, seed 0)
 
 
 def lr_at_best_momentum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -122,14 +122,14 @@ def lr_at_best_momentum(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def long_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each algorithm's best Muon point (2 clusters) at LONG_STEPS on LONG_SEEDS: is the gap a short run's?"""
+    """Each algorithm's best Muon point at LONG_STEPS, at each of LONG_AT: is the gap a short run's?"""
     out = []
-    for seed in LONG_SEEDS:
+    for clusters, seed in LONG_AT:
         for algo in ("ddp", "edit"):
             b = best_of(rows, algo, "muon")
             if b:
-                out.append(setting(algo, "muon", b["lr"], b["outer"], seed=seed, min_lr_ratio=b.get("min_lr_ratio"),
-                                   momentum=b.get("momentum"), steps=LONG_STEPS))
+                out.append(setting(algo, "muon", b["lr"], b["outer"], seed=seed, clusters=clusters,
+                                   min_lr_ratio=b.get("min_lr_ratio"), momentum=b.get("momentum"), steps=LONG_STEPS))
     # and edit's best with the rule's clip on (the default), when the best is without it
     c = best_clipped(rows)
     if out and out[-1]["outer"] != "1.0/0" and c:
@@ -229,11 +229,11 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out["muon"]["edit_over_ddp_2_clusters"] = {"mean": statistics.fmean(two), "max": max(two), "n": len(two)}
         long = [r for r in rows if r.get("steps", 320) == LONG_STEPS and r["optimizer"] == "muon"]
         per_seed = {}
-        for seed in sorted({r["seed"] for r in long}):
-            dl = [r for r in long if r["algo"] == "ddp" and r["seed"] == seed]
-            el = [r for r in long if r["algo"] == "edit" and r["seed"] == seed]
+        for g, seed in sorted({(r["clusters"], r["seed"]) for r in long}):
+            dl = [r for r in long if r["algo"] == "ddp" and (r["clusters"], r["seed"]) == (g, seed)]
+            el = [r for r in long if r["algo"] == "edit" and (r["clusters"], r["seed"]) == (g, seed)]
             if dl:
-                per_seed[f"s{seed}"] = {"ddp": dl[0]["final_val_loss"],
+                per_seed[f"g{g}_s{seed}"] = {"ddp": dl[0]["final_val_loss"],
                                         "edit": {r["outer"]: r["final_val_loss"] for r in el},
                                         "edit_over_ddp": {r["outer"]: r["final_val_loss"] / dl[0]["final_val_loss"]
                                                           for r in el}}
@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="the seed-0 sweep only, no confirmation runs")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
-    ap.add_argument("--long", action="store_true", help=f"also each algorithm's best at {LONG_STEPS} steps (seeds {LONG_SEEDS})")
+    ap.add_argument("--long", action="store_true",
+                    help=f"also each algorithm's best at {LONG_STEPS} steps ((clusters, seed): {LONG_AT})")
     ap.add_argument("--adopt", action="store_true", help="also adopt runs whose config.json equals the setting's")
     ap.add_argument("--finished-only", action="store_true", help="report the finished (or adoptable) runs, start none")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "muon_lr")

@@ -111,10 +111,12 @@ def test_muon_momentum_and_run_length_studies_treat_both_sides_alike() -> None:
     best = M.best_of(rows, "edit", "muon")
     assert best["steps"] == 320 and best["final_val_loss"] > 2.0
     long = M.long_runs(rows)
-    n = 2 * len(M.LONG_SEEDS)
-    assert [(s["algo"], s["seed"]) for s in long][:n] == [(a, sd) for sd in M.LONG_SEEDS for a in ("ddp", "edit")]
+    n = 2 * len(M.LONG_AT)
+    assert [(s["algo"], s["clusters"], s["seed"]) for s in long][:n] == [(a, g, sd) for g, sd in M.LONG_AT
+                                                                        for a in ("ddp", "edit")]
     assert all(s["steps"] == M.LONG_STEPS for s in long)
-    assert all(s["algo"] == "edit" and s["outer"] == "1.0/0" and s["seed"] == 0 for s in long[n:])  # clip on
+    assert all(s["algo"] == "edit" and s["outer"] == "1.0/0" and (s["clusters"], s["seed"]) == (2, 0)
+               for s in long[n:])  # edit's best with the clip on
     for s in long:
         assert f"train.steps={M.LONG_STEPS}" in s["overrides"]
         validate(compose([*M.C.BASE_OVERRIDES, *s["overrides"]]))
@@ -219,3 +221,21 @@ def test_inner_state_harness_places_the_syncs_like_the_product() -> None:
     assert sorted(inner_state.sync_steps(320, 8, 0.0)) == list(lr_boundaries([1.0] * 320, 0, 8, 1.0))
     grow = sorted(inner_state.sync_steps(320, 8, 0.75))
     assert len(grow) == 40 and grow[-1] == 320 and grow[1] - grow[0] < 8 < grow[-1] - grow[-2]
+
+
+def test_heterogeneity_same_box_reads_each_sides_result_and_links_an_old_config_tree(tmp_path: Path) -> None:
+    import heterogeneity_same_box as S
+
+    d = {"results": {"a_edit": {"final_val_loss": 2.46, "train_tokens_per_s": 7000.0},
+                     "ddp": {"final_val_loss": 2.96}},
+         "standalone": {"standalone_x1": {"train_tokens_per_s": 6400.0}}}
+    r = S.row(d, "this checkout", 1)
+    assert (r["a_edit"], r["ddp"], r["alone_train_tokens_per_s"]) == (2.46, 2.96, 6400.0)
+    assert S.row({**d, "results": {"a_edit": d["results"]["a_edit"]}}, "baseline", 2)["ddp"] is None
+    # a checkout from before the config tree moved into the package: edit_train/conf is linked to conf/
+    old = tmp_path / "old"
+    (old / ".git").mkdir(parents=True)
+    (old / "conf").mkdir()
+    (old / "conf" / "config.yaml").write_text("defaults: []\n")
+    (old / "edit_train").mkdir()
+    assert S.worktree("unused", old) == old and (old / "edit_train" / "conf" / "config.yaml").is_file()
