@@ -35,8 +35,11 @@ def worktree(commit: str, where: Path) -> Path:
     """A checkout of `commit` at `where` whose config tree is found from PYTHONPATH (a commit from before the tree
     moved into edit_train/ gets a link edit_train/conf -> ../conf, so the installed package's tree is not used)."""
     if not (where / ".git").exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--force", "--detach", str(where), commit],
-                       check=True, capture_output=True)
+        done = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--force", "--detach", str(where), commit],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise SystemExit(f"error: no worktree of {commit!r} at {where}: {last}")
     tree = where / "edit_train" / "conf"
     if not tree.exists() and (where / "conf" / "config.yaml").is_file():
         tree.symlink_to(Path("..") / "conf")
@@ -52,7 +55,8 @@ def bench(code: Path, runs: list[str], out: Path, workdir: Path, reuse: bool) ->
     cmd = [sys.executable, str(code / "benchmarks" / "heterogeneity.py"), "--quick", "--runs", *runs,
            "--workdir", str(workdir), "--out", str(out), "--plot", str(out.with_suffix(".png"))]
     print(f"[{time.strftime('%H:%M:%S')}] {code.name}: {' '.join(runs)}", flush=True)
-    subprocess.run(cmd, check=True, env=env, cwd=code, stdout=subprocess.DEVNULL)
+    if subprocess.run(cmd, env=env, cwd=code, stdout=subprocess.DEVNULL).returncode != 0:
+        raise SystemExit(f"error: heterogeneity.py of {code} failed (its run directories: {workdir})")
     return json.loads(out.read_text())
 
 

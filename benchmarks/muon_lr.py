@@ -8,7 +8,8 @@ AdamW points, then confirms each algorithm's best on more seeds and at 4 cluster
 best averaging lr until it turns (`EDGE_LRS`), tries the lr schedule's floor at 0 for both and Muon's momentum
 (`MOMENTA`, the same values for both, each at its best lr; where a momentum wins, the lr's two neighbours are
 tried at it), and edit's averaging without the rule's clip (`1.0/0-noclip`; where that wins, edit's best with the
-clip on is confirmed too). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seeds 0-2 and 4 clusters):
+clip on is confirmed too). `--long` adds each algorithm's best point at 4 x the steps (`LONG_STEPS`, seeds 0-2 and
+4 clusters):
 
     python benchmarks/muon_lr.py --reuse            # the seed-0 sweep (34 runs) + the confirmation (6-9 runs)
     python benchmarks/muon_lr.py --reuse --sweep     # the sweep only

@@ -206,7 +206,8 @@ def test_interval_power_benchmark_pairs_each_edit_run_with_its_ddp_and_only_adds
         assert s["overrides"] == [*twin["overrides"], f"algo.interval_power={IP.POWER!r}"]
     assert {s["name"] for s in runs if s["power"] == 0} <= {x["name"] for x in M.sweep()} | {
         M.setting(a, "muon", 3e-2, o, seed=sd, clusters=g, momentum=m)["name"]
-        for a, o, m in (("ddp", None, 0.8), ("edit", "1.0/0-noclip", 0.9)) for g, sd in ((2, 0), (2, 1), (2, 2), (4, 0))}
+        for a, o, m in (("ddp", None, 0.8), ("edit", "1.0/0-noclip", 0.9))
+        for g, sd in ((2, 0), (2, 1), (2, 2), (4, 0))}
     rows = [{**{k: v for k, v in s.items() if k != "overrides"}, "final_val_loss": 1.0 + 0.1 * (s["algo"] == "edit")
              - 0.05 * (s["power"] > 0)} for s in runs]
     summary = IP.summarize(rows)
