@@ -118,11 +118,15 @@ def finished_run(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | No
         rec = json.loads(record.read_text())
     except json.JSONDecodeError:
         return None
-    from edit_train.retired import current_override
+    from edit_train.retired import current_override, implicit_before
 
-    # a run recorded before a key's rename (edit_train/retired.py) is the same run under today's key
+    # a run recorded before a key's rename (edit_train/retired.py) is the same run under today's key, and one recorded
+    # before a default changed is the same run as today's that pins the old default
     args = [current_override(x)[0] for x in rec.get("args") or []]
-    return rec if args == job_args(run_dir, overrides) else None
+    want = job_args(run_dir, overrides)
+    if args == want:
+        return rec
+    return rec if args == implicit_before(want, args, record.stat().st_mtime) else None
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def _link(mbps: float, ms: float) -> list[str]:
 
 def _topk(density: float, bits: int, group: int = 1, unsent: str = "resend") -> list[str]:
     return ["sync.compression=topk", f"sync.topk_density={density:g}", f"sync.bits={bits}",
-            f"sync.topk_group={group}", f"sync.unsent={unsent}"]
+            f"sync.topk_group={group}", f"sync.unsent={unsent}", "sync.error_feedback_decay=1.0"]
 
 
 def workload(quick: bool, seed: int = 0) -> list[str]:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+from edit_train.codec.sparse_format import TOPK_BITS, TOPK_DENSITY, TOPK_GROUP
 from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_finite, _need
 from edit_train.local_sgd.outer import OuterConfig
@@ -101,10 +102,11 @@ class SyncConfig:
     block_size: int = 256  # int8/fp8: values per absmax scale; topk: values per chunk (one scale each)
     scale_dtype: str = "fp32"  # fp32 | bf16 scales (counted in the bytes)
     error_feedback: bool = True  # keep what quantization dropped and add it to the next sync
-    error_feedback_decay: float = 1.0  # β < 1: the kept residual decays by β per sync (error feedback as momentum)
-    topk_density: float = 0.01  # topk: share of each chunk sent (round(density * block_size) values)
-    bits: int = 2  # topk: bits per sent value (1, 2, 4 or 8)
-    topk_group: int = 1  # topk: values selected together (a power of two <= 128 dividing block_size)
+    # β < 1: the kept residual decays by β per sync (error feedback as momentum); unset: 0.6 for topk, 1 otherwise
+    error_feedback_decay: Optional[float] = None
+    topk_density: float = TOPK_DENSITY  # topk: share of each chunk sent (round(density * block_size / g) groups)
+    bits: int = TOPK_BITS  # topk: bits per sent value (1, 2, 4 or 8)
+    topk_group: int = TOPK_GROUP  # topk: values selected together (a power of two <= 128 dividing block_size)
     unsent: str = "resend"  # topk: what top-k left out is resent later (resend) or kept in the cluster's params (keep)
     gather_max: int = 4  # up to this many clusters each may receive every contribution (0 = never; docs/sync_math.md)
     transport: str = "lighthouse"  # lighthouse | inproc | "package.module:factory" (federation/registry.py)

@@ -103,6 +103,29 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ outputs
+# defaults that changed: (the value a run got when it did not name the key, the Unix time the change landed).
+# Issue 51: `sync.compression=topk` sends 3 of 32 groups of 8 with error feedback as momentum (β 0.6); before, 1 %
+# element-wise with plain error feedback. A record of a run from before that names none of these ran the old values.
+CHANGED_DEFAULTS: dict[str, tuple[str, float]] = {
+    "sync.topk_density": ("0.01", 1_795_915_800.0), "sync.topk_group": ("1", 1_795_915_800.0),
+    "sync.error_feedback_decay": ("1.0", 1_795_915_800.0)}
+
+
+def implicit_before(overrides: list[str], recorded: list[str], recorded_at: float) -> list[str]:
+    """`overrides` less each one that pins a changed default to the value it had (`CHANGED_DEFAULTS`) when
+    `recorded` (a run's overrides, recorded at Unix time `recorded_at`) does not name that key and was recorded
+    before the change: what the same run's overrides were then."""
+    named = {o.lstrip("+~").split("=", 1)[0] for o in recorded}
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        old = CHANGED_DEFAULTS.get(key)
+        if old is not None and key not in named and recorded_at < old[1] and float(value) == float(old[0]):
+            continue
+        out.append(o)
+    return out
+
+
 EVENT_FIELDS = {"group": "cluster_index", "participants": "quorum"}
 SUMMARY_FIELDS = {"cross_group_bytes": "cross_cluster_bytes"}
 _warned_outputs = False  # the notice is logged once per process

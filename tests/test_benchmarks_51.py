@@ -56,12 +56,33 @@ def test_smoke_modes_are_small_and_complete() -> None:
     assert any("efm" in s for s in c.schemes) and c.out.name == "smoke.json"
 
 
+def _unpinned(overrides: list[str]) -> list[str]:
+    """A scheme's overrides less the old top-k defaults it pins (compression._PINS)."""
+    return [o for o in overrides if o not in {f"{k}={v}" for k, v in compression._PINS.items()}]
+
+
+def test_every_top_k_scheme_names_the_defaults_that_changed() -> None:
+    """The top-k defaults changed (issue 51); a scheme must mean the same run before and after: every top-k scheme
+    names its density, group and decay, and a record from before the change that did not is still the same run."""
+    from edit_train.retired import CHANGED_DEFAULTS, implicit_before
+
+    for name, ov in compression.SCHEMES.items():
+        if "sync.compression=topk" in ov:
+            assert {k for k in CHANGED_DEFAULTS} <= {o.split("=", 1)[0] for o in ov}, name
+    ov = compression.SCHEMES["topk_1pct_2b"]
+    old = _unpinned(ov)
+    since = min(t for _, t in CHANGED_DEFAULTS.values())
+    assert implicit_before(ov, old, since - 1) == old  # recorded before: the same run
+    assert implicit_before(ov, old, since + 1) == ov  # recorded after: it ran today's defaults, not the same run
+    assert implicit_before(["sync.topk_group=8"], [], since - 1) == ["sync.topk_group=8"]  # not the old value
+
+
 def test_error_feedback_as_momentum_schemes_keep_their_twins_payloads() -> None:
     for name, ov in compression.SCHEMES.items():
         if "_efm" not in name:
             continue
         twin = name.rsplit("_efm", 1)[0]
-        assert ov[:len(compression.SCHEMES[twin])] == compression.SCHEMES[twin]
+        assert _unpinned(ov)[:len(_unpinned(compression.SCHEMES[twin]))] == _unpinned(compression.SCHEMES[twin])
         kv = dict(x.split("=", 1) for x in ov)
         beta = float(kv["sync.error_feedback_decay"])
         CompressionConfig(kv["sync.compression"], int(kv.get("sync.block_size", 256)), kv["sync.scale_dtype"], True,
@@ -240,3 +261,45 @@ def test_heterogeneity_same_box_reads_each_sides_result_and_links_an_old_config_
     (old / "conf" / "config.yaml").write_text("defaults: []\n")
     (old / "edit_train").mkdir()
     assert S.worktree("unused", old) == old and (old / "edit_train" / "conf" / "config.yaml").is_file()
+
+
+def test_the_grouped_pairs_send_at_most_a_hundredth_of_fp32s_bytes_and_are_valid_configs() -> None:
+    """Issue 51's grouped top-k family: each format's payloads over the tiny model's units are <= 1/100 of fp32's
+    bytes (the codec's own count; the runs measured 0.0097 with the small exchange); each scheme composes and
+    validates; every `_efm` scheme is its twin plus the decay (and an outer lr), nothing else."""
+    from edit_train.codec.dense import wire_bytes
+
+    units = compression.unit_sizes("tiny")
+    for twin in compression._GROUPED_FORMATS:
+        kv = dict(x.split("=", 1) for x in compression.GROUPED_51[twin])
+        cfg = CompressionConfig("topk", int(kv["sync.block_size"]), kv["sync.scale_dtype"], True,
+                                float(kv["sync.topk_density"]), int(kv["sync.bits"]), topk_group=int(kv["sync.topk_group"]))
+        cfg.validate()
+        ratio = sum(wire_bytes(n, cfg) for _, n in units) / sum(4 * n for _, n in units)
+        assert ratio <= (0.0175 if twin == "topk_19pct_2b_g8" else 0.01), (twin, ratio)
+    for name, ov in compression.GROUPED_51.items():
+        twin = next(t for t in sorted(compression._GROUPED_FORMATS, key=len, reverse=True) if name.startswith(t))
+        ov, base = _unpinned(ov), _unpinned(compression.SCHEMES[twin])
+        assert ov[:len(base)] == base
+        extra = {o.split("=", 1)[0] for o in ov[len(base):]}
+        assert extra <= {"sync.error_feedback_decay", "algo.outer.lr", "sync.unsent", "sync.error_feedback"}, name
+        assert ("sync.error_feedback_decay" in extra) == ("_efm" in name)
+    validate(compose([*compression.common(compression.parse_args([])), *compression.EDIT, "seed=0",
+                      *compression.SCHEMES["topk_9pct_2b_g8_efm60_lr17"]]))
+
+
+def test_ef_momentum_grid_reads_each_schemes_place_and_plots_what_ran(tmp_path: Path) -> None:
+    """`benchmarks/ef_momentum_grid.py`: a scheme's row and outer lr come from its overrides (the later one
+    wins, as on the command line); the figure is drawn from the ratios it is given."""
+    import ef_momentum_grid as G
+
+    assert G.point("none") == ("fp32 (uncompressed)", 0.7)
+    assert G.point("none_lr14") == ("fp32 (uncompressed)", 1.4)
+    assert G.point("topk_9pct_2b_g8") == ("β = 1", 0.7)
+    assert G.point("topk_9pct_2b_g8_efm60_lr17") == ("β = 0.6", 1.7)
+    assert G.point("topk_9pct_2b_g8_keep_lr14") == ("keep", 1.4)
+    assert G.point("topk_9pct_2b_g8_noef") == ("no error feedback", 1.0)
+    assert set(G.CONFIRM) <= set(G.grid_schemes()) and not any(n.endswith("_outer") for n in G.grid_schemes())
+    out = G.plot({"none": [1.0], "topk_9pct_2b_g8_efm60_lr17": [0.96]},
+                 {"topk_9pct_2b_g8_efm60_lr17": [0.96, 0.98, 0.97]}, tmp_path / "g.png")
+    assert Path(out).stat().st_size > 0

@@ -180,3 +180,25 @@ def test_a_run_with_every_option_resumes_bit_identically(tmp_path, small_corpus,
     counts = [int(v) for a in loaded for k, v in a.items() if k.endswith("outer_syncs/0")]
     assert counts and set(counts) == {3}  # the schedule's position is in the checkpoint
     assert any(k.endswith("momentum_buffer") for a in loaded for k in a)  # Muon's state too
+
+
+def test_top_k_defaults_to_the_hundredth_pair_with_error_feedback_as_momentum() -> None:
+    """Unset, `sync.error_feedback_decay` is 0.6 for top-k that resends with error feedback (issue 51's pair: 3 of 32
+    groups of 8, 2 bits) and 1 — plain, exact error feedback — for every dense codec, without error feedback and
+    under `sync.unsent=keep`; a value given is taken as given."""
+    from edit_train.cli.common import compose
+    from edit_train.config import validate
+
+    def of(*overrides: str) -> CompressionConfig:
+        cfg = compose(list(overrides))
+        validate(cfg)
+        return CompressionConfig.of(cfg.sync)
+
+    c = of("sync.compression=topk")
+    assert (c.topk_density, c.bits, c.topk_group, c.unsent, c.error_feedback_decay) == (0.09375, 2, 8, "resend", 0.6)
+    assert c.format.k == 3 and c.format.groups == 32
+    assert of("sync.compression=int8").error_feedback_decay == 1.0
+    assert of("sync.compression=topk", "sync.error_feedback=false").error_feedback_decay == 1.0
+    assert of("sync.compression=topk", "sync.unsent=keep").error_feedback_decay == 1.0
+    assert of("sync.compression=topk", "sync.error_feedback_decay=0.95").error_feedback_decay == 0.95
+    assert of("sync.compression=topk", "sync.error_feedback_decay=1").error_feedback_decay == 1.0

@@ -382,8 +382,9 @@ def test_plan_and_plan_check_name_a_profile_taken_under_other_load(tmp_path, cap
 
 
 def test_top_k_is_planned_and_recommended_where_bytes_are_what_limits():
-    """A 5 Mbit/s link: the README's top-k pick (18.75 %, 2 bits, groups of 8, unsent=keep) beats int8 and
-    fp32 on ddp-equivalent tokens/s, and its overrides are a valid edit-train config."""
+    """A 5 Mbit/s link: the default top-k pair (3 of 32 groups of 8, 2 bits, error feedback as momentum β = 0.6;
+    issue 51) beats the 1/57 keep pair, int8 and fp32 on ddp-equivalent tokens/s — it sends the fewest bytes at no
+    loss — and its overrides are a valid edit-train config at the outer lr it was found at."""
     from edit_train.cli.common import compose
     from edit_train.config import validate
     from edit_train.plan.planner import make_plan
@@ -398,11 +399,11 @@ def test_top_k_is_planned_and_recommended_where_bytes_are_what_limits():
     labels = {r.cand.label for r in plan.rows}
     assert {"edit/overlap/topk(0.01,2b,g1)/H=8", "edit/overlap/topk(0.1875,2b,g8,keep)/H=8"} <= labels
     best = plan.best.cand
-    assert best.compression == "topk" and best.topk.group == 8 and best.topk.unsent == "keep"
+    assert best.compression == "topk" and best.topk.group == 8 and best.topk.ef_decay == 0.6
     cfg = compose(plan.overrides)
     validate(cfg)
-    assert (cfg.sync.compression, cfg.sync.topk_density, cfg.sync.bits, cfg.sync.topk_group, cfg.sync.unsent) == \
-        ("topk", 0.1875, 2, 8, "keep")
+    assert (cfg.sync.compression, cfg.sync.topk_density, cfg.sync.bits, cfg.sync.topk_group, cfg.sync.unsent,
+            cfg.sync.error_feedback_decay, cfg.algo.outer.lr) == ("topk", 0.09375, 2, 8, "resend", 0.6, 1.7)
     units = hardware.model_facts("tiny").unit_sizes
     cost = resolve(scn, Profile.default()).sync_cost(np.array([0, 1]), best)
     assert list(cost["bytes"]) == [traffic.sync_bytes(units, 2, best.codec(scn))] * 2
@@ -468,3 +469,29 @@ def test_error_feedback_as_momentum_is_planned_with_its_own_measured_loss():
     with pytest.raises(PlanError, match=r"candidates.topk\[0\]: sync.error_feedback_decay must be in \(0, 1\]"):
         scenario_from_dict({"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}],
                             "candidates": {"topk": [{"density": 0.1, "bits": 2, "ef_decay": 1.5}]}})
+
+
+def test_the_hundredth_of_the_bytes_pair_is_planned_at_the_outer_lr_it_was_found_at():
+    """The default candidates hold issue 51's pair (3 of 32 groups of 8, 2 bits, β = 0.6) with `outer_lr` 1.7:
+    its overrides are a valid config at that outer step (momentum 0), and an outer lr without error feedback as
+    momentum, or not a positive number, is refused in one line naming the entry."""
+    from edit_train.cli.common import compose
+    from edit_train.config import validate
+    from edit_train.plan.planner import overrides
+    from edit_train.plan.spec import Candidate, CandidateSet, TopK
+
+    pair = next(t for t in CandidateSet().topk if t.get("ef_decay", 1.0) < 1.0)
+    assert (pair["density"], pair["group"], pair["ef_decay"], pair["outer_lr"]) == (0.09375, 8, 0.6, 1.7)
+    scn = scenario_from_dict({"name": "p", "model": "tiny", "clusters": [{"name": "a", "ranks": 1, "step_s": 1},
+                                                                         {"name": "b", "ranks": 1, "step_s": 1}],
+                              "block_size": 256, "scale_dtype": "bf16"})
+    cfg = compose(overrides(scn, Candidate("edit", "layerwise", "topk", 8, topk=TopK(**pair))))
+    validate(cfg)
+    assert (cfg.sync.topk_group, cfg.sync.error_feedback_decay, cfg.algo.outer.lr, cfg.algo.outer.momentum,
+            cfg.sync.scale_dtype) == (8, 0.6, 1.7, 0.0, "bf16")
+    base = {"name": "x", "clusters": [{"name": "a", "ranks": 1, "step_s": 1}]}
+    with pytest.raises(PlanError, match=r"candidates.topk\[0\].outer_lr: is the outer lr of error feedback"):
+        scenario_from_dict({**base, "candidates": {"topk": [{"density": 0.1, "bits": 2, "outer_lr": 1.7}]}})
+    with pytest.raises(PlanError, match=r"candidates.topk\[0\].outer_lr: must be a number > 0"):
+        scenario_from_dict({**base, "candidates": {"topk": [{"density": 0.1, "bits": 2, "ef_decay": 0.6,
+                                                              "outer_lr": "fast"}]}})

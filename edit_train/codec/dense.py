@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edit_train.codec.sparse_format import TOPK_BITS, TOPK_DENSITY, TOPK_GROUP, error_feedback_decay
 from edit_train.codec.sparse import (PayloadError, SparseFormat, decode, encode, encode_own, format_error,
                                      sparse_bytes)
 
@@ -94,11 +95,13 @@ class CompressionConfig:
     @staticmethod
     def of(sync: object) -> CompressionConfig:
         """From a ``sync`` config section (``SyncConfig`` or its OmegaConf node)."""
-        return CompressionConfig(str(getattr(sync, "compression")), getattr(sync, "block_size"),
-                                 str(getattr(sync, "scale_dtype")), getattr(sync, "error_feedback"),
-                                 getattr(sync, "topk_density", 0.01), getattr(sync, "bits", 2),
-                                 str(getattr(sync, "unsent", "resend")), getattr(sync, "topk_group", 1),
-                                 float(getattr(sync, "error_feedback_decay", 1.0)))
+        scheme, feedback = str(getattr(sync, "compression")), getattr(sync, "error_feedback")
+        unsent = str(getattr(sync, "unsent", "resend"))
+        decay = error_feedback_decay(scheme, feedback, getattr(sync, "error_feedback_decay", None), unsent)
+        return CompressionConfig(scheme, getattr(sync, "block_size"), str(getattr(sync, "scale_dtype")), feedback,
+                                 getattr(sync, "topk_density", TOPK_DENSITY), getattr(sync, "bits", TOPK_BITS),
+                                 unsent, getattr(sync, "topk_group", TOPK_GROUP),
+                                 float(decay))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending key."""

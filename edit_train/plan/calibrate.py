@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from edit_train.codec.sparse_format import error_feedback_decay
 from edit_train.plan import hardware, syncfit, traffic
 from edit_train.plan.conditions import Conditions, measure
 from edit_train.plan.costs import FWD_FRACTION
@@ -128,7 +129,10 @@ def codec_of_run(cfg: dict[str, Any]) -> traffic.Codec:
     return traffic.Codec(str(sy.get("compression", "none")), int(sy.get("block_size", 256)),
                          str(sy.get("scale_dtype", "fp32")), float(sy.get("topk_density", 0.01)),
                          int(sy.get("bits", 2)), int(sy.get("topk_group", 1)), str(sy.get("unsent", "resend")),
-                         float(sy.get("error_feedback_decay", 1.0)) if lossy else 1.0)
+                         # a run from before the key ran plain error feedback; one with it unset, today's default
+                         error_feedback_decay(str(sy.get("compression", "none")), bool(sy.get("error_feedback", True)),
+                                              sy.get("error_feedback_decay", 1.0), str(sy.get("unsent", "resend")))
+                         if lossy else 1.0)
 
 
 def candidate_of_run(run: RunData) -> Candidate:

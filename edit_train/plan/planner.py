@@ -199,11 +199,12 @@ def overrides(scn: Scenario, cand: Candidate) -> list[str]:
         out += [f"sync.mode={cand.mode}", f"sync.compression={cand.compression}"]
         if cand.compression == "topk":
             t = cand.topk
+            # every top-k key named: the candidate is what was measured, whatever the product's defaults are
             out += [f"sync.topk_density={t.density:g}", f"sync.bits={t.bits}", f"sync.topk_group={t.group}",
-                    f"sync.unsent={t.unsent}"]
+                    f"sync.unsent={t.unsent}", f"sync.error_feedback_decay={t.ef_decay:g}"]
             if t.ef_decay < 1.0:  # error feedback as outer momentum, at the outer point it was measured at
-                out += ["sync.error_feedback=true", f"sync.error_feedback_decay={t.ef_decay:g}", "algo.outer.lr=1.0",
-                        "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]
+                out += ["sync.error_feedback=true", f"algo.outer.lr={t.outer_lr:g}", "algo.outer.momentum=0.0",
+                        "algo.outer.nesterov=false"]
         if cand.compression in ("int8", "fp8", "topk") and (scn.block_size, scn.scale_dtype) != (256, "fp32"):
             out += [f"sync.block_size={scn.block_size}", f"sync.scale_dtype={scn.scale_dtype}"]
         out.append(f"algo.sync_time_s={cand.sync_time_s:g}" if cand.timed else f"algo.interval={cand.interval}")
