@@ -303,3 +303,13 @@ def test_ef_momentum_grid_reads_each_schemes_place_and_plots_what_ran(tmp_path: 
     out = G.plot({"none": [1.0], "topk_9pct_2b_g8_efm60_lr17": [0.96]},
                  {"topk_9pct_2b_g8_efm60_lr17": [0.96, 0.98, 0.97]}, tmp_path / "g.png")
     assert Path(out).stat().st_size > 0
+
+
+def test_compression_runs_four_clusters_only_when_asked() -> None:
+    """`--settings convergence_4` is the convergence setting at 4 clusters; a plain run does not start it."""
+    assert "convergence_4" not in compression.parse_args([]).settings
+    a = compression.parse_args(["--settings", "convergence_4"])
+    cfg = compose([*compression.common(a), *compression.SETTINGS["convergence_4"], *compression.EDIT, "seed=0",
+                   *compression.SCHEMES["topk_9pct_2b_g8_efm60_lr17"]])
+    validate(cfg)
+    assert cfg.cluster.count == 4 and cfg.sync.error_feedback_decay == 0.6

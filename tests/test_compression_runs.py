@@ -52,15 +52,17 @@ def test_bf16_sends_half_of_fp32(tmp_path: Path, corpus: str) -> None:
 
 
 @pytest.mark.slow  # the default suite's 20-minute budget: a multi-process run covered in part by faster tests
-@pytest.mark.parametrize("unsent,select", [("resend", "sync.topk_density=0.01"),
+@pytest.mark.parametrize("unsent,select", [("resend", ""),  # the defaults: 3 of 32 groups of 8, β = 0.6
+                                            ("resend", "sync.topk_density=0.01 sync.topk_group=1 "
+                                                       "sync.error_feedback_decay=1"),
                                             ("keep", "sync.topk_density=0.0625 sync.topk_group=8")],
-                         ids=["resend", "keep-grouped"])
+                         ids=["resend-defaults", "resend-elements", "keep-grouped"])
 def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tmp_path: Path, corpus: str,
                                                                                 unsent: str, select: str) -> None:
     """Sparse 2-bit payloads (issue 24) between a 2-rank and a 1-rank cluster (the chunked layout, pieces
     gathered over four lanes): a checkpoint at every sync holds the bit-identical anchor on both clusters, and
-    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted): 3 of every 256
-    values, or (grouped) 2 of every 32 groups of 8. `keep`: the 2-rank cluster puts the residual of its chunks
+    a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted): the defaults' 3 of every
+    32 groups of 8 with error feedback as momentum, 3 of every 256 values, or (grouped) 2 of every 32 groups of 8. `keep`: the 2-rank cluster puts the residual of its chunks
     back into its own shards (a sum inside the cluster)."""
     run = tmp_path / "topk"
     finish(start(run, corpus, *COMMON, "sync.compression=topk", *select.split(), "sync.bits=2",

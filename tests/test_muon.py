@@ -220,6 +220,6 @@ def test_muon_with_sparse_top_k_gets_a_line_saying_what_it_measured() -> None:
     from edit_train.train.build import pairing_warning
 
     line = pairing_warning(compose(["train.optimizer=muon", "sync.compression=topk"]))
-    assert line is not None and "1.25-1.29" in line and "docs/compression.md" in line
+    assert line is not None and "1.20-1.29" in line and "docs/compression.md" in line
     assert pairing_warning(compose(["train.optimizer=muon", "sync.compression=int8"])) is None
     assert pairing_warning(compose(["sync.compression=topk"])) is None
