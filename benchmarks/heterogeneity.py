@@ -33,6 +33,7 @@ fast group waits (s_1 - s_0) x interval at the first sync; `--first-interval` (d
     python benchmarks/heterogeneity.py --budget 120 --sync-time 8 --out r.json --plot r.png
     python benchmarks/heterogeneity.py --runs a_edit+overlap a_edit+overlap+staleness   # issue 51's correction
     python benchmarks/heterogeneity.py --quick --runs ddp a_edit ddp+muon a_edit+muon     # issue 51's Muon
+    python benchmarks/heterogeneity.py --quick --runs ddp a_edit a_edit+topk a_edit+topk_lr17   # top-k's defaults
 """
 
 from __future__ import annotations
@@ -66,10 +67,22 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03", "train.muon_momentum=0.8"]),
     "a_edit+muon": ("a_edit", ["train.optimizer=muon", "train.lr=0.04", "train.muon_momentum=0.9",
                                "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]),
+    # issue 51: the top-k defaults (1/100 of the bytes, error feedback as momentum) on the slow link, at a_edit's own
+    # outer step and at the outer lr the pair was found at
+    "a_edit+topk": ("a_edit", ["sync.compression=topk", "sync.scale_dtype=bf16"]),
+    "a_edit+topk_lr17": ("a_edit", ["sync.compression=topk", "sync.scale_dtype=bf16", "algo.outer.lr=1.7",
+                                    "algo.outer.momentum=0.0", "algo.outer.nesterov=false"]),
+    # the defaults they replaced (element-wise 1 %, plain error feedback) and the 1/57 keep pair
+    "a_edit+topk_1pct": ("a_edit", ["sync.compression=topk", "sync.scale_dtype=bf16", "sync.topk_density=0.01",
+                                    "sync.topk_group=1", "sync.error_feedback_decay=1.0"]),
+    "a_edit+topk_keep": ("a_edit", ["sync.compression=topk", "sync.scale_dtype=bf16", "sync.topk_density=0.1875",
+                                    "sync.unsent=keep", "algo.outer.lr=1.0"]),
 }
 DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/heterogeneity.json
 COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
-          "a_edit+overlap+staleness": "tab:purple", "ddp+muon": "tab:cyan", "a_edit+muon": "tab:olive"}
+          "a_edit+overlap+staleness": "tab:purple", "ddp+muon": "tab:cyan", "a_edit+muon": "tab:olive",
+          "a_edit+topk": "tab:brown", "a_edit+topk_lr17": "tab:pink", "a_edit+topk_1pct": "tab:gray",
+          "a_edit+topk_keep": "tab:olive"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

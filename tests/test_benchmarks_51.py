@@ -169,6 +169,20 @@ def test_heterogeneity_muon_arms_are_valid_configs() -> None:
         assert cfg.train.optimizer == "muon" and cfg.algo.name == H.RUNS[name][0]
 
 
+def test_heterogeneity_top_k_arms_run_the_defaults_on_a_edit() -> None:
+    """The `+topk` arms: a_edit with `sync.compression=topk` at its defaults (3 of 32 groups of 8, β 0.6), one at
+    a_edit's own outer step, one at the outer lr the pair was found at."""
+    import heterogeneity as H
+
+    a = H.parse_args(["--quick", "--runs", "a_edit+topk", "a_edit+topk_lr17"])
+    cfgs = [compose(H.run_overrides(name, a)) for name in a.runs]
+    for cfg in cfgs:
+        validate(cfg)
+        assert cfg.algo.name == "a_edit" and (cfg.sync.topk_group, cfg.sync.topk_density) == (8, 0.09375)
+        assert CompressionConfig.of(cfg.sync).error_feedback_decay == 0.6
+    assert [c.algo.outer.lr for c in cfgs] == [compose(H.run_overrides("a_edit", a)).algo.outer.lr, 1.7]
+
+
 def test_a_winning_momentum_gets_its_lr_checked_on_the_algorithms_own_grid() -> None:
     import muon_lr as M
 
