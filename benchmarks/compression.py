@@ -50,6 +50,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
+from edit_train.retired import CHANGED_DEFAULTS  # noqa: E402
+
 SPARSE = ["sync.scale_dtype=bf16", "sync.error_feedback=true"]
 KEEP = [*SPARSE, "sync.unsent=keep", "algo.outer.lr=1.0"]
 
@@ -154,7 +156,7 @@ SCHEMES = {  # name -> overrides
 }
 # the top-k defaults changed (issue 51: edit_train/retired.py CHANGED_DEFAULTS); each scheme names what it ran with
 # before, so a scheme means the same run whatever today's defaults are
-_PINS = {"sync.topk_density": "0.01", "sync.topk_group": "1", "sync.error_feedback_decay": "1.0"}
+_PINS = {key: old for key, (old, _) in CHANGED_DEFAULTS.items()}
 for _ov in SCHEMES.values():
     if "sync.compression=topk" in _ov:
         _ov += [f"{k}={v}" for k, v in _PINS.items() if not any(o.startswith(f"{k}=") for o in _ov)]

@@ -106,9 +106,10 @@ def renamed_overrides(overrides: list[str]) -> list[str]:
 # defaults that changed: (the value a run got when it did not name the key, the Unix time the change landed).
 # Issue 51: `sync.compression=topk` sends 3 of 32 groups of 8 with error feedback as momentum (β 0.6); before, 1 %
 # element-wise with plain error feedback. A record of a run from before that names none of these ran the old values.
+_TOPK_DEFAULTS_CHANGED = 1_795_915_800.0  # 2026-11-29 01:30 UTC
 CHANGED_DEFAULTS: dict[str, tuple[str, float]] = {
-    "sync.topk_density": ("0.01", 1_795_915_800.0), "sync.topk_group": ("1", 1_795_915_800.0),
-    "sync.error_feedback_decay": ("1.0", 1_795_915_800.0)}
+    key: (old, _TOPK_DEFAULTS_CHANGED)
+    for key, old in {"sync.topk_density": "0.01", "sync.topk_group": "1", "sync.error_feedback_decay": "1.0"}.items()}
 
 
 def implicit_before(overrides: list[str], recorded: list[str], recorded_at: float) -> list[str]:
@@ -120,10 +121,18 @@ def implicit_before(overrides: list[str], recorded: list[str], recorded_at: floa
     for o in overrides:
         key, _, value = o.partition("=")
         old = CHANGED_DEFAULTS.get(key)
-        if old is not None and key not in named and recorded_at < old[1] and float(value) == float(old[0]):
+        if old is not None and key not in named and recorded_at < old[1] and _same_number(value, old[0]):
             continue
         out.append(o)
     return out
+
+
+def _same_number(a: str, b: str) -> bool:
+    """`0.01` and `1e-2` alike; a value that is no number (`null`) is not the old default."""
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
 
 
 EVENT_FIELDS = {"group": "cluster_index", "participants": "quorum"}

@@ -75,6 +75,7 @@ def test_every_top_k_scheme_names_the_defaults_that_changed() -> None:
     assert implicit_before(ov, old, since - 1) == old  # recorded before: the same run
     assert implicit_before(ov, old, since + 1) == ov  # recorded after: it ran today's defaults, not the same run
     assert implicit_before(["sync.topk_group=8"], [], since - 1) == ["sync.topk_group=8"]  # not the old value
+    assert implicit_before(["sync.error_feedback_decay=null"], [], since - 1) == ["sync.error_feedback_decay=null"]
 
 
 def test_error_feedback_as_momentum_schemes_keep_their_twins_payloads() -> None:
