@@ -3,6 +3,7 @@ without training (the grids themselves run in a later session; `--smoke` runs th
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -328,3 +329,37 @@ def test_compression_runs_four_clusters_only_when_asked() -> None:
                    *compression.SCHEMES["topk_9pct_2b_g8_efm60_lr17"]])
     validate(cfg)
     assert cfg.cluster.count == 4 and cfg.sync.error_feedback_decay == 0.6
+
+
+def test_interval_floor_pairs_each_average_with_its_ddp_and_keeps_the_better_momentum(tmp_path: Path) -> None:
+    import interval_floor as F
+
+    pts = F.points()
+    assert len({p.name for p in pts}) == len(pts)
+    for p in pts:  # every replica run has DDP at the same cluster count and seed, at DDP's tuned point
+        assert F.Point("ddp", p.clusters, p.seed) in pts
+    assert {p.interval for p in pts if (p.mode, p.clusters, p.seed) == ("local", 2, 0)} == {1, 2, 4, 8}
+    rows = [{"mode": "ddp", "clusters": 2, "seed": 0, "interval": 8, "momentum": 0.8, "final_val_loss": 1.5},
+            {"mode": "local", "clusters": 2, "seed": 0, "interval": 1, "momentum": 0.8, "final_val_loss": 1.56},
+            {"mode": "local", "clusters": 2, "seed": 0, "interval": 1, "momentum": 0.9, "final_val_loss": 1.53},
+            {"mode": "local", "clusters": 2, "seed": 0, "interval": 8, "momentum": 0.8, "final_val_loss": 1.62},
+            {"mode": "local_state", "clusters": 2, "seed": 0, "interval": 1, "momentum": 0.8,
+             "final_val_loss": 1.515},
+            {"mode": "local", "clusters": 4, "seed": 0, "interval": 1, "momentum": 0.8, "final_val_loss": 9.0}]
+    s = F.summarize(rows)
+    assert list(s) == ["g2 s0"]  # no DDP at 4 clusters: nothing to divide by, no entry
+    h1 = s["g2 s0"]["intervals"]["1"]
+    assert (h1["momentum"], h1["ratio"]) == (0.9, pytest.approx(1.02))
+    assert h1["tried"] == {"0.8": 1.56, "0.9": 1.53}
+    assert s["g2 s0"]["intervals"]["8"]["ratio"] == pytest.approx(1.08)
+    assert s["g2 s0"]["state_averaged_H1"]["ratio"] == pytest.approx(1.01)
+    # a result on disk is reused only when it was run with exactly these arguments
+    p = F.Point("local", 2, 0, 1, 0.8)
+    out = tmp_path / f"{p.name}.json"
+    args = {"mode": "local", "clusters": "2", "seed": "0", "interval": "1", "lr": "0.03", "momentum": "0.8",
+            "optimizer": "muon", "steps": "320"}
+    out.write_text(json.dumps({"args": args, "final_val_loss": 1.55}))
+    assert F.finished(p, out) == 1.55
+    out.write_text(json.dumps({"args": {**args, "interval": "8"}, "final_val_loss": 1.55}))
+    assert F.finished(p, out) is None
+    assert F.finished(p, tmp_path / "missing.json") is None
