@@ -13,7 +13,7 @@ the replicas at momentum 0.8 and 0.9 (edit's best at H = 8), the better of the t
 DDP gets, on the replicas' side. At H = 1 also with every optimizer state tensor averaged at each sync
 (`--mode local_state`).
 
-    python benchmarks/interval_floor.py --reuse --workdir /work/bench_s62/floor   # 21 runs, ~55 min on 2 cores
+    python benchmarks/interval_floor.py --reuse --workdir /work/bench_s62/floor   # 27 runs, ~80 min on 2 cores
 
 Output: docs/interval_floor.json and docs/interval_floor.png (edit-style averaging / DDP against H).
 """
@@ -63,10 +63,11 @@ class Point:
 
 
 def points() -> list[Point]:
-    """2 clusters seed 0: H = 1, 2, 4, 8; 4 clusters seed 0: H = 1, 8; 2 clusters seeds 1, 2: H = 1 (the floor's
-    spread). Each with DDP beside it."""
+    """2 clusters seed 0: H = 1, 2, 4, 8; 4 clusters seed 0: H = 1, 8; seeds 1, 2 at 2 and 4 clusters: H = 1 (the
+    floor's spread). Each with DDP beside it."""
     out: list[Point] = []
-    for clusters, seed, intervals in ((2, 0, (1, 2, 4, 8)), (4, 0, (1, 8)), (2, 1, (1,)), (2, 2, (1,))):
+    for clusters, seed, intervals in ((2, 0, (1, 2, 4, 8)), (4, 0, (1, 8)), (2, 1, (1,)), (2, 2, (1,)),
+                                      (4, 1, (1,)), (4, 2, (1,))):
         out.append(Point("ddp", clusters, seed))
         out += [Point("local", clusters, seed, h, m) for h in intervals for m in MOMENTA]
     out.append(Point("local_state", 2, 0, 1, DDP_MOMENTUM))
@@ -145,7 +146,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
     ax.set_xlabel("H: local steps between averages")
     ax.set_ylabel("validation loss / DDP's")
-    ax.set_title("tiny, Muon, 320 steps: averaging / DDP against the interval (H = 1: the floor)")
+    ax.set_title("tiny, Muon, 320 steps: averaging / DDP against H (H = 1: the floor)")
     ax.legend(fontsize=7)
     return C.save_fig(fig, path)
 
