@@ -1,8 +1,16 @@
 """A recorded in-process federation, replayed: every way a sync moves and merges contributions (a SUM, gathered
 with the probe and a retraction, sketched at 6 clusters with a re-gather, a rule's own `combine`, expert rows
-kept) gives bit-identical anchors and identical `sync` events to the recording (tests/sync_replay.json, made on
-the code before the sync round was split by mode: `EDIT_TRAIN_RECORD_REPLAY=1 pytest tests/test_sync_replay.py`
-writes it again)."""
+kept) gives the recording's anchors and `sync` events (tests/sync_replay.json; `EDIT_TRAIN_RECORD_REPLAY=1 pytest
+tests/test_sync_replay.py` writes it again).
+
+Bit-identical where the float kernels are the recording's: the fixture holds a canary, the digest of a few SGD
+steps of the toy model, and a machine that reproduces it must reproduce every anchor's digest and every event
+exactly. A CPU whose kernels round differently (another vector width or BLAS path: the first recording, made on
+the code before the sync round was split by mode, did not replay bit-for-bit on an AVX-512 box) must agree to
+float tolerance on each anchor's summary and on every number of every event, and exactly on every decision
+(flags, weights' structure, modes, counts). Re-recorded 2026-11-29 from a code that still replayed the first
+recording bit-for-bit on its box (CI at 1abb9e1).
+"""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from edit_train.federation.inproc import InProcessFederation
 from edit_train.local_sgd.experts import RoutedCounts
 from edit_train.sim.byzantine import ByzantineTransport
 from edit_train.sim.faults import FaultInjector
-from toy_federation import LR, Outcome, config, run_inproc, train_cluster
+from toy_federation import LR, Outcome, batch, config, run_inproc, toy_model, train_cluster
 
 FIXTURE = Path(__file__).with_name("sync_replay.json")
 RECORD = os.environ.get("EDIT_TRAIN_RECORD_REPLAY") == "1"
@@ -49,10 +57,58 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _summary(t: torch.Tensor) -> list[float]:
+    """What a tolerance check compares of an anchor tensor: its sum, its absolute sum and 8 spread elements."""
+    flat = t.detach().double().flatten().cpu()
+    picks = flat[torch.linspace(0, flat.numel() - 1, 8).round().long()]
+    return [float(flat.sum()), float(flat.abs().sum()), *map(float, picks)]
+
+
 def _record(results: dict[str, Outcome]) -> dict[str, Any]:
     return {n: {"anchors": [[_digest(a) for a in unit] for unit in out.anchors],
+                "anchor_summaries": [[_summary(a) for a in unit] for unit in out.anchors],
                 "syncs": [_plain(e) for e in out.events if e["event"] == "sync"]}
             for n, out in sorted(results.items())}
+
+
+def _canary() -> str:
+    """The digest of a cluster's first 8 SGD steps on the toy model and its own batches, with the norms and
+    means a sync takes of them: the kernels (addmm, tanh, MSE and their backward, the reductions) the recording
+    ran, so it is equal exactly where this machine rounds as the recording's did."""
+    model = toy_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(8):
+        x, y = batch(0, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    params = [p.detach().flatten() for p in model.parameters()]
+    stats = [torch.stack([torch.linalg.vector_norm(p), p.mean(), (p * p).sum()]) for p in params]
+    return _digest(torch.cat([*params, *stats]))
+
+
+# Where two CPUs differ only in rounding. The sketched run's direction statistics (`direction_z`, `agreement`)
+# are z-scores against a spread of near-equal sketches: an ulp in the inputs moves them by up to 30 % between
+# CPUs, while every decision taken from them (which module is flagged, the weights, the re-gather) is still
+# compared exactly.
+RTOL, ATOL = 1e-5, 1e-7
+ILL_CONDITIONED = {"direction_z", "agreement"}
+
+
+def _close(got: Any, want: Any, path: str) -> None:
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), path
+        for k in want:
+            if k not in ILL_CONDITIONED:
+                _close(got[k], want[k], f"{path}/{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), path
+        for i, (g, w) in enumerate(zip(got, want)):
+            _close(g, w, f"{path}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool) and isinstance(got, (int, float)):
+        assert got == pytest.approx(want, rel=RTOL, abs=ATOL), path
+    else:
+        assert got == want, path
 
 
 def _threads(names: list[str], cfg: Any, per: list[dict[str, Any]]) -> dict[str, Outcome]:
@@ -123,17 +179,35 @@ def _modes(rec: dict[str, Any]) -> list[str]:
 
 @pytest.mark.skipif(not RECORD, reason="records the fixture (EDIT_TRAIN_RECORD_REPLAY=1)")
 def test_record() -> None:
-    FIXTURE.write_text(json.dumps({k: _record(run()) for k, run in RUNS.items()}, indent=1, sort_keys=True) + "\n")
+    FIXTURE.write_text(json.dumps({"canary": _canary(), **{k: _record(run()) for k, run in RUNS.items()}},
+                                  indent=1, sort_keys=True) + "\n")
 
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_a_replayed_federation_is_bit_identical(run: str) -> None:
-    expected = json.loads(FIXTURE.read_text())[run]
+    """Bit-identical on a machine that rounds as the recording's did; else equal to float tolerance."""
+    fixture = json.loads(FIXTURE.read_text())
+    expected = fixture[run]
     got = json.loads(json.dumps(_record(RUNS[run]()), sort_keys=True))
     assert got.keys() == expected.keys()
+    exact = _canary() == fixture["canary"]
     for name in expected:
-        assert got[name]["anchors"] == expected[name]["anchors"], (run, name)
-        assert got[name]["syncs"] == expected[name]["syncs"], (run, name)
+        if exact:
+            assert got[name] == expected[name], (run, name)
+        else:
+            _close(got[name]["anchor_summaries"], expected[name]["anchor_summaries"], f"{run}/{name}/anchors")
+            _close(got[name]["syncs"], expected[name]["syncs"], f"{run}/{name}/syncs")
+
+
+def test_the_tolerance_check_passes_rounding_and_catches_a_change() -> None:
+    """What a machine with other rounding is held to: an ulp-level difference passes, a real one does not."""
+    want = {"weights": [0.5, 0.25], "flagged": ["2"], "anomaly_details": {"2": {"direction_z": 52.8, "cosine": 0.1}}}
+    _close({"weights": [0.5 * (1 + 1e-8), 0.25], "flagged": ["2"],
+            "anomaly_details": {"2": {"direction_z": 39.7, "cosine": 0.1 + 1e-9}}}, want, "ok")
+    for bad in ({**want, "weights": [0.5 * (1 + 1e-3), 0.25]}, {**want, "flagged": []},
+                {**want, "anomaly_details": {"2": {"direction_z": 52.8, "cosine": 0.2}}}):
+        with pytest.raises(AssertionError):
+            _close(bad, want, "bad")
 
 
 def test_the_recording_covers_every_mode() -> None:
