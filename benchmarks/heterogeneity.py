@@ -82,7 +82,7 @@ DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/
 COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
           "a_edit+overlap+staleness": "tab:purple", "ddp+muon": "tab:cyan", "a_edit+muon": "tab:olive",
           "a_edit+topk": "tab:brown", "a_edit+topk_lr17": "tab:pink", "a_edit+topk_1pct": "tab:gray",
-          "a_edit+topk_keep": "tab:olive"}
+          "a_edit+topk_keep": "gold"}  # every name its own colour
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

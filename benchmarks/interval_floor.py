@@ -107,26 +107,32 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per cluster count and seed: DDP's loss, and per H the replicas' best momentum, its loss and its ratio to
     DDP (plus the H = 1 run with the whole optimizer state averaged, where there is one)."""
     out: dict[str, Any] = {}
-    for r in rows:
-        if r["mode"] != "ddp":
-            continue
-        key = f"g{r['clusters']} s{r['seed']}"
+    for r in (r for r in rows if r["mode"] == "ddp"):
         ddp = r["final_val_loss"]
+        mine = [x for x in rows if (x["clusters"], x["seed"]) == (r["clusters"], r["seed"])]
         entry: dict[str, Any] = {"ddp": ddp, "intervals": {}}
-        for h in sorted({x["interval"] for x in rows if x["mode"] == "local"
-                         and (x["clusters"], x["seed"]) == (r["clusters"], r["seed"])}):
-            tried = [x for x in rows if x["mode"] == "local" and x["interval"] == h
-                     and (x["clusters"], x["seed"]) == (r["clusters"], r["seed"])]
+        for h in sorted({x["interval"] for x in mine if x["mode"] == "local"}):
+            tried = [x for x in mine if x["mode"] == "local" and x["interval"] == h]
             best = min(tried, key=lambda x: x["final_val_loss"])
             entry["intervals"][str(h)] = {"momentum": best["momentum"], "loss": best["final_val_loss"],
                                           "ratio": best["final_val_loss"] / ddp,
                                           "tried": {f"{x['momentum']:g}": x["final_val_loss"] for x in tried}}
-        for x in rows:
-            if x["mode"] == "local_state" and (x["clusters"], x["seed"]) == (r["clusters"], r["seed"]):
-                entry[f"state_averaged_H{x['interval']}"] = {"loss": x["final_val_loss"],
-                                                             "ratio": x["final_val_loss"] / ddp}
-        out[key] = entry
+        for x in (x for x in mine if x["mode"] == "local_state"):
+            entry[f"state_averaged_H{x['interval']}"] = {"loss": x["final_val_loss"],
+                                                         "ratio": x["final_val_loss"] / ddp}
+        out[f"g{r['clusters']} s{r['seed']}"] = entry
     return out
+
+
+def floor(summary: dict[str, Any]) -> dict[str, Any]:
+    """The H = 1 ratio per cluster count over the seeds that have it: mean, min, max, and each seed's."""
+    per: dict[str, dict[str, float]] = {}
+    for key, e in summary.items():
+        if "1" in e["intervals"]:
+            clusters, seed = key.split()
+            per.setdefault(clusters, {})[seed] = e["intervals"]["1"]["ratio"]
+    return {g: {"mean": sum(v.values()) / len(v), "min": min(v.values()), "max": max(v.values()), "seeds": v}
+            for g, v in per.items()}
 
 
 def plot(summary: dict[str, Any], path: Path) -> Path:
@@ -176,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     C.write_json(a.out, {"benchmark": "interval_floor", "setup": {"lr": LR, "ddp_momentum": DDP_MOMENTUM,
                                                                   "momenta": MOMENTA, "steps": 320,
                                                                   "model": "tiny", "optimizer": "muon"},
-                         "summary": summary, "runs": rows, "wall_s": time.time() - t0, "env": C.environment()})
+                         "summary": summary, "floor_H1": floor(summary), "runs": rows,
+                         "wall_s": time.time() - t0, "env": C.environment()})
     print(json.dumps(summary, indent=1))
     print(f"wrote {a.out} and {plot(summary, a.plot)}")
     return 0

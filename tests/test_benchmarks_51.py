@@ -183,6 +183,7 @@ def test_heterogeneity_top_k_arms_run_the_defaults_on_a_edit() -> None:
         assert cfg.algo.name == "a_edit" and (cfg.sync.topk_group, cfg.sync.topk_density) == (8, 0.09375)
         assert CompressionConfig.of(cfg.sync).error_feedback_decay == 0.6
     assert [c.algo.outer.lr for c in cfgs] == [compose(H.run_overrides("a_edit", a)).algo.outer.lr, 1.7]
+    assert set(H.COLORS) == set(H.RUNS) and len(set(H.COLORS.values())) == len(H.COLORS)  # one colour each
 
 
 def test_a_winning_momentum_gets_its_lr_checked_on_the_algorithms_own_grid() -> None:
@@ -353,6 +354,11 @@ def test_interval_floor_pairs_each_average_with_its_ddp_and_keeps_the_better_mom
     assert h1["tried"] == {"0.8": 1.56, "0.9": 1.53}
     assert s["g2 s0"]["intervals"]["8"]["ratio"] == pytest.approx(1.08)
     assert s["g2 s0"]["state_averaged_H1"]["ratio"] == pytest.approx(1.01)
+    two = {"ddp": 1.0, "intervals": {"1": {"ratio": 1.04}}}
+    fl = F.floor({**s, "g2 s1": two, "g4 s0": {"ddp": 1.0, "intervals": {"8": {"ratio": 1.2}}}})
+    assert list(fl) == ["g2"]  # a cluster count without an H = 1 run has no floor
+    assert fl["g2"] == {"mean": pytest.approx(1.03), "min": pytest.approx(1.02), "max": 1.04,
+                        "seeds": {"s0": pytest.approx(1.02), "s1": 1.04}}
     # a result on disk is reused only when it was run with exactly these arguments
     p = F.Point("local", 2, 0, 1, 0.8)
     out = tmp_path / f"{p.name}.json"

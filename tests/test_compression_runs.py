@@ -62,8 +62,9 @@ def test_topk_two_clusters_of_different_size_hold_one_anchor_after_every_sync(tm
     """Sparse 2-bit payloads (issue 24) between a 2-rank and a 1-rank cluster (the chunked layout, pieces
     gathered over four lanes): a checkpoint at every sync holds the bit-identical anchor on both clusters, and
     a sync sends about 1 % of the fp32 model (indices, scales, headers and tags counted): the defaults' 3 of every
-    32 groups of 8 with error feedback as momentum, 3 of every 256 values, or (grouped) 2 of every 32 groups of 8. `keep`: the 2-rank cluster puts the residual of its chunks
-    back into its own shards (a sum inside the cluster)."""
+    32 groups of 8 with error feedback as momentum, 3 of every 256 values, or (grouped) 2 of every 32 groups of 8.
+    `keep`: the 2-rank cluster puts the residual of its chunks back into its own shards (a sum inside the
+    cluster)."""
     run = tmp_path / "topk"
     finish(start(run, corpus, *COMMON, "sync.compression=topk", *select.split(), "sync.bits=2",
                  "sync.scale_dtype=bf16", "cluster.clusters=[{name:a,ranks:2},{name:b,ranks:1}]",

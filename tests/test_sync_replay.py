@@ -15,6 +15,7 @@ recording bit-for-bit on its box (CI at 1abb9e1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -71,6 +72,7 @@ def _record(results: dict[str, Outcome]) -> dict[str, Any]:
             for n, out in sorted(results.items())}
 
 
+@functools.cache
 def _canary() -> str:
     """The digest of a cluster's first 8 SGD steps on the toy model and its own batches, with the norms and
     means a sync takes of them: the kernels (addmm, tanh, MSE and their backward, the reductions) the recording
