@@ -48,7 +48,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 420  # a_edit: the run ends once any cluster has taken this many steps (it syncs right there)
+    steps: int = 420  # a_edit: the run is ceil((steps - algo.warmup_steps) / algo.interval) syncs (pacer.run_syncs)
     time_budget_s: float = 0.0  # > 0: also stop (at an agreed point) once this many seconds have passed
     batch_size: int = 16  # sequences per rank per micro-batch
     seq_len: int = 128

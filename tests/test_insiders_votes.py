@@ -233,20 +233,16 @@ def _votes(*rows: tuple[float, float]) -> Tensor:
     return torch.tensor([[4.0, 0.1, total, vote] for total, vote in rows], dtype=torch.float64)
 
 
-def test_under_a_time_schedule_one_vote_is_not_a_majority_and_a_vote_must_fit_the_terms() -> None:
-    """A-EDiT's train.steps is the federation's: the run ends once a strict majority of the counts reached it
-    (tests/test_insiders_a_edit.py runs it); a vote from a member whose count did not is ignored."""
+def test_under_a_time_schedule_no_vote_ends_the_run_before_its_syncs() -> None:
+    """A-EDiT's run is its syncs (`pacer.run_syncs`, counted by every cluster itself; tests/test_insiders_a_edit.py
+    runs it): a vote, or a count at train.steps, from any number of members is not followed, and named."""
     from edit_train.local_sgd.pacer import PaceConfig, Pacer
     from edit_train.local_sgd.schedule import ScheduleConfig
 
-    p = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=0.4), total_steps=100), _Lone())  # type: ignore[arg-type]
-    assert p.exchanged(_votes((10, 0), (10, 0), (100, 1)), 0, False) == {2: "1 of 3 votes to stop count: not a "
-                                                                           "strict majority"} and not p.stopped
-    # a vote for train.steps from a member whose own count has not reached it does not count
-    stop, ignored = p.stop_votes(_votes((10, 0), (10, 1), (10, 1)), 0)
-    assert not stop and set(ignored) == {1, 2} and "not past train.steps" in ignored[1]
-    p.exchanged(_votes((100, 1), (10, 0), (100, 1)), 0, False)
-    assert p.stopped  # two of three reached it
+    p = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=0.4, interval=10), total_steps=100), _Lone())  # type: ignore[arg-type]
+    why = "a time schedule ends at its run's syncs, which every cluster counts itself"
+    assert p.exchanged(_votes((10, 0), (100, 1), (100, 1)), 0, False, 3) == {1: why, 2: why} and not p.stopped
+    assert p.exchanged(_votes((10, 0), (10, 0), (10, 0)), 0, False, 10) == {} and p.stopped
 
 
 def test_under_a_time_budget_votes_count_only_near_this_clusters_own_clock() -> None:

@@ -114,57 +114,32 @@ def test_a_joiner_has_no_simulated_slowdown_of_another_cluster() -> None:
     assert Slowdown(1, [1.0, 3.0], groups=2).base == 3.0
 
 
-def test_an_a_edit_cluster_stops_at_its_target_not_an_interval_past_it() -> None:
-    """A-EDiT plans a fast cluster's interval from τ (36 steps in the issue's run): today it syncs — and votes to
-    stop — only at the end of that interval, 35 steps past train.steps=20 ("step 30/20"). Now the step that
-    reaches the target starts the sync that carries its stop vote."""
-    from edit_train.cluster.group import RankGroup
-    from edit_train.local_sgd.pacer import PaceConfig, Pacer
-    from edit_train.local_sgd.schedule import ScheduleConfig
-
-    pacer = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=1e6), local_sgd=True, total_steps=20),
-                  RankGroup())
-    pacer.planned = 36  # what τ gave this fast cluster at its last sync
-    pacer.total_steps = 5  # healed at step 5 (a joiner adopts the others' step)
-    due_at = None
-    for step in range(5, 60):
-        pacer.total_steps = step + 1
-        pacer.local_step(step, 0.01)
-        if pacer.due:
-            due_at = step + 1
-            break
-    assert due_at == 20 and pacer.vote  # its stop vote goes with that sync
-    lockstep = Pacer(PaceConfig(ScheduleConfig(kind="step", interval=8), local_sgd=True, total_steps=20), RankGroup())
-    lockstep.total_steps = 20
-    assert not lockstep.at_target  # a step schedule stops at train.steps on its own
-
-
-def test_an_a_edit_cluster_past_its_target_syncs_at_its_intervals_not_every_step() -> None:
-    """Past train.steps, a fast A-EDiT cluster's stop vote went with one sync; until most clusters vote to stop
-    (issue 49: one member's vote ends nothing) it trains on and syncs at its planned intervals — not at every
-    step (each a quorum the slower clusters would be pulled into)."""
+def test_an_a_edit_cluster_syncs_at_its_planned_intervals_and_stops_at_the_runs_last_sync() -> None:
+    """Issue 48 (7) had a fast A-EDiT cluster sync early at train.steps to carry its stop vote, and issue 49 had it
+    train on past train.steps until most clusters reached it. Now the run is its syncs (`pacer.run_syncs`): a
+    cluster syncs at its planned intervals only, past train.steps or not, and the exchange of the run's last
+    sync stops it, whatever the counts."""
     import torch
 
     from edit_train.cluster.group import RankGroup
     from edit_train.local_sgd.pacer import PaceConfig, Pacer
     from edit_train.local_sgd.schedule import ScheduleConfig
 
-    pacer = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=1e6), local_sgd=True, total_steps=20),
-                  RankGroup())
-    pacer.planned, pacer.total_steps, pacer.local_steps = 36, 19, 19
-    pacer.total_steps = 20
-    pacer.local_step(19, 0.01)
-    assert pacer.due and pacer.at_target
-    rows = torch.tensor([[20.0, 0.01, 20.0, 1.0, 20.0], [7.0, 0.03, 7.0, 0.0, 7.0]], dtype=torch.float64)
-    pacer.exchanged(rows, 0, background_quorum=False)  # 1 of 2 votes to stop: no majority
-    assert not pacer.stopped
-    pacer.local_steps, pacer.planned = 0, 36
+    pacer = Pacer(PaceConfig(ScheduleConfig(kind="time", sync_time_s=1e6, interval=10), local_sgd=True,
+                             total_steps=20), RankGroup())
+    assert pacer.syncs == 2
+    pacer.planned = 36  # what τ gave this fast cluster at its last sync
     due = []
-    for step in range(20, 40):
-        pacer.total_steps = step + 1
+    for step in range(0, 40):
+        pacer.stepped(step + 1)
         pacer.local_step(step, 0.01)
         due.append(pacer.due)
-    assert not any(due[:35]) and not pacer.at_target
+    assert due.index(True) == 35  # at its planned interval, not at train.steps
+    rows = torch.tensor([[36.0, 0.01, 36.0, 1.0, 36.0], [7.0, 0.03, 7.0, 0.0, 7.0]], dtype=torch.float64)
+    pacer.exchanged(rows, 0, background_quorum=False, sync=1)
+    assert not pacer.stopped and not pacer.should_stop(40)  # past train.steps, one sync to go
+    pacer.exchanged(rows, 0, background_quorum=False, sync=2)
+    assert pacer.stopped and pacer.should_stop(41)
 
 
 def test_a_cluster_past_its_target_says_so_in_its_progress_line(caplog) -> None:
@@ -180,5 +155,5 @@ def test_a_cluster_past_its_target_says_so_in_its_progress_line(caplog) -> None:
         p.report("c0", 30, 2.5, 100.0)
         p.close()
     out = "\n".join(r.getMessage() for r in caplog.records)
-    assert "step 12/20 " in out and "step 30 (past train.steps 20: training on until most clusters reach it)" in out
+    assert "step 12/20 " in out and "step 30 (past train.steps 20: a fast cluster trains on to the run's last sync)" in out
     assert "30/20" not in out

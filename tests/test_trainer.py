@@ -165,7 +165,9 @@ def test_a_edit_resume_continues_from_its_newest_checkpoint(tmp_path, small_corp
     one. Not bit-identical to an uninterrupted run: the interval is wall-clock time, so where the syncs fall
     (and the outer steps they take) depends on measured step times."""
     run_dir = tmp_path / "run"
-    common = ("algo=a_edit", "algo.sync_time_s=0.05", "algo.rule.verified.probe_tokens=0", "train.log_every=1",
+    # algo.interval=1: the run is train.steps syncs (pacer.run_syncs), each at least one step
+    common = ("algo=a_edit", "algo.sync_time_s=0.05", "algo.interval=1", "algo.rule.verified.probe_tokens=0",
+              "train.log_every=1",
               "train.eval_every=0", "checkpoint.every=3", "checkpoint.keep=10", "checkpoint.at_end=false")
     s1 = run_train(tiny_overrides(run_dir, small_corpus, *common, "train.steps=6"))
     steps = [int(p.name[5:]) for p in sorted((run_dir / "checkpoints").glob("step_*"))]

@@ -52,7 +52,7 @@ class LocalSGDConfig:
     rule: RuleConfig = field(default_factory=RuleConfig)
     mode: str = "layerwise"  # layerwise | at_end | overlap
     prefetch: bool = True
-    total_steps: int = 0  # step schedule: every cluster stops here; time: once most clusters reached it
+    total_steps: int = 0  # step schedule: every cluster stops here; time: sets the run's syncs (pacer.run_syncs)
     time_budget_s: float = 0.0  # stop at the exchange nearest to this many seconds (0 = off)
     eval_every: int = 0  # time schedule: ask for a global eval when the agreed step crosses a multiple
     checkpoint_every: int = 0  # time schedule: a crash loses at most this many of a cluster's steps (Pacer)
@@ -278,7 +278,8 @@ class LocalSGD:
 
     def _exchanged(self, rows: Tensor | None) -> None:
         if rows is not None and (q := self.t.quorum) is not None:
-            ignored = self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None)
+            ignored = self.pacer.exchanged(rows, q.me, self._background_quorum and self.driver is not None,
+                                           self.membership.sync_index)
             for i, why in ignored.items():
                 self.suspects.name(q, i, f"voted to stop at sync {self.membership.sync_index}, not followed: {why}",
                                    kind="stop vote")

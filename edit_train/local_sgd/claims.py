@@ -31,12 +31,11 @@ from edit_train.local_sgd.errors import FederationRefused
 from edit_train.local_sgd.protocols import Member, Quorum
 
 DIGEST_RE = re.compile(r"[0-9a-f]{32}")
-# Under a time schedule (A-EDiT) the run ends once a strict majority of the quorum's counts reached train.steps
-# (`pacer.Pacer.stop_votes`): a fast cluster trains on meanwhile, up to its speed ratio to the slower ones times
-# train.steps (12 x on the namespace-hosts recipe), then steps on until the agreed stop reaches it, one interval
-# of wall-clock time (with short steps many steps, whatever train.steps is: a 4-step test run took 10). Claims
-# are bounded at SPEED_SPAN times train.steps plus TIME_MARGIN (`time_bound`): an honest cluster up to SPEED_SPAN
-# times as fast as the slowest is never left out, and a lie of 2^40 or 2^53 steps is still far out.
+# Under a time schedule (A-EDiT) the run is a number of syncs every cluster counts itself (`pacer.run_syncs`):
+# a fast cluster takes more steps than train.steps meanwhile, up to its speed ratio to a cluster taking
+# algo.interval steps per interval (12 x on the namespace-hosts recipe), and with short steps many more (a 4-step
+# test run took 10). Claims are bounded at SPEED_SPAN times train.steps plus TIME_MARGIN (`time_bound`): an
+# honest cluster up to SPEED_SPAN times as fast is never left out, and a lie of 2^40 or 2^53 steps is still far out.
 SPEED_SPAN = 64
 TIME_MARGIN = 4096
 _COUNTS = ("sync", "local_steps", "total_steps")

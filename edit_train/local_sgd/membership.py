@@ -82,8 +82,8 @@ class Membership:
 
     @property
     def terms(self) -> claims.Terms:
-        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a fast cluster trains on
-        until most clusters reached train.steps: claims are bounded at `claims.time_bound`."""
+        """What this cluster takes the federation to be. Under a time schedule (A-EDiT) a fast cluster takes more
+        than train.steps before the run's last sync: claims are bounded at `claims.time_bound`."""
         lockstep = self.pacer.lockstep
         return claims.Terms(self.cfg.fingerprint, self.pacer.cfg.total_steps, self.cfg.authoritative,
                             self.cfg.terms_source, slack=1 if lockstep else claims.SPEED_SPAN,

@@ -302,10 +302,10 @@ class Progress:
             self.advance(name, step)
         elif self.lines:
             note = self._note.pop(name, "")
-            # A-EDiT: a cluster past train.steps trains on until most clusters reach it (one member's vote ends
-            # nothing): its line says so instead of "step 450/400"
+            # A-EDiT: a cluster faster than algo.interval steps per interval passes train.steps before the run's
+            # last sync (pacer.run_syncs): its line says so instead of "step 450/400"
             where = f"{step:,}/{self.total:,}" if step <= self.total else \
-                f"{step:,} (past train.steps {self.total:,}: training on until most clusters reach it)"
+                f"{step:,} (past train.steps {self.total:,}: a fast cluster trains on to the run's last sync)"
             self._pending[name] = (f"cluster {name} step {where} loss {loss:.3f} "
                                    f"tok/s {tokens_per_s:,.0f}" + (f" ({note})" if note else ""))
             now = time.monotonic()
