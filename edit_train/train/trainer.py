@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import logging
 import math
@@ -45,6 +44,7 @@ from edit_train.train.optim import build_optimizer, step_unless
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, reshard
 from edit_train.train.spike import SpikeGuard
+from edit_train.train.run_config import note_start
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
 from edit_train.train.finished import peer_news
@@ -125,8 +125,8 @@ class Trainer:
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
                                     routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
-        if self.is_leader and topo.index == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
+        if self.is_leader and topo.index == 0:  # config.json once; a resume's changes appended to resumes.jsonl
+            note_start(self.run_dir, to_container(cfg))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
             resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
