@@ -107,7 +107,7 @@ class Trainer:
         # injected faults and simulated slowness: the loop's one seam (sim/hooks.py; a no-op when none is configured)
         self.sim = step_hooks(cfg, topo, self.specs, self.run_dir, step=lambda: self.state.step)
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
-        self.stop = StopSignal()
+        self.stop = StopSignal(f"cluster {topo.name}")
         waits.NEWS[:] = [lambda: peer_news(self.run_dir, topo.name, [s.name for s in self.specs])]  # waits say it
 
         # ---- output
@@ -262,7 +262,7 @@ class Trainer:
             self.metrics.log("eval", cluster_index=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
-    def save_checkpoint(self, final: bool = False) -> None:
+    def save_checkpoint(self, final: bool = False) -> Path:
         self._settle()  # the skipped steps and re-queued batches it saves
         with self.timing.span("checkpoint"):
             # a checkpoint is named by this cluster's own step (it lives in this cluster's directory): under a
@@ -276,6 +276,7 @@ class Trainer:
                                    self.wandb.run_id if self.wandb else None)
         if self.is_leader:
             log.info("checkpoint saved: %s", path)
+        return path
 
     # ------------------------------------------------------------------- loop
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,12 +383,17 @@ class Trainer:
             p.set_initial_val_loss(self.eval_logged())
         window_tokens, window_time = 0, self.timing.snapshot()
         while not self.algo.should_stop(p.step):
-            if self.stop.signum is not None:
+            signum = self._stop_asked(p.step)
+            if signum is not None:
                 bar.close()
-                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop.signum, p.step)
+                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, signum, p.step)
+                saved = self._save_interrupted()
+                if self.is_leader:
+                    p.save()  # the counters up to here (tokens, clocks): the next launch counts on from them
                 self._settle()
                 self.metrics.close(None)
-                raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
+                raise Interrupted(f"stopped by signal {signum} at step {p.step}" +
+                                  (f", checkpoint {saved.name} saved" if saved is not None else ""))
             step = p.step
             self.sim.before_step(step, self.algo)  # the simulation may end this process or cut the cluster off here
             step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
@@ -456,6 +462,33 @@ class Trainer:
             dist.barrier(group=topo.shard_pg)
         return summary
 
+    def _stop_asked(self, step: int) -> int | None:
+        """The signal that stops the loop at this step boundary, or None. A cluster of several ranks stops where
+        every rank does: its ranks agree at each log step (`train.log_every`, where they read the device
+        anyway), so a checkpoint's collectives and the last steps line up on every rank."""
+        if self.topo.ranks == 1:
+            return self.stop.signum
+        if step % max(self.cfg.train.log_every, 1) != 0:
+            return None
+        flag = torch.tensor([self.stop.signum or 0], dtype=torch.int64, device=self.topo.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topo.shard_pg)
+        return int(flag.item()) or None
+
+    def _save_interrupted(self) -> Path | None:
+        """Under `checkpoint.at_end`, an interrupted run keeps what it trained: a checkpoint at this step
+        boundary (after any sync in flight finished or gave up), unless it has one of this step already or
+        trained nothing. `resume=auto` continues from it."""
+        p = self.state
+        if not self.cfg.checkpoint.at_end or p.step == 0 or p.step in self.ckpt.list_steps():
+            return None
+        try:
+            with self.timing.span("sync"):
+                self.algo.flush()  # a sync in flight: finished, or rolled back where the federation gave up
+            return self.save_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the interrupt is said either way; the older checkpoints stand
+            log.warning("cluster %s: no checkpoint at the interrupt (step %d): %s", self.topo.name, p.step, exc)
+            return None
+
     def _account_useful(self, compute_s: float, final: bool = False) -> None:
         """Compute time counts as useful once a sync committed it (or, without a federation, at once)."""
         self._compute_since_commit += max(compute_s, 0.0)
@@ -522,6 +555,7 @@ def train(cfg: Config) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         raise OutOfMemory(out_of_memory_line(trainer.cfg, trainer.state.step, trainer.topo.device)) from None
     finally:
+        trainer.stop.finished()  # a signal from here on: one line and exit, not a traceback from the shutdown
         trainer.algo.close()
         if trainer.topo.distributed and dist.is_initialized():
             dist.destroy_process_group()
