@@ -29,7 +29,6 @@ def _said(proc: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-@pytest.mark.slow  # five launches of edit-train (three train): ~100 s on two shared cores
 def test_resume_keeps_the_runs_own_configuration(tmp_path: Path, small_corpus: str) -> None:
     run_dir = tmp_path / "run"
     first = _cli(run_dir, *FIRST, f"data.source={small_corpus}")
@@ -49,9 +48,24 @@ def test_resume_keeps_the_runs_own_configuration(tmp_path: Path, small_corpus: s
     assert (run_dir / "metrics.jsonl").read_bytes() == events
     assert not (run_dir / rc.RESUMES).exists()
 
-    # only resume=auto and a longer run: every other key is the run's own (not edit-train's defaults: the demo's
-    # two clusters, batch 16, seq 128, 420 steps, lr 3e-3, the stdlib corpus)
-    more = _cli(run_dir, "resume=auto", "train.steps=8")
+    # resume=auto alone: the run's own length (4, not edit-train's default 420): finished, in one line
+    again = _cli(run_dir, "resume=auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = _said(again)
+    assert len(said) == 1 and "holds a finished run (step 4 of train.steps=4)" in said[0], again.stderr[-3000:]
+    assert "resume=auto train.steps=8" in said[0]
+
+    # without resume: refused, and the line suggests a command that does train further
+    plain = _cli(run_dir)
+    assert plain.returncode == 2
+    said = _said(plain)
+    assert len(said) == 1 and "already holds a finished run" in said[0], plain.stderr[-3000:]
+    suggested = said[0].split("train it further with ", 1)[1].split(" (", 1)[0].split()
+    assert suggested == ["resume=auto", "train.steps=8"], said[0]
+
+    # the suggestion trains; every key but its length is the run's own (not edit-train's defaults: the demo's
+    # two clusters, batch 16, seq 128, lr 3e-3, the stdlib corpus), and config.json is untouched
+    more = _cli(run_dir, *suggested)
     assert more.returncode == 0, more.stderr[-3000:]
     assert "resume: train.steps 4 -> 8" in more.stderr, more.stderr[-3000:]
     assert (run_dir / "config.json").read_bytes() == config
@@ -65,25 +79,6 @@ def test_resume_keeps_the_runs_own_configuration(tmp_path: Path, small_corpus: s
     assert all(e["lr"] < 0.002 for e in trains)  # its own lr plan, continued (not 3e-3)
     recorded = rc.recorded(run_dir)
     assert recorded is not None and recorded["train"]["steps"] == 8 and recorded["data"]["source"] == small_corpus
-
-    # resume=auto alone now finds the run finished at 8 (its recorded length, not the default 420)
-    again = _cli(run_dir, "resume=auto")
-    assert again.returncode == 0, again.stderr[-3000:]
-    said = _said(again)
-    assert len(said) == 1 and "holds a finished run (step 8 of train.steps=8)" in said[0], again.stderr[-3000:]
-    assert "resume=auto train.steps=16" in said[0]
-
-    # without resume: refused, and the line suggests a command that does train further
-    plain = _cli(run_dir)
-    assert plain.returncode == 2
-    said = _said(plain)
-    assert len(said) == 1 and "already holds a finished run" in said[0], plain.stderr[-3000:]
-    suggested = said[0].split("train it further with ", 1)[1].split(" (", 1)[0].split()
-    assert suggested == ["resume=auto", "train.steps=16"], said[0]
-    further = _cli(run_dir, *suggested)
-    assert further.returncode == 0, further.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 16
-    assert (run_dir / "config.json").read_bytes() == config
 
 
 def test_which_keys_a_resume_may_change() -> None:

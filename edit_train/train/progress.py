@@ -147,7 +147,7 @@ class TrainingState:
             if earlier.incarnations > 0 and earlier.saved_at:
                 earlier.downtime_s += max(started - earlier.saved_at, 0.0)
             state.carried = earlier
-            state.initial_val_loss = earlier.initial_val_loss  # a step-0 eval of this incarnation replaces it
+            state.initial_val_loss = earlier.initial_val_loss  # the run's first eval: kept by every incarnation
             state.wall_offset = earlier.wall_s or 0.0  # a checkpoint's (restore) when the record has none
         else:
             state.carried.first_start = started

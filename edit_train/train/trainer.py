@@ -379,8 +379,8 @@ class Trainer:
         # a bar on a terminal, periodic log lines elsewhere (a Slurm .out file); the local launcher draws its own
         own_bar = self.is_leader and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = Progress([topo.name], t.steps, cfg.algo.name, enabled=own_bar, initial={topo.name: p.step})
-        if p.step == 0:
-            p.set_initial_val_loss(self.eval_logged())
+        if p.step == 0 and p.initial_val_loss is None:  # the run's start: its first eval, not a restart's (which
+            p.set_initial_val_loss(self.eval_logged())   # may come back at step 0 on the weights it healed to)
         window_tokens, window_time = 0, self.timing.snapshot()
         while not self.algo.should_stop(p.step):
             signum = self._stop_asked(p.step)
