@@ -55,6 +55,12 @@ from edit_train.train.site_data import check_tokenizers, open_data, site_data
 log = logging.getLogger(__name__)
 
 
+def says_once(is_leader: bool, index: int) -> bool:
+    """Whether this rank says what is said once per run: a cluster's leader, and under the local launcher
+    (its clusters share one console) only the first cluster's."""
+    return is_leader and (index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1")
+
+
 def agree_on_config(cfg: Config, topo: Topology) -> Config:
     """Every rank of the cluster adopts its rank 0's resolved config (`${now:}` may differ between ranks)."""
     if not topo.distributed:
@@ -79,7 +85,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.is_leader = topo.is_leader  # this cluster's rank 0
         # intra-op threads: the cores this job may use, shared with the other training processes on the host
-        self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                    says=says_once(self.is_leader, self.spec.index))
         self.threads.apply()
         self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
         t = cfg.train
@@ -130,6 +137,7 @@ class Trainer:
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
             resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
+        self._saved_step = self.state.step if resume_from is not None else -1  # own step of the newest checkpoint
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
     def _routed_map(self) -> tuple[tuple[bool, ...], ...] | None:
@@ -156,7 +164,7 @@ class Trainer:
         counts = count_params(cfg.model)
         self.param_counts = counts
         # once per run: the local launcher's clusters share one console (their own jobs: each says it)
-        if self.is_leader and (topo.index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"):
+        if says_once(self.is_leader, topo.index):
             log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
@@ -262,20 +270,23 @@ class Trainer:
             self.metrics.log("eval", cluster_index=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
-    def save_checkpoint(self, final: bool = False) -> Path:
+    def save_checkpoint(self) -> Path:
         self._settle()  # the skipped steps and re-queued batches it saves
         with self.timing.span("checkpoint"):
-            # a checkpoint is named by this cluster's own step (it lives in this cluster's directory): under a
-            # time schedule the clusters' step counts differ and each saves at its own pace. The end-of-run one
-            # is named by the agreed step (the largest any cluster reached), the same for every cluster, so
-            # `edit-train-export` finds one step all clusters have; never lower than this cluster's own, so
-            # the newest checkpoint is always the one with the largest name.
-            step = self.state.step if self.algo.lockstep or not final else \
-                max(self.algo.global_step, self.state.step)
+            # one meaning for a checkpoint's name, step_N: the federation's agreed step (the largest step count
+            # any cluster had reached at the last exchange; never lower than this cluster's own, so the newest
+            # checkpoint is the one with the largest name). Under lockstep it is every cluster's own step; under
+            # a time schedule the clusters' own counts differ, and the agreed one names the checkpoints the
+            # clusters took after the same sync (the end-of-run ones: after the final sync) alike, so
+            # `edit-train-export` finds one step all clusters have. The cluster's own step, the one it resumes
+            # from, is in the checkpoint's state (`step`) and in the log line below.
+            step = self.state.step if self.algo.lockstep else max(self.algo.global_step, self.state.step)
             path = save_checkpoint(self.ckpt, step, self.state, self.resumable, self.cfg,
                                    self.wandb.run_id if self.wandb else None)
+        self._saved_step = self.state.step
         if self.is_leader:
-            log.info("checkpoint saved: %s", path)
+            own = "" if step == self.state.step else f" (cluster {self.topo.name}'s own step {self.state.step:,})"
+            log.info("checkpoint saved: %s%s", path, own)
         return path
 
     # ------------------------------------------------------------------- loop
@@ -454,7 +465,7 @@ class Trainer:
         val_loss = self.eval_logged()
         by_source = self.eval_by_source()
         if cfg.checkpoint.at_end:
-            self.save_checkpoint(final=True)
+            self.save_checkpoint()
         summary = self._summary(val_loss, by_source)
         self.metrics.close(summary)
         self.algo.close()
@@ -479,7 +490,7 @@ class Trainer:
         boundary (after any sync in flight finished or gave up), unless it has one of this step already or
         trained nothing. `resume=auto` continues from it."""
         p = self.state
-        if not self.cfg.checkpoint.at_end or p.step == 0 or p.step in self.ckpt.list_steps():
+        if not self.cfg.checkpoint.at_end or p.step == 0 or p.step == self._saved_step:
             return None
         try:
             with self.timing.span("sync"):
