@@ -59,3 +59,24 @@ def test_training_processes_counts_this_users_only(tmp_path: Path) -> None:
     mine = os.stat(d).st_uid
     assert training_processes(proc=tmp_path, uid=mine) == 1
     assert training_processes(proc=tmp_path, uid=mine + 1) == 0  # another user's rank
+
+
+@pytest.mark.parametrize("lockstep, agreed, own, name", [(False, 201, 46, 201), (False, 30, 46, 46),
+                                                         (True, 201, 46, 46)])
+def test_a_checkpoint_is_named_by_the_agreed_step(monkeypatch: pytest.MonkeyPatch, lockstep: bool, agreed: int,
+                                                   own: int, name: int) -> None:
+    """Every checkpoint of a time-scheduled cluster (periodic, interrupted or the last) is named by the agreed
+    step, never below its own; a lockstep cluster's own step is the agreed one. (The periodic ones were named
+    by the cluster's own step and the last by the agreed: `c1/step_00000201` beside `c1/step_00000040`.)"""
+    from types import SimpleNamespace
+
+    from edit_train.timing import TimeAccount
+    from edit_train.train import trainer as tr
+
+    named: list[int] = []
+    monkeypatch.setattr(tr, "save_checkpoint", lambda ckpt, step, *a: named.append(step) or Path(f"step_{step}"))
+    fake = SimpleNamespace(_settle=lambda: True, timing=TimeAccount(), state=SimpleNamespace(step=own),
+                           algo=SimpleNamespace(lockstep=lockstep, global_step=agreed), ckpt=None, resumable=None,
+                           cfg=None, wandb=None, is_leader=True, topo=SimpleNamespace(name="c1"))
+    tr.Trainer.save_checkpoint(fake)  # type: ignore[arg-type]
+    assert named == [name] and fake._saved_step == own
