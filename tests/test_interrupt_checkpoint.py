@@ -112,3 +112,64 @@ def test_sigterm_while_shutting_down_after_the_work_is_one_line(tmp_path: Path, 
     assert len(tail) == 1 and tail[0] == err.strip().splitlines()[-1], err[-3000:]
     assert "SIGTERM while shutting down after its work" in tail[0]
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+def test_the_same_stop_passed_on_is_not_a_second_stop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A terminal's Ctrl-C reaches the local launcher and its workers; the launcher passes it on (SIGTERM) at
+    once. That second signal is the same stop, not an impatient second one: the worker still stops at the step
+    boundary and saves. A second signal later gives up at once."""
+    from edit_train.train import signals
+
+    clock = [100.0]
+    monkeypatch.setattr(signals.time, "monotonic", lambda: clock[0])
+    stop = signals.StopSignal.__new__(signals.StopSignal)
+    stop.signum, stop.at, stop.who = None, 0.0, ""
+    stop._handle(signal.SIGINT, None)
+    clock[0] += 0.3
+    stop._handle(signal.SIGTERM, None)  # the launcher's, 0.3 s later: nothing raised
+    assert stop.signum == signal.SIGINT
+    clock[0] += signals.SAME_STOP_S
+    try:
+        stop._handle(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("a second stop must give up at once")
+
+
+def test_ctrl_c_of_a_local_federation_saves_every_cluster(tmp_path: Path, small_corpus: str) -> None:
+    """The demo's case: Ctrl-C (SIGINT to the process group: the local launcher and both clusters) under the
+    default checkpoint.every=0 leaves a checkpoint of each cluster, and the last line says resume=auto
+    continues every cluster from its own."""
+    run_dir = tmp_path / "run"
+    cmd = [*script_cmd("edit-train", "edit_train.cli.train"), "cluster.count=2", "cluster.ranks=1", "algo=edit",
+           "algo.interval=4", *LONE[1:], "train.steps=100000", f"data.source={small_corpus}", f"run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env(),
+                            start_new_session=True, cwd=tmp_path)
+
+    def trained(cluster: str) -> int:
+        try:
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]
+        except OSError:
+            return 0
+        return max((e["step"] for e in map(json.loads, lines)
+                    if e.get("event") == "train" and e.get("cluster") == cluster), default=0)
+
+    try:
+        deadline = time.time() + 300
+        while min(trained("c0"), trained("c1")) < 6:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    for cluster in ("c0", "c1"):
+        saved = [p for p in (run_dir / "checkpoints" / cluster).glob("step_*") if (p / "manifest.json").is_file()]
+        assert len(saved) == 1, (cluster, out[-3000:])
+    last = out.strip().splitlines()[-1]
+    assert "complete checkpoints are intact" in last and "resume=auto continues every cluster" in last, last

@@ -471,14 +471,20 @@ def own_config(argv: Sequence[str], cfg: Any) -> Any:
     configuration (config.json + resumes.jsonl, train/run_config.py) continues with that configuration: a key
     the command line does not set keeps the run's value; a key it sets to another value is refused in one line
     (`ResumeRefused`) unless a resume may change it (`run_config.RESUMABLE`: said in one line, recorded in
-    resumes.jsonl by the trainer). Returns the config to train with (`cfg` itself when there is no record)."""
-    from edit_train.cli.common import compose
+    resumes.jsonl by the trainer). Returns the config to train with (`cfg` itself when there is no record, and for
+    the job of a cluster other than the first: config.json records the first cluster's job)."""
+    from edit_train.cli.common import compose, one_line
     from edit_train.config import from_container, to_container
     from edit_train.train import run_config as rc
 
     RESUMED.clear()
     if str(cfg.resume).lower() not in ("true", "auto") and not _restarted():
         return cfg
+    from edit_train.config import cluster_specs
+
+    mine = job_cluster(cfg)
+    if mine is not None and mine != cluster_specs(cfg)[0].name:
+        return cfg  # config.json is the first cluster's (its job writes it): another cluster's job has no record
     record = rc.recorded(cfg.run.dir)
     if record is None:
         return cfg
@@ -499,8 +505,13 @@ def own_config(argv: Sequence[str], cfg: Any) -> Any:
         said = ", ".join(f"{k} {pair[0]!r} -> {pair[1]!r}" for k, pair in changes.items())
         print(f"resume: {said} (a resume may change these; recorded in {Path(cfg.run.dir) / rc.RESUMES}, "
               f"{rc.CONFIG} is kept)", file=sys.stderr, flush=True)
+    try:
+        out = from_container(adopted)
+    except Exception as exc:  # noqa: BLE001 - a record of another version: one line
+        raise RunDirError(f"run.dir {cfg.run.dir}: its {rc.CONFIG} does not fit this version's configuration "
+                          f"({one_line(exc)}); choose a new run.dir") from None
     RESUMED.append(adopted)
-    return from_container(adopted)
+    return out
 
 
 def _pin(run_dir: str) -> str | None:
