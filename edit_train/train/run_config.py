@@ -16,8 +16,10 @@ goes on, not what it trains:
   `cluster.timeout_s`, `data.workers`, `data.cache_dir`, the federation's addresses, credentials and timeouts.
 
 An allowed change is said in one line and appended to `resumes.jsonl` (`{"time", "changes": {key: [was, now]}}`);
-the run's configuration is then config.json with every line of resumes.jsonl applied in order. This module
-imports no torch (the command line checks a resume before anything starts).
+the run's configuration is then config.json with every line of resumes.jsonl applied in order. config.json is
+the first cluster's job's (its leader writes it): the job of another cluster of a federation sharing run.dir,
+whose command line may differ in its own keys, is not held to it. This module imports no torch (the command
+line checks a resume before anything starts).
 """
 
 from __future__ import annotations
