@@ -49,7 +49,8 @@ def test_a_edit_evals_are_one_line_per_cluster_starting_at_the_runs_first_eval(t
 
 
 def test_lockstep_evals_stay_one_line(tmp_path: Path) -> None:
-    """Every cluster evaluates at the same steps (the same model): one series, a step's last record (step 0: its first)."""
+    """Every cluster evaluates at the same steps (the same model): one series, a step's last record (step 0: its
+    first)."""
     events = []
     for step in (0, 10, 20):
         for g in (0, 1):

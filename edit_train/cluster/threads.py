@@ -8,8 +8,8 @@ host⌋ threads (at least one), counting the processes of every edit-train job t
 (they carry `EDIT_TRAIN_CLUSTER` in their environment; another user's jobs are theirs to size, and a count
 that included them would shrink ours for processes we cannot see into or coordinate with); a job re-plans
 when others start or stop, and says so in one line when the host is oversubscribed — once per run (the
-local launcher's clusters share one console: its first cluster's leader says it). `train.threads=N` pins N, and so does an `OMP_NUM_THREADS` the user
-set.
+local launcher's clusters share one console: its first cluster's leader says it). `train.threads=N` pins N,
+and so does an `OMP_NUM_THREADS` the user set.
 """
 
 from __future__ import annotations
