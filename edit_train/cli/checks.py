@@ -9,6 +9,8 @@
 * `RunDirGuard`: a run directory this invocation created is removed again when the run fails before writing
   anything into it (Hydra creates `run.dir` before the task runs).
 * `relaunched`: a cluster job started again over its own run continues it (`resume=auto`, one line).
+* `own_config`: a resume continues the run's own configuration (train/run_config.py); an override that changes
+  it is refused in one line naming the keys, an allowed change (its length, …) is said in one line.
 * `nothing_left`: a finished run, or a cluster whose federation finished without it, exits 0 in one line.
 * `interrupted_message`: what Ctrl-C leaves behind, said truthfully (a checkpoint exists or it does not).
 * `fail_once`: under torchrun every rank hits the same config/topology error; only rank 0 says it.
@@ -138,9 +140,23 @@ def check_run_dir(run_dir: str | os.PathLike[str], resume: str, cluster: str | N
         return
     found = _holds_run(path)
     if found is not None:
-        state = "a finished run" if (path / "summary.json").is_file() else "an unfinished run"
-        raise RunDirError(f"run.dir: {path} already holds {state} ({found}); continue it with resume=auto "
-                          "or choose a new run.dir")
+        if (path / "summary.json").is_file():
+            raise RunDirError(f"run.dir: {path} already holds a finished run ({found}); "
+                              f"{train_further(path)} or choose a new run.dir")
+        raise RunDirError(f"run.dir: {path} already holds an unfinished run ({found}); continue it with "
+                          "resume=auto (its own configuration) or choose a new run.dir")
+
+
+def train_further(run_dir: str | os.PathLike[str]) -> str:
+    """What trains a finished run further: `resume=auto` with a larger `train.steps` (a resume keeps the run's
+    configuration, so `resume=auto` alone finds it finished; train/run_config.py)."""
+    from edit_train.train.run_config import recorded
+
+    try:
+        steps = int((recorded(run_dir) or {})["train"]["steps"])
+    except (KeyError, TypeError, ValueError):
+        return "train it further with resume=auto and a larger train.steps"
+    return f"train it further with resume=auto train.steps={2 * steps} (any count above its {steps})"
 
 
 UNWRITABLE = (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EPERM)  # operator failures: exit 2
@@ -419,6 +435,7 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
             cfg.resume = "auto"
             added.append("resume=auto")
         check_run_dir(cfg.run.dir, cfg.resume, job_cluster(cfg))
+        cfg = own_config(argv, cfg)
         check_data(cfg)
         check_init_from(cfg.model.init_from)
         if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:  # a torchrun worker: check its cluster's
@@ -438,6 +455,63 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
         fail_once(one_line(exc))
     pin = None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
     return RunDirGuard.before(cfg.run.dir), added + ([pin] if pin else [])
+
+
+# the configuration a resume continues (`own_config`, set by `precheck`): `_task` trains with it, not with the
+# command line's composition (None: not a resume of a run with a recorded configuration)
+RESUMED: list[dict[str, Any]] = []
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def own_config(argv: Sequence[str], cfg: Any) -> Any:
+    """A resume (`resume=auto`, a relaunched cluster job, a torchrun restart) of a run whose run.dir records its
+    configuration (config.json + resumes.jsonl, train/run_config.py) continues with that configuration: a key
+    the command line does not set keeps the run's value; a key it sets to another value is refused in one line
+    (`ResumeRefused`) unless a resume may change it (`run_config.RESUMABLE`: said in one line, recorded in
+    resumes.jsonl by the trainer). Returns the config to train with (`cfg` itself when there is no record, and for
+    the job of a cluster other than the first: config.json records the first cluster's job)."""
+    from edit_train.cli.common import compose, one_line
+    from edit_train.config import from_container, to_container
+    from edit_train.train import run_config as rc
+
+    RESUMED.clear()
+    if str(cfg.resume).lower() not in ("true", "auto") and not _restarted():
+        return cfg
+    from edit_train.config import cluster_specs
+
+    mine = job_cluster(cfg)
+    if mine is not None and mine != cluster_specs(cfg)[0].name:
+        return cfg  # config.json is the first cluster's (its job writes it): another cluster's job has no record
+    record = rc.recorded(cfg.run.dir)
+    if record is None:
+        return cfg
+
+    def may_change(key: str) -> bool:  # a group choice (`logger=none`) of a resumable section counts as one
+        return rc.resumable(key) or rc.resumable(key + ".")
+
+    identity = [o for o in argv if _key(o) in rc.IDENTITY]
+    kept = [o for o in argv if may_change(_key(o))]
+    given = to_container(cfg)
+    full, kept_cfg = rc.flat(given), rc.flat(to_container(compose(kept)))
+    base = rc.flat(to_container(compose(identity)))
+    by_command_line = {k for k in full if full[k] != kept_cfg.get(k)}
+    resumable_given = {k for k in kept_cfg if rc.resumable(k) and kept_cfg[k] != base.get(k)} | \
+        {_key(o) for o in kept if _key(o) in full}  # set explicitly, even to the default
+    adopted, changes = rc.resolve(record, given, by_command_line, resumable_given)
+    if changes and not _torchrun_rank():
+        said = ", ".join(f"{k} {pair[0]!r} -> {pair[1]!r}" for k, pair in changes.items())
+        print(f"resume: {said} (a resume may change these; recorded in {Path(cfg.run.dir) / rc.RESUMES}, "
+              f"{rc.CONFIG} is kept)", file=sys.stderr, flush=True)
+    try:
+        out = from_container(adopted)
+    except Exception as exc:  # noqa: BLE001 - a record of another version: one line
+        raise RunDirError(f"run.dir {cfg.run.dir}: its {rc.CONFIG} does not fit this version's configuration "
+                          f"({one_line(exc)}); choose a new run.dir") from None
+    RESUMED.append(adopted)
+    return out
 
 
 def _pin(run_dir: str) -> str | None:

@@ -85,6 +85,10 @@ def _task(dcfg: Any) -> None:
     run_dir = str(dcfg.run.dir)
     try:
         cfg = OmegaConf.to_object(dcfg)
+        if checks.RESUMED:  # a resume: the run's own configuration (checks.own_config), not the command line's
+            from edit_train.config import from_container
+
+            cfg = from_container(checks.RESUMED[0])
         _multirun_dir(cfg)
         run_dir = cfg.run.dir
         checks.follow_tokenizer(cfg)  # model.vocab_size follows the tokenizer unless set explicitly

@@ -4,10 +4,12 @@ other training processes on this host.
 Two cluster jobs started by hand on one host (`edit-train cluster.only=c0 …`, `… cluster.only=c1`) each took
 every core's threads and both ran ~6× slower until `OMP_NUM_THREADS=1` was set. torchrun sizes its workers'
 threads for the same reason. Here `train.threads=0` (auto) gives each rank ⌊cores ÷ training processes on this
-host⌋ threads (at least one), counting the processes of every edit-train job on the host (they carry
-`EDIT_TRAIN_CLUSTER` in their environment); a job re-plans when others start or stop, and says so in one
-line when the host is oversubscribed. `train.threads=N` pins N, and so does an `OMP_NUM_THREADS` the user
-set.
+host⌋ threads (at least one), counting the processes of every edit-train job this user runs on the host
+(they carry `EDIT_TRAIN_CLUSTER` in their environment; another user's jobs are theirs to size, and a count
+that included them would shrink ours for processes we cannot see into or coordinate with); a job re-plans
+when others start or stop, and says so in one line when the host is oversubscribed — once per run (the
+local launcher's clusters share one console: its first cluster's leader says it). `train.threads=N` pins N,
+and so does an `OMP_NUM_THREADS` the user set.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def cores_available() -> int:
         return max(os.cpu_count() or 1, 1)
 
 
-def training_processes(exclude: set[int] | None = None, proc: Path = Path("/proc")) -> int:
-    """Live edit-train training processes on this host other than `exclude`: the ranks of cluster jobs (their
-    environment names their cluster) and lone in-process runs (an `edit-train` command line with no such
-    rank below it; a process that spawned ranks is their launcher and trains nothing). 0 where /proc cannot
-    be read."""
+def training_processes(exclude: set[int] | None = None, proc: Path = Path("/proc"), uid: int | None = None) -> int:
+    """Live edit-train training processes of user `uid` (default: this process's) on this host other than
+    `exclude`: the ranks of cluster jobs (their environment names their cluster) and lone in-process runs (an
+    `edit-train` command line with no such rank below it; a process that spawned ranks is their launcher and
+    trains nothing). 0 where /proc cannot be read."""
     skip = exclude or set()
+    uid = os.getuid() if uid is None else uid
     ranks, commands, parents = set(), set(), set()
     try:
         entries = [e for e in proc.iterdir() if e.name.isdigit()]
@@ -47,6 +50,8 @@ def training_processes(exclude: set[int] | None = None, proc: Path = Path("/proc
         return 0
     for entry in entries:
         try:
+            if entry.stat().st_uid != uid:  # another user's process
+                continue
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
             if fields[0] in ("Z", "X"):
@@ -85,7 +90,8 @@ class ThreadBudget:
     """This rank's thread budget, applied to torch and re-planned now and then (others start and stop)."""
 
     def __init__(self, requested: int, local_ranks: int, every_s: float = 30.0,
-                 set_threads: Callable[[int], None] | None = None, count: Callable[[], int] | None = None) -> None:
+                 set_threads: Callable[[int], None] | None = None, count: Callable[[], int] | None = None,
+                 says: bool = True) -> None:
         import torch
 
         if requested == 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit() and not os.environ.get(AUTO):
@@ -97,7 +103,7 @@ class ThreadBudget:
                                             (self.local_ranks - 1), 0))
         self.current: ThreadPlan | None = None
         self._next = 0.0
-        self._warned = False
+        self._warned = not says  # the rank that says the run's oversubscription (one line per run)
 
     def apply(self) -> ThreadPlan:
         p = plan(self.requested, self.local_ranks, self._count(), cores_available())
@@ -108,8 +114,9 @@ class ThreadBudget:
                          p.threads, p.processes, p.cores)
         if p.oversubscribed and not self._warned:
             self._warned = True
-            log.warning("host oversubscribed: %d training processes x %d threads on %d cores; set train.threads "
-                        "(or start fewer jobs per host)", p.processes, p.threads, p.cores)
+            log.warning("host oversubscribed: %d training processes x %d threads on %d cores (this job's ranks and "
+                        "this user's other edit-train processes on this host); set train.threads (or start fewer "
+                        "jobs per host)", p.processes, p.threads, p.cores)
         self.current, self._next = p, time.monotonic() + self.every_s
         return p
 

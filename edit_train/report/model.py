@@ -153,28 +153,60 @@ class Run:
                 for key in ("step", "loss", "tokens", "tokens_per_s", "wall")}
 
     def evals(self, index: int | None = None) -> list[dict[str, Any]]:
-        """World evals (index=None) or one cluster's `scope: "cluster"` evals, by step, last record wins."""
+        """World evals (index=None) or one cluster's `scope: "cluster"` evals, by step, last record wins — except
+        at step 0, where the run's first evaluation is its start (a restarted incarnation that logs a step-0
+        eval of the weights it healed to is not)."""
         if index is None:
             chosen = [e for e in self.of("eval") if e.get("scope", "world") != "cluster"]
         else:
             chosen = [e for e in self.of("eval") if e.get("scope") == "cluster" and e.get("cluster_index") == index]
-        by_step = {e.get("step"): e for e in chosen if isinstance(e.get("step"), (int, float))}
+        by_step: dict[Any, dict[str, Any]] = {}
+        for e in chosen:
+            if isinstance(e.get("step"), (int, float)) and not (e["step"] == 0 and 0 in by_step):
+                by_step[e["step"]] = e
         return [by_step[s] for s in sorted(by_step)]
 
-    def evals_vs_tokens(self) -> list[tuple[float, float]]:
-        """(tokens all clusters had trained, val loss) of each world evaluation, by step (last record wins). Each
-        cluster logs its own tokens; the others' are their latest `train`/`eval` record before it in
-        metrics.jsonl (one file every cluster appends to, in the order things happened)."""
+    def world_eval_series(self, x: str) -> dict[int | None, list[tuple[float, float]]]:
+        """(x, val loss) of the world evaluations; `x` is "tokens" (the tokens every cluster had trained when it
+        was logged: each cluster logs its own, the others' are their latest `train`/`eval` record before it in
+        metrics.jsonl, one file every cluster appends to in the order things happened) or "wall".
+
+        One series (key None) when every cluster evaluates at the same steps (one cluster; lockstep, where they
+        evaluate the same model: a step logged by several keeps its last record). Else one series per cluster
+        (key: its index), each by its own steps: under A-EDiT every cluster evaluates after each exchange at its
+        own step count, and joining them by step would zig-zag between the clusters. A step logged twice keeps
+        its last record, except step 0: the run's first evaluation is its start (`evals`)."""
         latest: dict[Any, float] = {}
-        by_step: dict[Any, tuple[float, float]] = {}
+        own: dict[Any, dict[Any, tuple[float, float]]] = {}
+        joined: dict[Any, tuple[float, float]] = {}
         for e in self.events:
-            if e.get("event") not in ("train", "eval") or not math.isfinite(tokens := _num(e.get("tokens"))):
+            if e.get("event") not in ("train", "eval"):
                 continue
-            latest[e.get("cluster_index", 0)] = tokens
-            world = e["event"] == "eval" and e.get("scope", "world") != "cluster"
-            if world and isinstance(e.get("step"), (int, float)):
-                by_step[e["step"]] = (sum(latest.values()), _num(e.get("val_loss")))
-        return [by_step[s] for s in sorted(by_step)]
+            g = e.get("cluster_index", 0)
+            tokens = _num(e.get("tokens"))
+            if math.isfinite(tokens):
+                latest[g] = tokens
+            step = e.get("step")
+            if e["event"] != "eval" or e.get("scope", "world") == "cluster" or not isinstance(step, (int, float)):
+                continue
+            at = (sum(latest.values()) if math.isfinite(tokens) else math.nan) if x == "tokens" else _num(e.get(x))
+            point = (at, _num(e.get("val_loss")))
+            steps = own.setdefault(g, {})
+            if not (step == 0 and 0 in steps):
+                steps[step] = point
+            if not (step == 0 and 0 in joined):
+                joined[step] = point
+        if len({frozenset(steps) for steps in own.values()}) <= 1:
+            return {None: [joined[s] for s in sorted(joined)]} if joined else {}
+        return {g: [steps[s] for s in sorted(steps)] for g, steps in sorted(own.items(), key=lambda kv: _num(kv[0]))}
+
+    def evals_vs_tokens(self) -> list[tuple[float, float]]:
+        """(tokens all clusters had trained, val loss) of each world evaluation (`world_eval_series`): the one
+        series, or every cluster's points ordered by tokens."""
+        series = self.world_eval_series("tokens")
+        if list(series) == [None]:
+            return [p for p in series[None] if math.isfinite(p[0])]
+        return sorted(p for points in series.values() for p in points if math.isfinite(p[0]))
 
     def eval_clusters(self) -> list[int]:
         return sorted({e["cluster_index"] for e in self.of("eval") if e.get("scope") == "cluster"

@@ -40,20 +40,26 @@ def _wrap(label: str, width: int = 22) -> str:
 
 
 def plot_val_loss(runs: list[Run], out: Path, x: str) -> Path:
-    """World val loss vs `tokens` or `wall`, one line per run (A-EDiT per-cluster evals dotted, vs wall)."""
+    """World val loss vs `tokens` or `wall`: one line per run, or per cluster where the clusters evaluate at their
+    own step counts (A-EDiT: `Run.world_eval_series`), one colour per run; vs wall also each cluster's evals of
+    its own replica (`scope: "cluster"`), dashed."""
     fig = _figure(8, 4.8)
     ax = fig.add_subplot()
     drawn = False
     for r, color in zip(runs, _colors(len(runs))):
-        pts = r.evals_vs_tokens() if x == "tokens" else [(_num(e.get(x)), _num(e.get("val_loss"))) for e in r.evals()]
-        pts = [(a, b) for a, b in pts if math.isfinite(a) and math.isfinite(b)]
-        if pts:
+        series = r.world_eval_series(x)  # one line, or one per cluster where each evaluates at its own steps
+        shown = False
+        for (g, pts), style in zip(series.items(), CLUSTER_STYLES * 8):
+            pts = [(a, b) for a, b in pts if math.isfinite(a) and math.isfinite(b)]
+            if not pts:
+                continue
             xs, ys = zip(*pts)
-            ax.plot(xs, ys, marker="o", ms=4, color=color, label=f"{r.label}: {ys[-1]:.3f}")
+            name = r.label if g is None else f"{r.label} {r.cluster_name(g)}"
+            ax.plot(xs, ys, style, marker="o", ms=4, color=color, label=f"{name}: {ys[-1]:.3f}")
             ax.annotate(f"{ys[-1]:.3f}", (xs[-1], ys[-1]), xytext=(4, 0), textcoords="offset points",
                         va="center", fontsize=8, color=color)
-            drawn = True
-        else:
+            drawn = shown = True
+        if not shown:
             ax.plot([], [], color=color, label=f"{r.label}: no world evals")
         if x == "wall":
             for g, style in zip(r.eval_clusters(), CLUSTER_STYLES[1:] * 8):

@@ -9,7 +9,7 @@ cluster that did not get there when every other configured cluster's record says
 them reached `train.steps` (a new launch of it; one its launcher restarts after a failure finishes its part).
 Either way the cluster says so in one line and exits 0 (`resume=auto` of a
 finished run, a cluster relaunched after its peers finished), instead of training one more interval or
-training alone from its last checkpoint. Raising `train.steps` continues a finished run.
+training alone from its last checkpoint. `resume=auto` with a larger `train.steps` continues a finished run.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def finished_line(run_dir: str | Path, name: str, configured: list[str], steps: 
     if mine is not None and reached:
         where = f"step {mine['steps']:,} of train.steps={steps:,}"
         if not federated:
-            return (f"run.dir {run_dir} holds a finished run ({where}): nothing to resume; raise train.steps to "
-                    "train further or choose a new run.dir")
+            return (f"run.dir {run_dir} holds a finished run ({where}): nothing to resume; {_further(steps)} or "
+                    "choose a new run.dir")
         return (f"cluster {name} already finished this run ({where}, {run_dir / 'clusters' / (name + '.json')}): "
-                "nothing to resume; raise train.steps to train further")
+                f"nothing to resume; {_further(steps)}")
     others = [n for n in configured if n != name]
     if federated and not restarted and mine is None and reached and others and all(n in records for n in others):
         done = ", ".join(f"{n} at step {records[n]['steps']:,}" for n in others)
@@ -78,7 +78,12 @@ def run_finished_line(run_dir: str | Path, configured: list[str], steps: int) ->
         return None
     done = ", ".join(f"{n} at step {r['steps']:,}" for n, r in records.items())
     return (f"run.dir {run_dir} holds a finished run (every cluster finished: {done}; train.steps={steps:,}): "
-            "nothing to resume; raise train.steps to train further or choose a new run.dir")
+            f"nothing to resume; {_further(steps)} or choose a new run.dir")
+
+
+def _further(steps: int) -> str:
+    """What trains a finished run further (a resume keeps the run's configuration: train/run_config.py)."""
+    return f"train further with resume=auto train.steps={2 * steps} (any count above {steps})"
 
 
 def peer_news(run_dir: str | Path, name: str, configured: list[str]) -> str:

@@ -147,7 +147,7 @@ class TrainingState:
             if earlier.incarnations > 0 and earlier.saved_at:
                 earlier.downtime_s += max(started - earlier.saved_at, 0.0)
             state.carried = earlier
-            state.initial_val_loss = earlier.initial_val_loss  # a step-0 eval of this incarnation replaces it
+            state.initial_val_loss = earlier.initial_val_loss  # the run's first eval: kept by every incarnation
             state.wall_offset = earlier.wall_s or 0.0  # a checkpoint's (restore) when the record has none
         else:
             state.carried.first_start = started
@@ -274,6 +274,7 @@ class Progress:
         self.every_s = progress_every_s() if every_s is None else every_s
         self.bars: dict[str, Any] = {}
         self._printed: dict[str, float] = {}  # name -> when its last line was printed
+        self._reached: set[str] = set()  # clusters whose line at train.steps was printed
         self._pending: dict[str, str] = {}  # name -> its latest line not printed yet
         self._note: dict[str, str] = {}
         self._redirect: contextlib.ExitStack | None = None
@@ -309,8 +310,11 @@ class Progress:
             self._pending[name] = (f"cluster {name} step {where} loss {loss:.3f} "
                                    f"tok/s {tokens_per_s:,.0f}" + (f" ({note})" if note else ""))
             now = time.monotonic()
-            if name not in self._printed or step >= self.total or now - self._printed[name] >= self.every_s:
+            reached = step >= self.total and name not in self._reached  # the line at train.steps, once; past it
+            if name not in self._printed or reached or now - self._printed[name] >= self.every_s:  # every_s
                 self._print(name, now)
+                if step >= self.total:
+                    self._reached.add(name)
 
     def note(self, name: str, text: str) -> None:
         """Something that just happened to cluster `name` (a sync): the bar's postfix, or the next line's."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import logging
 import math
@@ -45,6 +44,7 @@ from edit_train.train.optim import build_optimizer, step_unless
 from edit_train.train.parallel import apply_layer_options, precision_policy
 from edit_train.train.evaluation import batch_loss, evaluate, probe_batch, reshard
 from edit_train.train.spike import SpikeGuard
+from edit_train.train.run_config import note_start
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
 from edit_train.train.finished import peer_news
@@ -53,6 +53,12 @@ from edit_train.train.routing import RoutedTally
 from edit_train.train.site_data import check_tokenizers, open_data, site_data
 
 log = logging.getLogger(__name__)
+
+
+def says_once(is_leader: bool, index: int) -> bool:
+    """Whether this rank says what is said once per run: a cluster's leader, and under the local launcher
+    (its clusters share one console) only the first cluster's."""
+    return is_leader and (index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1")
 
 
 def agree_on_config(cfg: Config, topo: Topology) -> Config:
@@ -79,7 +85,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.is_leader = topo.is_leader  # this cluster's rank 0
         # intra-op threads: the cores this job may use, shared with the other training processes on the host
-        self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.threads = ThreadBudget(cfg.train.threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                    says=says_once(self.is_leader, self.spec.index))
         self.threads.apply()
         self.timing = TimeAccount()  # where this rank's wall time goes (summary per_cluster.time, train events)
         t = cfg.train
@@ -107,7 +114,7 @@ class Trainer:
         # injected faults and simulated slowness: the loop's one seam (sim/hooks.py; a no-op when none is configured)
         self.sim = step_hooks(cfg, topo, self.specs, self.run_dir, step=lambda: self.state.step)
         self.spike = SpikeGuard(t.spike_factor, t.spike_patience, t.spike_requeue_after)
-        self.stop = StopSignal()
+        self.stop = StopSignal(f"cluster {topo.name}")
         waits.NEWS[:] = [lambda: peer_news(self.run_dir, topo.name, [s.name for s in self.specs])]  # waits say it
 
         # ---- output
@@ -125,11 +132,12 @@ class Trainer:
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
                                     routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
-        if self.is_leader and topo.index == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
+        if self.is_leader and topo.index == 0:  # config.json once; a resume's changes appended to resumes.jsonl
+            note_start(self.run_dir, to_container(cfg))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
         if resume_from is not None:
             resume(resume_from, self.state, self.resumable, self.record_found, self.is_leader)
+        self._saved_step = self.state.step if resume_from is not None else -1  # own step of the newest checkpoint
         self.timing.attach_blocked(lambda: self.algo.blocked_s)  # after resume restored the counter
 
     def _routed_map(self) -> tuple[tuple[bool, ...], ...] | None:
@@ -156,7 +164,7 @@ class Trainer:
         counts = count_params(cfg.model)
         self.param_counts = counts
         # once per run: the local launcher's clusters share one console (their own jobs: each says it)
-        if self.is_leader and (topo.index == 0 or os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"):
+        if says_once(self.is_leader, topo.index):
             log.info("model: %s total params, %s active per token", f"{counts['total_params']:,}",
                      f"{counts['active_params']:,}")
         self.model = CausalLM(cfg.model).to(topo.device)
@@ -262,20 +270,24 @@ class Trainer:
             self.metrics.log("eval", cluster_index=self.topo.index, cluster=self.topo.name, **record)
 
     # ------------------------------------------------------------ checkpoint
-    def save_checkpoint(self, final: bool = False) -> None:
+    def save_checkpoint(self) -> Path:
         self._settle()  # the skipped steps and re-queued batches it saves
         with self.timing.span("checkpoint"):
-            # a checkpoint is named by this cluster's own step (it lives in this cluster's directory): under a
-            # time schedule the clusters' step counts differ and each saves at its own pace. The end-of-run one
-            # is named by the agreed step (the largest any cluster reached), the same for every cluster, so
-            # `edit-train-export` finds one step all clusters have; never lower than this cluster's own, so
-            # the newest checkpoint is always the one with the largest name.
-            step = self.state.step if self.algo.lockstep or not final else \
-                max(self.algo.global_step, self.state.step)
+            # one meaning for a checkpoint's name, step_N: the federation's agreed step (the largest step count
+            # any cluster had reached at the last exchange; never lower than this cluster's own, so the newest
+            # checkpoint is the one with the largest name). Under lockstep it is every cluster's own step; under
+            # a time schedule the clusters' own counts differ, and the agreed one names the checkpoints the
+            # clusters took after the same sync (the end-of-run ones: after the final sync) alike, so
+            # `edit-train-export` finds one step all clusters have. The cluster's own step, the one it resumes
+            # from, is in the checkpoint's state (`step`) and in the log line below.
+            step = self.state.step if self.algo.lockstep else max(self.algo.global_step, self.state.step)
             path = save_checkpoint(self.ckpt, step, self.state, self.resumable, self.cfg,
                                    self.wandb.run_id if self.wandb else None)
+        self._saved_step = self.state.step
         if self.is_leader:
-            log.info("checkpoint saved: %s", path)
+            own = "" if step == self.state.step else f" (cluster {self.topo.name}'s own step {self.state.step:,})"
+            log.info("checkpoint saved: %s%s", path, own)
+        return path
 
     # ------------------------------------------------------------------- loop
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,16 +390,21 @@ class Trainer:
         # a bar on a terminal, periodic log lines elsewhere (a Slurm .out file); the local launcher draws its own
         own_bar = self.is_leader and t.progress and os.environ.get("EDIT_TRAIN_LAUNCHER_BAR") != "1"
         bar = Progress([topo.name], t.steps, cfg.algo.name, enabled=own_bar, initial={topo.name: p.step})
-        if p.step == 0:
-            p.set_initial_val_loss(self.eval_logged())
+        if p.step == 0 and p.initial_val_loss is None:  # the run's start: its first eval, not a restart's (which
+            p.set_initial_val_loss(self.eval_logged())   # may come back at step 0 on the weights it healed to)
         window_tokens, window_time = 0, self.timing.snapshot()
         while not self.algo.should_stop(p.step):
-            if self.stop.signum is not None:
+            signum = self._stop_asked(p.step)
+            if signum is not None:
                 bar.close()
-                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, self.stop.signum, p.step)
+                log.warning("rank %d: signal %d received, stopping at step %d", topo.rank, signum, p.step)
+                saved = self._save_interrupted()
+                if self.is_leader:
+                    p.save()  # the counters up to here (tokens, clocks): the next launch counts on from them
                 self._settle()
                 self.metrics.close(None)
-                raise Interrupted(f"stopped by signal {self.stop.signum} at step {p.step}")
+                raise Interrupted(f"stopped by signal {signum} at step {p.step}" +
+                                  (f", checkpoint {saved.name} saved" if saved is not None else ""))
             step = p.step
             self.sim.before_step(step, self.algo)  # the simulation may end this process or cut the cluster off here
             step_t0, blocked0, compute0 = time.time(), self.algo.blocked_s, self.timing.totals["compute"]
@@ -448,13 +465,40 @@ class Trainer:
         val_loss = self.eval_logged()
         by_source = self.eval_by_source()
         if cfg.checkpoint.at_end:
-            self.save_checkpoint(final=True)
+            self.save_checkpoint()
         summary = self._summary(val_loss, by_source)
         self.metrics.close(summary)
         self.algo.close()
         if topo.distributed:
             dist.barrier(group=topo.shard_pg)
         return summary
+
+    def _stop_asked(self, step: int) -> int | None:
+        """The signal that stops the loop at this step boundary, or None. A cluster of several ranks stops where
+        every rank does: its ranks agree at each log step (`train.log_every`, where they read the device
+        anyway), so a checkpoint's collectives and the last steps line up on every rank."""
+        if self.topo.ranks == 1:
+            return self.stop.signum
+        if step % max(self.cfg.train.log_every, 1) != 0:
+            return None
+        flag = torch.tensor([self.stop.signum or 0], dtype=torch.int64, device=self.topo.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.topo.shard_pg)
+        return int(flag.item()) or None
+
+    def _save_interrupted(self) -> Path | None:
+        """Under `checkpoint.at_end`, an interrupted run keeps what it trained: a checkpoint at this step
+        boundary (after any sync in flight finished or gave up), unless it has one of this step already or
+        trained nothing. `resume=auto` continues from it."""
+        p = self.state
+        if not self.cfg.checkpoint.at_end or p.step == 0 or p.step == self._saved_step:
+            return None
+        try:
+            with self.timing.span("sync"):
+                self.algo.flush()  # a sync in flight: finished, or rolled back where the federation gave up
+            return self.save_checkpoint()
+        except Exception as exc:  # noqa: BLE001 - the interrupt is said either way; the older checkpoints stand
+            log.warning("cluster %s: no checkpoint at the interrupt (step %d): %s", self.topo.name, p.step, exc)
+            return None
 
     def _account_useful(self, compute_s: float, final: bool = False) -> None:
         """Compute time counts as useful once a sync committed it (or, without a federation, at once)."""
@@ -522,6 +566,7 @@ def train(cfg: Config) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         raise OutOfMemory(out_of_memory_line(trainer.cfg, trainer.state.step, trainer.topo.device)) from None
     finally:
+        trainer.stop.finished()  # a signal from here on: one line and exit, not a traceback from the shutdown
         trainer.algo.close()
         if trainer.topo.distributed and dist.is_initialized():
             dist.destroy_process_group()
