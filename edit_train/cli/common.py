@@ -97,6 +97,30 @@ def equal_clusters(overrides: list[str]) -> list[str]:
     return []
 
 
+# Hydra's flags that take a value (`--cfg job`, `--info defaults`, `--config-name NAME`, ...): that value is no override
+_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun")
+
+
+def add_overrides(argv: list[str], added: list[str]) -> list[str]:
+    """`argv` (Hydra's command line: flags and overrides) with `added` next to the user's own overrides. Hydra reads
+    the overrides as one run of positional arguments: `--cfg job cluster.count=3` with `cluster.slowdown=[]` put in
+    front of `--cfg` is `unrecognized arguments: cluster.count=3`. So they go right after the last override, or
+    first when the command line holds none (before any flag, whose optional value they would otherwise become)."""
+    if not added:
+        return list(argv)
+    last, skip = -1, False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in _VALUE_FLAGS and i + 1 < len(argv) and not argv[i + 1].startswith("-") and (
+                arg not in ("--info", "-i") or "=" not in argv[i + 1])
+        else:
+            last = i
+    return [*argv[:last + 1], *added, *argv[last + 1:]]
+
+
 def compose(overrides: list[str]) -> Any:
     """Compose the Hydra config (as `edit-train` would) and return a typed `Config`."""
     from hydra import compose as hydra_compose

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edit_train.cli import checks
-from edit_train.cli.common import CONF_DIR, equal_clusters, fail, one_line, setup_logging
+from edit_train.cli.common import CONF_DIR, add_overrides, equal_clusters, fail, one_line, setup_logging
 from edit_train.local_sgd.errors import ClusterError
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -230,11 +230,12 @@ def _main(guards: list[checks.RunDirGuard]) -> None:
               "config, loading torch, the data and the model)", flush=True)
     register_configs()
     sys.argv[1:] = renamed_overrides(sys.argv[1:])  # `cluster.groups=2`: read as cluster.count=2, with a warning
-    sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
-    sys.argv[1:1] = real_preset(sys.argv[1:])  # a cluster job of a real federation: cluster=real, not the demo's
+    # next to the user's overrides, never between a flag and them (`--cfg job cluster.count=3`)
+    sys.argv[1:] = add_overrides(sys.argv[1:], equal_clusters(sys.argv[1:]))  # `cluster.count=N` alone: N equal
+    sys.argv[1:] = add_overrides(sys.argv[1:], real_preset(sys.argv[1:]))  # a real federation's job: cluster=real
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
     guard, added = checks.precheck(sys.argv[1:])
-    sys.argv.extend(added)
+    sys.argv[1:] = add_overrides(sys.argv[1:], added)
     if guard is not None:
         guards.append(guard)
     try:
