@@ -51,6 +51,20 @@ def _torchrun_rank() -> int | None:
     return None
 
 
+def cut_short(exc: BaseException) -> bool:
+    """An error raised while a Ctrl-C unwound the code (a `finally` or an `except` that failed on the state the
+    interrupt left half-built, e.g. OmegaConf's `'NoneType' object has no attribute '_invalidate_flags_cache'`):
+    the interrupt is what happened, not a user error to print."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def fail_once(message: str, code: int = 2) -> NoReturn:
     """`fail`, said by rank 0 only: the other torchrun workers hit the same error and exit with the same code."""
     rank = _torchrun_rank()
@@ -276,6 +290,8 @@ def fail_user_error(exc: BaseException) -> NoReturn:
     from edit_train.config import ConfigError
     from edit_train.cluster.mesh import TopologyError
 
+    if cut_short(exc):
+        raise KeyboardInterrupt from None
     message = one_line(exc)
     if isinstance(exc, (ConfigError, TopologyError, RunDirError)):
         fail_once(message)
@@ -435,6 +451,8 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line
+        if cut_short(exc):
+            raise KeyboardInterrupt from None
         fail_once(one_line(exc))
     pin = None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
     return RunDirGuard.before(cfg.run.dir), added + ([pin] if pin else [])

@@ -145,7 +145,9 @@ def setup_logging(rank: int = 0) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "[%(asctime)s edit-train] %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s"
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True)
-    for noisy in ("wandb", "urllib3", "torch.distributed.elastic"):
+    # "torch": what a complete torch import sets itself; one cut short by Ctrl-C leaves it to the root's INFO, and
+    # its exit hooks then log FakeTensor's cache statistics under our name
+    for noisy in ("wandb", "urllib3", "torch", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for name in filter(None, os.environ.get("EDIT_TRAIN_DEBUG", "").split(",")):  # e.g. edit_train.local_sgd.probe
         logging.getLogger(name.strip()).setLevel(logging.DEBUG)

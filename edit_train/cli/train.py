@@ -106,6 +106,8 @@ def _task(dcfg: Any) -> None:
 
         if isinstance(exc, Interrupted):
             fail(checks.interrupted_message(run_dir, detail=str(exc)), code=130)
+        if checks.cut_short(exc):  # an error of the code a Ctrl-C unwound: the interrupt is what happened
+            fail(checks.interrupted_message(run_dir), code=130)
         raise
     if summary and int(os.environ.get("RANK", "0")) == 0:  # every launch path ends with the closing block
         from edit_train.config import cluster_specs
