@@ -1,17 +1,23 @@
 """Stops during start-up, through the real launchers (issue 64): Ctrl-C while `edit-train`'s workers import torch is
-one line (no traceback per worker, no torch FakeTensor statistics); ..."""
+one line (no traceback per worker, no torch FakeTensor statistics); under `launchers/torchrun_multinode.sh` a
+Lighthouse address nobody listens on, or any configuration error a worker finds, is one line and exit 2, never
+restarted by torchrun, and leaves run.dir reusable; ..."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import cli_env, script_cmd
+from conftest import cli_env, script_cmd, start_lighthouse
+from edit_train.cli.checks import check_run_dir
+from edit_train.federation import auth
 
 
 def _pids_with(*needles: str) -> list[int]:
@@ -78,3 +84,78 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path: Path, small_corpus: str, w
     assert line.startswith("error: interrupted"), line
     time.sleep(0.5)
     assert _pids_with(str(run_dir)) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# launchers/torchrun_multinode.sh: a configuration error is one line, never restarted by torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
+KEY = str(auth.new_key(Path(tempfile.mkdtemp(prefix="edit-train-test-key-")) / "fed.key"))  # mode 0600
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cluster_job(name: str, lighthouse: str, *overrides: str, **env: str) -> subprocess.Popen:
+    """torchrun_multinode.sh for cluster `name`: one node, one worker, on loopback; its own process group."""
+    full = cli_env(CLUSTER=name, LIGHTHOUSE=lighthouse, NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
+                   RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", HOST_ADDR="127.0.0.1", MAX_RESTARTS="3",
+                   GLOO_SOCKET_IFNAME="lo", KEY_FILE=KEY, **env)
+    for var in ("EDIT_DRY_RUN", "EDIT_TRAIN_CLUSTER"):
+        full.pop(var, None)
+    return subprocess.Popen(["bash", str(MULTINODE), "logger=none", "train.progress=false", "model=tiny",
+                             "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]", *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full, cwd=REPO,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out
+
+
+def _reusable(run_dir: Path) -> None:
+    """run.dir takes the next launch: a whole run's check and a cluster job's find no run there."""
+    check_run_dir(run_dir, "false", None)
+    check_run_dir(run_dir, "false", "a")
+
+
+def test_a_lighthouse_nobody_listens_on_is_one_line_before_torchrun(tmp_path: Path, small_corpus: str) -> None:
+    """Issue 64: torchrun restarted the worker three times (four identical lines over 80 s) and left files in
+    run.dir that refused the next launch there."""
+    run_dir = tmp_path / "run"
+    out = _finish(_cluster_job("a", f"127.0.0.1:{_free_port()}", f"data.source={small_corpus}", f"run.dir={run_dir}",
+                               "train.steps=20"))
+    line = _stop_says_one_line(out)
+    assert "cannot reach the Lighthouse at 127.0.0.1:" in line and "Errno 111] Connection refused" in line, out
+    assert line.count("Connection refused") == 1, line
+    assert "rank 0 starting" not in out, out[-3000:]  # torchrun never started
+    _reusable(run_dir)
+
+
+def test_a_workers_configuration_error_is_not_restarted_by_torchrun(tmp_path: Path) -> None:
+    """A configuration error only a worker finds (here: a corpus that is not there) ends the job in one line, exit 2,
+    with torchrun's MAX_RESTARTS=3 unused: the worker started once."""
+    run_dir = tmp_path / "run"
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
+    try:
+        proc = _cluster_job("a", address, f"data.source={tmp_path}/nothing/*.txt", f"run.dir={run_dir}")
+        out = _finish(proc)
+    finally:
+        house.send_signal(signal.SIGTERM)
+        house.wait(timeout=30)
+    line = _stop_says_one_line(out)
+    assert proc.returncode == 2, out[-3000:]
+    assert "matched no files" in line, line
+    assert out.count("rank 0 starting") == 1, out[-3000:]
+    assert "torchrun was stopped" not in out and "torchrun exited" not in out, out[-3000:]
+    _reusable(run_dir)

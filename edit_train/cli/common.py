@@ -83,7 +83,7 @@ def one_line(exc: BaseException) -> str:
                                              "Set the environment")) and "$VALUE" not in line and line not in parts:
                 parts.append(line)
                 break
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)  # `raise … from None`: not
     return " — ".join(parts) or type(exc).__name__
 
 

@@ -204,12 +204,41 @@ def main() -> None:
 
             die_with_parent()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
         _main(guards)
+    except SystemExit as exc:
+        if exc.code == 2 and under_torchrun():
+            no_restart()  # a configuration error: torchrun must not start this worker again (cli/torchrun_wrap.py)
+        raise
     except KeyboardInterrupt:
         for guard in guards:
             guard.cleanup()  # Hydra may have created run.dir already: a start-up Ctrl-C leaves nothing behind
         run_dir = guards[0].path if guards else None
         fail(checks.interrupted_message(run_dir, detail="during start-up") if run_dir is not None and run_dir.is_dir()
              else "interrupted during start-up: nothing was written", code=130)
+
+
+def no_restart(wait_s: float = 30.0) -> None:
+    """This torchrun worker failed with a configuration error (exit 2, its one line said): torchrun would restart it
+    `--max-restarts` times, whatever the code. Under launchers/torchrun_multinode.sh (its wrapper names the file in
+    $EDIT_TRAIN_NO_RESTART_FILE) tell the wrapper, which stops torchrun, and wait to be stopped with it, so torchrun
+    never sees a failed worker to restart. Elsewhere (plain torchrun): nothing."""
+    import signal
+    import time
+
+    path = os.environ.get("EDIT_TRAIN_NO_RESTART_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')}\n")
+    except OSError:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _main(guards: list[checks.RunDirGuard]) -> None:
