@@ -7,7 +7,8 @@ ends in our one line, not in torchrun's own traceback.
   except torchrun's own failure report (its log lines about failed / signalled workers and its traceback with
   the `ChildFailedError` table), which only LOG keeps; the workers already said what happened in one line;
 * when torchrun fails and no worker said why (`error: …`), one line names its exit and LOG;
-* torchrun dies with this process (parent-death signal) and its workers with torchrun (cli/parent.py), so
+* torchrun dies with this process (parent-death signal) and its workers with torchrun (cli/parent.py: they
+  know torchrun's pid, so one that was still starting when torchrun died ends too), so
   `kill -9` of the launcher leaves no worker training and holding its cluster's run lock; SIGTERM sent to this
   process is passed on to torchrun, which stops its workers (Ctrl-C reaches torchrun itself);
 * a configuration error is not restarted: torchrun restarts a failed worker whatever its exit code
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import IO
 
-from edit_train.cli.parent import die_with_parent
+from edit_train.cli.parent import record_parent_and_die_with_it
 
 # torchrun's own log lines (torch.distributed.elastic's: `E1128 01:02:03.456000 1234 torch/distributed/…] …`)
 _TORCHRUN_LOG = re.compile(r"^(\[\w+\]:)?[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/|"
@@ -115,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.TemporaryDirectory(prefix="edit-train-torchrun-") as tmp:
         log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} {' '.join(cmd)}\n")
         marker = os.path.join(tmp, "no_restart")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                text=True, errors="replace", bufsize=1, env={**os.environ, NO_RESTART_ENV: marker})
+        os.environ[NO_RESTART_ENV] = marker  # torchrun and its workers inherit it (and torchrun's pid: preexec_fn)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=record_parent_and_die_with_it, text=True, errors="replace", bufsize=1)
         stopped = threading.Event()
         threading.Thread(target=_stop_on_marker, args=(proc, marker, stopped), daemon=True).start()
 

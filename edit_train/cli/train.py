@@ -200,9 +200,9 @@ def main() -> None:
     guards: list[checks.RunDirGuard] = []
     try:
         if under_torchrun():
-            from edit_train.cli.parent import die_with_parent
+            from edit_train.cli.parent import die_with_torchrun
 
-            die_with_parent()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
+            die_with_torchrun()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
         _main(guards)
     except SystemExit as exc:
         if exc.code == 2 and under_torchrun():
