@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,8 +103,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cluster_job(name: str, lighthouse: str, *overrides: str, **env: str) -> subprocess.Popen:
-    """torchrun_multinode.sh for cluster `name`: one node, one worker, on loopback; its own process group."""
+def _cluster_job(name: str, lighthouse: str, *overrides: str, stdout: Any = subprocess.PIPE,
+                 **env: str) -> subprocess.Popen:
+    """torchrun_multinode.sh for cluster `name` (of a and b): one node, one worker, on loopback; its own process
+    group."""
     full = cli_env(CLUSTER=name, LIGHTHOUSE=lighthouse, NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
                    RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", HOST_ADDR="127.0.0.1", MAX_RESTARTS="3",
                    GLOO_SOCKET_IFNAME="lo", KEY_FILE=KEY, **env)
@@ -111,7 +114,7 @@ def _cluster_job(name: str, lighthouse: str, *overrides: str, **env: str) -> sub
         full.pop(var, None)
     return subprocess.Popen(["bash", str(MULTINODE), "logger=none", "train.progress=false", "model=tiny",
                              "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]", *overrides],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full, cwd=REPO,
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True, env=full, cwd=REPO,
                             start_new_session=True)
 
 
@@ -186,3 +189,45 @@ def test_kill_9_of_a_cluster_job_while_its_worker_starts_leaves_no_worker(tmp_pa
     got = json.loads(result.read_text())
     assert got["worker"] is not None, got
     assert got["alive_after_10s"] is False, got
+
+
+def _events(run_dir: Path, cluster: str) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, filter(None, lines)) if e.get("cluster") == cluster]
+
+
+@pytest.mark.slow  # two launches of a cluster job, the second trains to the end: ~2 min on 2 busy cores
+def test_a_cluster_job_stopped_during_start_up_is_relaunched_with_the_same_command(tmp_path: Path,
+                                                                                   small_corpus: str) -> None:
+    """Issue 64: a cluster job stopped (Ctrl-C) while it waited to join its federation left its first event and no
+    record; relaunched, it was refused once ("already holds cluster b's run …"), then restarted by torchrun, trained,
+    and its summary counted a restart. Now: one line says what it continues, torchrun starts it once, no restart is
+    counted. (Cluster a never comes: b trains alone after federation.quorum_timeout_s.)"""
+    run_dir = tmp_path / "run"
+    args = [f"data.source={small_corpus}", f"run.dir={run_dir}", "algo=edit", "algo.interval=4", "train.steps=12",
+            "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.seq_len=32",
+            "train.batch_size=2", "federation.min_clusters=1", "federation.quorum_timeout_s=20"]
+    house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
+    log = tmp_path / "first.log"
+    try:
+        with open(log, "w") as sink:
+            first = _cluster_job("b", address, *args, stdout=sink, EDIT_TRAIN_WAIT_EVERY_S="2")
+            _wait_for(lambda: "waiting for the federation" in log.read_text(), 300, first)
+            os.killpg(first.pid, signal.SIGINT)  # Ctrl-C while it waits to join: before its first record
+            first.wait(timeout=120)
+        out1 = log.read_text()
+        assert [e["event"] for e in _events(run_dir, "b")] == ["eval"], out1[-3000:]  # what the stop leaves
+        assert not (run_dir / "clusters" / "b.progress.json").exists(), out1[-3000:]
+        second = _cluster_job("b", address, *args)
+        out2 = _finish(second, 400)
+    finally:
+        house.send_signal(signal.SIGTERM)
+        house.wait(timeout=30)
+    assert second.returncode == 0, out2[-4000:]
+    assert "already holds" not in out2 and "Traceback" not in out2, out2[-4000:]
+    assert out2.count("rank 0 starting") == 1, out2[-4000:]  # torchrun started it once: no restart
+    said = [x for x in out2.splitlines() if "holds only its earlier start" in x]
+    assert len(said) == 1 and said[0].startswith("cluster b: run.dir "), out2[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["per_cluster"]["b"]["restarts"] == 0 and summary["per_cluster"]["b"]["steps"] == 12, summary

@@ -399,18 +399,26 @@ def _finished_by_gate(cfg: Any, cluster: str, configured: list[str]) -> str | No
 
 
 def relaunched(cfg: Any) -> str | None:
-    """A cluster job started again over its own run (`clusters/<name>.progress.json` in run.dir) without
-    `resume`: it continues that run, as `resume=auto` would; returns the line that says so (None: nothing to
-    continue, or `resume` already set). A whole run is still refused over an earlier one (check_run_dir)."""
+    """A cluster job started again over its own run (`clusters/<name>.progress.json` in run.dir, or only its traces:
+    a job stopped during start-up leaves its events in metrics.jsonl and no record) without `resume`: it continues
+    that run, as `resume=auto` would; returns the line that says so (None: nothing to continue, or `resume` already
+    set). A whole run is still refused over an earlier one (check_run_dir)."""
     from edit_train.train.progress import record_path
 
     name = job_cluster(cfg)
     if name is None or str(cfg.resume).lower() in ("true", "auto") or _restarted():
         return None
-    record = record_path(Path(cfg.run.dir).expanduser(), name)
-    if not record.is_file():
+    path = Path(cfg.run.dir).expanduser()
+    record = record_path(path, name)
+    if record.is_file():
+        return f"cluster {name}: run.dir {cfg.run.dir} holds its earlier run ({record.name}): resuming it (resume=auto)"
+    # stopped before its first record (during start-up, or before its first sync): its events, nothing to resume
+    # from. (Its checkpoints without a record are no run this job can tell is its own: check_run_dir refuses them.)
+    trace = _cluster_trace(path, name) if path.is_dir() else None
+    if trace is None or trace.name != "metrics.jsonl":
         return None
-    return f"cluster {name}: run.dir {cfg.run.dir} holds its earlier run ({record.name}): resuming it (resume=auto)"
+    return (f"cluster {name}: run.dir {cfg.run.dir} holds only its earlier start (its events in metrics.jsonl, no "
+            "record, no checkpoint): starting it again (resume=auto)")
 
 
 def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
