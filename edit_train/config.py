@@ -262,6 +262,49 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=schema)
 
 
+def _check_topk_keys(sync: SyncConfig) -> None:
+    """A top-k key with a value top-k could never run (`sync.bits=3`, `sync.topk_density=2`) is refused whatever
+    `sync.compression` is: with another compression it would be ignored without a word (a typo, or a top-k run
+    meant but `sync.compression=topk` forgotten). Under top-k, CompressionConfig.validate checks the full format."""
+    from edit_train.codec.sparse_format import BITS, MAX_GROUP
+
+    if sync.compression == "topk":
+        return
+    unused = f"(a top-k setting: sync.compression={sync.compression} does not use it; drop it or set " \
+             "sync.compression=topk)"
+    d, b, g = sync.topk_density, sync.bits, sync.topk_group
+    _need(not isinstance(d, bool) and isinstance(d, (int, float)) and 0 < d <= 1, "sync.topk_density",
+          f"must be in (0, 1], got {d!r} {unused}")
+    _need(not isinstance(b, bool) and b in BITS, "sync.bits", f"must be one of {BITS}, got {b!r} {unused}")
+    _need(not isinstance(g, bool) and isinstance(g, int) and 1 <= g <= MAX_GROUP and not g & (g - 1),
+          "sync.topk_group", f"must be a power of two <= {MAX_GROUP}, got {g!r} {unused}")
+
+
+def _check_expert_subsets(cfg: Config) -> None:
+    """`algo.rule.verified.expert_subsets` set: what it needs that this config lacks, all of it in one line (the
+    rule's own checks, VerifiedConfig.validate and VerifiedRule.refuse, would reveal one per launch)."""
+    v, a, key = cfg.algo.rule.verified, cfg.algo, "algo.rule.verified.expert_subsets"
+    if not v.expert_subsets:
+        return
+    unmet = []
+    if not (a.local_sgd and a.rule.name == "verified"):
+        unmet.append(f"the verified rule of algo=edit or algo=a_edit (now algo={a.name} with algo.rule.name="
+                     f"{a.rule.name}: nothing would read the subsets)")
+    if v.expert_weights != "tokens":
+        unmet.append(f"algo.rule.verified.expert_weights=tokens (now {v.expert_weights}: an expert's update comes "
+                     "from its owners only, weighed by the tokens each routed to it)")
+    if cfg.sync.compression != "none":
+        unmet.append(f"sync.compression=none (now {cfg.sync.compression}: the rows a cluster does not send cannot "
+                     "go compressed)")
+    clusters = len(cluster_specs(cfg))
+    if clusters > cfg.sync.gather_max:
+        unmet.append(f"sync.gather_max >= {clusters} (now {cfg.sync.gather_max}: weights per expert need every "
+                     "cluster gathered, not a SUM)")
+    if cfg.model.num_experts < 1:
+        unmet.append("a model with routed experts (now model.num_experts=0)")
+    _need(not unmet, key, "needs " + "; ".join(unmet))
+
+
 def validate(cfg: Config) -> None:
     """Check cross-field rules; raise ConfigError naming the field and what to do."""
     from edit_train.sim.switch import check_real_network
@@ -294,6 +337,7 @@ def validate(cfg: Config) -> None:
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
     a.outer.validate()
+    _check_expert_subsets(cfg)  # every unmet prerequisite in one line, before the rule's own checks say one each
     a.rule.validate()
     if a.local_sgd:
         from edit_train.local_sgd.aggregator import capabilities_of
@@ -330,6 +374,7 @@ def validate(cfg: Config) -> None:
         CompressionConfig.of(cfg.sync).validate()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_topk_keys(cfg.sync)
     f = cfg.federation
     _check_host("federation.host", f.host, need_port=False)
     if f.lighthouse:

@@ -197,7 +197,9 @@ fi
 # Does the Lighthouse hold this cluster's key (and accept its identity)? A signed hello, before any rank
 # starts: a job holding another key, or an identity / roster that is missing, too open or not this cluster's,
 # stops here with one line (a refusing gate: after federation.join_timeout_s + 20 s of refusals) instead of
-# being restarted MAX_RESTARTS times by torchrun. An unreachable Lighthouse is not a refusal: the job starts.
+# being restarted MAX_RESTARTS times by torchrun; so does a Lighthouse address nobody listens on (start the
+# Lighthouse first). A worker that fails with a configuration error (exit 2) is not restarted either: the wrapper
+# below stops torchrun (edit_train/cli/torchrun_wrap.py).
 if [[ ${EDIT_DRY_RUN:-0} != 1 && ${EDIT_SKIP_KEY_CHECK:-0} != 1 ]]; then
     env EDIT_TRAIN_CLUSTER="$CLUSTER" EDIT_TRAIN_NODE_RANK="$NODE_RANK" EDIT_TRAIN_HOST="$HOST_ADDR" "${trust_env[@]}" "$python" -m edit_train.cli.key_check "${overrides[@]}" || exit 2
 fi

@@ -38,12 +38,28 @@ def test_which_experts_a_cluster_owns() -> None:
 
 def test_the_config_refuses_a_bad_map_in_one_line() -> None:
     validate(_cfg(*SUBSETS))
-    for extra, why in ((["algo.rule.verified.expert_weights=none"], "expert_subsets needs expert_weights=tokens"),
+    for extra, why in ((["algo.rule.verified.expert_weights=none"], "expert_subsets: needs algo.rule.verified.expert_"
+                                                                      "weights=tokens"),
                        (["algo.rule.verified.expert_subsets=0+1+2|3"], r"expert\(s\) \[4, 5, 6, 7\] belong to no"),
-                       (["sync.compression=int8"], "expert_subsets: the experts a cluster does not own are not sent")):
+                       (["sync.compression=int8"], r"expert_subsets: needs sync.compression=none \(now int8")):
         with pytest.raises((ConfigError, ValueError), match=why) as err:  # the rule's own check: ValueError
             validate(_cfg(*SUBSETS, *extra))
         assert "\n" not in str(err.value)
+
+
+def test_every_unmet_prerequisite_of_expert_subsets_is_in_one_line() -> None:
+    """Issue 64: expert subsets revealed its prerequisites one error per launch (weights, then compression, ...)."""
+    with pytest.raises(ConfigError) as err:
+        validate(_cfg("algo=edit", "algo.rule.verified.expert_subsets=split", "sync.compression=int8",
+                      "sync.gather_max=1", "experiment=noniid_lang_2"))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("algo.rule.verified.expert_subsets: needs "), line
+    for need in ("algo.rule.verified.expert_weights=tokens (now none", "sync.compression=none (now int8",
+                 "sync.gather_max >= 2 (now 1"):
+        assert need in line, line
+    with pytest.raises(ConfigError, match=r"the verified rule of algo=edit or algo=a_edit \(now algo=diloco"):
+        validate(_cfg("algo=diloco", "algo.rule.verified.expert_weights=tokens",
+                      "algo.rule.verified.expert_subsets=split", "experiment=noniid_lang_2"))
 
 
 def _experts(min_tokens: int) -> tuple[Experts, list[torch.nn.Parameter]]:

@@ -495,3 +495,21 @@ def test_the_hundredth_of_the_bytes_pair_is_planned_at_the_outer_lr_it_was_found
     with pytest.raises(PlanError, match=r"candidates.topk\[0\].outer_lr: must be a number > 0"):
         scenario_from_dict({**base, "candidates": {"topk": [{"density": 0.1, "bits": 2, "ef_decay": 0.6,
                                                               "outer_lr": "fast"}]}})
+
+
+def test_the_default_scenario_tries_top_k_and_runs_its_sites_as_a_real_federation():
+    """Issue 64: the default scenario (conf/plan/, the README's `edit-train plan`) tried no top-k although the docs
+    and the README lead with it, and its overrides for three sites of their own said `cluster=local`."""
+    from edit_train.cli.plan import compose_plan
+    from edit_train.plan.planner import overrides
+    from edit_train.plan.spec import TopK
+    from edit_train.plan.traffic import COMPRESSIONS
+
+    raw = dict(compose_plan([])["scenario"])
+    scn = scenario_from_dict(raw)
+    assert set(scn.candidates.compressions) == set(COMPRESSIONS) and "topk" in scn.candidates.compressions
+    cand = Candidate("edit", "overlap", "topk", 32, topk=TopK(**scn.candidates.topk[-1]))
+    over = overrides(scn, cand)
+    assert "cluster=real" in over and "cluster=local" not in over, over
+    local = scenario_from_dict({**raw, "simulated_link": True})  # one host's federation: the local launcher's
+    assert "cluster=local" in overrides(local, cand)

@@ -53,6 +53,20 @@ def _torchrun_rank() -> int | None:
     return None
 
 
+def cut_short(exc: BaseException) -> bool:
+    """An error raised while a Ctrl-C unwound the code (a `finally` or an `except` that failed on the state the
+    interrupt left half-built, e.g. OmegaConf's `'NoneType' object has no attribute '_invalidate_flags_cache'`):
+    the interrupt is what happened, not a user error to print."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return True
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def fail_once(message: str, code: int = 2) -> NoReturn:
     """`fail`, said by rank 0 only: the other torchrun workers hit the same error and exit with the same code."""
     rank = _torchrun_rank()
@@ -292,6 +306,8 @@ def fail_user_error(exc: BaseException) -> NoReturn:
     from edit_train.config import ConfigError
     from edit_train.cluster.mesh import TopologyError
 
+    if cut_short(exc):
+        raise KeyboardInterrupt from None
     message = one_line(exc)
     if isinstance(exc, (ConfigError, TopologyError, RunDirError)):
         fail_once(message)
@@ -399,18 +415,26 @@ def _finished_by_gate(cfg: Any, cluster: str, configured: list[str]) -> str | No
 
 
 def relaunched(cfg: Any) -> str | None:
-    """A cluster job started again over its own run (`clusters/<name>.progress.json` in run.dir) without
-    `resume`: it continues that run, as `resume=auto` would; returns the line that says so (None: nothing to
-    continue, or `resume` already set). A whole run is still refused over an earlier one (check_run_dir)."""
+    """A cluster job started again over its own run (`clusters/<name>.progress.json` in run.dir, or only its traces:
+    a job stopped during start-up leaves its events in metrics.jsonl and no record) without `resume`: it continues
+    that run, as `resume=auto` would; returns the line that says so (None: nothing to continue, or `resume` already
+    set). A whole run is still refused over an earlier one (check_run_dir)."""
     from edit_train.train.progress import record_path
 
     name = job_cluster(cfg)
     if name is None or str(cfg.resume).lower() in ("true", "auto") or _restarted():
         return None
-    record = record_path(Path(cfg.run.dir).expanduser(), name)
-    if not record.is_file():
+    path = Path(cfg.run.dir).expanduser()
+    record = record_path(path, name)
+    if record.is_file():
+        return f"cluster {name}: run.dir {cfg.run.dir} holds its earlier run ({record.name}): resuming it (resume=auto)"
+    # stopped before its first record (during start-up, or before its first sync): its events, nothing to resume
+    # from. (Its checkpoints without a record are no run this job can tell is its own: check_run_dir refuses them.)
+    trace = _cluster_trace(path, name) if path.is_dir() else None
+    if trace is None or trace.name != "metrics.jsonl":
         return None
-    return f"cluster {name}: run.dir {cfg.run.dir} holds its earlier run ({record.name}): resuming it (resume=auto)"
+    return (f"cluster {name}: run.dir {cfg.run.dir} holds only its earlier start (its events in metrics.jsonl, no "
+            "record, no checkpoint): starting it again (resume=auto)")
 
 
 def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
@@ -452,6 +476,8 @@ def precheck(argv: list[str]) -> tuple[RunDirGuard | None, list[str]]:
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - every user error becomes one line
+        if cut_short(exc):
+            raise KeyboardInterrupt from None
         fail_once(one_line(exc))
     pin = None if explicit_override(argv, "run.dir") else _pin(cfg.run.dir)
     return RunDirGuard.before(cfg.run.dir), added + ([pin] if pin else [])

@@ -83,7 +83,7 @@ def one_line(exc: BaseException) -> str:
                                              "Set the environment")) and "$VALUE" not in line and line not in parts:
                 parts.append(line)
                 break
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)  # `raise … from None`: not
     return " — ".join(parts) or type(exc).__name__
 
 
@@ -95,6 +95,30 @@ def equal_clusters(overrides: list[str]) -> list[str]:
     if "cluster.count" in keys and not keys & {"cluster", "cluster.slowdown", "cluster.clusters"}:
         return ["cluster.slowdown=[]"]
     return []
+
+
+# Hydra's flags that take a value (`--cfg job`, `--info defaults`, `--config-name NAME`, ...): that value is no override
+_VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn",
+                "--config-dir", "-cd", "--experimental-rerun")
+
+
+def add_overrides(argv: list[str], added: list[str]) -> list[str]:
+    """`argv` (Hydra's command line: flags and overrides) with `added` next to the user's own overrides. Hydra reads
+    the overrides as one run of positional arguments: `--cfg job cluster.count=3` with `cluster.slowdown=[]` put in
+    front of `--cfg` is `unrecognized arguments: cluster.count=3`. So they go right after the last override, or
+    first when the command line holds none (before any flag, whose optional value they would otherwise become)."""
+    if not added:
+        return list(argv)
+    last, skip = -1, False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in _VALUE_FLAGS and i + 1 < len(argv) and not argv[i + 1].startswith("-") and (
+                arg not in ("--info", "-i") or "=" not in argv[i + 1])
+        else:
+            last = i
+    return [*argv[:last + 1], *added, *argv[last + 1:]]
 
 
 def compose(overrides: list[str]) -> Any:
@@ -121,7 +145,9 @@ def setup_logging(rank: int = 0) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     fmt = "[%(asctime)s edit-train] %(message)s" if rank == 0 else f"[rank {rank}] %(levelname)s %(message)s"
     logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", force=True)
-    for noisy in ("wandb", "urllib3", "torch.distributed.elastic"):
+    # "torch": what a complete torch import sets itself; one cut short by Ctrl-C leaves it to the root's INFO, and
+    # its exit hooks then log FakeTensor's cache statistics under our name
+    for noisy in ("wandb", "urllib3", "torch", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for name in filter(None, os.environ.get("EDIT_TRAIN_DEBUG", "").split(",")):  # e.g. edit_train.local_sgd.probe
         logging.getLogger(name.strip()).setLevel(logging.DEBUG)

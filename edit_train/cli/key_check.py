@@ -6,8 +6,10 @@ signed hello the Lighthouse never sees).
 
 `launchers/torchrun_multinode.sh` runs it on every node. A gate that refuses the key for
 `federation.join_timeout_s` + 20 s stops the job here with one line (exit 2) — before torchrun, which would
-otherwise restart a job that can never get in `MAX_RESTARTS` times. A gate that cannot be reached is not a
-refusal: the job starts and waits for the Lighthouse as usual.
+otherwise restart a job that can never get in `MAX_RESTARTS` times. A Lighthouse address nobody listens on is the
+same kind of mistake (every rank 0 would fail at once with `cannot reach the Lighthouse`, and be restarted): one line,
+exit 2, before torchrun and before anything is written into run.dir. (A gate that listens but does not answer the
+hello in time is not a refusal: the job starts and waits for it as usual.)
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - one line for a bad override
         fail(one_line(exc))
     from edit_train.federation import auth
-    from edit_train.federation.quorum import check_key
-    from edit_train.local_sgd.errors import FederationRefused
+    from edit_train.federation.quorum import check_key, check_reachable
+    from edit_train.local_sgd.errors import FederationError, FederationRefused
     from edit_train.config import ConfigError
     from edit_train.train.build import credentials, key_refused_after_s, key_source
 
@@ -46,9 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         check_host_here("federation.host", os.environ.get("EDIT_TRAIN_HOST") or f.host)
         key = auth.resolve(f.key_file, f.insecure, [f.lighthouse])
         creds = credentials(cfg, name)
-        check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f), credentials=creds)
-    except (auth.KeyFileError, ConfigError, FederationRefused) as exc:
-        fail(one_line(exc))
+        if not check_key(f.lighthouse, name, key, key_source(f.key_file), key_refused_after_s(f), credentials=creds):
+            check_reachable(f.lighthouse, 10.0)  # nobody listens there: a wrong address or no Lighthouse yet
+    except (auth.KeyFileError, ConfigError, FederationError) as exc:  # FederationRefused is one
+        fail(f"cluster {name}: {one_line(exc)}" if isinstance(exc, FederationError) and
+             not isinstance(exc, FederationRefused) else one_line(exc))
 
 
 if __name__ == "__main__":

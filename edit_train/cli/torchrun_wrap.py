@@ -7,9 +7,14 @@ ends in our one line, not in torchrun's own traceback.
   except torchrun's own failure report (its log lines about failed / signalled workers and its traceback with
   the `ChildFailedError` table), which only LOG keeps; the workers already said what happened in one line;
 * when torchrun fails and no worker said why (`error: …`), one line names its exit and LOG;
-* torchrun dies with this process (parent-death signal) and its workers with torchrun (cli/parent.py), so
+* torchrun dies with this process (parent-death signal) and its workers with torchrun (cli/parent.py: they
+  know torchrun's pid, so one that was still starting when torchrun died ends too), so
   `kill -9` of the launcher leaves no worker training and holding its cluster's run lock; SIGTERM sent to this
-  process is passed on to torchrun, which stops its workers (Ctrl-C reaches torchrun itself).
+  process is passed on to torchrun, which stops its workers (Ctrl-C reaches torchrun itself);
+* a configuration error is not restarted: torchrun restarts a failed worker whatever its exit code
+  (`MAX_RESTARTS` times: the same line again and again, a minute or more), so a worker that fails with the user
+  error code (2, one `error: …` line said) first tells this wrapper through the file `$EDIT_TRAIN_NO_RESTART_FILE`
+  (cli/train.py `no_restart`); the wrapper then stops torchrun and exits 2.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from typing import IO
 
-from edit_train.cli.parent import die_with_parent
+from edit_train.cli.parent import record_parent_and_die_with_it
 
 # torchrun's own log lines (torch.distributed.elastic's: `E1128 01:02:03.456000 1234 torch/distributed/…] …`)
 _TORCHRUN_LOG = re.compile(r"^(\[\w+\]:)?[WEI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/|"
@@ -73,6 +80,22 @@ class Filter:
             self.held = []
 
 
+NO_RESTART_ENV = "EDIT_TRAIN_NO_RESTART_FILE"
+
+
+def _stop_on_marker(proc: subprocess.Popen, marker: str, stopped: threading.Event) -> None:
+    """Stop torchrun (SIGTERM: it stops its workers) once a worker wrote `marker`: its error is a configuration's."""
+    while proc.poll() is None:
+        if os.path.exists(marker):
+            stopped.set()
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            return
+        time.sleep(0.1)
+
+
 def _exit_line(code: int, log_path: str, hidden: int) -> str | None:
     where = f"torchrun's own report ({hidden} line(s)) is in {log_path}" if hidden else f"its output is in {log_path}"
     if code < 0:
@@ -89,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     log_path, cmd = args[0], args[2:]
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    with open(log_path, "a", encoding="utf-8", errors="replace") as log:
+    with open(log_path, "a", encoding="utf-8", errors="replace") as log, \
+            tempfile.TemporaryDirectory(prefix="edit-train-torchrun-") as tmp:
         log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S %z')} {' '.join(cmd)}\n")
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,
-                                text=True, errors="replace", bufsize=1)
+        marker = os.path.join(tmp, "no_restart")
+        os.environ[NO_RESTART_ENV] = marker  # torchrun and its workers inherit it (and torchrun's pid: preexec_fn)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                preexec_fn=record_parent_and_die_with_it, text=True, errors="replace", bufsize=1)
+        stopped = threading.Event()
+        threading.Thread(target=_stop_on_marker, args=(proc, marker, stopped), daemon=True).start()
 
         def forward(signum: int, _frame: object) -> None:
             if proc.poll() is None:
@@ -108,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             out.line(text)
         out.close()
         code = proc.wait()
+        if stopped.is_set():  # a worker's configuration error, said in its one line: not restarted
+            log.write(f"==== a worker failed with a configuration error (exit 2): torchrun stopped, not restarted "
+                      f"(it exited {code})\n")
+            if not out.said:
+                print(f"torchrun_multinode.sh: a worker failed with a configuration error; its output is in {log_path}",
+                      file=sys.stderr, flush=True)
+            return 2
         line = _exit_line(code, log_path, out.hidden)
         if line is not None:
             log.write(f"==== {line}\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edit_train.cli import checks
-from edit_train.cli.common import CONF_DIR, equal_clusters, fail, one_line, setup_logging
+from edit_train.cli.common import CONF_DIR, add_overrides, equal_clusters, fail, one_line, setup_logging
 from edit_train.local_sgd.errors import ClusterError
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -110,6 +110,8 @@ def _task(dcfg: Any) -> None:
 
         if isinstance(exc, Interrupted):
             fail(checks.interrupted_message(run_dir, detail=str(exc)), code=130)
+        if checks.cut_short(exc):  # an error of the code a Ctrl-C unwound: the interrupt is what happened
+            fail(checks.interrupted_message(run_dir), code=130)
         raise
     if summary and int(os.environ.get("RANK", "0")) == 0:  # every launch path ends with the closing block
         from edit_train.config import cluster_specs
@@ -202,16 +204,45 @@ def main() -> None:
     guards: list[checks.RunDirGuard] = []
     try:
         if under_torchrun():
-            from edit_train.cli.parent import die_with_parent
+            from edit_train.cli.parent import die_with_torchrun
 
-            die_with_parent()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
+            die_with_torchrun()  # a SIGKILLed torchrun takes its workers (and their run locks) with it
         _main(guards)
+    except SystemExit as exc:
+        if exc.code == 2 and under_torchrun():
+            no_restart()  # a configuration error: torchrun must not start this worker again (cli/torchrun_wrap.py)
+        raise
     except KeyboardInterrupt:
         for guard in guards:
             guard.cleanup()  # Hydra may have created run.dir already: a start-up Ctrl-C leaves nothing behind
         run_dir = guards[0].path if guards else None
         fail(checks.interrupted_message(run_dir, detail="during start-up") if run_dir is not None and run_dir.is_dir()
              else "interrupted during start-up: nothing was written", code=130)
+
+
+def no_restart(wait_s: float = 30.0) -> None:
+    """This torchrun worker failed with a configuration error (exit 2, its one line said): torchrun would restart it
+    `--max-restarts` times, whatever the code. Under launchers/torchrun_multinode.sh (its wrapper names the file in
+    $EDIT_TRAIN_NO_RESTART_FILE) tell the wrapper, which stops torchrun, and wait to be stopped with it, so torchrun
+    never sees a failed worker to restart. Elsewhere (plain torchrun): nothing."""
+    import signal
+    import time
+
+    path = os.environ.get("EDIT_TRAIN_NO_RESTART_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')}\n")
+    except OSError:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends this process at once
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _main(guards: list[checks.RunDirGuard]) -> None:
@@ -234,11 +265,12 @@ def _main(guards: list[checks.RunDirGuard]) -> None:
               "config, loading torch, the data and the model)", flush=True)
     register_configs()
     sys.argv[1:] = renamed_overrides(sys.argv[1:])  # `cluster.groups=2`: read as cluster.count=2, with a warning
-    sys.argv[1:1] = equal_clusters(sys.argv[1:])  # `cluster.count=N` alone: N equal clusters
-    sys.argv[1:1] = real_preset(sys.argv[1:])  # a cluster job of a real federation: cluster=real, not the demo's
+    # next to the user's overrides, never between a flag and them (`--cfg job cluster.count=3`)
+    sys.argv[1:] = add_overrides(sys.argv[1:], equal_clusters(sys.argv[1:]))  # `cluster.count=N` alone: N equal
+    sys.argv[1:] = add_overrides(sys.argv[1:], real_preset(sys.argv[1:]))  # a real federation's job: cluster=real
     # compose + validate + run.dir checks before Hydra creates run.dir (single runs; see cli/checks.py)
     guard, added = checks.precheck(sys.argv[1:])
-    sys.argv.extend(added)
+    sys.argv[1:] = add_overrides(sys.argv[1:], added)
     if guard is not None:
         guards.append(guard)
     try:

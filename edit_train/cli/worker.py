@@ -7,11 +7,26 @@ import json
 import os
 import sys
 
-from edit_train.cli.common import fail, one_line, setup_logging
-
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    try:
+        _main(args)
+    except KeyboardInterrupt:
+        interrupted_starting()
+
+
+def interrupted_starting() -> None:
+    """Ctrl-C while this rank starts (importing torch, reading the config, building the model): its launcher, in the
+    same process group, got it too and says the one line. No traceback per worker, and no exit handlers: a torch
+    import cut short leaves its atexit hooks (FakeTensor's cache statistics) and logging half set up."""
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def _main(args: list[str]) -> None:
+    from edit_train.cli.common import fail, one_line, setup_logging
+
     if len(args) != 1:
         fail("usage: python -m edit_train.cli.worker CONFIG.json")
     rank = int(os.environ.get("RANK", "0"))
@@ -56,5 +71,8 @@ def _exit_without_teardown() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # between main's return and here, or before main ran its try
+        interrupted_starting()
     _exit_without_teardown()

@@ -49,7 +49,7 @@ class QuorumClient:
         self._timeout = connect_timeout_s
         self.refusals = KeyRefusals(lighthouse, name, key, key_source, refuse_after_s)
         self._warned: set[tuple[str, str]] = set()
-        _check_reachable(lighthouse, connect_timeout_s)
+        check_reachable(lighthouse, connect_timeout_s)
         self._partitioned_until = 0.0
         self._stop = threading.Event()
         self._interval = heartbeat_interval_s
@@ -203,7 +203,7 @@ def check_key(lighthouse: str, name: str, key: bytes, key_source: str, refuse_af
             refusals.refused(count=False)  # refused before, unreachable now (a restart?): not a verified answer
 
 
-def _check_reachable(lighthouse: str, timeout_s: float) -> None:
+def check_reachable(lighthouse: str, timeout_s: float) -> None:
     """A plain TCP connect: a heartbeat would already count this cluster as present (and make the others
     wait for it) before it is ready to join."""
     host, _, port = lighthouse.split("://", 1)[-1].rpartition(":")

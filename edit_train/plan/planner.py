@@ -216,7 +216,10 @@ def overrides(scn: Scenario, cand: Candidate) -> list[str]:
         extra = f",slowdown:{c.slowdown:g}" if c.slowdown != 1.0 else ""
         extra += f",batch_size:{c.batch_size}" if c.batch_size else ""
         specs.append(f"{{name:{c.name},ranks:{c.ranks}{extra}}}")
-    out += ["cluster=local", f"cluster.clusters=[{','.join(specs)}]"]  # cluster=local: no preset slowdowns
+    # no preset slowdowns either way: one host's federation (a simulated link, shared cores) is the local launcher's,
+    # sites of their own are each a cluster job of a real federation (launchers/README.md): cluster=real
+    preset = "local" if scn.simulated_link or scn.host_cores else "real"
+    out += [f"cluster={preset}", f"cluster.clusters=[{','.join(specs)}]"]
     out += [f"federation.min_clusters={scn.min_clusters}", f"federation.join_timeout_s={scn.join_timeout_s:g}"]
     if scn.simulated_link and scn.link.bandwidth_mbps + scn.link.latency_ms > 0:
         out += [f"cluster.link.bandwidth_mbps={scn.link.bandwidth_mbps:g}",
