@@ -120,3 +120,38 @@ def test_the_summary_and_the_closing_block_say_the_outer_step_and_where_it_came_
     assert "  outer step: lr 0.7, momentum 0.8 Nesterov (as set)" in closing_block({**summary, "outer": set_all}, "x")
     ddp = {k: v for k, v in summary.items() if k != "outer"}
     assert "outer step" not in closing_block(ddp, "runs/x")  # DDP has none
+
+
+def test_a_benchmark_reuses_an_edit_run_of_the_old_step_only_where_it_pins_that_step(tmp_path):
+    """`--reuse`: an edit run recorded before issue 66 that named no outer step ran 0.7 / 0.8 (its config.json says
+    so); today's same overrides would run the default by cluster count, so it is not reused — unless today's pin
+    0.7 / 0.8. A run of today (config.json: null) and any other algorithm compare as before."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _common as C
+
+    base = ["algo=edit", "cluster.count=2", "seed=11"]
+    old_pin = [*base, "algo.outer.lr=0.7", "algo.outer.momentum=0.8"]
+
+    def recorded(name: str, algo: str, lr: float | None, momentum: float | None, args: list[str]) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "summary.json").write_text("{}")
+        (run / "config.json").write_text(json.dumps({"algo": {"name": algo, "outer": {"lr": lr,
+                                                                                       "momentum": momentum}}}))
+        (run / "bench_job.json").write_text(json.dumps({"args": C.job_args(run, args), "wall_s": 1.0}))
+        return run
+
+    old = recorded("old", "edit", 0.7, 0.8, base)
+    assert C.finished_run(old, base) is None  # it ran the old step; today's run would not
+    assert C.finished_run(old, old_pin) is not None  # today's run pinning that step is the same run
+    assert C.finished_run(old, [*base, "algo.outer.lr=0.7"]) is None  # the momentum would be the default's today
+    today = recorded("today", "edit", None, None, base)
+    assert C.finished_run(today, base) is not None and C.finished_run(today, old_pin) is None
+    named = recorded("named", "edit", 0.5, 0.5, [*base, "algo.outer.lr=0.5", "algo.outer.momentum=0.5"])
+    assert C.finished_run(named, [*base, "algo.outer.lr=0.5", "algo.outer.momentum=0.5"]) is not None
+    ddp = recorded("ddp", "ddp", 0.7, 0.8, ["algo=ddp", "seed=11"])
+    assert C.finished_run(ddp, ["algo=ddp", "seed=11"]) is not None
