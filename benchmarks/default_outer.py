@@ -135,7 +135,7 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     for j, lab in enumerate(labels):
         vals = [summary[k].get(lab, {}).get("ratio", float("nan")) for k in keys]
         ax.bar([i + (j - (len(labels) - 1) / 2) * width for i in range(len(keys))], vals, width=width,
-               label="the rule's default" if lab == "default" else f"outer {lab} (named)")
+               label="the default by cluster count" if lab == "default" else f"outer {lab} (named)")
     ax.axhline(BAR, color="gray", ls="--", lw=1, label=f"issue 66's bar ({BAR})")
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(keys)), [k.replace("g", "M = ").replace("_s", ", seed ") for k in keys])
