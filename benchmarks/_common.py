@@ -118,12 +118,19 @@ def finished_run(run_dir: Path, overrides: Sequence[str]) -> dict[str, Any] | No
         rec = json.loads(record.read_text())
     except json.JSONDecodeError:
         return None
-    from edit_train.retired import current_override, implicit_before
+    from edit_train.retired import current_override, edit_outer_then, implicit_before
 
     # a run recorded before a key's rename (edit_train/retired.py) is the same run under today's key, and one recorded
-    # before a default changed is the same run as today's that pins the old default
+    # before a default changed is the same run as today's that pins the old default (and only that one: an edit run
+    # that ran the outer step of before issue 66 is not today's that leaves it to the default by cluster count)
     args = [current_override(x)[0] for x in rec.get("args") or []]
-    want = job_args(run_dir, overrides)
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = None
+    want = edit_outer_then(job_args(run_dir, overrides), args, config)
+    if want is None:
+        return None
     if args == want:
         return rec
     return rec if args == implicit_before(want, args, record.stat().st_mtime) else None

@@ -93,15 +93,19 @@ def window_kind(run: str) -> str | None:
     return None if run in ("clean", JITTER) else "sign_flip" if kind == "payload" else kind
 
 
-def jitter_override(extra: list[str]) -> str:
-    """The outer lr (a `--set algo.outer.lr=…`, else conf/algo/edit.yaml's) × (1 + 1e-5): a perturbation that
-    costs nothing by itself, so the jittered run's distance from the clean one is the per-seed resolution of
-    every loss ratio here."""
+def jitter_override(extra: list[str], clusters: int, interval: int) -> str:
+    """The outer lr (a `--set algo.outer.lr=…`, else conf/algo/edit.yaml's, else — unset there — the default for
+    `clusters` clusters at `interval`) × (1 + 1e-5): a perturbation that costs nothing by itself, so the jittered
+    run's distance from the clean one is the per-seed resolution of every loss ratio here."""
     from omegaconf import OmegaConf
+
+    from edit_train.local_sgd.outer import default_outer_step
 
     key = "algo.outer.lr="
     given = [e.removeprefix(key) for e in extra if e.startswith(key)]
-    lr = float(given[-1]) if given else float(OmegaConf.load(C.BENCH_DIR.parent / "conf/algo/edit.yaml").outer.lr)
+    preset = OmegaConf.load(C.BENCH_DIR.parent / "conf/algo/edit.yaml").outer.lr
+    lr = float(given[-1]) if given else float(preset) if preset is not None else \
+        default_outer_step(clusters, interval)[0]
     return f"{key}{lr * (1 + 1e-5)!r}"
 
 
@@ -181,7 +185,7 @@ def plan(a: argparse.Namespace) -> list[tuple[int, int, str, list[str], dict[str
             base = common_overrides(a, n, seed)
             out.append((n, seed, "clean", base, {}))
             if a.jitter:
-                out.append((n, seed, JITTER, [*base, jitter_override(a.extra)], {}))
+                out.append((n, seed, JITTER, [*base, jitter_override(a.extra, n, a.interval)], {}))
             for oracle in dict.fromkeys(oracle_of(k) for k in a.kinds):
                 kind = window_kind(oracle)
                 win = window_syncs(a, kind)

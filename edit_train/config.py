@@ -248,6 +248,32 @@ def cluster_specs(cfg: Config) -> list[ClusterSpec]:
     return [ClusterSpec(f"c{i}", c.ranks, i, float(slow[i]) if i < len(slow) else 1.0) for i in range(c.count)]
 
 
+@dataclass(frozen=True)
+class OuterStep:
+    """The outer step a run uses (`outer_step`): the config with every field a number, and how it was chosen."""
+
+    config: OuterConfig
+    clusters: int  # the configured clusters the default was chosen for
+    interval: int
+    unset: tuple[str, ...]  # the fields that took the default by cluster count ("lr", "momentum"); () all named
+
+    def record(self) -> dict[str, Any]:
+        """What summary.json keeps of it (`outer`; the closing block says it: cli/train.py `outer_text`)."""
+        o = self.config
+        return {"optimizer": o.optimizer, "lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov,
+                "default_for": list(self.unset), "clusters": self.clusters, "interval": self.interval}
+
+
+def outer_step(cfg: Config) -> OuterStep:
+    """The one place `algo.outer`'s unset (null) lr / momentum become numbers: the default by the number of
+    configured clusters and the interval (`local_sgd/outer.py: default_outer_step`; `algo=edit` leaves both unset).
+    Everything that uses the outer step — the algorithm, the federation's fingerprint, validation, the summary —
+    reads it from here; a value named on the command line or in a preset wins."""
+    a = cfg.algo
+    clusters, interval = max(len(cluster_specs(cfg)), 1), max(int(a.interval), 1)  # (validate refuses < 1 itself)
+    return OuterStep(a.outer.resolved(clusters, interval), clusters, interval, a.outer.unset)
+
+
 def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore (no group options: `algo=schema` etc. is not a choice).
 
@@ -336,7 +362,7 @@ def validate(cfg: Config) -> None:
           "places the syncs of a step schedule (algo.schedule=step, a local-SGD algorithm); set it to 0")
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
-    a.outer.validate()
+    outer_step(cfg).config.validate()  # algo.outer with the default by cluster count filled in
     _check_expert_subsets(cfg)  # every unmet prerequisite in one line, before the rule's own checks say one each
     a.rule.validate()
     if a.local_sgd:

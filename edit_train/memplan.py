@@ -227,9 +227,9 @@ def frozen_expert_rows(cfg: Any) -> int:
 
 def plan_for_config(cfg: Any, gpu_mem_gb: float | None = None) -> dict[str, Any]:
     """``memory_plan`` for a composed ``Config`` (train/cluster/algo sections)."""
-    from edit_train.config import cluster_specs
+    from edit_train.config import cluster_specs, outer_step
 
-    t, o, sync = cfg.train, cfg.algo.outer, cfg.sync
+    t, o, sync = cfg.train, outer_step(cfg).config, cfg.sync  # the outer step's momentum: unset takes the default
     return memory_plan(cfg.model, shard_size=cfg.cluster.ranks, batch_size=t.batch_size,
                        seq_len=t.seq_len, precision=t.precision,
                        checkpointing=getattr(t, "activation_checkpointing", "none"),

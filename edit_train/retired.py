@@ -127,6 +127,29 @@ def implicit_before(overrides: list[str], recorded: list[str], recorded_at: floa
     return out
 
 
+# Issue 66: `algo=edit` leaves algo.outer.lr / momentum unset (the default by cluster count); before, its preset
+# named the EDiT paper's 0.7 / Nesterov 0.8. A run recorded then that named neither ran those: its config.json holds
+# them as numbers (today's holds null).
+EDIT_OUTER_BEFORE = {"algo.outer.lr": "0.7", "algo.outer.momentum": "0.8"}
+
+
+def edit_outer_then(overrides: list[str], recorded: list[str], config: dict[str, Any] | None) -> list[str] | None:
+    """`overrides` as a run recorded with `recorded` (its resolved `config`, config.json) would have named them, when
+    it ran `algo=edit`'s outer step of before issue 66 without naming it: the same run only if `overrides` pin both
+    old numbers (returned without those pins), else None (today it would run the default by cluster count: another
+    run). Any other run: `overrides` unchanged."""
+    algo = (config or {}).get("algo") or {}
+    outer = algo.get("outer") or {}
+    named = {o.lstrip("+~").split("=", 1)[0] for o in recorded}
+    if algo.get("name") != "edit" or named & set(EDIT_OUTER_BEFORE) or outer.get("lr") is None \
+            or outer.get("momentum") is None:
+        return overrides
+    pins = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] in EDIT_OUTER_BEFORE}
+    if set(pins) != set(EDIT_OUTER_BEFORE) or not all(_same_number(v, EDIT_OUTER_BEFORE[k]) for k, v in pins.items()):
+        return None
+    return [o for o in overrides if o.split("=", 1)[0] not in EDIT_OUTER_BEFORE]
+
+
 def _same_number(a: str, b: str) -> bool:
     """`0.01` and `1e-2` alike; a value that is no number (`null`) is not the old default."""
     try:

@@ -143,6 +143,20 @@ def local_steps_text(steps: list[int]) -> str:
     return f"median {statistics.median(steps):g} local steps each"
 
 
+def outer_text(o: dict[str, Any]) -> str:
+    """`lr 0.5, momentum 0.5 Nesterov (lr and momentum: the default for 2 clusters, interval 8; docs/algorithms.md)`:
+    summary.json's `outer` (config.py `OuterStep.record`) for the closing block."""
+    text = f"lr {o['lr']:g}, momentum {o['momentum']:g}{' Nesterov' if o.get('nesterov') else ''}"
+    if o.get("optimizer", "SGD") != "SGD":
+        text = f"{o['optimizer']}, {text}"
+    unset = list(o.get("default_for") or [])
+    if not unset:
+        return f"{text} (as set)"
+    n = o.get("clusters")
+    return (f"{text} ({' and '.join(unset)}: the default for {n} cluster{'s' if n != 1 else ''}, interval "
+            f"{o.get('interval')}; docs/algorithms.md)")
+
+
 def _run_line(rec: dict[str, Any], run_dir: str) -> str:
     init = rec.get("initial_val_loss")
     val = f"{init:.3f} -> {rec['final_val_loss']:.3f}" if init is not None else f"{rec['final_val_loss']:.3f}"
@@ -194,6 +208,8 @@ def closing_block(summary: dict[str, Any], run_dir: str, cluster: str | None = N
                          else "") + " (the last cluster to finish completes it)")
     elif len(clusters) == 1 and next(iter(clusters.values())).get("time"):
         lines.append(f"  time: {time_split(next(iter(clusters.values()))['time'])}")
+    if summary.get("outer"):
+        lines.append(f"  outer step: {outer_text(summary['outer'])}")
     lines.append(f"  report: edit-train-report {run_dir}")
     return "\n".join(lines)
 

@@ -6,29 +6,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from edit_train.local_sgd.staleness import MOMENTUM_KEYS, StalenessConfig, correct
 
-__all__ = ["OuterConfig", "OuterState"]
+__all__ = ["DEFAULT_OUTER_STEPS", "OuterConfig", "OuterState", "default_outer_step"]
 
 _PREFIX = "algo.outer"  # where the config lives in the Hydra tree (for error messages)
+
+# The outer step `algo=edit` gets when `algo.outer.lr` / `algo.outer.momentum` are left unset (null), by the number
+# of configured clusters M: (up to M clusters, lr, Nesterov momentum), the first row whose M is >= the federation's.
+# Measured at the convergence setting (tiny, 320 steps, H = 8, AdamW 3e-3; docs/algorithms.md, "The outer step's
+# default"): at M = 2 the 9-point grid lr {0.5, 0.7, 1.0} x momentum {0, 0.5, 0.8} is best at 0.5 / 0.5 (1.969;
+# the EDiT paper's 0.7 / 0.8 that edit shipped before: 2.203, worst but two). M >= 3 has not been tuned: it takes
+# M = 2's point (a shorter step is the safe side of an untuned one; benchmarks/default_outer.py measures it at 4).
+# The interval enters once a second interval is measured: every interval takes H = 8's row today.
+DEFAULT_OUTER_STEPS: tuple[tuple[float, float, float], ...] = ((2, 0.5, 0.5), (math.inf, 0.5, 0.5))
+MEASURED_INTERVALS = (8,)  # the intervals the table was measured at
+
+
+def default_outer_step(clusters: int, interval: int) -> tuple[float, float]:
+    """(outer lr, Nesterov momentum) for a federation of `clusters` configured clusters syncing every `interval`
+    local steps: `DEFAULT_OUTER_STEPS`' row for the cluster count (the interval does not move it yet: the table
+    holds H = 8 only, `MEASURED_INTERVALS`)."""
+    if clusters < 1 or interval < 1:
+        raise ValueError(f"the outer step's default needs >= 1 cluster and an interval >= 1, got {clusters} "
+                         f"cluster(s), interval {interval}")
+    for up_to, lr, momentum in DEFAULT_OUTER_STEPS:
+        if clusters <= up_to:
+            return lr, momentum
+    raise AssertionError("DEFAULT_OUTER_STEPS ends with an unbounded row")
 
 
 @dataclass
 class OuterConfig:
-    """Outer optimizer: any ``torch.optim`` class by name (default Nesterov SGD)."""
+    """Outer optimizer: any ``torch.optim`` class by name (default Nesterov SGD). ``lr`` / ``momentum`` None: the
+    default by cluster count (`default_outer_step`), filled in by `resolved` before the config is used."""
 
     optimizer: str = "SGD"
-    lr: float = 0.7
-    momentum: float = 0.8
+    lr: Optional[float] = 0.7
+    momentum: Optional[float] = 0.8
     nesterov: bool = True
     kwargs: dict[str, Any] = field(default_factory=dict)
     offload: bool = False
@@ -43,6 +68,20 @@ class OuterConfig:
     staleness_strength: float = 1.0
     staleness_cap: float = 1.0
     staleness_kappa: float = 1.0
+
+    @property
+    def unset(self) -> tuple[str, ...]:
+        """The fields left to the default by cluster count (None): "lr", "momentum"."""
+        return tuple(k for k in ("lr", "momentum") if getattr(self, k) is None)
+
+    def resolved(self, clusters: int, interval: int) -> "OuterConfig":
+        """This config with `lr` / `momentum` left unset taken from `default_outer_step(clusters, interval)`; a set
+        value is kept (an explicit `algo.outer.lr` wins)."""
+        if not self.unset:
+            return self
+        lr, momentum = default_outer_step(clusters, interval)
+        return dataclasses.replace(self, lr=lr if self.lr is None else self.lr,
+                                   momentum=momentum if self.momentum is None else self.momentum)
 
     @property
     def staleness(self) -> StalenessConfig | None:
@@ -92,6 +131,9 @@ class OuterConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field."""
+        if self.unset:
+            raise ValueError(f"{_PREFIX}.{self.unset[0]} is unset: it is the default by cluster count only once "
+                             "resolved (OuterConfig.resolved); give a number")
         for key in ("momentum_warmup_syncs", "lr_warmup_syncs", "lr_decay_syncs"):
             v = getattr(self, key)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from edit_train.cluster.mesh import Topology, fsdp_units
-from edit_train.config import ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, to_container
+from edit_train.config import (ClusterSpec, Config, ConfigError, FederationConfig, cluster_specs, outer_step,
+                               to_container)
 from edit_train.fields import check_host_here
 from edit_train.codec.dense import CompressionConfig
 from edit_train.data.tokenizer import tokenizer_id
@@ -43,6 +45,8 @@ def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
     itself (local_sgd/claims.py), so a site with another tokenizer stops, not the others."""
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
+    if cfg.algo.outer.unset:  # the outer step the default by cluster count chose: clusters configured alike agree
+        keep["algo"]["outer"] = dataclasses.asdict(outer_step(cfg).config)
     keep["model"].pop("init_from", None)
     keep["model"].pop("loss_chunk", None)  # how the loss is computed, not what: clusters may differ
     if boundaries := sync_boundaries(cfg):  # syncs that follow the lr: where they go, from train's lr schedule
@@ -101,7 +105,7 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                                   join_timeout_s=cfg.federation.join_timeout_s, restarted=restart_count() > 0,
                                   authoritative=bool(roster),
                                   terms_source=roster or "this cluster's configuration")
-    return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=a.outer, rule=a.rule,
+    return LocalSGDConfig(local_sgd=a.local_sgd, schedule=schedule, outer=outer_step(cfg).config, rule=a.rule,
                           mode=cfg.sync.mode, prefetch=cfg.sync.prefetch, total_steps=cfg.train.steps,
                           time_budget_s=cfg.train.time_budget_s, eval_every=cfg.train.eval_every,
                           checkpoint_every=cfg.checkpoint.every,

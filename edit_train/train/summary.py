@@ -68,6 +68,7 @@ def merge(records: list[dict[str, Any]], configured: list[str]) -> dict[str, Any
         "downtime_s": max(end - start - live, 0.0),
         "tokens_per_s": tokens / max(wall, 1e-9),
         "final_val_loss": first["final_val_loss"],
+        **({"outer": first["outer"]} if "outer" in first else {}),  # the outer step and how it was chosen
         **({"final_val_loss_by_source": first["final_val_loss_by_source"]}
            if "final_val_loss_by_source" in first else {}),  # each source of a shared validation of several
         "initial_val_loss": next((r["initial_val_loss"] for r in records if r.get("initial_val_loss") is not None),

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from edit_train.config import Config, to_container, validate
+from edit_train.config import Config, outer_step, to_container, validate
 from edit_train.data.loader import TokenLoader
 from edit_train.cluster.mesh import Topology, init_topology, parallelize
 from edit_train.cluster.threads import ThreadBudget
@@ -519,6 +519,8 @@ class Trainer:
                                 time_split=self.timing.snapshot())
         if by_source:
             record["final_val_loss_by_source"] = by_source
+        if self.cfg.algo.local_sgd:  # the outer step it ran with, and whether the default by cluster count chose it
+            record["outer"] = outer_step(self.cfg).record()
         record["memory_plan_gib"] = plan_for_config(self.cfg)["total_gib"]  # per rank (edit-train-info's plan)
         if self.topo.device.type == "cuda":  # this rank's peak, to hold against the plan
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.topo.device) / 1024 ** 3
