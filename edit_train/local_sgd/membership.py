@@ -60,12 +60,13 @@ class Membership:
         self.sync_index = 0  # the anchor version this cluster holds
         self.healed_from: list[str] = []
         self.adopt_step: int | None = None  # set by a heal or an admission: continue from this step
-        # restarted or resumed, and not yet in a shared sync: the federation may have begun or moved on without
-        # it, so it heals to a state only another member holds (healing.py: ties keep what you have). A fresh
-        # start is not rejoining: the federation's first anchor is the same on every cluster by construction (the
-        # seeded initialisation or model.init_from, in the configuration fingerprint), so nobody heals at sync 1
-        # on one member's word (a resumed cluster is set rejoining by `SyncState.load`)
-        self.rejoining = cfg.restarted
+        # restarted, resumed or joining (not one of the configured clusters), and not yet in a shared sync: the
+        # federation may have begun or moved on without it, so it heals to a state only another member holds
+        # (healing.py: ties keep what you have). A configured cluster's fresh start is not rejoining: the
+        # federation's first anchor is the same on every cluster by construction (the seeded initialisation or
+        # model.init_from, in the configuration fingerprint), so nobody heals at sync 1 on one member's word (a
+        # resumed cluster is set rejoining by `SyncState.load`)
+        self.rejoining = cfg.restarted or transport.name not in cfg.expected
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -159,7 +160,10 @@ class Membership:
         sched = self.pacer.cfg.schedule
         agreed = claims.agreed_steps(q, sched.steps_at if self.lockstep_sgd else None)
         if self.lockstep_sgd:
-            bound = sched.steps_at(q.agreed_sync + 1)
+            # a sync that was lost leaves everyone's steps past what the sync count implies: a claim is named only
+            # past this cluster's own too (the honest all lost the same syncs)
+            own = q.members[q.me].data.get("total_steps", 0)
+            bound = max(sched.steps_at(q.agreed_sync + 1), own if isinstance(own, int) else 0)
             for i, m in enumerate(q.members):
                 claim = m.data.get("total_steps", 0)
                 if i != q.me and isinstance(claim, int) and claim > bound:
