@@ -24,6 +24,7 @@ class Judge:
     def __init__(self, core: SyncCore, report: SyncReport, rows: ExpertRows) -> None:
         self.core, self.report, self.rows = core, report, rows
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
+        self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
@@ -48,7 +49,7 @@ class Judge:
         taken since the anchor it holds (`SyncCore.steps_bound`, the same on every member: the decisions stay
         everyone's). A claim over it and over this cluster's own steps (the honest lost the same syncs) is named: a
         claim of 4x its steps buys no weight (issue 69)."""
-        caps = self.core.steps_bound
+        caps = self.steps_bound
         if len(caps) != claimed.numel():
             return claimed
         cap = torch.tensor(caps, dtype=claimed.dtype)
