@@ -1,7 +1,9 @@
 """A federation that finished, across sites (issue 48, 2): each cluster has its own run.dir, so a cluster
 relaunched after its peers finished learns it from the gate — each cluster tells it, in a request signed by its
-own roster identity, that it finished — and exits 0 in one line instead of training alone to the end. A name
-cannot mark another finished, and a cluster that never trained here is not stopped."""
+own roster identity, that it finished — and exits 0 in one line instead of training alone to the end, once a strict
+majority of the configured clusters signed (issue 69; tests/test_insiders_finished_notice.py: with two clusters the
+other's notice alone is said and not counted). A name cannot mark another finished, and a cluster that never
+trained here is not stopped."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def _relaunch(fed: Path, run_dir: Path, lighthouse: str, monkeypatch: pytest.Mon
     nothing_left(cfg, cluster_specs(cfg), "b")
 
 
-def test_a_cluster_resumed_after_its_peers_finished_elsewhere_exits_0_in_one_line(
+def test_a_cluster_resumed_after_its_one_peer_finished_elsewhere_trains_on_in_one_line(
         fed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     g = _serve(fed)
     try:
@@ -80,12 +82,12 @@ def test_a_cluster_resumed_after_its_peers_finished_elsewhere_exits_0_in_one_lin
         record_path(run_b, "b").write_text(json.dumps({"saved_at": time.time() - 60}))
         _relaunch(fed, run_b, g.address, monkeypatch)  # a has not finished: b trains (returns)
         assert tell_finished(g.address, "a", 20, KEY, _creds(fed, "a"))
-        start = time.monotonic()
-        with pytest.raises(SystemExit) as code:
-            _relaunch(fed, run_b, g.address, monkeypatch)
-        assert code.value.code == 0 and time.monotonic() - start < 30
+        capsys.readouterr()
+        # a's notice is 1 of 2 configured clusters, not a strict majority (issue 69: one member's word about itself
+        # ends nobody else's run): b trains on, and says whose notice did not count
+        _relaunch(fed, run_b, g.address, monkeypatch)
         lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-        assert len(lines) == 1 and "cluster b: its federation finished without it (a at step 20" in lines[0], lines
+        assert len(lines) == 1 and "says a at step 20 (roster key" in lines[0] and "not counted" in lines[0], lines
         # a cluster that never trained here (no progress record) is not stopped by the gate's word
         _relaunch(fed, tmp_path / "fresh", g.address, monkeypatch)
     finally:
@@ -95,8 +97,9 @@ def test_a_cluster_resumed_after_its_peers_finished_elsewhere_exits_0_in_one_lin
 # two cluster processes around a gate, one killed and relaunched: ~20 s on 2 busy cores
 def test_two_sites_one_relaunched_after_the_other_finished_exits_0(tmp_path: Path, small_corpus: str) -> None:
     """a and b train with SEPARATE run dirs over one gate with a roster; b dies, a finishes alone and tells the
-    gate; b relaunched with resume=auto said nothing of a (its run.dir holds no record of a) and trained alone —
-    now it exits 0 within 30 s with one line naming a."""
+    gate; b relaunched with resume=auto learns it from the gate, but a's notice is 1 of 2 configured clusters (issue
+    69: one member's word about itself ends nobody else's run, and with two clusters the other's notice could be a
+    lie): b says so in one line naming a's roster key and finishes its part alone."""
     import os
     import signal
     import subprocess
@@ -134,17 +137,15 @@ def test_two_sites_one_relaunched_after_the_other_finished_exits_0(tmp_path: Pat
         assert a.returncode == 0, out_a[-3000:]
         assert progress.is_file() and not (tmp_path / "site-b" / "clusters" / "b.json").is_file()
         assert finished_peers(g.address, "b", KEY, _creds(fed, "b")) == {"a": 12}
-        t0 = time.monotonic()
         again = subprocess.run(cmd("b", "resume=auto"), capture_output=True, text=True,
-                               env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, timeout=120)
-        took = time.monotonic() - t0
+                               env=cli_env(EDIT_TRAIN_CLUSTER="b"), cwd=tmp_path, timeout=300)
     finally:
         for p in (locals().get("a"), locals().get("b")):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
         g.shutdown()
-    said = [x for x in again.stderr.strip().splitlines() if x.strip()]
-    assert again.returncode == 0 and took < 30, again.stderr[-3000:]
-    assert len(said) == 1 and "cluster b: its federation finished without it (a at step 12" in said[0], said
-    assert not (tmp_path / "site-b" / "clusters" / "b.json").is_file()  # it did not train alone to the end
+    said = [x for x in again.stderr.strip().splitlines() if "not counted" in x]
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(said) == 1 and "says a at step 12 (roster key" in said[0], said
+    assert (tmp_path / "site-b" / "clusters" / "b.json").is_file()  # it finished its part (alone)

@@ -394,7 +394,8 @@ def nothing_left(cfg: Any, specs: list[Any], cluster: str | None) -> None:
 
 def _finished_by_gate(cfg: Any, cluster: str, configured: list[str]) -> str | None:
     """Across sites (a run.dir per cluster): a cluster resumed over its own run (its progress record) asks the
-    gate which roster members finished; the line when every other one did (train/finished.py)."""
+    gate which roster members finished; the line when a strict majority of the configured clusters did
+    (train/finished.py; a minority's notices are said in one line and not counted)."""
     from edit_train.train.progress import record_path
 
     f = cfg.federation
@@ -411,7 +412,11 @@ def _finished_by_gate(cfg: Any, cluster: str, configured: list[str]) -> str | No
     except Exception:  # noqa: BLE001 - a bad key or identity is said by the run's own checks, in one line
         return None
     done = finished_peers(f.lighthouse, cluster, key, creds)
-    return gate_finished_line(cluster, configured, cfg.train.steps, done, f.lighthouse)
+    keys = {n: creds.key_id(n) for n in done} if creds is not None else {}
+    line, minority = gate_finished_line(cluster, configured, cfg.train.steps, done, f.lighthouse, keys)
+    if minority is not None and int(os.environ.get("RANK", "0") or 0) == 0:
+        print(minority, file=sys.stderr, flush=True)
+    return line
 
 
 def relaunched(cfg: Any) -> str | None:

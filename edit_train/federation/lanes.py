@@ -185,15 +185,17 @@ class Lanes:
 
 
 class SilentStores:
-    """The members whose lanes' store did not answer (`SilentStore`), each left out of this cluster's next
-    quorums: `LEAVE_OUT_SYNCS`, twice as many each time again. The leader's: `blame` after a connect failed,
+    """The members whose lanes' store did not answer (`SilentStore`), or who never came to a collective the others
+    waited for until it failed (`stalled`), each left out of this cluster's next quorums: `LEAVE_OUT_SYNCS`, twice
+    as many each time again. The leader's: `blame` after a connect failed,
     `vet` on every issued quorum before its lanes connect."""
 
     def __init__(self, me: str) -> None:
         self.me = me
         self.asked = 0  # quorums vetted so far
         self.until: dict[str, int] = {}  # member -> the last quorum (count) it is left out of
-        self.times: dict[str, int] = {}  # member -> how often its store was silent
+        self.times: dict[str, int] = {}  # member -> how often its store was silent (or it stalled a collective)
+        self.blamed: list[str] = []  # members blamed for a stalled collective, not yet in an event
 
     def blame(self, q: Quorum, exc: BaseException) -> None:
         """The lanes of `q` failed with `exc`: a silent store is its first member's (never this cluster's own)."""
@@ -207,6 +209,31 @@ class SilentStores:
         log.warning("cluster %s: cluster %s's lanes' store at %s accepted no handshake within %g s (quorum %d): "
                     "left out of the next %d syncs (%s)", self.me, host.name, host.store, STORE_PROBE_S,
                     q.quorum_id, n, signed)
+
+    def stalled(self, q: Quorum, who: list[int], what: str) -> str:
+        """Members `who` of `q` never came to `what` (a collective this cluster waited for until it failed; every
+        other member had come): each left out of the next quorums like a silent store. The clause that names them."""
+        said = []
+        for i in who:
+            m = q.members[i]
+            if m.name == self.me:
+                continue
+            k = self.times[m.name] = self.times.get(m.name, 0) + 1
+            n = min(LEAVE_OUT_SYNCS * 2 ** (k - 1), 1 << 16)
+            self.until[m.name] = self.asked + n
+            self.blamed.append(m.name)
+            signed = f"roster key {m.signer}" if m.signer else "no roster: unsigned"
+            said.append(f"cluster {m.name} ({signed}) never came to the {what} of quorum {q.quorum_id}: left out of "
+                        f"the next {n} syncs")
+            log.warning("cluster %s: cluster %s never came to the %s of quorum %d (every other member had): left out "
+                        "of the next %d syncs (%s)", self.me, m.name, what, q.quorum_id, n,
+                        f"its records signed by {signed}" if m.signer else signed)
+        return "; ".join(said)
+
+    def take_blamed(self) -> list[str]:
+        """The members blamed for a stalled collective since the last call (the `sync_aborted` event names them)."""
+        out, self.blamed = self.blamed, []
+        return out
 
     def vet(self, q: Quorum) -> Quorum:
         """`q` less the members left out for a silent store (the rest under a nonce of their own)."""

@@ -23,9 +23,10 @@ class Pending(Generic[T]):
 
     def __init__(self, clock: LinkClock, works: list[Any], ready_at: float,
                  settle: Callable[[bool], bool | str] | None = None, what: str = "collective",
-                 result: Callable[[], T] | None = None) -> None:
+                 result: Callable[[], T] | None = None, blame: Callable[[BaseException], str] | None = None) -> None:
         self._clock, self._works, self._ready_at, self._settle = clock, works, ready_at, settle
         self._result = result
+        self._blame = blame  # a failed work's error -> who made it fail ("": nobody known), added to the reason
         self.what = what
         self.done = False
         self.blocked_s = 0.0
@@ -66,4 +67,5 @@ class Pending(Generic[T]):
         if ok is not True:
             why = (str(error).strip().splitlines() or [repr(error)])[0] if error is not None else \
                 (ok if isinstance(ok, str) and ok else "a peer rank failed")
-            raise FederationError(f"{self.what} failed: {why}")
+            who = self._blame(error) if error is not None and self._blame is not None else ""
+            raise FederationError(f"{self.what} failed: {why}" + (f"; {who}" if who else ""))

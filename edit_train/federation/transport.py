@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -78,6 +79,8 @@ class LaneTransport:
         self.mover = ModuleMover(cluster, lanes, self.clock, self.compression, self.feedback, chunks)
         self._seal = Seal(key, "")  # the current quorum's tags (its nonce once issued)
         self.silent = SilentStores(name)  # members whose lanes' store never answered: left out for a while
+        self._mark_sends: list[Any] = []  # the arrival marks of the last small exchange, in flight
+        self._marked_at = 0.0  # when this leader marked its arrival at the last small exchange (monotonic)
 
     # ------------------------------------------------------------ accounting
     @property
@@ -212,8 +215,10 @@ class LaneTransport:
         c = self.cluster
         context = self._seal.context(what)
         sealed = [torch.empty(vec.numel() + TAG // 8, dtype=torch.float64) for _ in range(n)]
+        marks: dict[int, Any] = {}
         if c.rank == 0:  # a ring all-gather: this leader's row (and its tag) goes to each of the n − 1 others
             ready_at = self.clock.account((n - 1) * (vec.numel() * vec.element_size() + TAG))
+            marks = self._mark(q)
             works = [self.lanes.groups[0].allgather([sealed], [self._seal.wrap(vec, context, q.me)],
                                                     AllgatherOptions())]
 
@@ -239,7 +244,42 @@ class LaneTransport:
                     out[i].copy_(flat[i + 1])
             return True if ok else (why or False)
 
-        return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)))
+        return Pending(self.clock, works, ready_at, settle=share, what=what, result=lambda: result(torch.stack(out)),
+                       blame=lambda error: self._stalled(q, marks, error, what))
+
+    def _mark(self, q: Quorum) -> dict[int, Any]:
+        """The leader's arrival mark: one byte to every other leader as it enters a small exchange, and a receive of
+        each of theirs (gloo matches sends and receives per peer and tag, in order). Costs no round trip: nothing
+        waits for them unless the exchange fails (`_stalled`)."""
+        pg, marks = self.lanes.groups[0], {}
+        self._marked_at = time.monotonic()
+        self._mark_sends = [pg.send([torch.ones(1, dtype=torch.uint8)], j, MARK_TAG)
+                            for j in range(len(q.members)) if j != q.me]
+        for j in range(len(q.members)):
+            if j != q.me:
+                buf = torch.zeros(1, dtype=torch.uint8)
+                marks[j] = (pg.recv([buf], j, MARK_TAG), buf)
+        return marks
+
+    def _stalled(self, q: Quorum, marks: dict[int, Any], error: BaseException, what: str) -> str:
+        """After exchange `what` of `q` failed with `error`: the members that never came to it — their mark did not
+        arrive while this cluster waited — named and left out of the next quorums (`SilentStores.stalled`), when
+        that is what failed it: the wait ran out (a timeout), or this cluster waited half the collective deadline
+        and some other member came (that one gave up on them first). A failure that comes sooner (a member's
+        connection closed: a crash, wherever it happened) blames nobody."""
+        if not marks:
+            return ""
+        missing = [j for j, (w, buf) in marks.items() if not _arrived(w, buf)]
+        text = str(error).lower()
+        timed_out = "timed out" in text or "timeout" in text
+        waited = time.monotonic() - self._marked_at >= 0.5 * self.connect_timeout_s
+        if not missing or not (timed_out or (waited and len(missing) < len(marks))):
+            return ""
+        return self.silent.stalled(q, missing, what)
+
+    def take_stalled(self) -> list[str]:
+        """The members this cluster blamed for a stalled exchange since the last call (for the `sync_aborted` event)."""
+        return self.silent.take_blamed()
 
     # ------------------------------------------------------- unit reduce / gather
     def reduce_(self, tensors: list[Tensor], params: list[Tensor] | None = None, key: str = "",
@@ -302,6 +342,20 @@ class LaneTransport:
         if not self._seal.ok(f"{self._seal.nonce}/heal/{self._quorum.me}", src, payload, mac):
             raise HealError(f"healing payload from cluster {who} does not verify (another key, or altered): refused")
         return payload
+
+
+MARK_TAG = 13  # the arrival marks of a small exchange (`_mark`); heal bytes use 11 and 12
+
+
+def _arrived(work: Any, buf: Tensor) -> bool:
+    """Did a mark's receive bring its byte (never blocks: a receive still pending did not)?"""
+    try:
+        if not work.is_completed():
+            return False
+        work.wait()
+    except Exception:  # noqa: BLE001 - a failed receive brought nothing
+        return False
+    return bool(buf[0] == 1)
 
 
 def lighthouse_transport(name: str, cluster: ClusterGroup, lighthouse: str | None, host: str = "127.0.0.1",

@@ -268,6 +268,10 @@ class LocalSGD:
         if not contributors:
             self.t.abort()
             return
+        if self.pacer.lockstep:  # what each member can have taken since the anchor it holds (judge.py)
+            sched, top = self.cfg.schedule, self.cfg.schedule.steps_at(q.agreed_sync + 1)
+            self.driver.core.steps_bound = [max(top - sched.steps_at(min(m.sync, q.agreed_sync)), 1)
+                                            for m in q.members]
         driver = self.driver  # the final sync runs blocking in every mode: every cluster ends on θ̄
         if final and isinstance(driver, OverlapDriver):
             driver = BlockingDriver(driver.core, driver.on_complete, driver.on_abort, False, True)
@@ -290,6 +294,13 @@ class LocalSGD:
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()
+        q = self.t.quorum
+        stalled = getattr(self.t, "take_stalled", lambda: [])()  # who never came to an exchange (transport.py)
+        if q is not None:
+            for i, m in enumerate(q.members):
+                if m.name in stalled:
+                    self.suspects.name(q, i, f"never came to an exchange of sync {report.sync} (the sync was lost): "
+                                       "left out of the next quorums", kind="stalled")
         self.records.aborted(report, why)
         self.membership.aborted()
 

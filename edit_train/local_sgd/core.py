@@ -66,6 +66,11 @@ class SyncCore:
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
     scale_bound: float = 0.0  # a contribution counts for at most this many times the quorum's median (scale.py)
     max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
+    # a step schedule: per member of the round's quorum, the most local steps it can have taken since its anchor (the
+    # steps between the anchor version it holds and the boundary this sync makes: the same on every member, from the
+    # quorum's records); a claim over it counts as it (judge.py). Empty: no bound (a time schedule, where a
+    # cluster's speed is its own word: docs/security.md). Set for each round.
+    steps_bound: list[int] = field(default_factory=list)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
 

@@ -63,9 +63,10 @@ class Healer:
         healed. A received anchor is probed on this cluster's own data first where it has a probe (`judge`): one
         worse than its own by more than the probe tolerance is refused. Ties keep what you have: a state only one
         other member holds (with two clusters: a newer sync only the other claims) is adopted only by a cluster
-        that is `rejoining` (new, restarted or resumed, not yet in a shared sync), and then only if the probe did
+        that is `rejoining` (restarted or resumed, not yet in a shared sync; a fresh start never is), and then only if the probe did
         not find it worse; otherwise the payload is taken off the wire and dropped, and this cluster keeps its
-        own state and syncs on."""
+        own state and syncs on. Nobody heals to a state that no strict majority of the other members holds (three
+        clusters each claiming another state: the newest is one member's word)."""
         sources = {i: q.source_for(i) for i in q.behind()}
         mine = [i for i, s in sources.items() if s == q.me]
         if mine:
@@ -126,11 +127,13 @@ class Healer:
             except ValueError as exc:
                 raise HealError(f"healing payload from {src}: {k}: {exc}") from None
         worse = self.judge(mine) if self.judge is not None and meta.get("local_phase") else None
-        if _held_by_one(q) and (worse is not None or not rejoining):
+        minority = not _held_by_most_others(q)
+        if minority or (_held_by_one(q) and (worse is not None or not rejoining)):
             first = src not in self.kept_own
             self.kept_own = [*[n for n in self.kept_own if n != src], src][-4:]
-            why = worse or "no other member holds it, and a tie keeps what this cluster has (only a new, restarted " \
-                "or resumed cluster heals to it)"
+            why = worse or ("no strict majority of the other members holds it" if minority else
+                            "no other member holds it, and a tie keeps what this cluster has (only a restarted or "
+                            "resumed cluster heals to it)")
             log.log(logging.WARNING if first else logging.INFO, "cluster %s: kept its own state (sync %d), not "
                     "cluster %s's sync %d that only it holds: %s (%s)", self.t.name, q.claim(q.me)[0], src, sync, why,
                     f"its records signed by roster key {q.members[source].signer}" if q.members[source].signer
@@ -144,6 +147,14 @@ class Healer:
             raise HealError(f"healing payload from {src} does not fit this model: {exc}") from None
         log.info("cluster %s: healed from %s (sync %d)", self.t.name, src, int(meta.get("sync_index", -1)))
         return True
+
+
+def _held_by_most_others(q: Quorum) -> bool:
+    """Does a strict majority of the other members hold the agreed state (two clusters: the other one)? A cluster
+    heals only to such a state, and then from one of its holders."""
+    agreed = q.agreed
+    holders = sum(1 for i in range(len(q.members)) if i != q.me and q.claim(i) == agreed)
+    return 2 * holders > len(q.members) - 1
 
 
 def _held_by_one(q: Quorum) -> bool:

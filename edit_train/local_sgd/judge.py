@@ -24,6 +24,7 @@ class Judge:
     def __init__(self, core: SyncCore, report: SyncReport, rows: ExpertRows) -> None:
         self.core, self.report, self.rows = core, report, rows
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
+        self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
@@ -35,12 +36,30 @@ class Judge:
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
-        self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": self._tokens(rows[:, n].clone(),
+        steps = self._steps(rows[:, n].clone())
+        self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
                      rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
         self._suspected(probe_suspects)
         self.rows.read(full[:, n + 1:n + 1 + m])
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return norms, marks, rows[:, n:n + k]
+
+    def _steps(self, claimed: Tensor) -> Tensor:
+        """The claimed local steps, each bounded under a step schedule by what the sync count lets that member have
+        taken since the anchor it holds (`SyncCore.steps_bound`, the same on every member: the decisions stay
+        everyone's). A claim over it and over this cluster's own steps (the honest lost the same syncs) is named: a
+        claim of 4x its steps buys no weight (issue 69)."""
+        caps = self.steps_bound
+        if len(caps) != claimed.numel():
+            return claimed
+        cap = torch.tensor(caps, dtype=claimed.dtype)
+        over = ~(claimed <= cap)  # NaN is over too
+        own = self.report.local_steps
+        for i in over.nonzero().flatten().tolist():
+            if not float(claimed[i]) <= own:
+                self.name(i, f"claims {float(claimed[i]):.4g} local steps at sync {self.report.sync}, more than the "
+                             f"{caps[i]} the step schedule allows since its anchor (bounded to it)", "local steps")
+        return torch.where(over, cap, claimed)
 
     def _tokens(self, steps: Tensor, claimed: Tensor) -> Tensor:
         """The claimed tokens, each bounded by the cluster's local steps x the most tokens per step any configured

@@ -60,9 +60,13 @@ class Membership:
         self.sync_index = 0  # the anchor version this cluster holds
         self.healed_from: list[str] = []
         self.adopt_step: int | None = None  # set by a heal or an admission: continue from this step
-        # new, restarted or resumed, and not yet in a shared sync: the federation may have begun or moved on
-        # without it, so it heals to a state only another member holds (healing.py: ties keep what you have)
-        self.rejoining = True
+        # restarted, resumed or joining (not one of the configured clusters), and not yet in a shared sync: the
+        # federation may have begun or moved on without it, so it heals to a state only another member holds
+        # (healing.py: ties keep what you have). A configured cluster's fresh start is not rejoining: the
+        # federation's first anchor is the same on every cluster by construction (the seeded initialisation or
+        # model.init_from, in the configuration fingerprint), so nobody heals at sync 1 on one member's word (a
+        # resumed cluster is set rejoining by `SyncState.load`)
+        self.rejoining = cfg.restarted or transport.name not in cfg.expected
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -118,9 +122,24 @@ class Membership:
             self.healed_from.append(healed)
         if q.shared:
             self.rejoining = False
+            self._name_ahead_of_start(q)
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
             self.adopt_step = self.pacer.adopt(agreed)
         return q
+
+    def _name_ahead_of_start(self, q: Quorum) -> None:
+        """Name a member that claims a sync past a start no one else has left: a strict majority of the quorum holds
+        the first anchor (sync 0, the same on every cluster by construction) and it claims a newer one. Only a
+        cluster that trained alone after the start-up wait (`quorum_timeout_s`) does this honestly; it is healed
+        back to the federation's first anchor either way (`Quorum.agreed`)."""
+        sync, digest = q.agreed
+        holders = sum(1 for i in range(len(q.members)) if q.claim(i) == (sync, digest))
+        if sync != 0 or 2 * holders <= len(q.members):
+            return
+        for i, m in enumerate(q.members):
+            if i != q.me and m.sync > sync:
+                self.suspects.name(q, i, f"claims sync {m.sync} where {holders} of {len(q.members)} members hold the "
+                                   "federation's first anchor (sync 0): not followed", kind="ahead of start")
 
     # ------------------------------------------------------------ the one writer of `sync_index`
     def holds(self, sync: int) -> None:
@@ -141,7 +160,10 @@ class Membership:
         sched = self.pacer.cfg.schedule
         agreed = claims.agreed_steps(q, sched.steps_at if self.lockstep_sgd else None)
         if self.lockstep_sgd:
-            bound = sched.steps_at(q.agreed_sync + 1)
+            # a sync that was lost leaves everyone's steps past what the sync count implies: a claim is named only
+            # past this cluster's own too (the honest all lost the same syncs)
+            own = q.members[q.me].data.get("total_steps", 0)
+            bound = max(sched.steps_at(q.agreed_sync + 1), own if isinstance(own, int) else 0)
             for i, m in enumerate(q.members):
                 claim = m.data.get("total_steps", 0)
                 if i != q.me and isinstance(claim, int) and claim > bound:
@@ -193,14 +215,21 @@ class Membership:
         """Is this start-up quorum one to ask again for (a configured cluster is still missing)?"""
         total_steps = self.pacer.total_steps
         missing = q is not None and not set(self.cfg.expected) <= {*q.names, *q.left_out}
-        # the federation has begun when another member holds a newer anchor; this cluster's own claim does not
-        # count (a solo quorum's agreed sync is its own: a transport claiming ahead must not make it start alone)
-        begun = q is not None and any(m.sync > 0 for i, m in enumerate(q.members) if i != q.me)
+        # the federation has begun when a strict majority of the other configured clusters holds a newer anchor;
+        # this cluster's own claim does not count (a solo quorum's agreed sync is its own: a transport claiming
+        # ahead must not make it start alone), nor does one member's (a liar claiming sync 1 must not make a fresh
+        # cluster start with it alone while a third configured cluster is still on its way)
+        begun = q is not None and 2 * sum(m.sync > 0 for i, m in enumerate(q.members) if i != q.me) > self._others(q)
         fresh = q is not None and not begun and total_steps == 0 and not self.cfg.restarted \
             and time.time() < deadline
         resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
             and time.time() < regroup
         return missing and (fresh or resumed)
+
+    def _others(self, q: Quorum) -> int:
+        """How many other clusters the federation has: the configured ones, or (none configured) this quorum's."""
+        configured = set(self.cfg.expected) - {self.t.name}
+        return len(configured) if configured else len(q.members) - 1
 
     def take_adopted(self) -> int | None:
         """The step this cluster moved to (once): the loop continues from there."""

@@ -10,6 +10,9 @@ them reached `train.steps` (a new launch of it; one its launcher restarts after 
 Either way the cluster says so in one line and exits 0 (`resume=auto` of a
 finished run, a cluster relaunched after its peers finished), instead of training one more interval or
 training alone from its last checkpoint. `resume=auto` with a larger `train.steps` continues a finished run.
+Across sites (a run.dir per cluster) the gate's signed `finished` notices stand in for the records, and count only
+when a strict majority of the configured clusters signed one (`gate_finished_line`): one member's word about itself
+ends nobody's run.
 """
 
 from __future__ import annotations
@@ -107,13 +110,22 @@ def peer_news(run_dir: str | Path, name: str, configured: list[str]) -> str:
 
 
 def gate_finished_line(name: str, configured: list[str], steps: int, finished: dict[str, int],
-                       gate: str) -> str | None:
-    """The line of a cluster `name` whose federation finished without it by the gate's word (across sites each
-    cluster has its own run.dir): every other configured cluster told the gate, signed, that it finished, and
-    one of them reached `train.steps`. None otherwise (it trains)."""
-    others = [n for n in configured if n != name]
-    if not others or not all(n in finished for n in others) or not any(finished[n] >= steps for n in others):
-        return None
-    done = ", ".join(f"{n} at step {finished[n]:,}" for n in others)
-    return (f"cluster {name}: its federation finished without it ({done}; told the Lighthouse gate at {gate}): "
-            "nothing to join; choose a new run.dir to train again")
+                       gate: str, keys: dict[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(the line of a cluster `name` whose federation finished without it by the gate's word, or None: it trains;
+    the line that says which notices did not count, or None). Across sites each cluster has its own run.dir, and
+    each finished cluster told the gate, signed, that it finished this run (the fingerprint). One member's word
+    about itself must not end another's run: the notices count only when a strict majority of the configured
+    clusters signed one and one of them reached `train.steps` (with two clusters never: a relaunched cluster
+    then finishes its part alone). `keys`: each name's roster key id, for the line."""
+    signed = sorted(n for n in finished if n in configured and n != name)
+    if not signed:
+        return None, None
+    if 2 * len(signed) > len(configured) and any(finished[n] >= steps for n in signed):
+        done = ", ".join(f"{n} at step {finished[n]:,}" for n in signed)
+        return (f"cluster {name}: its federation finished without it ({done}, {len(signed)} of {len(configured)} "
+                f"configured clusters; told the Lighthouse gate at {gate}): nothing to join; choose a new run.dir to "
+                "train again"), None
+    who = ", ".join(f"{n} at step {finished[n]:,}" + (f" (roster key {keys[n]})" if keys and keys.get(n) else "")
+                    for n in signed)
+    return None, (f"cluster {name}: the Lighthouse gate at {gate} says {who} finished this run: {len(signed)} of "
+                  f"{len(configured)} configured clusters, not a strict majority: not counted, training on")

@@ -1,0 +1,47 @@
+"""Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2
+and 5, on the toy federation over a real gate with a roster — the runs of `tests/test_insiders_first_heal.py`,
+`tests/test_insiders_claimed_steps.py` and `tests/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
+Prints one line per item and cluster count: (cluster, loss without the lie, loss with it, change); item 5 against
+the honest clusters' run without the staller, with the syncs they lost. docs/security.md quotes it. ~3 min."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from liar_utils import final_loss  # noqa: E402
+import test_insiders_claimed_steps as claimed  # noqa: E402
+import test_insiders_first_heal as first  # noqa: E402
+import test_insiders_stalled as stalled  # noqa: E402
+
+
+def _line(item: str, n: int, honest: list[str], base: dict, lied: dict) -> None:
+    row = []
+    for h in honest:
+        b, x = final_loss(base[h], 0), final_loss(lied[h], 0)
+        lost = sum(e["event"] == "sync_aborted" for e in lied[h].events)
+        row.append(f"{h}: {b:.4f} -> {x:.4f} ({100 * (x / b - 1):+.1f} %, {lost} syncs lost)")
+    print(f"{item}, {n} clusters: " + "; ".join(row), flush=True)
+
+
+def main() -> None:
+    logging.disable(logging.CRITICAL)
+    root = Path(tempfile.mkdtemp(prefix="insiders_checked-"))
+    for n in (2, 3):
+        names = [f"c{i}" for i in range(n)]
+        honest = names[:-1]
+        late = {"c1": first.GateRun.join_timeout_s + 1.0} if n == 3 else {}
+        _line("1 first heal", n, honest, first._run(root / f"1c{n}", names, False, late)[0],
+              first._run(root / f"1l{n}", names, True, late)[0])
+        _line("2 claimed steps", n, honest, claimed._run(root / f"2c{n}", names, False)[0],
+              claimed._run(root / f"2l{n}", names, True)[0])
+        _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
+              stalled._run(root / f"5l{n}", names, names[-1])[0])
+
+
+if __name__ == "__main__":
+    main()
