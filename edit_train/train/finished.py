@@ -4,7 +4,7 @@ A cluster's leader writes `clusters/<name>.json` when the cluster finishes (trai
 `clusters/<name>.progress.json` while it trains (train/progress.py). A cluster record is the last word on its
 cluster when it was written after the cluster's last progress save (a cluster resumed since then is training
 again). A run is finished for a cluster when its own record says so and it reached `train.steps` (or another
-cluster did: under a time schedule the first to reach it ends the run); a federation is finished for a
+cluster did; under a time schedule a cluster ends the run's syncs with its own count: `_reached`); a federation is finished for a
 cluster that did not get there when every other configured cluster's record says it finished and one of
 them reached `train.steps` (a new launch of it; one its launcher restarts after a failure finishes its part).
 Either way the cluster says so in one line and exits 0 (`resume=auto` of a
@@ -54,7 +54,7 @@ def finished_line(run_dir: str | Path, name: str, configured: list[str], steps: 
     its record); only a new launch stops for a federation that finished without it."""
     run_dir = Path(run_dir).expanduser()
     records = {n: r for n in dict.fromkeys([*configured, *_recorded(run_dir), name]) if (r := _record(run_dir, n))}
-    reached = sorted(n for n, r in records.items() if r["steps"] >= steps)
+    reached = sorted(n for n, r in records.items() if _reached(r, steps))
     mine = records.get(name)
     if mine is not None and reached:
         where = f"step {mine['steps']:,} of train.steps={steps:,}"
@@ -77,11 +77,18 @@ def run_finished_line(run_dir: str | Path, configured: list[str], steps: int) ->
     if len(configured) == 1:
         return finished_line(run_dir, configured[0], configured, steps, federated=False)
     records = {n: r for n in configured if (r := _record(run_dir, n))}
-    if len(records) < len(configured) or not any(r["steps"] >= steps for r in records.values()):
+    if len(records) < len(configured) or not any(_reached(r, steps) for r in records.values()):
         return None
     done = ", ".join(f"{n} at step {r['steps']:,}" for n, r in records.items())
     return (f"run.dir {run_dir} holds a finished run (every cluster finished: {done}; train.steps={steps:,}): "
             f"nothing to resume; {_further(steps)} or choose a new run.dir")
+
+
+def _reached(rec: dict[str, Any], steps: int) -> bool:
+    """Did this record end a run of at least `steps` train.steps? Its own count says so under a step schedule; under
+    a time schedule a cluster ends at the run's last sync with fewer or more steps than train.steps (pacer.run_syncs),
+    so the record's `train_steps` (the run's train.steps it ended) says so too."""
+    return rec["steps"] >= steps or (isinstance(rec.get("train_steps"), int) and rec["train_steps"] >= steps)
 
 
 def _further(steps: int) -> str:

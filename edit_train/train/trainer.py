@@ -517,6 +517,7 @@ class Trainer:
                                 device=str(self.topo.device), algo=self.cfg.algo.name, param_counts=self.param_counts,
                                 val_loss=val_loss, restarts=restart_count(), slowdown_slept_s=self.sim.slept_s,
                                 time_split=self.timing.snapshot())
+        record["train_steps"] = self.cfg.train.steps  # the run it ended (finished.py: a time schedule's end)
         if by_source:
             record["final_val_loss_by_source"] = by_source
         if self.cfg.algo.local_sgd:  # the outer step it ran with, and whether the default by cluster count chose it
