@@ -154,10 +154,12 @@ def test_interrupt_message_says_whether_a_checkpoint_exists(tmp_path):
 
 
 def test_ctrl_c_before_the_first_checkpoint(tmp_path, small_corpus):
-    """One process, checkpoints only at the end: SIGINT mid-run says there is nothing to resume from."""
+    """One process, no checkpoints (checkpoint.at_end=false: under the default a Ctrl-C saves one, see
+    test_interrupt_checkpoint.py): SIGINT mid-run says there is nothing to resume from."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "edit_train.cli.train",
-           *tiny_overrides(run_dir, small_corpus, "train.steps=100000", "train.eval_every=0")]
+           *tiny_overrides(run_dir, small_corpus, "train.steps=100000", "train.eval_every=0",
+                           "checkpoint.at_end=false")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
                             start_new_session=True)
     try:
