@@ -1,5 +1,6 @@
-"""Shared helpers for the training benchmarks: run one `edit-train` job as a subprocess, read what it
-wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §5), write JSON results, plots (matplotlib, Agg) and tables.
+"""The suite's shared runner (`python -m benchmarks NAME`): run one `edit-train` job as a subprocess, read what it
+wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §5), write JSON records (with the command, commit and
+box they came from) and plots (matplotlib, Agg) and tables.
 
 Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` puts this folder on
 ``sys.path``).
@@ -215,17 +216,50 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+RECORDS_DIR = BENCH_DIR.parent / "results"  # the committed records and their index (results/README.md)
+
+
+def provenance() -> dict[str, Any]:
+    """Where a record came from: the command that ran (as typed: `python -m benchmarks NAME ...`), the commit
+    (with `+dirty` when the tree had changes) and the box."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=BENCH_DIR.parent, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    commit = git("rev-parse", "--short", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    member = os.environ.get("BENCH_MEMBER")
+    argv = ["python", "-m", "benchmarks", member, *sys.argv[1:]] if member else ["python", *sys.argv]
+    return {"command": " ".join(argv), "commit": commit,
+            "box": f"{platform.node()} · {platform.platform()} · {os.cpu_count()} CPUs"}
+
+
 def write_json(path: Path, obj: Any) -> Path:
+    """Write a result; a dict gets `command`, `commit` and `box` where it has none. A record in results/
+    regenerates the index (results/README.md)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(obj, dict):
+        obj = {**{k: v for k, v in provenance().items() if k not in obj}, **obj}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(_clean(obj), indent=1, allow_nan=False) + "\n")
     tmp.replace(path)
-    if path.resolve().parent == BENCH_DIR.parent / "docs":  # a result in docs/: the measurements page follows
-        import benchmarks_md
-
-        benchmarks_md.OUT.write_text(benchmarks_md.render())
+    if path.resolve().parent == RECORDS_DIR and (RECORDS_DIR / "index.py").is_file():
+        index = _results_index()
+        index.OUT.write_text(index.render())
     return path
+
+
+def _results_index() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("results_index", RECORDS_DIR / "index.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
 
 
 def pyplot() -> Any:

@@ -127,6 +127,16 @@ def add_output_args(ap: argparse.ArgumentParser, stem: str, suffix: str) -> None
     ap.add_argument("--out-dir", type=Path, default=None, help="default: docs/ (a CPU smoke: benchmarks/results/)")
 
 
+def parse_and_pick(ap: argparse.ArgumentParser, argv: list[str] | None, stem: str, suffix: str
+                   ) -> tuple[argparse.Namespace, torch.device, str, Path] | None:
+    """Add the output arguments, parse `argv`, pick the device: (args, device, its label, the output file), or
+    None after one line on stderr (no GPU and not ``--quick``)."""
+    add_output_args(ap, stem, suffix)
+    args = ap.parse_args(argv)
+    picked = device_and_output(args, stem, stem, suffix)
+    return None if picked is None else (args, *picked)
+
+
 def device_and_output(args: argparse.Namespace, tool: str, stem: str, suffix: str
                       ) -> tuple[torch.device, str, Path] | None:
     """(device, its label, the output file) — or None after one line on stderr: no GPU and not ``--quick``."""

@@ -167,7 +167,7 @@ SETTINGS = {"convergence": [], "slow_link": SLOW, "convergence_4": ["cluster.cou
 EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
         "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
 # issue 51: Muon inner steps at edit's tuned Muon point when docs/compression_2026_muon.json was measured (lr 6e-2,
-# momentum 0.95, plain averaging; benchmarks/muon_lr.py has since found momentum 0.9 and the rule's clip off better),
+# momentum 0.95, plain averaging; the muon_lr study (results/muon_lr.json) has since found momentum 0.9 and the rule's clip off better),
 # so the uncompressed reference and every scheme run the 2026 inner optimizer alike
 EDIT_MUON = ["algo=edit", "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
              "algo.warmup_steps=0", "train.optimizer=muon", "train.lr=0.06"]

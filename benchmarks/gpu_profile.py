@@ -23,7 +23,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from _gpu import (Variant, add_output_args, add_shape_args, build_step, default_shape, device_and_output,
+from _gpu import (Variant, add_shape_args, build_step, default_shape, parse_and_pick,
                   sync)
 from edit_train.model.lm_loss import PROFILE_RANGE
 
@@ -70,13 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(ap)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=40)
-    add_output_args(ap, "gpu_profile", ".txt")
-    args = ap.parse_args(argv)
-
-    picked = device_and_output(args, "gpu_profile", "gpu_profile", ".txt")
+    picked = parse_and_pick(ap, argv, "gpu_profile", ".txt")
     if picked is None:
         return 2
-    device, name, out = picked
+    args, device, name, out = picked
     on_gpu = device.type == "cuda"
     if not on_gpu:  # the CPU smoke: the tiny model, one eager step
         args.model, args.eager, args.batch, args.seq, args.warmup, args.steps = "tiny", True, 1, 32, 1, 1

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from _gpu import (Variant, add_output_args, add_shape_args, build_step, default_shape, device_and_output,
+from _gpu import (Variant, add_shape_args, build_step, default_shape, parse_and_pick,
                   device_slug, sync)
 from edit_train.memplan import GIB, memory_plan
 from edit_train.model import count_params
@@ -144,14 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(ap)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per-device peak FLOP/s (default: table)")
-    add_output_args(ap, "gpu_step", ".json")
     ap.add_argument("--append", action="store_true", help="keep the file's other rows (same variant: replaced)")
-    args = ap.parse_args(argv)
-
-    picked = device_and_output(args, "gpu_step", "gpu_step", ".json")
+    picked = parse_and_pick(ap, argv, "gpu_step", ".json")
     if picked is None:
         return 2
-    device, name, out = picked
+    args, device, name, out = picked
     on_gpu = device.type == "cuda"
     if args.no_compile:
         args.modes = ["eager"]

@@ -61,7 +61,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "a_edit+overlap": ("a_edit", ["sync.mode=overlap"]),
     # issue 51: the staleness correction where the merged Δ is stale (overlap lands it one interval late)
     "a_edit+overlap+staleness": ("a_edit", ["sync.mode=overlap", "algo.outer.staleness_correction=true"]),
-    # issue 51: Muon inner steps, each algorithm at its tuned Muon point of benchmarks/muon_lr.py (docs/muon_lr.json:
+    # issue 51: Muon inner steps, each algorithm at its tuned Muon point of the muon_lr study (docs/muon_lr.json:
     # DDP lr 3e-2 with momentum 0.8; edit lr 4e-2 with momentum 0.9 and plain averaging), tuned under a decaying lr;
     # `--muon-lr` sets another lr for both arms (this benchmark's lr does not decay: train.steps is out of reach)
     "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03", "train.muon_momentum=0.8"]),
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--muon-lr", type=float, default=None,
-                    help="train.lr of the +muon arms (default: each one's tuned point of benchmarks/muon_lr.py)")
+                    help="train.lr of the +muon arms (default: each one's tuned point of the muon_lr study)")
     ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS),
                     help="runs to make (a_edit+overlap+staleness: issue 51's staleness correction, not by default)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",

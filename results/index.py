@@ -1,14 +1,17 @@
-"""Write docs/benchmarks.md from the benchmark results in docs/*.json, so the measurements page cannot drift.
+"""Write results/README.md, the index of the committed measurement records results/*.json, so it cannot drift.
 
-One section per benchmark (sorted by name): what it measures (the first paragraph of the benchmark script's
-module docstring), the commands that regenerate it (the docstring's command lines, and the command a result
-file recorded), then one part per result file: when and on what it was measured, its targets (value, pass)
-and its top-level figures. A result file of a shape this script does not know still gets its top-level scalar
-fields. Prose measurements no JSON holds are hand-written in docs/measurements_notes.md (linked, not copied).
-Reads only JSON and the scripts' source text (no benchmark is imported or run); the output is deterministic.
+First a table of every record: what it measures, whether it is current or superseded (and by which), and the
+command, commit and box it came from where the record holds them (a record's own `measures`, `superseded_by`,
+`command`, `commit` fields win over the table STATUS below). Then one section per benchmark (sorted by name):
+what it measures (the first paragraph of the suite member's module docstring, or the `retired` field of a
+record whose harness was retired), the commands that regenerate it, then one part per record: when and on
+what it was measured, its targets (value, pass) and its top-level figures. A record of a shape this script
+does not know still gets its top-level scalar fields. Prose readings are hand-written in
+docs/measurements_notes.md (linked, not copied). Reads only JSON and the scripts' source text (no benchmark is
+imported or run); the output is deterministic.
 
-    python benchmarks/benchmarks_md.py                 # rewrites docs/benchmarks.md
-    python benchmarks/benchmarks_md.py --check         # exit 1 when docs/benchmarks.md is not what it would write
+    python results/index.py                 # rewrites results/README.md
+    python results/index.py --check         # exit 1 when results/README.md is not what it would write
 """
 
 from __future__ import annotations
@@ -23,10 +26,37 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = REPO / "docs"
+RESULTS = REPO / "results"
 BENCH = REPO / "benchmarks"
-OUT = DOCS / "benchmarks.md"
-SKIP_FIELDS = {"benchmark", "command", "quick", "note"}  # shown elsewhere in the section
+OUT = RESULTS / "README.md"
+SKIP_FIELDS = {"benchmark", "command", "quick", "note", "commit", "measures", "superseded_by", "retired"}
+
+# What each record measures and whether a later one replaced it, where the record does not say so itself
+# (fields `measures`, `superseded_by`). A record not named here is current and measures what its benchmark's
+# docstring says.
+STATUS: dict[str, dict[str, str]] = {
+    "compression": {"measures": "int8 / fp8 / top-k payloads with plain error feedback (the planner reads its "
+                                "loss ratios)"},
+    "compression_2026": {"measures": "top-k with error feedback as outer momentum, 3 seeds (the planner reads it)"},
+    "compression_2026_4clusters": {"measures": "compression_2026's schemes at 4 clusters"},
+    "compression_2026_muon": {"measures": "compression_2026's schemes with Muon inner steps"},
+    "compression_2026_screen": {"measures": "the screen of error-feedback decay x outer lr (ef_momentum_grid)"},
+    "compression_2026_shipped": {"measures": "compression_2026's schemes with the shipped AdamW inner step"},
+    "convergence": {"measures": "val loss vs tokens per algorithm, 3 seeds (the planner's kappa fit)"},
+    "convergence_2026": {"measures": "issue 51's outer-loop options on convergence's grid"},
+    "convergence_small": {"measures": "the tuned points confirmed on model=small"},
+    "convergence_tuned": {"measures": "each algorithm tuned on the same budget (the grid)"},
+    "moe_sync_quick": {"measures": "moe_sync's --quick run", "superseded_by": "moe_sync"},
+    "penalty_faults": {"measures": "the verified rule against one faulty cluster, full grid (6 kinds x 2-4 "
+                                   "clusters x 3 seeds)"},
+    "penalty_faults_960": {"measures": "penalty_faults' sign_flip / garbage_data on a 960-step run"},
+    "penalty_faults_960_n3": {"measures": "penalty_faults_960 with 3 clusters"},
+    "penalty_faults_long": {"measures": "penalty_faults' sign_flip / garbage_data at 480 steps, seed 0"},
+    "plan_validation_before_compile": {"measures": "the first full plan validation, the planner before "
+                                                   "compile-aware profiles", "superseded_by": "plan_validation"},
+    "plan_validation_first": {"measures": "the planner before issue 42 on plan_validation's runs"},
+    "redesign_check": {"measures": "the default test suite's count and time before and after the re-cut"},
+}
 COMMAND = re.compile(r"^\s{2,}((?:sudo |PYTHONPATH=\S+ )*(?:python|bash) benchmarks/\S+.*)$")
 
 
@@ -72,6 +102,14 @@ def doc_commands(doc: str) -> list[str]:
             commands.append(command)
         i += 1
     return commands
+
+
+def retired_group(stem: str, data: dict[str, Any]) -> str | None:
+    """The retired harness a record came from (its `retired.harness` field)."""
+    retired = data.get("retired")
+    if isinstance(retired, dict) and isinstance(retired.get("harness"), str):
+        return Path(retired["harness"]).stem
+    return None
 
 
 def script_for(stem: str, data: dict[str, Any]) -> str | None:
@@ -179,16 +217,75 @@ def records_table(records: Any, max_columns: int = 12, max_rows: int = 40) -> li
 HEADLINE_FIELDS = ("summary", "results", "rows")  # record collections shown as a table (first columns only)
 
 
+def status(stem: str, data: dict[str, Any]) -> dict[str, str]:
+    """What a record measures and what superseded it: its own fields, else STATUS, else its harness's line."""
+    out = dict(STATUS.get(stem, {}))
+    for key in ("measures", "superseded_by"):
+        if isinstance(data.get(key), str):
+            out[key] = data[key]
+    return out
+
+
+def command_of(data: dict[str, Any]) -> str | None:
+    retired = data.get("retired") if isinstance(data.get("retired"), dict) else {}
+    command = data.get("command") or retired.get("command")
+    return " ".join(command) if isinstance(command, list) else command if isinstance(command, str) else None
+
+
+def commit_of(data: dict[str, Any]) -> str | None:
+    for holder in (data, data.get("env"), data.get("environment"), data.get("retired")):
+        if isinstance(holder, dict) and isinstance(holder.get("commit"), str):
+            return holder["commit"]
+    return None
+
+
+def records_index(records: list[tuple[Path, dict[str, Any], str]]) -> list[str]:
+    """The table of every record: measures, current or superseded by which, command, commit, box."""
+    rows = ["| record | measures | status | command | commit | box |", "|---|---|---|---|---|---|"]
+    for path, data, group in records:
+        st = status(path.stem, data)
+        measures = st.get("measures") or summary_line(group)
+        later = st.get("superseded_by")
+        state = f"superseded by [`{later}.json`](#{anchor(later + '.json')})" if later else "current"
+        command = command_of(data)
+        rows.append(f"| [`{path.name}`](#{anchor(path.name)}) | {fmt(measures)} | {state} | "
+                    f"{'`' + fmt(command) + '`' if command else '—'} | {fmt(commit_of(data))} | "
+                    f"{fmt(environment(data))} |")
+    return rows
+
+
+def anchor(name: str) -> str:
+    """The GitHub anchor of a record's heading (`### name`)."""
+    return re.sub(r"[^\w\- ]", "", name.lower()).replace(" ", "-")
+
+
+def summary_line(group: str) -> str:
+    script = BENCH / f"{group}.py"
+    if not script.is_file():
+        return "a record kept by hand"
+    line = first_paragraph(docstring(script))
+    return line.split(". ")[0].rstrip(".") if line else group
+
+
 def result_part(path: Path, data: dict[str, Any]) -> list[str]:
-    lines = [f"### `docs/{path.name}`", "", f"Measured: {environment(data)}."]
+    lines = [f"### {path.name}", "", f"Measured: {environment(data)}."]
+    st = status(path.stem, data)
+    if st.get("superseded_by"):
+        lines[-1] += f" Superseded by [`{st['superseded_by']}.json`](#{anchor(st['superseded_by'] + '.json')})."
+    if commit_of(data):
+        lines[-1] += f" Commit {commit_of(data)}."
     if "quick" in data:
         lines[-1] += f" `--quick`: {fmt(data['quick'])}."
-    if isinstance(data.get("command"), str):
-        lines += ["", "Recorded command:", "", "```bash", data["command"], "```"]
+    if command_of(data):
+        lines += ["", "Recorded command:", "", "```bash", command_of(data) or "", "```"]
+    retired = data.get("retired") if isinstance(data.get("retired"), dict) else None
+    if retired:
+        lines += ["", f"Its harness `{retired.get('harness')}` was retired ({retired.get('when', '')}); its "
+                  f"source: `git show {retired.get('last_commit')}:{retired.get('harness')}`."]
     if isinstance(data.get("note"), str):
         lines += ["", f"Note: {fmt(data['note'])}"]
-    for plot in sorted(DOCS.glob(f"{path.stem}.png")):
-        lines += ["", f"Plot: [`docs/{plot.name}`]({plot.name})"]
+    for plot in sorted(RESULTS.glob(f"{path.stem}.png")):
+        lines += ["", f"Plot: [`{plot.name}`]({plot.name})"]
     if isinstance(data.get("targets"), dict) and data["targets"]:
         lines += ["", "Targets:", "", *targets_table(data["targets"])]
     table = scalars(data)
@@ -208,34 +305,44 @@ def result_part(path: Path, data: dict[str, Any]) -> list[str]:
 
 def render() -> str:
     groups: dict[str, list[tuple[Path, dict[str, Any]]]] = {}
-    for path in sorted(DOCS.glob("*.json")):
+    records: list[tuple[Path, dict[str, Any], str]] = []
+    for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             data = {"entries": len(data)} if isinstance(data, list) else {"value": data}
-        groups.setdefault(script_for(path.stem, data) or path.stem, []).append((path, data))
+        group = script_for(path.stem, data) or retired_group(path.stem, data) or path.stem
+        groups.setdefault(group, []).append((path, data))
+        records.append((path, data, group))
     lines = [
-        "# Benchmarks: what was measured",
+        "# Results: the committed measurement records",
         "",
-        "<!-- generated by `python benchmarks/benchmarks_md.py` from docs/*.json; do not edit by hand -->",
+        "<!-- generated by `python results/index.py` from results/*.json; do not edit by hand -->",
         "",
-        "Every benchmark prints a table and writes JSON (`--out`) and usually a plot; `--quick` finishes in",
-        "minutes on 2 cores. Speed figures were taken on a shared 2-core box whose speed drifts between runs;",
-        "each result says when and on what it was measured. The prose readings of these results (tables with",
+        "Every record here was written by a member of the benchmark suite (`python -m benchmarks --list`), with",
+        "its plot beside it. Speed figures were taken on a shared 2-core box whose speed drifts between runs;",
+        "each record says when and on what it was measured. The prose readings of these results (tables with",
         "their provenance, what was measured when, and what it means) are in",
-        "[measurements_notes.md](measurements_notes.md). Every benchmark that writes into docs/ regenerates",
-        "this page (`python benchmarks/benchmarks_md.py` does it alone); `tests/test_benchmarks_md.py` fails",
-        "when it is stale.",
+        "[measurements_notes.md](../docs/measurements_notes.md). A benchmark that writes into results/",
+        "regenerates this page (`python results/index.py` does it alone); a test fails when it is stale.",
         "",
-        "Contents: " + ", ".join(f"[{name}](#{name})" for name in sorted(groups)) + ".",
+        "## Records",
+        "",
+        *records_index(records),
+        "",
+        "Benchmarks: " + ", ".join(f"[{name}](#{name})" for name in sorted(groups)) + ".",
         "",
     ]
     for name in sorted(groups):
         lines += [f"## {name}", ""]
         script = BENCH / f"{name}.py"
-        if script.is_file():
+        retired = next((d["retired"] for _, d in groups[name] if isinstance(d.get("retired"), dict)), None)
+        if retired and not script.is_file():
+            lines.append(f"{retired.get('purpose', '')} Retired from the suite ({retired.get('when', '')}); "
+                         f"the record keeps the command that made it.")
+        elif script.is_file():
             doc = docstring(script)
             lines += [first_paragraph(doc) or "(the script has no docstring)", "",
-                      f"Script: [`benchmarks/{name}.py`](../benchmarks/{name}.py)."]
+                      f"Suite member: `python -m benchmarks {name}` ([`benchmarks/{name}.py`](../benchmarks/{name}.py))."]
             commands = doc_commands(doc)
             if commands:
                 lines += ["", "```bash", *commands, "```"]
@@ -249,14 +356,14 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if results/README.md is stale")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         current = args.out.read_text() if args.out.is_file() else ""
         if current != text:
-            print(f"{args.out} is stale: run python benchmarks/benchmarks_md.py", file=sys.stderr)
+            print(f"{args.out} is stale: run python results/index.py", file=sys.stderr)
             return 1
         return 0
     args.out.write_text(text)
