@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 while not (REPO / "pyproject.toml").is_file() and REPO != REPO.parent:  # wherever tests/ puts this file
     REPO = REPO.parent
@@ -88,6 +86,6 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
     assert broken_links(tmp_path / "a.md") == ["c.md: no such file", "b.md#x: no heading #x in b.md"]
 
 
-@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(REPO)))
-def test_every_relative_link_resolves(page: Path) -> None:
-    assert broken_links(page) == []
+def test_every_relative_link_resolves() -> None:
+    assert len(pages()) > 10
+    assert [f"{page.relative_to(REPO)}: {bad}" for page in pages() for bad in broken_links(page)] == []
