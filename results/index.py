@@ -244,7 +244,7 @@ def records_index(records: list[tuple[Path, dict[str, Any], str]]) -> list[str]:
     rows = ["| record | measures | status | command | commit | box |", "|---|---|---|---|---|---|"]
     for path, data, group in records:
         st = status(path.stem, data)
-        measures = st.get("measures") or summary_line(group)
+        measures = st.get("measures") or summary_line(group, data)
         later = st.get("superseded_by")
         state = f"superseded by [`{later}.json`](#{anchor(later + '.json')})" if later else "current"
         command = command_of(data)
@@ -259,7 +259,27 @@ def anchor(name: str) -> str:
     return re.sub(r"[^\w\- ]", "", name.lower()).replace(" ", "-")
 
 
-def summary_line(group: str) -> str:
+def suite_purposes() -> dict[str, str]:
+    """The suite's one-line purposes (`SUITE` in benchmarks/__main__.py), read from the source, not imported."""
+    entry = BENCH / "__main__.py"
+    if not entry.is_file():
+        return {}
+    for node in ast.parse(entry.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "SUITE" and node.value is not None:
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def summary_line(group: str, data: dict[str, Any] | None = None) -> str:
+    """What a benchmark measures in one line: the suite's purpose, a retired harness's, or its docstring's."""
+    purpose = suite_purposes().get(group)
+    retired = (data or {}).get("retired")
+    if purpose:
+        return purpose
+    if isinstance(retired, dict) and isinstance(retired.get("purpose"), str):
+        return retired["purpose"]
     script = BENCH / f"{group}.py"
     if not script.is_file():
         return "a record kept by hand"
