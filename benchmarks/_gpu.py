@@ -28,7 +28,7 @@ from edit_train.model.presets import load_preset
 from edit_train.train.optim import build_optimizer
 from edit_train.train.parallel import apply_layer_options
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+RECORDS = Path(__file__).resolve().parents[1] / "results"
 RESULTS = Path(__file__).resolve().parent / "results"
 # tokens per step a user would run: Ling-Lite-width layers at Ling's 4k pre-training context; the others as before
 DEFAULT_SHAPE = {"ling_lite_slice": (2, 4096)}
@@ -149,6 +149,6 @@ def device_and_output(args: argparse.Namespace, tool: str, stem: str, suffix: st
     if not on_gpu:
         torch.set_num_threads(1)
     label = device_label(device)
-    out = args.out or (args.out_dir or (DOCS if on_gpu else RESULTS)) / f"{stem}_{device_slug(label)}{suffix}"
+    out = args.out or (args.out_dir or (RECORDS if on_gpu else RESULTS)) / f"{stem}_{device_slug(label)}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return device, label, out

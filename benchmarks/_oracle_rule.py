@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from edit_train.local_sgd.aggregator import Decision, Evidence
-from edit_train.local_sgd.verified import VerifiedConfig, VerifiedRule, claimed_tokens, token_weights
+from edit_train.local_sgd.aggregation.verified import VerifiedConfig, VerifiedRule, claimed_tokens, token_weights
 
 ENV = "EDIT_TRAIN_ORACLE"
 

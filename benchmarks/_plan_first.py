@@ -4,7 +4,7 @@
 on the path:
 
     git archive 6341d1b edit_train | tar -x -C /tmp/first
-    PYTHONPATH=/tmp/first python benchmarks/_plan_first.py --out docs/plan_validation_first.json
+    PYTHONPATH=/tmp/first python benchmarks/_plan_first.py --out results/plan_validation_first.json
 
 Only the old API is used (`Candidate(algo, mode, compression, interval, sync_time_s)`, `scenario_of_run`,
 `calibrate`); a configuration it cannot predict (top-k) is recorded with its error.
@@ -39,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the runs of plan_validation.py --quick")
     ap.add_argument("--workdir", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=Path("docs/plan_validation_first.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/plan_validation_first.json"))
     a = ap.parse_args()
     a.workdir = a.workdir or (C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
     import edit_train

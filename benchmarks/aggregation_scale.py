@@ -16,7 +16,7 @@ for steps [start, end) (the norm and direction tests warm by then). Per run:
     python benchmarks/aggregation_scale.py --quick    # N=6: clean, sign_flip and nan_payload with 1 faulty; diloco
     python benchmarks/aggregation_scale.py            # N=6,8 × (clean + 4 kinds × 1, 2 faulty) + diloco at 4
 
-JSON to `--out` (docs/aggregation_scale.json) and a printed table; runs are kept in --workdir (`--reuse`).
+JSON to `--out` (results/aggregation_scale.json) and a printed table; runs are kept in --workdir (`--reuse`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "aggregation_scale")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "aggregation_scale.json")
+    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "aggregation_scale.json")
     ap.add_argument("--timeout", type=float, default=3600.0)
     ap.add_argument("--reuse", action="store_true")
     a = ap.parse_args(argv)

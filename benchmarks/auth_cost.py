@@ -67,7 +67,7 @@ def micro(params: int = 1_757_312, repeat: int = 20) -> dict:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from edit_train.federation.identity import Identity, verify
-    from edit_train.local_sgd.healing import anchor_digest
+    from edit_train.local_sgd.sync.healing import anchor_digest
     from edit_train.train.checkpoint import check_tensors
 
     def ms(fn) -> dict:

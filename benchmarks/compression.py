@@ -22,11 +22,11 @@ Targets (issue 24): a top-k pair with bytes/token ≤ 1/100 of uncompressed fp32
 codec ≤ 5 % of a sync's time. The plot: bytes/token against val loss, one panel per setting.
 
     python benchmarks/compression.py --quick     # 1 seed, 120 steps, 3 top-k pairs; ≤ 10 min on 2 cores
-    python benchmarks/compression.py --out docs/compression.json --plot docs/compression.png   # every scheme
+    python benchmarks/compression.py --out results/compression.json --plot results/compression.png   # every scheme
 
-    python benchmarks/compression.py --codec-only --out docs/compression.json   # the codec alone, quietly
+    python benchmarks/compression.py --codec-only --out results/compression.json   # the codec alone, quietly
 
-What docs/compression.json holds (~90 runs, ~80 min of the 2 shared cores; `--reuse` resumes):
+What results/compression.json holds (~90 runs, ~80 min of the 2 shared cores; `--reuse` resumes):
 
     python benchmarks/compression.py --reuse --schemes none none_lr1 int8 topk_1pct_2b topk_2pct_4b \
         topk_5pct_4b topk_10pct_4b topk_25pct_4b topk_2pct_4b_keep topk_5pct_4b_keep topk_10pct_2b_keep \
@@ -34,7 +34,7 @@ What docs/compression.json holds (~90 runs, ~80 min of the 2 shared cores; `--re
         topk_44pct_4b_g16_keep topk_25pct_4b_g8_keep topk_50pct_2b_g8_keep topk_19pct_4b_g8_keep \
         topk_12pct_4b_g8_keep topk_25pct_2b_g8_keep topk_19pct_2b_g8_keep topk_12pct_2b_g8_keep \
         --slow-schemes none int8 topk_1pct_2b topk_10pct_2b_keep topk_25pct_2b_g8_keep --slow-seeds 0 \
-        --out docs/compression.json --plot docs/compression.png
+        --out results/compression.json --plot results/compression.png
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _decay(beta: float) -> list[str]:
 # sets the outer lr to X/10, `_efmB` decays the residual by B/100 per sync (error feedback as momentum, SparseLoCo;
 # outer lr 1 unless a `_lrX` follows), `_noef` drops what top-k left out, `_keep` keeps it in the cluster's own
 # parameters (outer lr 1 unless `_lrX`), `_outer` takes the outer step of --inner as it is. The grid the seed-0
-# screen ran (docs/compression_2026_screen.json): decay {1, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2, none} x outer lr
+# screen ran (results/compression_2026_screen.json): decay {1, 0.95, 0.9, 0.8, 0.6, 0.4, 0.2, none} x outer lr
 # {0.7, 1, 1.4, 1.7, 2} in part, on the 9.4 % pair; the others at lr 1.
 _GROUPED_FORMATS = {"topk_9pct_2b_g8": (0.09375, 2, 8, 256), "topk_12pct_2b_g16_c1024": (0.125, 2, 16, 1024),
                     "topk_14pct_2b_g32_c4096": (0.140625, 2, 32, 4096), "topk_19pct_2b_g8": (0.1875, 2, 8, 256)}
@@ -166,7 +166,7 @@ SLOW = ["cluster.link.bandwidth_mbps=100", "cluster.link.latency_ms=50"]
 SETTINGS = {"convergence": [], "slow_link": SLOW, "convergence_4": ["cluster.count=4"]}
 EDIT = ["algo=edit", "algo.outer.lr=0.7", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
         "algo.warmup_steps=0"]  # benchmarks/convergence.py ALGO_OVERRIDES["edit"]
-# issue 51: Muon inner steps at edit's tuned Muon point when docs/compression_2026_muon.json was measured (lr 6e-2,
+# issue 51: Muon inner steps at edit's tuned Muon point when results/compression_2026_muon.json was measured (lr 6e-2,
 # momentum 0.95, plain averaging; the muon_lr study (results/muon_lr.json) has since found momentum 0.9 and the rule's clip off better),
 # so the uncompressed reference and every scheme run the 2026 inner optimizer alike
 EDIT_MUON = ["algo=edit", "algo.outer.lr=1.0", "algo.outer.momentum=0.0", "algo.outer.nesterov=false",
@@ -285,7 +285,7 @@ def unit_sizes(model: str) -> list[tuple[str, int]]:
     import torch
 
     from edit_train.cluster.mesh import fsdp_units
-    from edit_train.local_sgd.round import build_units
+    from edit_train.local_sgd.sync.round import build_units
     from edit_train.model.presets import load_preset
     from edit_train.model.transformer import CausalLM
 

@@ -4,7 +4,7 @@ Every run is the product's own command — `edit-train algo=<ddp|edit> cluster.c
 train.steps=320 algo.interval=8 train.batch_size=8 train.seq_len=128 seed=S` (plus the benchmarks' `logger=none
 train.progress=false checkpoint.at_end=false`, which change no number) — on seeds no tuning used (11, 12), so what
 it measures is what `algo=edit` gives a user who sets nothing: the outer step from the rule by cluster count
-(`edit_train/local_sgd/outer.py`, `DEFAULT_OUTER_STEPS`; docs/algorithms.md, "The outer step's default"). Besides
+(`edit_train/local_sgd/sync/outer.py`, `DEFAULT_OUTER_STEPS`; docs/algorithms.md, "The outer step's default"). Besides
 the defaults: edit at the outer step the product shipped before (lr 0.7, Nesterov momentum 0.8, named on the command
 line) on the same seeds. Each row: the command, the commit that ran it, the final validation losses and the ratio
 to DDP's at the same cluster count and seed. The 4-cluster row of the table was not tuned (no run here chose it).
@@ -13,7 +13,7 @@ to DDP's at the same cluster count and seed. The 4-cluster row of the table was 
     python benchmarks/default_outer.py --reuse --only ddp_g2_s11 edit_g2_s11   # some of them, in this order
     python benchmarks/default_outer.py --reuse --finished      # only write the JSON and plot of the runs done
 
-Output: docs/default_outer.json and docs/default_outer.png (edit / DDP per cluster count and seed).
+Output: results/default_outer.json and results/default_outer.png (edit / DDP per cluster count and seed).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-DOCS = C.BENCH_DIR.parent / "docs"
+RECORDS = C.BENCH_DIR.parent / "results"
 REPO = C.BENCH_DIR.parent
 BAR = 1.07  # issue 66, acceptance 2: the command above ends within 1.07 x DDP's loss on seeds 11 and 12
 # what `algo=edit` shipped before the rule (conf/algo/edit.yaml until issue 66): the EDiT paper's outer step
@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these settings, in this order")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "default_outer")
-    ap.add_argument("--out", type=Path, default=DOCS / "default_outer.json")
-    ap.add_argument("--plot", type=Path, default=DOCS / "default_outer.png")
+    ap.add_argument("--out", type=Path, default=RECORDS / "default_outer.json")
+    ap.add_argument("--plot", type=Path, default=RECORDS / "default_outer.png")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     ap.add_argument("--finished", action="store_true", help="start no run: the JSON and plot of the finished ones")
     a = ap.parse_args(argv)

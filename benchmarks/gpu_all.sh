@@ -7,7 +7,7 @@
 # 1. train (270 s): benchmarks/gpu_train.py -> OUT_DIR/gpu_step_<device>.json: the Trainer itself on the Ling-Lite
 #    slice (compiled, grouped experts, bf16) at grad_accum 1 and 4, the harness row at the same shape, and two
 #    ling_1b clusters on the one GPU through three syncs (each cluster's peak vs its plan)
-# 2. tests (90 s): pytest -m cuda (tests/test_cuda.py, tests/test_step_sync_free.py's sync-debug twin, ...)
+# 2. tests (90 s): pytest -m cuda (tests/integration/test_cuda.py, tests/train/test_step_sync_free.py's sync-debug twin, ...)
 # With FULL=1 also: gpu_step.py's rows (ling_lite_slice and ling_1b, compiled and eager, no checkpointing, then
 # full checkpointing appended) and benchmarks/gpu_profile.py -> OUT_DIR/gpu_profile_<device>.txt.
 # Each stage has a wall-clock limit (seconds; override with LIMIT_TRAIN, LIMIT_TESTS, LIMIT_STEP, LIMIT_PROFILE,

@@ -61,7 +61,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "a_edit+overlap": ("a_edit", ["sync.mode=overlap"]),
     # issue 51: the staleness correction where the merged Δ is stale (overlap lands it one interval late)
     "a_edit+overlap+staleness": ("a_edit", ["sync.mode=overlap", "algo.outer.staleness_correction=true"]),
-    # issue 51: Muon inner steps, each algorithm at its tuned Muon point of the muon_lr study (docs/muon_lr.json:
+    # issue 51: Muon inner steps, each algorithm at its tuned Muon point of the muon_lr study (results/muon_lr.json:
     # DDP lr 3e-2 with momentum 0.8; edit lr 4e-2 with momentum 0.9 and plain averaging), tuned under a decaying lr;
     # `--muon-lr` sets another lr for both arms (this benchmark's lr does not decay: train.steps is out of reach)
     "ddp+muon": ("ddp", ["train.optimizer=muon", "train.lr=0.03", "train.muon_momentum=0.8"]),
@@ -78,7 +78,7 @@ RUNS: dict[str, tuple[str, list[str]]] = {
     "a_edit+topk_keep": ("a_edit", ["sync.compression=topk", "sync.scale_dtype=bf16", "sync.topk_density=0.1875",
                                     "sync.unsent=keep", "algo.outer.lr=1.0"]),
 }
-DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of docs/heterogeneity.json
+DEFAULT_RUNS = ["ddp", "edit", "a_edit", "a_edit+overlap"]  # the table of results/heterogeneity.json
 COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edit+overlap": "tab:red",
           "a_edit+overlap+staleness": "tab:purple", "ddp+muon": "tab:cyan", "a_edit+muon": "tab:olive",
           "a_edit+topk": "tab:brown", "a_edit+topk_lr17": "tab:pink", "a_edit+topk_1pct": "tab:gray",

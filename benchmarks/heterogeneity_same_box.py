@@ -8,8 +8,8 @@ times, so both meet the same box within minutes of each other:
 
     python benchmarks/heterogeneity_same_box.py --baseline 77173a7 --rounds 2 --reuse   # ~4 min per run
 
-77173a7 is the commit that measured docs/heterogeneity.json (a_edit 2.370, ddp 2.955). The first round runs
-`ddp` too (the link's reference). Output: docs/heterogeneity_same_box.{json,png}: each run's A-EDiT validation
+77173a7 is the commit that measured results/heterogeneity.json (a_edit 2.370, ddp 2.955). The first round runs
+`ddp` too (the link's reference). Output: results/heterogeneity_same_box.{json,png}: each run's A-EDiT validation
 loss, DDP's, and the box's speed alone (`standalone_x1` training tokens/s) so a drift between two runs shows.
 """
 
@@ -28,9 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 REPO = C.BENCH_DIR.parent
-DOCS = REPO / "docs"
-
-
+RECORDS = REPO / "results"
 def worktree(commit: str, where: Path) -> Path:
     """A checkout of `commit` at `where` whose config tree is found from PYTHONPATH (a commit from before the tree
     moved into edit_train/ gets a link edit_train/conf -> ../conf, so the installed package's tree is not used)."""
@@ -92,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reuse", action="store_true", help="reuse a round's result file if it exists")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "heterogeneity_same_box")
-    ap.add_argument("--out", type=Path, default=DOCS / "heterogeneity_same_box.json")
-    ap.add_argument("--plot", type=Path, default=DOCS / "heterogeneity_same_box.png")
+    ap.add_argument("--out", type=Path, default=RECORDS / "heterogeneity_same_box.json")
+    ap.add_argument("--plot", type=Path, default=RECORDS / "heterogeneity_same_box.png")
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error("--rounds must be >= 1")

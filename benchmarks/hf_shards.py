@@ -14,7 +14,7 @@ the safetensors reader maps count too. The full Ling-Lite (28 layers, 16.8 B par
 not fit a 24 GiB box beside a model holding it, so the sizes are Ling-Lite with fewer layers; what the
 measurement shows is whether the peak above the model grows with the model (it should not: about one shard).
 
-    python benchmarks/hf_shards.py --layers 1,2,4 --shard-size 1GB --out docs/hf_shards.json
+    python benchmarks/hf_shards.py --layers 1,2,4 --shard-size 1GB --out results/hf_shards.json
     python benchmarks/hf_shards.py --quick            # one layer, 512 MB shards
 
 Generated checkpoints live under ``--dir`` (default: a temporary directory) and are deleted after each size.

@@ -1,6 +1,6 @@
 """Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2
-and 5, on the toy federation over a real gate with a roster — the runs of `tests/test_insiders_first_heal.py`,
-`tests/test_insiders_claimed_steps.py` and `tests/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
+and 5, on the toy federation over a real gate with a roster — the runs of `tests/federation/test_insiders_first_heal.py`,
+`tests/federation/test_insiders_claimed_steps.py` and `tests/federation/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
 Prints one line per item and cluster count: (cluster, loss without the lie, loss with it, change); item 5 against
 the honest clusters' run without the staller, with the syncs they lost. docs/security.md quotes it. ~3 min."""
 

@@ -21,7 +21,7 @@ Before the federation, one 12.5 MB TCP transfer from `a` to `b` measures the lin
 both ways at once checks the link under a sync's traffic pattern, and a bare gloo all_gather of the first
 model's parameters between the two hosts (no edit-train) separates the transport from the sync's own work.
 
-    PYTHONPATH=$PWD python benchmarks/link_hosts.py [--quick] [--out docs/link_hosts.json]
+    PYTHONPATH=$PWD python benchmarks/link_hosts.py [--quick] [--out results/link_hosts.json]
 
 Needs root, `ip netns`, `tc tbf` and `unshare`; where hosts cannot be built it prints one line and exits 0.
 """
@@ -46,7 +46,7 @@ import _common as C  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MULTINODE = REPO / "launchers" / "torchrun_multinode.sh"
-DEFAULT_OUT = REPO / "docs" / "link_hosts.json"
+DEFAULT_OUT = REPO / "results" / "link_hosts.json"
 RATE_MBIT = 100.0
 TCP_BYTES = 12_500_000  # one second at 100 Mbit/s
 

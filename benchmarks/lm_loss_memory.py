@@ -9,7 +9,7 @@ timing, deterministic). Each row also has `predicted_bytes`, the term edit_train
 (fp32: c = 4) and the wall time of the step (informational: a shared box; `loadavg` is recorded).
 
     python benchmarks/lm_loss_memory.py [--quick] [--tokens 1024] [--vocab 126464] [--hidden 256]
-                                        [--chunks 1024 512 256 128 64] [--out docs/lm_loss_memory.json]
+                                        [--chunks 1024 512 256 128 64] [--out results/lm_loss_memory.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from _memory import CPU_PEAK_METHOD, cpu_peak_bytes
 from edit_train.model.lm_loss import linear_cross_entropy
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "lm_loss_memory.json"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "lm_loss_memory.json"
 
 
 def head_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:

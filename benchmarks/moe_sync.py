@@ -2,7 +2,7 @@
 untouched experts left out of the sync, against today's default rule — on the non-IID setting and on IID data.
 
 Every run is `algo=edit` (the verified rule, gathered at 2 and 4 clusters) at the convergence benchmark's tuned
-point for edit (docs/convergence_tuned.json, docs/convergence_small.json: inner lr 3e-3, outer SGD 0.5 /
+point for edit (results/convergence_tuned.json, results/convergence_small.json: inner lr 3e-3, outer SGD 0.5 /
 momentum 0.5 Nesterov; H = 8, batch 8, seq 128, no warm-up; tiny 320 steps, small 160): the same tuning budget
 for every arm — the expert-aware arms get no tuning of their own. Arms:
 
@@ -16,7 +16,7 @@ for every arm — the expert-aware arms get no tuning of their own. Arms:
   must leave at home per sync by the formula, `subsets_home_exact` the sync events that left exactly that.
 * `routed`  — expert subsets assigned by routing (`expert_subsets=routed`: every cluster trains every expert for
   the first `expert_subsets_syncs` = 4 syncs, then owns the experts it routed the largest share of its tokens to,
-  balanced; `local_sgd/assignment.py`); its home is `subsets`' sizes, from the fifth sync on.
+  balanced; `local_sgd/moe/assignment.py`); its home is `subsets`' sizes, from the fifth sync on.
 
 Every run also reports its routing skew (`routing_skew`): how differently the sites route over the run — each
 cluster's routed counts summed from the sixth interval on, then the mean |wᵢₑ − 1/P| of each cluster's equal-backing
@@ -42,7 +42,7 @@ the interval lies above 0), the same per validation source (`gain_by_source`: pe
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2     # one slice of it
     python benchmarks/moe_sync.py --finished-only    # report every finished run of the grid, start none
     python benchmarks/moe_sync.py --reuse --models tiny --clusters 2 --steps 160 --seeds 0 1 2 3 4 --data lang lang_iid
-    # ^ the four-language grid, docs/moe_sync_lang.json (it ran --arms default tokens subsets)
+    # ^ the four-language grid, results/moe_sync_lang.json (it ran --arms default tokens subsets)
 
 The noise a comparison has to beat: on IID data `tokens` is today's rule in expectation (docs/sync_math.md), so
 its per-seed difference from `default` there measures how far a small change of the merge moves a run's final
@@ -69,9 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 from paired import paired_gain  # noqa: E402
 
-DOCS = C.BENCH_DIR.parent / "docs"
-DEFAULT_OUT, DEFAULT_PLOT = DOCS / "moe_sync.json", DOCS / "moe_sync.png"
-STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (docs/convergence_tuned.json, _small.json)
+RECORDS = C.BENCH_DIR.parent / "results"
+DEFAULT_OUT, DEFAULT_PLOT = RECORDS / "moe_sync.json", RECORDS / "moe_sync.png"
+STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (results/convergence_tuned.json, _small.json)
 ARMS = ("default", "tokens", "skip", "subsets", "routed")
 ROUTED_SYNCS = 4  # algo.rule.verified.expert_subsets_syncs's default: the warm-up of the `routed` arm
 # the data settings: the stdlib families and their IID counterpart (the whole standard library split across the
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="train.steps (default: tiny 320, small 160)")
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--eval-every", type=int, default=80)
-    ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json",
+    ap.add_argument("--tuned", type=Path, default=RECORDS / "convergence_tuned.json",
                     help="edit's tuned point (tune.best.edit)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for every run (use another --workdir: run directories do not name them)")
@@ -142,7 +142,7 @@ def model_shape(model: str) -> dict[str, Any]:
     """Sync units (their number and sizes), parameters, and the routed-count row (MoE layers x experts)."""
     from edit_train.cli.common import compose
     from edit_train.cluster.mesh import fsdp_units
-    from edit_train.local_sgd.round import build_units
+    from edit_train.local_sgd.sync.round import build_units
     from edit_train.model import CausalLM
 
     cfg = compose([f"model={model}"])

@@ -19,7 +19,7 @@ window starts at step 56 when every test is warm. A payload fault corrupts what 
 syncs 7..18 (steps 56..144); a training-side fault contaminates the syncs whose local steps [step − H, step)
 overlap it: syncs 8..19 (steps 64..152). 12 syncs either way: the usefulness probe scores an update one sync
 late, so a fault only it catches is missed at the window's first sync (1 of 12 = 8 %, inside the 10 %
-allowance) — and then taken back at the next sync (`local_sgd/retract.py`; `c1_retracted` and the
+allowance) — and then taken back at the next sync (`local_sgd/aggregation/retract.py`; `c1_retracted` and the
 "w=0|back" column count it) — and the 11 syncs after the window show the recovery.
 
 Acceptance (printed per (N, kind) over the seeds, each with pass/FAIL):
@@ -99,7 +99,7 @@ def jitter_override(extra: list[str], clusters: int, interval: int) -> str:
     run's distance from the clean one is the per-seed resolution of every loss ratio here."""
     from omegaconf import OmegaConf
 
-    from edit_train.local_sgd.outer import default_outer_step
+    from edit_train.local_sgd.sync.outer import default_outer_step
 
     key = "algo.outer.lr="
     given = [e.removeprefix(key) for e in extra if e.startswith(key)]
@@ -132,8 +132,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every run (repeatable)")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "penalty_faults")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "penalty_faults.json")
-    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "docs" / "penalty_faults.png")
+    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "penalty_faults.json")
+    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "results" / "penalty_faults.png")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs in --workdir with the same overrides")
     a = ap.parse_args(argv)

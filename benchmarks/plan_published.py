@@ -1,5 +1,5 @@
 """The planner against three published results (issue 23, acceptance 2), each also a test in
-tests/test_plan_published.py; the settings and the paper numbers live in `edit_train/plan/published.py`.
+tests/plan/test_plan_published.py; the settings and the paper numbers live in `edit_train/plan/published.py`.
 
 * Streaming DiLoCo (arXiv 2501.18512) Table 4: Gbit/s needed for 50-99 % compute utilisation, Data-Parallel
   and vanilla DiLoCo, 1B/10B/100B — every cell within one point of the paper's log grid (±21 %)?
@@ -7,7 +7,7 @@ tests/test_plan_published.py; the settings and the paper numbers live in `edit_t
   calibrated at 256 only — within 5 %?
 * HALoS (arXiv 2506.04531) 4 regions × 4 workers: our round times and hours against the authors' simulator.
 
-    python benchmarks/plan_published.py            # prints the three tables, docs/plan_published.{json,png}
+    python benchmarks/plan_published.py            # prints the three tables, results/plan_published.{json,png}
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from edit_train.plan import published as pub
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs/plan_published.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/plan_published.json"))
     a = ap.parse_args()
     t0 = time.perf_counter()
 

@@ -3,7 +3,7 @@ intervals + ddp = 145 candidates) over 100 simulated hours, for federations of 8
 clusters (mixed H100 / A100 sites, 1 Gbit/s – 10 Gbit/s links, MTBF 5,000 h per accelerator). Prints, per
 size, the wall seconds on one core, simulator events and events/s.
 
-    python benchmarks/plan_scale.py --out docs/plan_scale.json
+    python benchmarks/plan_scale.py --out results/plan_scale.json
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def scenario(clusters: int, ranks: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs/plan_scale.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/plan_scale.json"))
     ap.add_argument("--quick", action="store_true", help="the three smallest sizes only")
     a = ap.parse_args()
     rows = []

@@ -3,7 +3,7 @@ runs, predict every configuration of the fitting and the held-out set (`_plan_se
 that keeps them apart: docs/planner.md), run them, and report predicted vs measured tokens/s, worst-cluster
 blocked fraction and goodput — and the pairs of configurations ranked right by tokens/s — for each set apart.
 
-    python benchmarks/plan_validation.py --out docs/plan_validation.json     # 30 runs, ~45-50 min on a quiet 2-core box
+    python benchmarks/plan_validation.py --out results/plan_validation.json     # 30 runs, ~45-50 min on a quiet 2-core box
     python benchmarks/plan_validation.py --quick --out /tmp/pv.json           # 48-step runs of 12 + 3, ~10 min
     python benchmarks/plan_validation.py --sets held_out --only h_ddp_3 ...   # some of them (cached runs reused)
 
@@ -166,7 +166,7 @@ def codecs_to_time(cal_runs: list[C.Job]) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="48 steps per run, batch 4 x 64, a subset (_plan_sets.QUICK)")
-    ap.add_argument("--out", type=Path, default=Path("docs/plan_validation.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/plan_validation.json"))
     ap.add_argument("--workdir", type=Path, default=None, help="run directories (default benchmarks/results/runs/"
                     "plan_validation, /quick for --quick)")
     ap.add_argument("--sets", default="fitting,held_out", help="which sets to run and predict (calibration always)")

@@ -10,7 +10,7 @@ For each size a JSONL corpus of random-word documents (1–4 KB each) is generat
 
 Corpora and datasets are deleted after each size (the disk is shared).
 
-    python benchmarks/prepare_scale.py --sizes-gb 0.5,2 --workers 2 --out docs/prepare_scale.json
+    python benchmarks/prepare_scale.py --sizes-gb 0.5,2 --workers 2 --out results/prepare_scale.json
     python benchmarks/prepare_scale.py --quick      # 0.1 and 0.4 GB
 """
 

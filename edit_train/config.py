@@ -14,8 +14,8 @@ from typing import Any, Optional
 from edit_train.codec.sparse_format import TOPK_BITS, TOPK_DENSITY, TOPK_GROUP
 from edit_train.data.prepare import DEFAULT_VAL_FRACTION
 from edit_train.fields import ConfigError, _check_cluster_name, _check_host, _check_finite, _need
-from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.rules import RuleConfig
+from edit_train.local_sgd.sync.outer import OuterConfig
+from edit_train.local_sgd.aggregation.rules import RuleConfig
 from edit_train.model.config import ModelConfig
 
 
@@ -266,7 +266,7 @@ class OuterStep:
 
 def outer_step(cfg: Config) -> OuterStep:
     """The one place `algo.outer`'s unset (null) lr / momentum become numbers: the default by the number of
-    configured clusters and the interval (`local_sgd/outer.py: default_outer_step`; `algo=edit` leaves both unset).
+    configured clusters and the interval (`local_sgd/sync/outer.py: default_outer_step`; `algo=edit` leaves both unset).
     Everything that uses the outer step — the algorithm, the federation's fingerprint, validation, the summary —
     reads it from here; a value named on the command line or in a preset wins."""
     a = cfg.algo
@@ -367,7 +367,7 @@ def validate(cfg: Config) -> None:
     a.rule.validate()
     if a.local_sgd:
         from edit_train.local_sgd.aggregator import capabilities_of
-        from edit_train.local_sgd.rules import make_rule, refuse_mode
+        from edit_train.local_sgd.aggregation.rules import make_rule, refuse_mode
 
         rule = make_rule(a.rule)  # an unknown or unloadable algo.rule.name fails here, in one line
         why = refuse_mode(rule, a.rule.name, len(cluster_specs(cfg)), cfg.sync.gather_max,

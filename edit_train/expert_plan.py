@@ -16,8 +16,8 @@ def subsets_plan(cfg: Config) -> dict | None:
     (`plan/subsets.saving`, the planner's figures too). None when off."""
     from edit_train.cluster.mesh import fsdp_units
     from edit_train.config import cluster_specs
-    from edit_train.local_sgd.experts import UnitExperts
-    from edit_train.local_sgd.round import build_units
+    from edit_train.local_sgd.moe.experts import UnitExperts
+    from edit_train.local_sgd.sync.round import build_units
     from edit_train.model import CausalLM
     from edit_train.model.expert_params import sync_pieces
     from edit_train.plan.subsets import cluster_map, saving

@@ -45,7 +45,7 @@ These do not all peak together. The plan is the static terms plus the largest of
   copies when they are kept) + the frozen rows' copy
 * ``sync`` (local SGD): ``forward_backward`` + ``sync``
 
-Measured on the CPU allocator (tests/test_memplan_peak.py) the plan is within 10 % of a step's peak. ``fits``
+Measured on the CPU allocator (tests/model/test_memplan_peak.py) the plan is within 10 % of a step's peak. ``fits``
 compares the total with 90% of ``--gpu-mem-gb`` GiB (the rest is for the CUDA context, NCCL buffers and
 allocator fragmentation).
 """

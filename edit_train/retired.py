@@ -12,7 +12,7 @@ Outputs: a run directory written before the one-word rename (issue 38) reads as 
 today's: event field ``group`` (a cluster's index) → ``cluster_index``, ``participants`` → ``quorum``, an eval's
 ``scope: "group"`` → ``scope: "cluster"``; `summary.json`'s ``cross_group_bytes`` → ``cross_cluster_bytes`` (at the
 top and in each per-cluster record) and ``per_group`` {index: record} → ``per_cluster`` {name: record}. A run dir
-written today holds none of them (`tests/test_words.py`)."""
+written today holds none of them (`tests/docs/test_words.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A subreaper (like a container's init that is not pid 1) around `launchers/torchrun_multinode.sh`, for
-tests/test_start_up_stops.py: `python tests/orphan_probe.py OUT.json -- bash torchrun_multinode.sh …`.
+tests/cli/test_start_up_stops.py: `python tests/orphan_probe.py OUT.json -- bash torchrun_multinode.sh …`.
 
 It starts the job in its own process group, waits for torchrun's worker to appear, stops it (SIGSTOP) while it is
 still starting, SIGKILLs the job's process group (the wrapper and torchrun; torchrun's workers have sessions of

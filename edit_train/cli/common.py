@@ -149,7 +149,7 @@ def setup_logging(rank: int = 0) -> None:
     # its exit hooks then log FakeTensor's cache statistics under our name
     for noisy in ("wandb", "urllib3", "torch", "torch.distributed.elastic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    for name in filter(None, os.environ.get("EDIT_TRAIN_DEBUG", "").split(",")):  # e.g. edit_train.local_sgd.probe
+    for name in filter(None, os.environ.get("EDIT_TRAIN_DEBUG", "").split(",")):  # e.g. edit_train.local_sgd.sync.probe
         logging.getLogger(name.strip()).setLevel(logging.DEBUG)
     os.environ.setdefault("WANDB_SILENT", "true")
     if not os.environ.get("RUST_LOG"):

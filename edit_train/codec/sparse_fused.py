@@ -39,7 +39,7 @@ OK, NONFINITE, BAD_SCALE, BAD_CODE, BAD_INDEX = 0, 1, 2, 3, 4
 
 # numba's disk cache checks the timestamp of the file that defines a kernel (this one), not of the files whose
 # functions it inlines: this digest of sparse_bits, sparse_select and sparse_elements changes this file whenever
-# they change (tests/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
+# they change (tests/codec/test_sparse_fused.py checks it), so an edit or a checkout never runs a stale kernel.
 INLINED_SOURCES = "ddc6b6de7291776f"
 
 

@@ -25,7 +25,7 @@ import torch
 from edit_train.federation.link import LinkClock
 from edit_train.local_sgd.errors import FederationError, FederationRefused
 from edit_train.local_sgd.protocols import ClusterGroup, Quorum
-from edit_train.local_sgd.waits import Wait, WaitInterrupted
+from edit_train.local_sgd.sync.waits import Wait, WaitInterrupted
 
 
 class Background:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchft.process_group import ProcessGroupGloo
 
-from edit_train.local_sgd.claims import nonce_of
+from edit_train.local_sgd.aggregation.claims import nonce_of
 from edit_train.local_sgd.errors import FederationError
 from edit_train.local_sgd.protocols import Quorum
 

@@ -25,7 +25,7 @@ stacked (``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) a
 
 **The served encoding** (what :func:`to_hf_config` / :func:`serving_state` write): the one encoding that vLLM,
 SGLang, the shipped ``transformers`` code and Ling's public ``modeling_bailing_moe.py`` all read the same way
-(``tests/test_serving.py`` emulates each of them against our model):
+(``tests/model/test_serving.py`` emulates each of them against our model):
 
 * ``norm_head``: ``lm_head.weight`` is stored already column-normalised (``W / (||W||_col + 1e-7)``, our
   ``NormHead``) and ``config.json`` says ``norm_head: false`` — vLLM never normalises the head, SGLang and the
@@ -349,7 +349,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our parameter names (in ``named_parameters`` order, a tied head once) and full shapes.
 
     Written out from ``transformer.py`` / ``moe.py`` rather than read off a meta-device model: the first
-    ``normal_`` on a meta tensor imports torch's reference decompositions (seconds). ``tests/test_hf.py``
+    ``normal_`` on a meta tensor imports torch's reference decompositions (seconds). ``tests/model/test_hf.py``
     pins this against ``CausalLM(cfg).named_parameters()``.
     """
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim

@@ -7,7 +7,7 @@ directory's safetensors into it (one file or shards listed in ``model.safetensor
 
 Written for edit-train from the tensor-name contract in ``edit_train/model/hf.py`` (not copied from Ling's
 code); its forward is edit-train's ``CausalLM`` (``edit_train/model/transformer.py`` + ``moe.py``) re-stated
-over BailingMoe's per-expert ``nn.Linear`` layout, and ``tests/test_hf_transformers.py`` pins the two to
+over BailingMoe's per-expert ``nn.Linear`` layout, and ``tests/model/test_hf_transformers.py`` pins the two to
 1e-4 (fp32). Inference only: no router losses, no routing noise. Self-contained: it imports only ``torch``
 and ``transformers``; edit-train itself never imports it.
 """

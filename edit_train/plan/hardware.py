@@ -4,7 +4,7 @@ token, and accelerators (dense bf16 peak, memory).
 The counts follow the model code exactly (`edit_train/model/transformer.py`, `moe.py`): the sync units are
 the ones `round.build_units` makes — the root (what no FSDP unit owns: the final norm), the embeddings, each
 decoder layer, the head — so the bytes a sync moves can be computed per unit as `federation` does.
-`tests/test_plan.py` checks the totals against `model.presets.count_params` and the FLOPs against
+`tests/plan/test_plan.py` checks the totals against `model.presets.count_params` and the FLOPs against
 `train.mfu.flops_per_token`.
 """
 

@@ -7,13 +7,13 @@ parallelism grows with M and with the interval and shrinks as the model grows):
     tokens_alg / tokens_ddp  =  1 + κ_alg · (M − 1) · log2(H) / log2(H₀) · (N / N₀)^(−γ)
 
 * the data curve of ddp, `L(D) = E + B · D^(−β)`, is fitted to the project's own convergence runs
-  (`docs/convergence.json`: val loss vs tokens, 3 seeds); each local-SGD algorithm's κ is then read off
+  (`results/convergence.json`: val loss vs tokens, 3 seeds); each local-SGD algorithm's κ is then read off
   its final loss at the same token budget (the ddp tokens that reach that loss), per seed — the spread over
   seeds is the error bar;
 * γ is the prior's (0.3: not identifiable from one model size), N₀, H₀ and M=2 are the runs';
 * A-EDiT has no convergence runs: it takes EDiT's κ (its time-based interval ≈ EDiT's H at equal speed);
-  compression multiplies by the tokens its measured loss ratio (`docs/compression.json`: int8 and top-k
-  settings; fp8 taken as int8's; `docs/compression_2026.json`: top-k with error feedback as outer momentum,
+  compression multiplies by the tokens its measured loss ratio (`results/compression.json`: int8 and top-k
+  settings; fp8 taken as int8's; `results/compression_2026.json`: top-k with error feedback as outer momentum,
   `sync.error_feedback_decay` < 1, its own labels) costs on the ddp curve, never below 1; a dense scheme without
   a measurement is 1, a top-k setting without one takes the worst top-k factor measured.
 
@@ -37,7 +37,7 @@ KAPPA_PRIOR = (0.05, 0.05)
 REPO = Path(__file__).resolve().parents[2]
 # `benchmarks/compression.py` results the loss model reads, in this order: the 2024 schemes, then issue 51's
 # error feedback as outer momentum (a label's factor comes from the first file that measured it)
-COMPRESSION_RESULTS = (REPO / "docs" / "compression.json", REPO / "docs" / "compression_2026.json")
+COMPRESSION_RESULTS = (REPO / "results" / "compression.json", REPO / "results" / "compression_2026.json")
 
 
 @dataclass
@@ -109,7 +109,7 @@ def fit(convergence: dict[str, Any], compression: dict[str, Any] | list[dict[str
     y = np.concatenate([np.array(c["val_loss"]) for c in curves["ddp"].values()])
     model = LossModel(ddp_curve=fit_curve(t, y), interval0=int(setup.get("interval", 8)),
                       clusters0=2 if "2x1" in str(setup.get("cluster", "2x1")) else int(setup.get("clusters", 2)),
-                      params0=params or 1, source="docs/convergence.json")
+                      params0=params or 1, source="results/convergence.json")
     for algo, seeds in convergence.get("per_seed_algo", _per_seed(convergence)).items():
         if algo == "ddp":
             continue
@@ -184,7 +184,7 @@ def _label_of(overrides: list[str]) -> str:
 
 def default_model(params: int = 0) -> LossModel:
     """Fitted to the repository's convergence (and compression) results if present, else the prior."""
-    conv = REPO / "docs" / "convergence.json"
+    conv = REPO / "results" / "convergence.json"
     if not conv.is_file():
         return LossModel()
     try:

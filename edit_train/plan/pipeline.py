@@ -1,4 +1,4 @@
-"""A sync's units on their way across the link, as edit-train moves them (`local_sgd/drivers.py`,
+"""A sync's units on their way across the link, as edit-train moves them (`local_sgd/sync/drivers.py`,
 `federation/modules.py`, `federation/link.py`).
 
 * **One unit at a time, the next one prefetched.** The blocking modes (layer-wise and at_end alike: at_end is

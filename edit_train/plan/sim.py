@@ -10,7 +10,7 @@ per-event cost at a few microseconds, which a 64-cluster, 150-candidate plan nee
 installed here; pure Python, MIT) would run the same events as generator processes at several times the
 cost per event and add a dependency for nothing the ~40 lines of loop below do not already express.
 
-Semantics followed (docs/architecture.md §3–4, `local_sgd/pacer.py`, `drivers.py`, `membership.py`):
+Semantics followed (docs/architecture.md §3–4, `local_sgd/sync/pacer.py`, `drivers.py`, `membership.py`):
 * a quorum is issued as torchft's Lighthouse issues it (`_check`): at once when the previous quorum's members
   all asked again; else with at least `min_clusters` and more than half of the heartbeating clusters, when all
   of them asked or `join_timeout_s` after the first ask; a dead cluster heartbeats until
@@ -158,7 +158,7 @@ def _start_intervals(s: _State, idx: np.ndarray) -> None:
     h = s.planned[idx].copy()
     if opt.steps and not s.cand.timed:
         h = np.maximum(np.minimum(h, opt.steps - s.steps[idx]), 0).astype(int)
-    elif opt.steps:  # A-EDiT: a cluster reaching `steps` syncs there with its stop vote (local_sgd/pacer.py)
+    elif opt.steps:  # A-EDiT: a cluster reaching `steps` syncs there with its stop vote (local_sgd/sync/pacer.py)
         h = np.where(s.steps[idx] < opt.steps, np.minimum(h, opt.steps - s.steps[idx]), h).astype(int)
     dur = fed.draw_sums(s.rng, idx, h)
     if fed.scenario.host_cores > 0:  # one shared host: the cores go to whoever computes (contention.py)

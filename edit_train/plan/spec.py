@@ -67,7 +67,7 @@ class CandidateSet:
     topk: list[dict[str, Any]] = field(default_factory=lambda: [
         {"density": 0.01, "bits": 2, "group": 1, "unsent": "resend"},
         {"density": 0.1875, "bits": 2, "group": 8, "unsent": "keep"},
-        # issue 51: 1/100 of the bytes at no loss (docs/compression_2026_screen.json), at the outer step it was found at
+        # issue 51: 1/100 of the bytes at no loss (results/compression_2026_screen.json), at the outer step it was found at
         {"density": 0.09375, "bits": 2, "group": 8, "unsent": "resend", "ef_decay": 0.6, "outer_lr": 1.7}])
     intervals: list[int] = field(default_factory=lambda: [16, 64, 256])
     sync_times_s: list[float] = field(default_factory=list)  # A-EDiT τ (empty: interval × the median step)

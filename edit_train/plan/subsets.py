@@ -27,7 +27,7 @@ def cluster_map(spec: str, clusters: int, experts: int) -> tuple[list[tuple[bool
     (one line) for a static map the product refuses. Empty map for "" (off)."""
     if not spec:
         return [], ""
-    from edit_train.local_sgd.experts import owned_experts
+    from edit_train.local_sgd.moe.experts import owned_experts
 
     note = ""
     if spec != "split" and not STATIC.fullmatch(spec):

@@ -23,11 +23,11 @@ from edit_train.data.tokenizer import tokenizer_id
 from edit_train.federation import auth, heal
 from edit_train.federation.link import LinkModel
 from edit_train.federation.registry import TransportRequest, make_transport
-from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
-from edit_train.local_sgd.experts import RoutedCounts
+from edit_train.local_sgd.sync.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.moe.experts import RoutedCounts
 from edit_train.local_sgd.protocols import Transport
-from edit_train.local_sgd.membership import MembershipConfig
-from edit_train.local_sgd.schedule import ScheduleConfig, lr_boundaries
+from edit_train.local_sgd.sync.membership import MembershipConfig
+from edit_train.local_sgd.sync.schedule import ScheduleConfig, lr_boundaries
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import MetricsLogger
 from edit_train.train.progress import restart_count
@@ -42,7 +42,7 @@ def fingerprint(cfg: Config, tokenizer: str | None = None) -> str:
     """What every cluster of a federation must agree on, as `part=value` words the refusal can name: the model,
     algorithm core, sync mode and chunking (one hash), and the content of this cluster's tokenizer (default
     data.tokenizer; its data source is its own). A cluster whose fingerprint differs from the majority's refuses
-    itself (local_sgd/claims.py), so a site with another tokenizer stops, not the others."""
+    itself (local_sgd/aggregation/claims.py), so a site with another tokenizer stops, not the others."""
     c = to_container(cfg)
     keep = {"model": c["model"], "algo": c["algo"], "chunks": c["federation"]["chunks"], "mode": c["sync"]["mode"]}
     if cfg.algo.outer.unset:  # the outer step the default by cluster count chose: clusters configured alike agree

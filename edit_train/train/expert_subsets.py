@@ -5,7 +5,7 @@ Which experts a cluster owns is, for a static map (``split``, ``0+1|2+3``), a pu
 and the cluster's configured index (`local_sgd/experts.owned_experts`), so a resumed, restarted or healed cluster
 has the same assignment: nothing about it is saved, and a cluster whose config differs is refused by the
 configuration fingerprint. Under ``routed`` the sync core decides the map after a warm-up of syncs
-(`local_sgd/assignment.py`; checkpointed and healed with the sync state) and the trainer follows it
+(`local_sgd/moe/assignment.py`; checkpointed and healed with the sync state) and the trainer follows it
 (`follow`): every expert trains until then, only the cluster's own from the step the map reaches it.
 
 * **Frozen rows.** An expert is whole dim-0 rows of the stacked ``gate_proj``/``up_proj``/``down_proj``
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from edit_train.config import Config
-from edit_train.local_sgd.experts import Owned, layer_mask
+from edit_train.local_sgd.moe.experts import Owned, layer_mask
 from edit_train.model.expert_params import EXPERT_PARAMS
 from edit_train.model.moe import MoEBlock
 
@@ -91,14 +91,14 @@ class FrozenRows:
 def subsets_spec(cfg: Config) -> str:
     """The rule's expert subsets ("" off or without local SGD): asked of the rule, never read by its name."""
     from edit_train.local_sgd.aggregator import capabilities_of
-    from edit_train.local_sgd.rules import make_rule
+    from edit_train.local_sgd.aggregation.rules import make_rule
 
     return capabilities_of(make_rule(cfg.algo.rule)).expert_subsets if cfg.algo.local_sgd else ""
 
 
 def frozen_rows(cfg: Config, model: nn.Module, index: int, clusters: int) -> FrozenRows | None:
     """This cluster's frozen rows under the rule's expert subsets (None: off, no MoE layer, or no local SGD)."""
-    from edit_train.local_sgd.experts import owned_experts
+    from edit_train.local_sgd.moe.experts import owned_experts
 
     spec = subsets_spec(cfg)
     if not spec:

@@ -13,7 +13,7 @@ Which parameter gets which optimizer (docs/algorithms.md, "Muon inner steps"):
 The Muon update is torch.optim.Muon's (momentum ``lerp``, Nesterov, its quintic Newton–Schulz coefficients)
 with ``adjust_lr_fn="match_rms_adamw"`` (the update's RMS matches AdamW's, 0.2·√max(a, b)), so one ``train.lr``
 and one schedule serve both halves; 2-D weights step bit-identically to ``torch.optim.Muon``
-(tests/test_muon.py). One optimizer object holds both halves: one ``state`` (checkpoints and heals read it
+(tests/train/test_muon.py). One optimizer object holds both halves: one ``state`` (checkpoints and heals read it
 per parameter, as for AdamW) and the param groups the trainer sets the lr on.
 
 **Sharded clusters** (FSDP2 ``Shard(0)``, ``cluster.ranks`` > 1): Newton–Schulz needs each whole matrix, and a

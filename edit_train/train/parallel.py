@@ -50,7 +50,7 @@ class PrecisionPolicy:
         of the weights until its outermost region ends — this region, held open across the micro-batches —
         and the expert weights, which the MoE block casts itself, use ``model.experts.working_copies``. The
         copies are the same casts of the same fp32 weights, so the numerics are those of per-micro-batch
-        casts (tests/test_working_copies.py). Backward runs inside it with autocast off (`backward`)."""
+        casts (tests/train/test_working_copies.py). Backward runs inside it with autocast off (`backward`)."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         from edit_train.model.experts import working_copies

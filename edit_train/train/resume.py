@@ -13,7 +13,7 @@ from torch import nn
 
 from edit_train.config import Config, to_container
 from edit_train.data.loader import TokenLoader
-from edit_train.local_sgd.state import SyncState
+from edit_train.local_sgd.sync.state import SyncState
 from edit_train.timing import TimeAccount
 from edit_train.train.checkpoint import CheckpointError, CheckpointManager
 from edit_train.train.progress import TrainingState

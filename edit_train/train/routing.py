@@ -4,7 +4,7 @@ The MoE blocks add every training forward's counts to a device tensor (`CausalLM
 sync per step). `RoutedTally.take` closes an interval: it reads the counts, sums them over the cluster's ranks
 (each rank routed its own micro-batch), resets them and logs one `experts` event {step, cluster, cluster_index,
 interval, steps, layers, counts [MoE layers][experts]}. An interval is the local steps one sync contributes —
-the sync core takes the counts itself when a round's exchange starts (`hook`, `local_sgd/experts.py`: they ride
+the sync core takes the counts itself when a round's exchange starts (`hook`, `local_sgd/moe/experts.py`: they ride
 the exchange to every cluster and weigh the experts' rows; a missed sync does not close the interval) —, or
 `log_every` steps without local SGD (ddp, the synchronous warm-up: `due`). `edit-train-report` draws from these
 events which cluster feeds which expert (report/experts.py).
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from edit_train.cluster.mesh import Topology
-from edit_train.local_sgd.experts import Owned, RoutedCounts, owned_counts
+from edit_train.local_sgd.moe.experts import Owned, RoutedCounts, owned_counts
 from edit_train.model import CausalLM
 from edit_train.model.expert_params import sync_pieces
 

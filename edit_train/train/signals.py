@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from edit_train.local_sgd import waits
+from edit_train.local_sgd.sync import waits
 
 
 # a second signal this soon after the first is the same stop (a terminal's Ctrl-C reaches the local launcher and
@@ -46,7 +46,7 @@ class StopSignal:
                 return                       # workers, and the launcher passes it on (SIGTERM) at once
             raise KeyboardInterrupt  # a second stop: give up at once
         self.signum, self.at = signum, now
-        waits.STOP.set()  # a wait for the federation gives up within half a second (local_sgd/waits.py)
+        waits.STOP.set()  # a wait for the federation gives up within half a second (local_sgd/sync/waits.py)
 
     def finished(self) -> None:
         """The work is over and its files are written: from here a SIGINT/SIGTERM exits at once (128 + signal)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from edit_train.cluster.group import local_tensor
-from edit_train.local_sgd.healing import step_device
+from edit_train.local_sgd.sync.healing import step_device
 from edit_train.train.checkpoint import UNCHECKED_ENV, CheckpointError
 
 

@@ -110,7 +110,7 @@ def cluster_record(state: TrainingState, group: ClusterGroup, stats: dict[str, A
     state.live()
     wall = state.wall()
     from edit_train.federation import auth, identity
-    from edit_train.local_sgd.healing import DIGEST_S
+    from edit_train.local_sgd.sync.healing import DIGEST_S
 
     ranks = group.all_gather_json({"bytes_sent": stats["bytes_sent"], "blocked_s": stats["blocked_s"],
                                    "auth_s": auth.SPENT[0], "trust_s": identity.SPENT[0] + DIGEST_S[0],

@@ -1,6 +1,6 @@
 """The training loop. One process = one rank; the loop is the same for every algorithm.
 
-The cross-cluster algorithm is an object wrapped around the loop (`edit_train.local_sgd.algorithms`):
+The cross-cluster algorithm is an object wrapped around the loop (`edit_train.local_sgd.sync.algorithms`):
 it sees the gradients after backward (synchronous warm-up), the step boundary (sync decisions) and the
 forward pass (layer-wise sync hooks). Everything else here is plain training.
 """
@@ -31,7 +31,7 @@ from edit_train.train.expert_subsets import follow, frozen_rows
 from edit_train.timing import TimeAccount, window
 from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.errors import SyncAborted
-from edit_train.local_sgd.rules import make_rule
+from edit_train.local_sgd.aggregation.rules import make_rule
 from edit_train.memplan import OutOfMemory, out_of_memory_line, plan_for_config
 from edit_train.train.build import build_algorithm, my_cluster
 from edit_train.train.progress import Progress, TrainingState, process_start, record_path, restart_count
@@ -48,7 +48,7 @@ from edit_train.train.run_config import note_start
 from edit_train.train.resume import Resumable, find_resume, resume, save_checkpoint
 from edit_train.train.signals import Interrupted, StopSignal
 from edit_train.train.finished import peer_news
-from edit_train.local_sgd import waits
+from edit_train.local_sgd.sync import waits
 from edit_train.train.routing import RoutedTally
 from edit_train.train.site_data import check_tokenizers, open_data, site_data
 

@@ -1,0 +1,131 @@
+"""What the rule is told about a round's clusters and what it decides: the norm exchange read, a unit's
+`Evidence` built, every decision bounded by the quorum's median scale (`scale.py`), the commit vote counted,
+and whoever misbehaved named (`suspects.py`). One per round (`round.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from edit_train.local_sgd.aggregator import Combiner, Decision, Evidence
+from edit_train.local_sgd.sync.core import SyncCore, SyncReport
+from edit_train.local_sgd.evidence import probe_judgement
+from edit_train.local_sgd.sync.expert_rows import ExpertRows
+from edit_train.local_sgd.aggregation.scale import bound_scale
+
+EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  # per-cluster scalars of the exchange
+
+
+class Judge:
+    """The rule's side of one round: `read` the exchange, then `evidence` and `decide` per unit."""
+
+    def __init__(self, core: SyncCore, report: SyncReport, rows: ExpertRows) -> None:
+        self.core, self.report, self.rows = core, report, rows
+        self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
+        self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
+
+    def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
+        cluster's last update], one row per cluster) → (reported norms [P, units], markers [P], EXTRA [P, k])."""
+        n, k, m = len(self.core.units), len(EXTRA), self.rows.width
+        norms, marks = full[:, :n].clamp_min(0).sqrt(), full[:, n]
+        rows = torch.cat([full[:, :n], full[:, n + 1 + m:]], dim=1)  # without the marker and the routed tokens
+        scores = rows[:, n + k:]
+        if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
+            scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
+        probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
+        steps = self._steps(rows[:, n].clone())
+        self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
+                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
+        self._suspected(probe_suspects)
+        self.rows.read(full[:, n + 1:n + 1 + m])
+        self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
+        return norms, marks, rows[:, n:n + k]
+
+    def _steps(self, claimed: Tensor) -> Tensor:
+        """The claimed local steps, each bounded under a step schedule by what the sync count lets that member have
+        taken since the anchor it holds (`SyncCore.steps_bound`, the same on every member: the decisions stay
+        everyone's). A claim over it and over this cluster's own steps (the honest lost the same syncs) is named: a
+        claim of 4x its steps buys no weight (issue 69)."""
+        caps = self.steps_bound
+        if len(caps) != claimed.numel():
+            return claimed
+        cap = torch.tensor(caps, dtype=claimed.dtype)
+        over = ~(claimed <= cap)  # NaN is over too
+        own = self.report.local_steps
+        for i in over.nonzero().flatten().tolist():
+            if not float(claimed[i]) <= own:
+                self.name(i, f"claims {float(claimed[i]):.4g} local steps at sync {self.report.sync}, more than the "
+                             f"{caps[i]} the step schedule allows since its anchor (bounded to it)", "local steps")
+        return torch.where(over, cap, claimed)
+
+    def _tokens(self, steps: Tensor, claimed: Tensor) -> Tensor:
+        """The claimed tokens, each bounded by the cluster's local steps x the most tokens per step any configured
+        cluster takes (a claim of 10^12 tokens weighs what its steps can hold); those over it are named."""
+        cap = self.core.max_tokens_per_step
+        if cap <= 0:
+            return claimed
+        most = steps.clamp_min(0) * cap
+        over = ~(claimed <= most)  # NaN is over too
+        for i in over.nonzero().flatten().tolist():
+            self.name(i, f"claims {float(claimed[i]):.4g} tokens for {float(steps[i]):.0f} local steps, more than "
+                         f"{cap} per step (bounded to {float(most[i]):.4g})", "tokens")
+        return torch.where(over, most, claimed)
+
+    def name(self, i: int, what: str, kind: str) -> None:
+        """Name cluster `i` (not this one) for `what` (suspects.py)."""
+        q = self.core.transport.quorum
+        if self.core.suspects is not None and q is not None and i != self.report.position:
+            self.core.suspects.name(q, i, what, kind)
+
+    def _suspected(self, who: dict[int, str]) -> None:
+        """Evaluators whose probe scores were not counted: in the `sync` event (`probe_suspects`), and named
+        (suspects.py: one line with the roster key that signed its records, and the event's `suspects`)."""
+        self.report.probe_suspects = {self.report.quorum[i]: why for i, why in who.items()}
+        for i, why in who.items():
+            what = "disagree with the other evaluators'" if why == "disagrees" else \
+                "flag an update no other evaluator measured (one evaluator decides nothing)"
+            self.name(i, f"sent probe scores that {what} (sync {self.report.sync}): not counted", f"probe {why}")
+
+    def evidence(self, name: str, norms: Tensor, measured: dict[str, Tensor]) -> Evidence:
+        """What the rule is told about unit `name`: `norms` (reported or measured) and what was `measured`."""
+        steps = self.meta["steps"]
+        i = self.core.index[name]
+        extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
+                 "probe": self.meta["probe"].clone(), "sync": torch.tensor(self.report.sync), **measured,
+                 **self.rows.evidence(name)}
+        return Evidence(name, tuple(self.report.quorum), norms.clone(), steps.clone(),
+                        tuple(bool(s > 0) for s in steps.tolist()), extra)
+
+    def decide(self, ev: Evidence) -> Decision:
+        """The rule's decision, every contribution then bounded by the quorum's median scale (scale.py)."""
+        d = self.core.rule.decide(ev)
+        if isinstance(self.core.rule, Combiner):
+            return d
+        for i, f in bound_scale(d, ev, self.core.scale_bound).items():
+            if len(d.evidence) == len(ev.names):
+                d.evidence[i] = {**d.evidence[i], "scale_clip": f}
+            self.name(i, f"sent a pseudo-gradient over {self.core.scale_bound:g} times the quorum's median norm "
+                         f"per √step at sync {self.report.sync} (clipped to the median)", "scale")
+        return d
+
+    def reported(self, name: str) -> Decision:
+        """Unit `name` decided on what every cluster reported (a SUM, or a sketched SUM's provisional decision)."""
+        i = self.core.index[name]
+        return self.rows.pin(self.decide(self.evidence(name, self.meta["reported"][:, i], {})), None)
+
+    def majority(self, votes: Tensor) -> bool:
+        """The commit: no strict majority of the quorum voted no — a tie keeps what you have (an honest "no" — a
+        non-finite merged unit — is everyone's, since every cluster merges the same contributions; a lone "no" is a
+        local fault). The round ANDs this cluster's own vote: a member whose vote differs from the outcome rolls
+        itself back and is named (it heals or syncs on at its next sync; docs/security.md)."""
+        yes = [bool(v > 0) for v in votes.tolist()]
+        commit = 2 * sum(yes) >= len(yes)
+        if yes[self.report.position]:
+            for i, said in enumerate(yes):
+                if not said:
+                    outcome = "committed without it" if commit else "a strict majority voted no: rolled back"
+                    self.name(i, f"voted no at sync {self.report.sync} ({outcome})", "veto")
+        return commit

@@ -1,0 +1,104 @@
+"""The direction test on crafted contributions (exact Gram matrices): a cluster that disagrees with the others
+is flagged, whatever it reports; two clusters are told apart by the reference; a cluster that was left out
+for a while is not locked out once it agrees again; the statistics learn accepted values only."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from edit_train.local_sgd.aggregation.direction import DirectionTest, cosines
+from edit_train.local_sgd.aggregation.verified import VerifiedConfig
+
+D = 4096  # a random direction is then nearly orthogonal to everything, as in a real module
+
+
+def _honest(n: int, gen: torch.Generator, shared: torch.Tensor, noise: float = 0.8) -> torch.Tensor:
+    """n updates = a shared direction + per-cluster noise (pairwise cosines ~0.5-0.7)."""
+    return shared + noise * torch.randn(n, D, generator=gen, dtype=torch.float64) / math.sqrt(D) * shared.norm()
+
+
+def _round(test: DirectionTest, v: torch.Tensor, trusted: list[bool] | None = None):  # type: ignore[no-untyped-def]
+    trusted_t = torch.tensor(trusted if trusted is not None else [True] * v.shape[0])
+    verdict = test.judge("m", v @ v.T, trusted_t, list(v))
+    accepted = ~verdict.flagged & trusted_t
+    test.learn("m", verdict, accepted)
+    w = accepted.double() / max(int(accepted.sum()), 1)
+    test.follow("m", list(v), w)
+    return verdict
+
+
+def _shared(gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(D, generator=gen, dtype=torch.float64)
+
+
+def test_cosines_from_a_gram_matrix_are_exact_and_nan_for_bad_rows() -> None:
+    v = torch.tensor([[1.0, 0.0], [1.0, 1.0], [math.nan, 0.0], [0.0, 0.0]], dtype=torch.float64)
+    c = cosines(v @ v.T)
+    assert abs(c[0, 1].item() - 1 / math.sqrt(2)) < 1e-15
+    assert torch.isnan(c[2]).all() and torch.isnan(c[3]).all() and abs(c[1, 1].item() - 1.0) < 1e-15
+
+
+def test_a_sign_flipped_cluster_among_four_is_flagged_and_nobody_else() -> None:
+    gen = torch.Generator().manual_seed(0)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(12):  # honest history, slowly turning
+        shared = shared + 0.2 * _shared(gen)
+        assert not bool(_round(test, _honest(4, gen, shared)).flagged.any())
+    v = _honest(4, gen, shared)
+    v[2] = -v[2]
+    verdict = _round(test, v)
+    assert verdict.flagged.tolist() == [False, False, True, False]
+    assert verdict.agreement[2] < 0 < verdict.agreement[0]
+    # per sync the 3 non-median excesses; at the last one, not the flagged value
+    assert int(test.stats["direction/m"].count[0]) == 12 * 3 + 2
+
+
+def test_two_clusters_the_reference_tells_which_one_is_off() -> None:
+    gen = torch.Generator().manual_seed(1)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(10):
+        shared = shared + 0.2 * _shared(gen)
+        assert not bool(_round(test, _honest(2, gen, shared)).flagged.any())
+    for who in (0, 1):  # either one may be the flipped one
+        v = _honest(2, gen, shared)
+        v[who] = -v[who]
+        verdict = test.judge("m", v @ v.T, torch.tensor([True, True]), list(v))
+        assert verdict.flagged.tolist() == [who == 0, who == 1]
+
+
+def test_a_cluster_left_out_for_long_is_not_locked_out_when_it_agrees_again() -> None:
+    """12 syncs of a random-direction c1 at two clusters: flagged every time; then honest again: accepted at
+    once (the pair agrees as before, whatever the reference learned meanwhile)."""
+    gen = torch.Generator().manual_seed(2)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(8):
+        shared = shared + 0.2 * _shared(gen)
+        _round(test, _honest(2, gen, shared))
+    for _ in range(12):
+        shared = shared + 0.2 * _shared(gen)
+        v = _honest(2, gen, shared)
+        v[1] = torch.randn(D, generator=gen, dtype=torch.float64) * v[1].norm() / math.sqrt(D)
+        assert _round(test, v).flagged.tolist() == [False, True]
+    for _ in range(6):
+        shared = shared + 0.2 * _shared(gen)
+        assert _round(test, _honest(2, gen, shared)).flagged.tolist() == [False, False]
+
+
+def test_an_untrusted_cluster_is_still_judged_against_the_trusted_ones() -> None:
+    gen = torch.Generator().manual_seed(3)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(10):
+        shared = shared + 0.2 * _shared(gen)
+        _round(test, _honest(3, gen, shared))
+    count = int(test.stats["direction/m"].count[0])
+    v = _honest(3, gen, shared)
+    v[1] = -v[1]
+    verdict = _round(test, v, trusted=[True, False, True])  # e.g. on probation: the median is over c0, c2
+    assert verdict.flagged.tolist() == [False, True, False]
+    assert int(test.stats["direction/m"].count[0]) == count  # two trusted: nothing learned
