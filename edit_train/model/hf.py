@@ -258,6 +258,7 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         # no groups is n_group 0 / topk_group 0 (SGLang: off when both are 0; vLLM's grouped top-k likewise),
         # the shared experts' width is left to moe_intermediate_size * num_shared_experts (every reader's fallback)
         d["architectures"] = [ARCHITECTURE_V2]
+        d["auto_map"] = {**AUTO_MAP, "AutoModelForCausalLM": "modeling_edit_train.BailingMoeV2ForCausalLM"}
         d.update({f: getattr(served, f) for f in HF_FIELDS_V2})
         d["moe_router_enable_expert_bias"] = bool(cfg.moe_router_enable_expert_bias and cfg.num_experts > 0)
     return d
