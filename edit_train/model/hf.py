@@ -116,6 +116,14 @@ BAILING_V2_DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "use_qk_norm": True, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0,
     "mtp_loss_scaling_factor": 0.0,
 }
+#: BailingMoeV2Config's defaults for the keys Ling 1 shares (they differ: no biases, eps 1e-6, Ling-mini-2.0's sizes).
+BAILING_V2_BASE_DEFAULTS: dict[str, Any] = {
+    **BAILING_DEFAULTS, "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "use_bias": False, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768, "rope_theta": 600000.0, "num_experts": 256, "num_shared_experts": 1,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "head_dim": 128,
+    **BAILING_V2_DEFAULTS,
+}
 _LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in HF_FIELDS_V2}
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -279,8 +287,10 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
                          f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE} "
                          f"or {ARCHITECTURE_V2}")
 
-    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's default, not ours
-        return d[key] if key in d else BAILING_DEFAULTS.get(key)
+    base = BAILING_V2_BASE_DEFAULTS if v2 else BAILING_DEFAULTS
+
+    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's (V2's) default, not ours
+        return d[key] if key in d else base.get(key)
 
     unsupported: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "use_bias": (False,),
                                                "use_qkv_bias": (False, None), "rope_scaling": (None,)}
