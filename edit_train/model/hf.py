@@ -268,6 +268,8 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         d["architectures"] = [ARCHITECTURE_V2]
         d["auto_map"] = {**AUTO_MAP, "AutoModelForCausalLM": "modeling_edit_train.BailingMoeV2ForCausalLM"}
         d.update({f: getattr(served, f) for f in HF_FIELDS_V2})
+        if cfg.n_group == 0:  # no group limit is one group holding every expert: SGLang and vLLM (the revisions
+            d["n_group"] = d["topk_group"] = 1  # tests/test_ling2_serving.py reads) route sigmoid + bias only grouped
         d["moe_router_enable_expert_bias"] = bool(cfg.moe_router_enable_expert_bias and cfg.num_experts > 0)
     return d
 
