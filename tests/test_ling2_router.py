@@ -227,3 +227,27 @@ def test_bad_fields_name_themselves(field, value):
     kw = {"n_group": 4, "topk_group": 2} if field == "topk_group" else {}
     with pytest.raises(ValueError, match=f"model.{field}"):
         ModelConfig(**{**kw, field: value}).validate()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_ling1_presets_keep_their_exact_path(preset):
+    """The Ling 1 presets leave every new field at its default: no new parameter or buffer, the router bit for bit
+    Ling 1's softmax top-k, the attention's full RoPE without QK-norm, no MTP layer."""
+    from edit_train.model.presets import load_preset
+
+    cfg = load_preset(preset)
+    assert not cfg.ling2_router and cfg.num_nextn_predict_layers == 0 and not cfg.use_qk_norm
+    assert cfg.rotary_dim == cfg.head_dim
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    assert not any(k.endswith(("expert_bias", "layernorm.weight")) and ".attention." in k or k.endswith("expert_bias")
+                   for k in model.state_dict())
+    assert all(b.step_tokens is None for b in model.moe_blocks())
+    block = model.moe_blocks()[0]
+    x = torch.randn(64, cfg.hidden_size)
+    _, probs, idx, w = block.route(x)
+    p = torch.softmax(F.linear(x, block.gate.weight), dim=-1)
+    tw, ti = torch.topk(p, cfg.num_experts_per_tok, dim=-1)
+    assert torch.equal(probs, p) and torch.equal(idx, ti) and torch.equal(w, tw / tw.sum(-1, keepdim=True))
+    out = model(torch.randint(0, cfg.vocab_size, (1, 8)), torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert out.mtp_loss is None
