@@ -120,7 +120,7 @@ def test_untrained_import_exports_back_bit_identically(tmp_path):
     out = export_hf(model, None, tmp_path / "out")
     back, _ = read_hf_weights(out)
     assert sorted(back) == sorted(written)
-    assert all(torch.equal(back[k], written[k]) for k in written), [k for k in written if not torch.equal(back[k], written[k])][:3]
+    assert [k for k in written if not torch.equal(back[k], written[k])] == []
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["BailingMoeV2ForCausalLM"] and raw["model_type"] == "bailing_moe"
     for key in ("score_function", "moe_router_enable_expert_bias", "n_group", "topk_group", "routed_scaling_factor",

@@ -40,6 +40,15 @@ SGLang, the shipped ``transformers`` code and Ling's public ``modeling_bailing_m
   so :func:`from_hf_config` gives back the training architecture. Directories without it (our older exports,
   public Ling checkpoints) are read literally: a raw head with ``norm_head: true``, nulls for "none".
 
+**Ling 2.0** (:func:`is_v2`: any BailingMoeV2 field off its Ling 1 default): ``architectures:
+["BailingMoeV2ForCausalLM"]`` (``model_type`` stays ``bailing_moe``, as Ling-V2's checkpoints say) and every V2 key
+written (:data:`HF_FIELDS_V2`; no group limit is written as one group, ``n_group: 1``: the engines route sigmoid +
+bias grouped only). Beyond the Ling 1 names: ``model.layers.{i}.attention.{query,key}_layernorm.weight`` (QK-norm),
+``model.layers.{i}.mlp.gate.expert_bias`` (fp32 in every export), and the MTP layers after the main ones,
+``model.layers.{L + j}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` beside a decoder layer's names (SGLang's and
+llama.cpp's layout; Ling-V2's reference modeling code instead counts them among ``num_hidden_layers``). A V2 file's
+absent keys mean BailingMoeV2Config's defaults (:data:`BAILING_V2_BASE_DEFAULTS`).
+
 This module is the naming and config contract; reading and writing directories (``export_hf``,
 ``load_hf_into``) is :mod:`edit_train.model.hf_io`, the shard files :mod:`edit_train.model.shards`. Nothing unpickles: tensors are read with
 ``safetensors`` and metadata with ``json``.
@@ -124,7 +133,8 @@ BAILING_V2_BASE_DEFAULTS: dict[str, Any] = {
     "num_experts_per_tok": 8, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "head_dim": 128,
     **BAILING_V2_DEFAULTS,
 }
-_LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in HF_FIELDS_V2}
+_LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                                     if f.name in HF_FIELDS_V2}
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
@@ -335,8 +345,10 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
         for f in HF_FIELDS_V2:
             v = d[f] if f in d else BAILING_V2_DEFAULTS[f]
             want = type(_LING1_V2_FIELDS[f])
-            if want is bool and not isinstance(v, bool) or want is int and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"{source}: {f} must be {'true or false' if want is bool else 'an integer'}, got {v!r}")
+            if want is bool and not isinstance(v, bool):
+                raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
+            if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
             if want is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ValueError(f"{source}: {f} must be a number, got {v!r}")
@@ -347,7 +359,8 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
         shared = d.get("moe_shared_expert_intermediate_size")
         if shared is not None and kw["num_shared_experts"] and shared != kw["moe_intermediate_size"]:
             raise ValueError(f"{source}: moe_shared_expert_intermediate_size={shared!r} differs from "
-                             f"moe_intermediate_size={kw['moe_intermediate_size']!r}: not supported by edit-train's model")
+                             f"moe_intermediate_size={kw['moe_intermediate_size']!r}: not supported by edit-train's "
+                             f"model")
         if kw["score_function"] == "softmax" and kw["moe_router_enable_expert_bias"]:
             kw["moe_router_enable_expert_bias"] = False  # the engines pair a bias with sigmoid only (SGLang asserts it)
     nulls = [f for f, v in kw.items() if v is None]

@@ -190,7 +190,7 @@ def _open(step_dir: Path, ranks: range, run_cfg: dict[str, Any], model_cfg: Mode
           member: Callable[[str], Path] | None = None) -> StepCheckpoint:
     member = member or (lambda name: step_dir / name)
     shapes = param_shapes(model_cfg)
-    buffers = buffer_shapes(model_cfg)  # the expert biases: every rank's copy is the cluster's (one update, summed load)
+    buffers = buffer_shapes(model_cfg)  # the expert biases: every rank holds the cluster's (one update, summed load)
     model_files = [member(f"rank{r}-model.safetensors") for r in ranks]
     outer_files = [member(f"rank{r}-outer.safetensors") for r in ranks]
     for path in model_files:
