@@ -11,6 +11,11 @@ mapping, its routing — written for edit-train from reading these revisions (no
   ``bailing_moe_nextn.py`` @ d1575d178d746fe4ca53d5d5f9e73689713b4807 (``model.layers.{num_hidden_layers}``:
   ``enorm`` / ``hnorm`` / ``eh_proj`` / ``final_layernorm`` its own, the rest its decoder block; embeddings and
   head the target model's; input the target's final hidden state and the next token's embedding).
+* vLLM    vllm-project/vllm  ``vllm/model_executor/models/bailing_moe.py`` @ 3a04cf8f14c971435137c3ec572a7803c663673d
+  (grouped top-k whenever ``n_group`` and ``topk_group`` are not None, ``scoring_func=score_function`` with the
+  bias as ``e_score_correction_bias``, ``renormalize=norm_topk_prob``, the output times ``routed_scaling_factor``;
+  QK-norm an RMSNorm only when ``use_rmsnorm`` says so, else an ``nn.LayerNorm`` with a bias no export holds;
+  ``rotary_dim`` from ``partial_rotary_factor``). It has no MTP reading of its own here.
 * Ling-V2 inclusionAI/Ling-V2 ``models/modeling_bailing_moe_v2.py`` @ efee9bb7bc1c357f4098b45e06f0a2222389a16d (the
   public reference: renormalises any top-k > 1 whatever ``norm_topk_prob`` says, ``+1e-20``; group score = sum of
   a group's two best biased scores). It builds ``num_hidden_layers`` layers of which the last
@@ -19,8 +24,8 @@ mapping, its routing — written for edit-train from reading these revisions (no
   reference reads only exports without MTP layers the same way (a test pins the difference).
 
 Our logits = a re-import = transformers through the shipped modeling file (``trust_remote_code``) = SGLang's reading
-= (without MTP) the reference's, fp32 within 1e-5 and the same argmax, on every variant; the MTP layer's t+2 logits
-equal SGLang's nextn reading. vLLM's Bailing MoE V2 reading is not emulated here.
+= vLLM's = (without MTP) the reference's, fp32 within 1e-5 and the same argmax, on every variant; the MTP layer's
+t+2 logits equal SGLang's nextn reading.
 """
 
 from __future__ import annotations
@@ -184,6 +189,17 @@ def sglang_read(config: Any, w: Mapping[str, torch.Tensor]) -> Reading:
     return Reading(config, w, sglang_route(config), config.num_hidden_layers, shared * config.num_shared_experts)
 
 
+def vllm_read(config: Any, w: Mapping[str, torch.Tensor]) -> Reading:
+    n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    assert n_group is not None and topk_group is not None  # else vLLM routes ungrouped: softmax-style fused top-k
+    if getattr(config, "use_qk_norm", False):
+        assert getattr(config, "use_rmsnorm", False), "vLLM would build nn.LayerNorm QK-norms (with biases)"
+    shared = getattr(config, "moe_shared_expert_intermediate_size", config.moe_intermediate_size)
+    rotary = getattr(config, "rotary_dim", None)
+    assert rotary is None  # vLLM's get_rope(rotary_dim=head_dim, partial_rotary_factor=...): the factor decides
+    return Reading(config, w, sglang_route(config), config.num_hidden_layers, shared * config.num_shared_experts)
+
+
 def reference_read(config: Any, w: Mapping[str, torch.Tensor]) -> Reading:
     main = config.num_hidden_layers - config.num_nextn_predict_layers  # its layer list counts the MTP layers
     return Reading(config, w, reference_route(config), main, config.moe_intermediate_size * config.num_shared_experts)
@@ -234,7 +250,8 @@ def test_every_reading_gives_our_logits(tmp_path, variant):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True,
                                                            dtype=torch.float32).eval()
     with torch.no_grad():
-        readings = {"transformers": hf(ids).logits, "sglang": sglang_read(config, weights).logits(ids)}
+        readings = {"transformers": hf(ids).logits, "sglang": sglang_read(config, weights).logits(ids),
+                    "vllm": vllm_read(config, weights).logits(ids)}
         if cfg.num_nextn_predict_layers == 0:
             readings["reference"] = reference_read(config, weights).logits(ids)
     for who, got in readings.items():
