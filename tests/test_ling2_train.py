@@ -36,3 +36,24 @@ def test_tiny_v2_resume_is_bit_identical_with_its_expert_bias(tmp_path, small_co
     assert moe and all(e["aux_loss"] == 0.0 and e["mtp_loss"] > 0 for e in moe)
     # six optimizer steps of rate 1e-3, each entry moving by at most 2e-3 (sign step minus the update's mean)
     assert all(float(a[k].abs().max()) <= 6 * 2e-3 + 1e-7 for k in biases)
+
+
+@pytest.mark.parametrize("mode", ["full", "moe"])
+def test_activation_checkpointing_gives_the_same_gradients_with_mtp(mode):
+    """The MTP layer is a decoder layer for `train.activation_checkpointing` too: recomputed, same gradients."""
+    from edit_train.model import CausalLM, load_preset
+    from edit_train.train.parallel import apply_activation_checkpointing
+
+    cfg = load_preset("tiny_v2")
+    torch.manual_seed(0)
+    plain = CausalLM(cfg)
+    ckpt_model = CausalLM(cfg)
+    ckpt_model.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(ckpt_model, mode) == (5 if mode == "full" else 4)
+    x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (plain, ckpt_model):
+        m(x, x).loss.backward()
+    for (n, a), (_, b) in zip(plain.named_parameters(), ckpt_model.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=lambda s, n=n: f"{n}: {s}")
+    assert [int(b.step_tokens.sum()) for b in plain.moe_blocks()] == \
+        [int(b.step_tokens.sum()) for b in ckpt_model.moe_blocks()]  # counted once, not again by the recompute
