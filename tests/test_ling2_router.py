@@ -251,3 +251,25 @@ def test_ling1_presets_keep_their_exact_path(preset):
     assert torch.equal(probs, p) and torch.equal(idx, ti) and torch.equal(w, tw / tw.sum(-1, keepdim=True))
     out = model(torch.randint(0, cfg.vocab_size, (1, 8)), torch.randint(0, cfg.vocab_size, (1, 8)))
     assert out.mtp_loss is None
+
+
+def test_grouped_experts_serve_256_experts_like_the_sorted_path():
+    """Ling 2.0's 256 experts (top-8 within 4 of 8 groups) through torch._grouped_mm = the sorted reference."""
+    kw = dict(V2, hidden_size=32, num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+              moe_intermediate_size=16)
+    torch.manual_seed(4)
+    sorted_block = MoEBlock(ModelConfig(**kw, expert_impl="sorted"))
+    sorted_block.reset_parameters()
+    grouped = MoEBlock(ModelConfig(**kw, expert_impl="grouped"))
+    grouped.load_state_dict(sorted_block.state_dict())
+    x = torch.randn(300, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    a, b = sorted_block(x), grouped(x2)
+    assert grouped.experts.last_impl == "grouped"
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sorted_block.experts.gate_proj.grad, grouped.experts.gate_proj.grad, rtol=1e-4,
+                               atol=1e-6)
+    assert int(sorted_block.last_expert_load.sum()) == 300 * 8
