@@ -111,11 +111,16 @@ def activation_bytes(cfg: ModelConfig, tokens: int, checkpointing: str, compute_
     else:
         a_head = r * h + c * v + 8 * v
     is_moe = [cfg.num_experts > 0 and i >= cfg.first_k_dense_replace for i in range(cfg.num_hidden_layers)]
+    mtp = cfg.num_nextn_predict_layers  # each an MoE layer (its [e; h] input: 2h more) with one more head pass
+    is_moe += [True] * mtp
     per_layer = [a_att + (a_moe if m else a_mlp) for m in is_moe]
+    if mtp:
+        per_layer[-mtp:] = [a + 2 * r * h for a in per_layer[-mtp:]]
+        a_head *= 1 + mtp
     if one_layer:
         return int(tokens * max(per_layer, default=0))
     if checkpointing == "full":
-        per_tok = cfg.num_hidden_layers * r * h + max(per_layer, default=0)
+        per_tok = len(is_moe) * r * h + max(per_layer, default=0)
     elif checkpointing == "moe":
         per_tok = (sum(a_att + (r * h if m else a_mlp) for m in is_moe)
                    + (a_moe if any(is_moe) else 0))

@@ -28,8 +28,12 @@ def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-u
     }
     on_device = {k: v for k, v in per_rank.items()
                  if not (k == "outer_anchor_and_momentum" and cfg.algo.outer.offload)}
+    main = {"total_params": total - counts["mtp_params"],  # what a model card counts: the MTP layers left out
+            "active_params": counts["active_params"] - counts["mtp_active_params"],
+            "non_embedding_active_params": counts["non_embedding_active_params"] - counts["mtp_active_params"]}
     return {
         **counts,
+        "without_mtp": main,
         "active_ratio": counts["active_params"] / max(total, 1),
         "clusters": cfg.cluster.count,
         "ranks": shard,  # per cluster
@@ -45,7 +49,8 @@ def estimate(cfg, gpu_mem_gb: float | None = None) -> dict:  # type: ignore[no-u
 USAGE = """usage: edit-train-info [GROUP=OPTION ...] [KEY=VALUE ...]
 
 Size a launch before spending a GPU hour: takes the same overrides as edit-train and prints one JSON line
-with total_params, active_params (per token), the model/optimizer state bytes per rank and a
+with total_params, active_params (per token), non_embedding_active_params, the MTP layers' share and the
+counts without them (what a model card quotes), the model/optimizer state bytes per rank and a
 per-rank memory plan (--gpu-mem-gb X says whether it fits an X GiB GPU). The model is
 built on the meta device; nothing is allocated and nothing is trained.
 

@@ -40,6 +40,15 @@ SGLang, the shipped ``transformers`` code and Ling's public ``modeling_bailing_m
   so :func:`from_hf_config` gives back the training architecture. Directories without it (our older exports,
   public Ling checkpoints) are read literally: a raw head with ``norm_head: true``, nulls for "none".
 
+**Ling 2.0** (:func:`is_v2`: any BailingMoeV2 field off its Ling 1 default): ``architectures:
+["BailingMoeV2ForCausalLM"]`` (``model_type`` stays ``bailing_moe``, as Ling-V2's checkpoints say) and every V2 key
+written (:data:`HF_FIELDS_V2`; no group limit is written as one group, ``n_group: 1``: the engines route sigmoid +
+bias grouped only). Beyond the Ling 1 names: ``model.layers.{i}.attention.{query,key}_layernorm.weight`` (QK-norm),
+``model.layers.{i}.mlp.gate.expert_bias`` (fp32 in every export), and the MTP layers after the main ones,
+``model.layers.{L + j}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` beside a decoder layer's names (SGLang's and
+llama.cpp's layout; Ling-V2's reference modeling code instead counts them among ``num_hidden_layers``). A V2 file's
+absent keys mean BailingMoeV2Config's defaults (:data:`BAILING_V2_BASE_DEFAULTS`).
+
 This module is the naming and config contract; reading and writing directories (``export_hf``,
 ``load_hf_into``) is :mod:`edit_train.model.hf_io`, the shard files :mod:`edit_train.model.shards`. Nothing unpickles: tensors are read with
 ``safetensors`` and metadata with ``json``.
@@ -64,6 +73,9 @@ from edit_train.model.shards import WEIGHTS_INDEX_NAME, WEIGHTS_NAME  # noqa: F4
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "BailingMoeForCausalLM"
+#: Ling 2.0's architecture name (its config.json keeps model_type "bailing_moe"); an export of a model that uses any
+#: BailingMoeV2 feature (:func:`is_v2`) names it, and vLLM / SGLang / llama.cpp dispatch on it.
+ARCHITECTURE_V2 = "BailingMoeV2ForCausalLM"
 MODEL_TYPE = "bailing_moe"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -85,10 +97,16 @@ HF_FIELDS: tuple[str, ...] = (
     "first_k_dense_replace", "norm_topk_prob", "norm_head", "rope_theta", "rms_norm_eps",
     "max_position_embeddings", "tie_word_embeddings", "initializer_range",
 )
+#: ModelConfig fields that are BailingMoeV2 config.json keys (same name, same meaning), written for a V2 export.
+HF_FIELDS_V2: tuple[str, ...] = (
+    "score_function", "moe_router_enable_expert_bias", "n_group", "topk_group", "routed_scaling_factor",
+    "use_qk_norm", "partial_rotary_factor", "num_nextn_predict_layers", "mtp_loss_scaling_factor",
+)
 #: Fields that change the weights' shapes or the forward math: a loaded directory must agree on them.
 #: (``max_position_embeddings`` and ``initializer_range`` do neither for our model.)
-ARCH_FIELDS: tuple[str, ...] = tuple(f for f in HF_FIELDS if f not in ("max_position_embeddings",
-                                                                       "initializer_range"))
+ARCH_FIELDS: tuple[str, ...] = tuple(f for f in HF_FIELDS + HF_FIELDS_V2
+                                     if f not in ("max_position_embeddings", "initializer_range",
+                                                  "mtp_loss_scaling_factor"))
 
 #: BailingMoeConfig's constructor defaults (Ling's configuration_bailing_moe.py): what a key left out means.
 BAILING_DEFAULTS: dict[str, Any] = {
@@ -99,6 +117,24 @@ BAILING_DEFAULTS: dict[str, Any] = {
     "num_experts": 16, "num_shared_experts": 0, "num_experts_per_tok": 2, "norm_topk_prob": True,
     "moe_intermediate_size": None, "first_k_dense_replace": 0, "head_dim": None,
 }
+
+#: BailingMoeV2Config's defaults (Ling-V2's configuration_bailing_moe_v2.py) for the V2 keys: what a V2 file that
+#: leaves one out means. A Ling 1 file (BailingMoeForCausalLM) leaves them all out and means Ling 1's router.
+BAILING_V2_DEFAULTS: dict[str, Any] = {
+    "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "n_group": 8, "topk_group": 4,
+    "routed_scaling_factor": 2.5, "use_qk_norm": True, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0,
+    "mtp_loss_scaling_factor": 0.0,
+}
+#: BailingMoeV2Config's defaults for the keys Ling 1 shares (they differ: no biases, eps 1e-6, Ling-mini-2.0's sizes).
+BAILING_V2_BASE_DEFAULTS: dict[str, Any] = {
+    **BAILING_DEFAULTS, "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "use_bias": False, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768, "rope_theta": 600000.0, "num_experts": 256, "num_shared_experts": 1,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "head_dim": 128,
+    **BAILING_V2_DEFAULTS,
+}
+_LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                                     if f.name in HF_FIELDS_V2}
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
@@ -189,6 +225,11 @@ def file_layout(cfg: ModelConfig, raw: Mapping[str, Any]) -> ModelConfig:
     return serving_config(cfg) if TRAINED_HEAD_KEY in raw else cfg
 
 
+def is_v2(cfg: ModelConfig) -> bool:
+    """Whether ``cfg`` uses any BailingMoeV2 (Ling 2.0) feature: its export is a ``BailingMoeV2ForCausalLM``."""
+    return any(getattr(cfg, f) != v for f, v in _LING1_V2_FIELDS.items() if f != "mtp_loss_scaling_factor")
+
+
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_token_id: int | None = None,
                  bos_token_id: int | None = None, pad_token_id: int | None = None) -> dict[str, Any]:
     """The BailingMoe ``config.json`` of a model config in the served encoding (module docstring), with the
@@ -230,6 +271,17 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
     }
     if cfg.num_experts_per_tok == 1:  # one expert: the weight is the router probability (engines would make it 1)
         d["norm_topk_prob"] = False
+    if is_v2(cfg):
+        # every V2 key written (BailingMoeV2Config's defaults differ from Ling 1's: sigmoid, bias, 8 groups, 2.5);
+        # no groups is n_group 0 / topk_group 0 (SGLang: off when both are 0; vLLM's grouped top-k likewise),
+        # the shared experts' width is left to moe_intermediate_size * num_shared_experts (every reader's fallback)
+        d["architectures"] = [ARCHITECTURE_V2]
+        d["auto_map"] = {**AUTO_MAP, "AutoModelForCausalLM": "modeling_edit_train.BailingMoeV2ForCausalLM"}
+        d.update({f: getattr(served, f) for f in HF_FIELDS_V2})
+        if cfg.n_group == 0:  # no group limit is one group holding every expert: SGLang and vLLM (the revisions
+            d["n_group"] = d["topk_group"] = 1  # tests/test_ling2_serving.py reads) route sigmoid + bias only grouped
+        d["moe_router_enable_expert_bias"] = bool(cfg.moe_router_enable_expert_bias and cfg.num_experts > 0)
+        d["use_rmsnorm"] = True  # vLLM's QK-norm is an nn.LayerNorm (weight and bias) unless this says RMSNorm
     return d
 
 
@@ -241,15 +293,24 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
     if not isinstance(d, Mapping):
         raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
     archs = d.get("architectures")
-    if d.get("model_type") != MODEL_TYPE or (archs is not None and ARCHITECTURE not in archs):
+    v2 = archs is not None and ARCHITECTURE_V2 in archs
+    if d.get("model_type") not in (MODEL_TYPE, "bailing_moe_v2") or (
+            archs is not None and ARCHITECTURE not in archs and not v2):
         raise ValueError(f"{source}: not a BailingMoe config (model_type={d.get('model_type')!r}, "
-                         f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE}")
+                         f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE} "
+                         f"or {ARCHITECTURE_V2}")
 
-    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's default, not ours
-        return d[key] if key in d else BAILING_DEFAULTS.get(key)
+    base = BAILING_V2_BASE_DEFAULTS if v2 else BAILING_DEFAULTS
 
-    unsupported = {"hidden_act": ("silu",), "use_bias": (False,), "use_qkv_bias": (False, None),
-                   "rope_scaling": (None,), "use_qk_norm": (False, None)}
+    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's (V2's) default, not ours
+        return d[key] if key in d else base.get(key)
+
+    unsupported: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "use_bias": (False,),
+                                               "use_qkv_bias": (False, None), "rope_scaling": (None,)}
+    if not v2:
+        unsupported["use_qk_norm"] = (False, None)
+    else:
+        unsupported["score_function"] = ("sigmoid", "softmax")
     for key, ok in unsupported.items():
         if get(key) not in ok:
             absent = "" if key in d else " (BailingMoe's default when the key is absent)"
@@ -281,6 +342,28 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
                 raise ValueError(f"{source}: {f} is missing or null but this model has "
                                  f"{'MoE' if f.startswith('moe') else 'dense'} layers")
             kw[f] = getattr(defaults, f)  # unused by this architecture
+    if v2:  # the V2 keys; one left out means BailingMoeV2Config's default
+        for f in HF_FIELDS_V2:
+            v = d[f] if f in d else BAILING_V2_DEFAULTS[f]
+            want = type(_LING1_V2_FIELDS[f])
+            if want is bool and not isinstance(v, bool):
+                raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
+            if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
+            if want is float:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise ValueError(f"{source}: {f} must be a number, got {v!r}")
+                v = float(v)
+            kw[f] = v
+        if kw["n_group"] in (None, 1) and kw["topk_group"] in (None, 1):  # one group: no limit
+            kw["n_group"] = kw["topk_group"] = 0
+        shared = d.get("moe_shared_expert_intermediate_size")
+        if shared is not None and kw["num_shared_experts"] and shared != kw["moe_intermediate_size"]:
+            raise ValueError(f"{source}: moe_shared_expert_intermediate_size={shared!r} differs from "
+                             f"moe_intermediate_size={kw['moe_intermediate_size']!r}: not supported by edit-train's "
+                             f"model")
+        if kw["score_function"] == "softmax" and kw["moe_router_enable_expert_bias"]:
+            kw["moe_router_enable_expert_bias"] = False  # the engines pair a bias with sigmoid only (SGLang asserts it)
     nulls = [f for f, v in kw.items() if v is None]
     if nulls:
         raise ValueError(f"{source}: {nulls[0]} is null; it needs a value")
@@ -317,7 +400,8 @@ def relevant_arch_fields(cfg: ModelConfig) -> list[str]:
     MLP width only if it has dense layers)."""
     has_moe = cfg.num_experts > 0 and cfg.first_k_dense_replace < cfg.num_hidden_layers
     has_dense = cfg.num_experts == 0 or cfg.first_k_dense_replace > 0
-    moe_only = {"num_experts_per_tok", "moe_intermediate_size", "num_shared_experts", "norm_topk_prob"}
+    moe_only = {"num_experts_per_tok", "moe_intermediate_size", "num_shared_experts", "norm_topk_prob",
+                "score_function", "moe_router_enable_expert_bias", "n_group", "topk_group", "routed_scaling_factor"}
     out = []
     for f in ARCH_FIELDS:
         if f in moe_only and not has_moe:
@@ -355,10 +439,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, v, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     shapes: dict[str, tuple[int, ...]] = {"word_embeddings.weight": (v, h)}
-    for i in range(cfg.num_hidden_layers):
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):  # the MTP layers follow the main ones
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "attention.query_key_value.weight"] = ((nq + 2 * nkv) * hd, h)
+        if cfg.use_qk_norm:
+            shapes[p + "attention.query_layernorm.weight"] = (hd,)
+            shapes[p + "attention.key_layernorm.weight"] = (hd,)
         shapes[p + "attention.dense.weight"] = (h, nq * hd)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.num_experts > 0 and i >= cfg.first_k_dense_replace:
@@ -374,10 +461,29 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + prefix + "gate_proj.weight"] = (width, h)
             shapes[p + prefix + "up_proj.weight"] = (width, h)
             shapes[p + prefix + "down_proj.weight"] = (h, width)
+        if i >= cfg.num_hidden_layers:  # an MTP layer's own modules (MTPLayer)
+            shapes[p + "enorm.weight"] = (h,)
+            shapes[p + "hnorm.weight"] = (h,)
+            shapes[p + "eh_proj.weight"] = (h, 2 * h)
+            shapes[p + "final_layernorm.weight"] = (h,)
     shapes["norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The persistent buffers a checkpoint directory holds beside the parameters: each MoE layer's
+    ``mlp.gate.expert_bias`` (fp32 ``[E]``) when ``moe_router_enable_expert_bias``."""
+    if not (cfg.moe_router_enable_expert_bias and cfg.num_experts > 0):
+        return {}
+    layers = range(cfg.first_k_dense_replace, cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    return {f"layers.{i}.mlp.gate.expert_bias": (cfg.num_experts,) for i in layers}
+
+
+def state_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Everything an export holds, in our names: :func:`param_shapes` then :func:`buffer_shapes`."""
+    return {**param_shapes(cfg), **buffer_shapes(cfg)}
 
 
 def _hf_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
@@ -394,7 +500,7 @@ def _hf_names(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, .
 def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The BailingMoe tensor names and shapes an export of ``cfg`` holds."""
     out: dict[str, tuple[int, ...]] = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in state_shapes(cfg).items():
         out.update(_hf_names(name, shape))
     return out
 
@@ -441,7 +547,7 @@ def to_hf_state_dict(state: Mapping[str, torch.Tensor], cfg: ModelConfig,
     """Our full (unsharded) parameters -> BailingMoe names. ``state`` holds ``named_parameters`` names
     (``model.state_dict()`` works too: a tied ``lm_head.weight`` is dropped). Contiguous, owning tensors
     (expert slices are cloned), optionally cast to ``dtype``."""
-    want = param_shapes(cfg)
+    want = state_shapes(cfg)
     extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _check_keys(state, want, "model state", extra)
     return dict(iter_hf_tensors(((name, state[name]) for name in want), dtype))
@@ -451,7 +557,7 @@ def hf_targets(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
     """{BailingMoe name: (our parameter name, expert index or None)}: where each tensor of a BailingMoe
     directory goes in our model (expert ``e``'s weight is slice ``e`` of the stacked parameter)."""
     out: dict[str, tuple[str, int | None]] = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in state_shapes(cfg).items():
         m = _EXPERT_RE.match(name)
         for e, (hf_name, _) in enumerate(_hf_names(name, shape)):
             out[hf_name] = (name, e if m else None)
@@ -466,7 +572,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], cfg: ModelConfig,
     extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _check_keys(hf, want, str(source), extra)
     out: dict[str, torch.Tensor] = {}
-    for name, shape in param_shapes(cfg).items():
+    for name, shape in state_shapes(cfg).items():
         m = _EXPERT_RE.match(name)
         if m:
             i, proj = m.groups()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from torch import nn
 from edit_train.fsutil import current_umask, fsync_file
 from edit_train.model.config import ModelConfig
 from edit_train.model.hf import (CONFIG_NAME, GENERATION_CONFIG_NAME, REMOTE_CODE_FILES, check_same_architecture,
-                                 file_layout, hf_param_shapes, hf_targets, iter_hf_tensors, param_shapes, parse_dtype,
+                                 file_layout, hf_param_shapes, hf_targets, iter_hf_tensors, parse_dtype, state_shapes,
                                  read_hf_config, serving_config, serving_state, to_hf_config)
 from edit_train.offline import looks_like_hub_name, offline_hint
 from edit_train.model.shards import DEFAULT_SHARD_BYTES, ShardWriter, header_shapes, iter_tensors, weight_files
@@ -39,6 +40,10 @@ def _full_state(model: nn.Module) -> dict[str, torch.Tensor]:
             raise ValueError(f"parameter {n!r} is sharded (DTensor); export a plain model, or export a checkpoint "
                              f"(edit_train.train.export)")
         state[n] = p.detach()
+    persistent = state_shapes(model.config)  # type: ignore[arg-type]  # the expert-bias buffers (BailingMoeV2)
+    for n, b in model.named_buffers():
+        if n in persistent:
+            state[n] = b.detach()
     return state
 
 
@@ -46,7 +51,7 @@ def _write_weights(state: Mapping[str, torch.Tensor], cfg: ModelConfig, tmp: Pat
                    max_shard_bytes: int | str, metadata: Mapping[str, str] | None) -> list[str]:
     """Our parameters -> BailingMoe shards in ``tmp``, one parameter at a time (``state`` may be a lazy mapping
     that gathers each parameter when it is asked for it)."""
-    want = param_shapes(cfg)
+    want = state_shapes(cfg)
     missing = [k for k in want if k not in state]
     unexpected = [k for k in state.keys() if k not in want and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing or unexpected:
@@ -58,7 +63,8 @@ def _write_weights(state: Mapping[str, torch.Tensor], cfg: ModelConfig, tmp: Pat
         t = state[name]
         if tuple(t.shape) != shape:
             raise ValueError(f"model state: {name} has shape {tuple(t.shape)}, the model config needs {shape}")
-        for hf_name, hf_t in iter_hf_tensors([(name, t.cpu())], dtype):
+        keep = torch.float32 if name.endswith(".expert_bias") else dtype  # the bias stays fp32 (it chooses experts)
+        for hf_name, hf_t in iter_hf_tensors([(name, t.cpu())], keep):
             writer.add(hf_name, hf_t)
         del t
     return writer.close()
@@ -144,12 +150,17 @@ def read_hf_weights(directory: str | os.PathLike[str]) -> tuple[dict[str, torch.
     return dict(iter_tensors(files)), src
 
 
+#: What an MTP layer of a public checkpoint may carry besides its own weights: copies of the shared embeddings / head
+#: (SGLang's nextn loader skips them too); ignored, the model's own are used.
+_MTP_SHARED = re.compile(r"^model\.layers\.\d+\.(shared_head\.(head|norm)\.weight|embed_tokens\.weight)$")
+
+
 def _check_names(files: Mapping[Path, list[str]], src: Path, cfg: ModelConfig) -> None:
     want = hf_param_shapes(cfg)
     got = header_shapes(files)
     extra = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [k for k in want if k not in got]
-    unexpected = [k for k in got if k not in want and k not in extra]
+    unexpected = [k for k in got if k not in want and k not in extra and not _MTP_SHARED.match(k)]
     if missing or unexpected:
         parts = [f"{len(missing)} missing (e.g. {', '.join(missing[:4])})"] if missing else []
         parts += [f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:4])})"] if unexpected else []
@@ -190,6 +201,8 @@ def load_hf_into(model: nn.Module, directory: str | os.PathLike[str]) -> None:
         if hasattr(params[name], "to_local"):
             raise ValueError(f"load_hf_into: parameter {name!r} is already sharded (DTensor); "
                              f"load the weights before parallelize()")
+    persistent = state_shapes(ours)
+    params.update({n: b for n, b in model.named_buffers() if n in persistent})  # the expert biases
     targets = hf_targets(layout)
     n = 0
     for hf_name, value in iter_tensors(files):

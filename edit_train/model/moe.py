@@ -6,6 +6,14 @@ tokens; empty experts skipped), and the weighted outputs are combined back per t
 token is ever dropped. Forward and backward of the routed experts are one hand-written autograd Function
 (``_SortedMoE``) in which every data movement is a gather — scatter-adds (``index_add_``) are slow on CPU.
 
+Ling 2.0 (BailingMoeV2, ``MoEBlock.route_ling2``): sigmoid scores, an aux-loss-free expert bias that only chooses
+(``Router.expert_bias``, a persistent buffer), group-limited top-k and a routed scaling factor. The bias's life:
+``CausalLM.update_expert_bias`` moves it once per optimizer step (the trainer calls it after the step, from the
+step's load summed over the cluster's ranks); checkpoints carry it (model buffers), so a resume is exact; the
+cross-cluster sync and healing move parameters (and optimizer / outer state) only, never buffers, so each cluster
+keeps its own bias for the whole run (a healed cluster keeps the one it had); an export of the clusters' common
+anchor writes the clusters' mean bias (``train/export.py``), the simplest rule.
+
 Pure torch; nothing here knows about distribution.
 """
 
@@ -35,10 +43,19 @@ class DenseMLP(nn.Module):
 
 
 class Router(nn.Linear):
-    """The router (``mlp.gate``): a bias-free linear layer whose logits are computed in (at least) fp32."""
+    """The router (``mlp.gate``): a bias-free linear layer whose logits are computed in (at least) fp32.
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    With ``expert_bias`` it also holds ``expert_bias`` (fp32 ``[E]``, a persistent buffer: checkpointed and
+    exported as BailingMoeV2's ``mlp.gate.expert_bias``, never seen by an optimizer), which ``MoEBlock.route``
+    adds to the scores to choose the experts (aux-loss-free balancing) and ``update_expert_bias`` moves.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, expert_bias: bool = False) -> None:
         super().__init__(hidden_size, num_experts, bias=False)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> fp32 [N, E]
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -222,6 +239,29 @@ def balance_loss(probs: torch.Tensor, counts: torch.Tensor, num_experts_per_tok:
     return coef * e * torch.sum(f * p)
 
 
+def bias_update(load: torch.Tensor, rate: float, zero_mean: bool = True) -> torch.Tensor:
+    """The aux-loss-free bias update of one optimizer step: ``rate * sign(mean(load) - load)`` (an overloaded
+    expert's bias falls, an underloaded one's rises, a balanced one's stays), minus its own mean when
+    ``zero_mean`` (so a bias that starts at zero keeps mean zero). ``load`` is the step's tokens per expert."""
+    load = load.to(torch.float32)
+    delta = rate * torch.sign(load.mean() - load)
+    if zero_mean:
+        delta = delta - delta.mean()
+    return delta
+
+
+def group_limited_mask(scores: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Boolean ``[N, E]``: the experts of each token's ``topk_group`` best groups. The ``E`` experts form
+    ``n_group`` contiguous groups; a group's score is the sum of its two best expert scores (BailingMoeV2 /
+    DeepSeek-V3's rule)."""
+    n, e = scores.shape
+    grouped = scores.view(n, n_group, e // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, n_group]
+    chosen = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return keep.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+
+
 def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
     """Router z-loss ``coef * mean_tokens(logsumexp(logits)^2)`` on the fp32 pre-softmax logits."""
     dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -246,7 +286,13 @@ class MoEBlock(nn.Module):
         self.z_coef = cfg.router_z_loss_coef
         self.warmup_steps = cfg.routing_warmup_steps
         self.stats_momentum = stats_momentum
-        self.gate = Router(cfg.hidden_size, cfg.num_experts)
+        self.ling2 = cfg.ling2_router  # False: exactly Ling 1's softmax top-k, as before these fields existed
+        self.score_function = cfg.score_function
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.bias_rate = cfg.moe_router_bias_update_rate
+        self.bias_zero_mean = cfg.moe_router_bias_update_zero_mean
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, expert_bias=cfg.moe_router_enable_expert_bias)
         self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                      impl=cfg.expert_impl)
         if cfg.num_shared_experts > 0:
@@ -258,6 +304,10 @@ class MoEBlock(nn.Module):
         self.register_buffer("logit_mean", torch.zeros(()), persistent=False)
         self.register_buffer("logit_std", torch.ones(()), persistent=False)
         self.register_buffer("routed_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        if cfg.moe_router_enable_expert_bias:  # this optimizer step's tokens per expert (the bias update's input)
+            self.register_buffer("step_tokens", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        else:
+            self.step_tokens: torch.Tensor | None = None
         self.step = 0
         self._batch_stats: tuple[torch.Tensor, torch.Tensor] | None = None
         self.aux_loss: torch.Tensor | None = None
@@ -278,7 +328,22 @@ class MoEBlock(nn.Module):
             self.logit_mean.fill_(0.0)
             self.logit_std.fill_(1.0)
             self.routed_tokens.zero_()
+            if self.step_tokens is not None:
+                self.step_tokens.zero_()
+            if self.gate.expert_bias is not None:
+                self.gate.expert_bias.zero_()
         self._batch_stats = None
+
+    @torch.no_grad()
+    def update_expert_bias(self, load: torch.Tensor | None = None) -> None:
+        """One optimizer step's bias update (``bias_update``) from ``load`` (default: the tokens this block routed
+        since the last update, ``step_tokens``), which is then cleared. No-op without an expert bias."""
+        bias = self.gate.expert_bias
+        if bias is None or self.step_tokens is None:
+            return
+        load = self.step_tokens if load is None else load
+        bias.add_(bias_update(load.to(bias.device), self.bias_rate, self.bias_zero_mean))
+        self.step_tokens.zero_()
 
     def set_step(self, step: int) -> None:
         """Set the optimizer step (drives the warmup) and fold the last batch's logit statistics into the
@@ -316,11 +381,40 @@ class MoEBlock(nn.Module):
             self._batch_stats = (flat.mean(), flat.std() if flat.numel() > 1 else flat.new_ones(()))
             noise = self.logit_mean + self.logit_std * torch.randn_like(logits)
             routing_logits = a * logits + (1.0 - a) * noise
+        if self.ling2:
+            return (logits, *self.route_ling2(routing_logits))
         probs = torch.softmax(routing_logits, dim=-1)
         topk_weight, topk_idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob and self.top_k > 1:
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         return logits, probs, topk_idx, topk_weight
+
+    def route_ling2(self, routing_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """BailingMoeV2's routing of fp32 logits ``[N, E]``: scores ``s`` (sigmoid or softmax); the choice is made
+        on ``s + expert_bias`` (when the bias is on), within each token's ``topk_group`` best groups (when
+        ``n_group > 0``); the weights are the chosen experts' *unbiased* scores, renormalised to sum 1 when
+        ``norm_topk_prob`` (``+1e-20``, as the reference), times ``routed_scaling_factor``.
+
+        Returns ``(probs, topk_idx, topk_weight)``; ``probs`` (what the balance loss averages) are the scores
+        normalised over the experts (for softmax: the scores themselves)."""
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(routing_logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        else:
+            scores = probs = torch.softmax(routing_logits, dim=-1)
+        choice = scores.detach()
+        if self.gate.expert_bias is not None:
+            choice = choice + self.gate.expert_bias
+        if self.n_group > 0:
+            keep = group_limited_mask(choice, self.n_group, self.topk_group)
+            choice = choice.masked_fill(~keep, float("-inf"))
+        topk_idx = torch.topk(choice, self.top_k, dim=-1).indices
+        topk_weight = scores.gather(1, topk_idx)
+        if self.norm_topk_prob and self.top_k > 1:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            topk_weight = topk_weight * self.routed_scaling_factor
+        return probs, topk_idx, topk_weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -329,7 +423,10 @@ class MoEBlock(nn.Module):
         y, counts = self.experts(x, topk_idx, topk_weight)
         self.last_expert_load = counts.detach()  # CausalLM.forward adds it to routed_tokens (outside any
         # checkpointed or compiled region: an in-place update there would break the recompute)
-        self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef)
+        if self.gate.expert_bias is not None:  # the bias balances: no auxiliary loss
+            self.aux_loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        else:
+            self.aux_loss = balance_loss(probs, counts, self.top_k, self.aux_coef)
         self.z_loss = z_loss(logits, self.z_coef)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -35,6 +35,9 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
     ``active_params`` counts only ``num_experts_per_tok`` of the ``num_experts`` routed experts of each MoE
     layer; shared experts, router, attention, norms, embeddings (once, even if tied) and head all count.
+    ``non_embedding_active_params`` leaves out the embeddings and the (untied) head. The MTP layers
+    (``num_nextn_predict_layers``) are part of every count and also counted alone (``mtp_params``,
+    ``mtp_active_params``): a model card's figures are the main model's, i.e. the counts minus those.
     """
     from edit_train.model.moe import MoEBlock
     from edit_train.model.transformer import CausalLM
@@ -42,10 +45,22 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     with torch.device("meta"):
         model = CausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())  # parameters() de-duplicates tied weights
-    inactive = 0
-    for module in model.modules():
-        if isinstance(module, MoEBlock):
-            routed = sum(p.numel() for p in module.experts.parameters())
-            per_expert = routed // cfg.num_experts
-            inactive += per_expert * (cfg.num_experts - cfg.num_experts_per_tok)
-    return {"total_params": int(total), "active_params": int(total - inactive)}
+
+    def inactive(module: torch.nn.Module) -> int:
+        n = 0
+        for sub in module.modules():
+            if isinstance(sub, MoEBlock):
+                per_expert = sum(p.numel() for p in sub.experts.parameters()) // cfg.num_experts
+                n += per_expert * (cfg.num_experts - cfg.num_experts_per_tok)
+        return n
+
+    embedding = model.word_embeddings.weight.numel()
+    if model.lm_head.weight is not model.word_embeddings.weight:
+        embedding += model.lm_head.weight.numel()
+    mtp_layers = list(model.layers)[cfg.num_hidden_layers:]
+    mtp = sum(p.numel() for layer in mtp_layers for p in layer.parameters())
+    mtp_inactive = sum(inactive(layer) for layer in mtp_layers)
+    active = total - inactive(model)
+    return {"total_params": int(total), "active_params": int(active),
+            "non_embedding_active_params": int(active - embedding),
+            "mtp_params": int(mtp), "mtp_active_params": int(mtp - mtp_inactive)}

@@ -8,6 +8,7 @@ from ``CausalLM.forward``, so forward pre-hooks registered on them fire.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head (rotate-half over those dims), the rest passed
+    through: BailingMoeV2's ``partial_rotary_factor`` (0.5: half RoPE)."""
+    rd = cos.shape[-1]
+    return torch.cat((apply_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention with a fused QKV projection and RoPE.
 
@@ -71,8 +79,14 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.rotary_dim = cfg.rotary_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.query_key_value = nn.Linear(cfg.hidden_size, qkv_out, bias=False)
+        if cfg.use_qk_norm:  # BailingMoeV2: RMSNorm over each head's query / key, before RoPE
+            self.query_layernorm: RMSNorm | None = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.key_layernorm: RMSNorm | None = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.query_layernorm = self.key_layernorm = None
         self.dense = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,8 +101,14 @@ class Attention(nn.Module):
         q, k, v = self.split_qkv(self.query_key_value(x))
         if position_ids is None:
             position_ids = torch.arange(t, device=x.device)
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.query_layernorm is not None and self.key_layernorm is not None:
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        if self.rotary_dim == self.head_dim:
+            cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # frequencies over the rotary dims only (BailingMoeV2 / transformers' partial_rotary_factor)
+            cos, sin = rope_cos_sin(position_ids, self.rotary_dim, self.rope_theta)
+            q, k = apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
@@ -104,7 +124,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.num_experts > 0 and layer_idx >= cfg.first_k_dense_replace:
+        if cfg.num_experts > 0 and layer_idx >= cfg.first_k_dense_replace:  # (an MTP layer's index is past them)
             self.mlp: nn.Module = MoEBlock(cfg)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -116,6 +136,33 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = hidden_states + self.attention(self.input_layernorm(hidden_states), position_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPLayer(DecoderLayer):
+    """A multi-token-prediction layer (BailingMoeV2 / DeepSeek-V3 MTP, ``model.layers.{L + j}`` in a checkpoint).
+
+    Given the previous hidden state ``h`` (for the first MTP layer: the main model's output after its final
+    ``norm``) and the embedding ``e`` of the token one further ahead, it computes
+    ``final_layernorm(block(eh_proj([enorm(e); hnorm(h)])))`` with ``block`` a decoder layer (attention + MoE).
+    The embeddings and the LM head are the main model's (shared)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None = None,  # type: ignore[override]
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        assert embeds is not None, "an MTP layer needs the next tokens' embeddings"
+        h = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden_states)), dim=-1))
+        return self.final_layernorm(super().forward(h, position_ids))
+
+
+def shift_left(t: torch.Tensor, fill: int) -> torch.Tensor:
+    """``t [B, T]`` moved one position to the left along T, the last column ``fill``."""
+    return torch.cat((t[:, 1:], t.new_full((t.shape[0], 1), fill)), dim=1)
 
 
 class NormHead(nn.Module):
@@ -164,6 +211,8 @@ class CausalLMOutput:
     ce_loss: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None  # the MTP layers' mean cross-entropy (unscaled); None without MTP
+    mtp_logits: list[torch.Tensor] | None = None  # each MTP layer's logits, when labels is None
 
 
 class CausalLM(nn.Module):
@@ -180,7 +229,11 @@ class CausalLM(nn.Module):
         cfg.validate()
         self.config = cfg
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # the MTP layers follow the main ones (BailingMoeV2's checkpoint names them model.layers.{L + j}): each is an
+        # FSDP / sync unit like any decoder layer; forward runs them after the final norm
+        self.layers = nn.ModuleList([*(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)),
+                                     *(MTPLayer(cfg, cfg.num_hidden_layers + j)
+                                       for j in range(cfg.num_nextn_predict_layers))])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.norm_head:
             self.lm_head: nn.Module = NormHead(cfg.hidden_size, cfg.vocab_size, loss_chunk=cfg.loss_chunk)
@@ -220,6 +273,20 @@ class CausalLM(nn.Module):
     def moe_blocks(self) -> list[MoEBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
+    @torch.no_grad()
+    def update_expert_bias(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Once per optimizer step: move every MoE block's expert bias (``model.moe_router_enable_expert_bias``)
+        by that step's expert load (``moe.bias_update``). ``reduce`` (e.g. a sum over the cluster's ranks) turns
+        this rank's ``[MoE layers, E]`` load into the one every rank of the cluster applies. No-op without bias."""
+        blocks = [b for b in self.moe_blocks() if b.step_tokens is not None]
+        if not blocks:
+            return
+        load = torch.stack([b.step_tokens for b in blocks])
+        if reduce is not None:
+            load = reduce(load)
+        for block, row in zip(blocks, load):
+            block.update_expert_bias(row)
+
     def set_step(self, step: int) -> None:
         """Tell every MoE block the current optimizer step (drives the stochastic routing warmup)."""
         for block in self.moe_blocks():
@@ -246,17 +313,33 @@ class CausalLM(nn.Module):
         return [b.last_expert_load for b in self.moe_blocks() if b.last_expert_load is not None]
 
     # ------------------------------------------------------------------ forward
+    def _router_losses(self, layer: nn.Module, aux_losses: list[torch.Tensor], z_losses: list[torch.Tensor]) -> None:
+        if isinstance(layer.mlp, MoEBlock):
+            aux_losses.append(layer.mlp.aux_loss)
+            z_losses.append(layer.mlp.z_loss)
+            if self.training:  # once per forward (a checkpointed layer's recompute never comes back here)
+                layer.mlp.routed_tokens += layer.mlp.last_expert_load  # on the device: no host sync
+                if layer.mlp.step_tokens is not None:
+                    layer.mlp.step_tokens += layer.mlp.last_expert_load
+
+    def _ce(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean cross-entropy, logits or None) of hidden states ``h`` through the head against ``labels``."""
+        if self.config.loss_chunk > 0:
+            return self.lm_head(h, labels), None  # the fused head + loss: no [tokens, vocab] logits
+        logits = self.lm_head(h)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                               ignore_index=IGNORE_INDEX), logits
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> CausalLMOutput:
+        if self.config.num_nextn_predict_layers > 0:
+            return self._forward_mtp(input_ids, labels, position_ids)
         h = self.word_embeddings(input_ids)
-        aux_losses, z_losses = [], []
+        aux_losses: list[torch.Tensor] = []
+        z_losses: list[torch.Tensor] = []
         for layer in self.layers:
             h = layer(h, position_ids)
-            if isinstance(layer.mlp, MoEBlock):
-                aux_losses.append(layer.mlp.aux_loss)
-                z_losses.append(layer.mlp.z_loss)
-                if self.training:  # once per forward (a checkpointed layer's recompute never comes back here)
-                    layer.mlp.routed_tokens += layer.mlp.last_expert_load  # on the device: no host sync
+            self._router_losses(layer, aux_losses, z_losses)
         h = self.norm(h)
         zero = torch.zeros((), device=h.device, dtype=torch.float32)
         aux = torch.stack(aux_losses).sum() if aux_losses else zero
@@ -270,3 +353,41 @@ class CausalLM(nn.Module):
         ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                              ignore_index=IGNORE_INDEX)
         return CausalLMOutput(logits=logits, loss=ce + aux + zl, ce_loss=ce, aux_loss=aux, z_loss=zl)
+
+    def _forward_mtp(self, input_ids: torch.Tensor, labels: torch.Tensor | None,
+                     position_ids: torch.Tensor | None) -> CausalLMOutput:
+        """The forward with MTP layers: the main model as without them, then MTP layer ``j`` takes the previous
+        hidden state and the embeddings of the inputs shifted ``j + 1`` to the left (token id 0 past the end,
+        as the reference) and predicts ``labels`` shifted ``j + 1`` to the left (``-100`` past the end), i.e.
+        token ``t + 2 + j`` at position ``t``. ``loss = ce + aux + z + mtp_loss_scaling_factor * mtp_loss`` with
+        ``mtp_loss`` the MTP layers' mean cross-entropy."""
+        cfg = self.config
+        main, mtp = self.layers[:cfg.num_hidden_layers], self.layers[cfg.num_hidden_layers:]
+        h = self.word_embeddings(input_ids)
+        aux_losses: list[torch.Tensor] = []
+        z_losses: list[torch.Tensor] = []
+        for layer in main:
+            h = layer(h, position_ids)
+            self._router_losses(layer, aux_losses, z_losses)
+        h = self.norm(h)
+        mtp_hidden = []
+        ids, mh = input_ids, h
+        for layer in mtp:
+            ids = shift_left(ids, 0)
+            mh = layer(mh, position_ids, self.word_embeddings(ids))
+            self._router_losses(layer, aux_losses, z_losses)
+            mtp_hidden.append(mh)
+        aux = torch.stack(aux_losses).sum()
+        zl = torch.stack(z_losses).sum()
+        if labels is None:
+            return CausalLMOutput(logits=self.lm_head(h), aux_loss=aux, z_loss=zl,
+                                  mtp_logits=[self.lm_head(m) for m in mtp_hidden])
+        ce, logits = self._ce(h, labels)
+        mtp_losses = []
+        shifted = labels
+        for m in mtp_hidden:
+            shifted = shift_left(shifted, IGNORE_INDEX)
+            mtp_losses.append(self._ce(m, shifted)[0])
+        mtp_loss = torch.stack(mtp_losses).mean()
+        loss = ce + aux + zl + cfg.mtp_loss_scaling_factor * mtp_loss
+        return CausalLMOutput(logits=logits, loss=loss, ce_loss=ce, aux_loss=aux, z_loss=zl, mtp_loss=mtp_loss)

@@ -231,6 +231,12 @@ class Trainer:
             value = value / self.topo.ranks
         return value
 
+    def _cluster_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the cluster's ranks, on the device (no host read)."""
+        value = value.to(self.topo.device).clone()
+        dist.all_reduce(value, group=self.topo.shard_pg)
+        return value
+
     def _local_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.loader.next_batch()
         b, r = self.rank_batch, self.topo.rank
@@ -339,6 +345,9 @@ class Trainer:
         gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf)
         finite = torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
         step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
+        # model.moe_router_enable_expert_bias: once per optimizer step, from the step's load summed over the
+        # cluster's ranks (every rank applies the same update); a no-op otherwise
+        self.model.update_expert_bias(self._cluster_sum if self.topo.ranks > 1 else None)
         if self.frozen is not None:
             self.frozen.restore()
         self.optimizer.zero_grad(set_to_none=True)
@@ -553,8 +562,9 @@ class Trainer:
     def _log_moe(self, step: int) -> None:
         out = self._last_out
         loads = [load.tolist() for load in self.model.expert_load()]
+        extra = {} if out.mtp_loss is None else {"mtp_loss": float(out.mtp_loss.detach())}  # model with MTP layers
         self.metrics.log("moe", step=step, cluster_index=self.topo.index, cluster=self.topo.name, expert_load=loads,
-                         aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()))
+                         aux_loss=float(out.aux_loss.detach()), z_loss=float(out.z_loss.detach()), **extra)
 
 
 def train(cfg: Config) -> dict[str, Any]:
