@@ -14,7 +14,7 @@ machine load; medians and minima of the step time:
 
 The target: small_v2 / small tokens/s >= 0.7 (issue 67).
 
-    python benchmarks/ling2_speed.py [--quick] [--batch 4 --seq 256] [--iters 6] [--out docs/ling2_speed.json]
+    python benchmarks/ling2_speed.py [--quick] [--batch 4 --seq 256] [--iters 6] [--out results/ling2_speed.json]
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ from _common import environment, load, print_targets, pyplot, save_fig, write_js
 from edit_train.model import CausalLM, count_params, load_preset  # noqa: E402
 from edit_train.model.config import ModelConfig  # noqa: E402
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
-
-
+RECORDS = Path(__file__).resolve().parents[1] / "results"
 def configs() -> dict[str, ModelConfig]:
     v2 = load_preset("small_v2")
     no_mtp = dataclasses.replace(v2, num_nextn_predict_layers=0)
@@ -76,7 +74,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=DOCS / "ling2_speed.json")
+    ap.add_argument("--out", type=Path, default=RECORDS / "ling2_speed.json")
     args = ap.parse_args()
     if args.quick:
         args.iters, args.seq, args.warmup = 2, 64, 1

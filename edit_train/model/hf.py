@@ -279,7 +279,7 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         d["auto_map"] = {**AUTO_MAP, "AutoModelForCausalLM": "modeling_edit_train.BailingMoeV2ForCausalLM"}
         d.update({f: getattr(served, f) for f in HF_FIELDS_V2})
         if cfg.n_group == 0:  # no group limit is one group holding every expert: SGLang and vLLM (the revisions
-            d["n_group"] = d["topk_group"] = 1  # tests/test_ling2_serving.py reads) route sigmoid + bias only grouped
+            d["n_group"] = d["topk_group"] = 1  # tests/model/test_ling2_serving.py reads) route sigmoid + bias only grouped
         d["moe_router_enable_expert_bias"] = bool(cfg.moe_router_enable_expert_bias and cfg.num_experts > 0)
         d["use_rmsnorm"] = True  # vLLM's QK-norm is an nn.LayerNorm (weight and bias) unless this says RMSNorm
     return d
