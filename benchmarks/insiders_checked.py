@@ -6,12 +6,14 @@ the honest clusters' run without the staller, with the syncs they lost. docs/sec
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS / "helpers"), str(TESTS / "federation")]  # the tests whose federations it reruns
 
 from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
@@ -28,7 +30,8 @@ def _line(item: str, n: int, honest: list[str], base: dict, lied: dict) -> None:
     print(f"{item}, {n} clusters: " + "; ".join(row), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     logging.disable(logging.CRITICAL)
     root = Path(tempfile.mkdtemp(prefix="insiders_checked-"))
     for n in (2, 3):
