@@ -34,7 +34,9 @@ CPU, :mod:`sparse_fused`'s); :func:`encode_own` hands the sender that tensor wit
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -48,6 +50,7 @@ __all__ = ["PayloadError", "SparseFormat", "sparse_bytes", "format_error", "enco
            "pack_bits", "unpack_bits", "warm"]
 
 _SCALE = {"fp32": (torch.float32, 4), "bf16": (torch.bfloat16, 2)}
+log = logging.getLogger(__name__)
 FUSED = True  # CPU tensors take sparse_fused's one-pass codec where numba is installed (tests switch it off)
 
 
@@ -229,12 +232,21 @@ def _nonfinite(f: SparseFormat, sizes: tuple[int, ...], n: int, dev: torch.devic
 
 
 def warm(f: SparseFormat, device: torch.device | str = "cpu") -> None:
-    """Load (first time on a machine: compile) format ``f``'s fused kernels: start-up pays, not a sync."""
+    """Load (first time on a machine: compile) format ``f``'s fused kernels: start-up pays, not a sync. Says so in
+    a line before (a compile is tens of seconds of start-up on a busy host, with nothing else printed meanwhile)
+    and, after a compile, where numba keeps the kernels for the next run."""
     if not (FUSED and sparse_fused.AVAILABLE) or torch.device(device).type != "cpu":
         return
+    known = compiled.key(f) in compiled.compiled()
+    log.info("top-k kernels (numba): %s the codec's kernels for %s …", "loading" if known else
+             "compiling (once per machine and format: tens of seconds on a busy host)", compiled.key(f))
+    t0 = time.monotonic()
     for n in (1, sparse_fused.SPECIALIZE_MIN):  # the generic kernel and the one compiled for the format
         decode(encode_own(torch.zeros(n), f)[0], n, f)
     compiled.record(f)  # the planner counts a format's compile time in start-up until it is on disk here
+    if not known:
+        log.info("top-k kernels (numba): ready in %.0f s; numba keeps them in %s, later runs load them",
+                 time.monotonic() - t0, compiled.cache_dir())
 
 
 def encode(x: Tensor, f: SparseFormat) -> Tensor:

@@ -24,3 +24,26 @@ def test_an_impossible_top_k_setting_is_refused_without_top_k(compression: str, 
 
 def test_a_valid_top_k_setting_without_top_k_is_still_accepted() -> None:
     validate(compose(["logger=none", "sync.compression=int8", "sync.bits=4", "sync.topk_density=0.05"]))  # a sweep's
+
+
+def test_warming_the_top_k_kernels_says_what_start_up_waits_for(caplog: pytest.LogCaptureFixture) -> None:
+    """A top-k run's start-up loads (first time on a machine: compiles, tens of seconds) numba's kernels: one line
+    says so before the wait."""
+    import logging
+
+    from edit_train.codec import compiled, sparse, sparse_fused
+    from edit_train.codec.dense import CompressionConfig
+    from edit_train.config import SyncConfig
+
+    if not sparse_fused.AVAILABLE:
+        pytest.skip("numba is not installed")
+    f = CompressionConfig.of(SyncConfig(compression="topk")).format  # the default format: the suite compiles it
+    with caplog.at_level(logging.INFO, logger="edit_train.codec.sparse"):
+        sparse.warm(f)
+    said = [r.getMessage() for r in caplog.records if r.name == "edit_train.codec.sparse"]
+    assert said and said[0].startswith("top-k kernels (numba): ") and compiled.key(f) in said[0], said
+    assert ("loading" in said[0]) == (len(said) == 1), said  # a compile also says where the kernels are kept
+    with caplog.at_level(logging.INFO, logger="edit_train.codec.sparse"):
+        caplog.clear()
+        sparse.warm(f)  # now on disk here: loading, one line
+    assert [r.getMessage() for r in caplog.records][0].startswith("top-k kernels (numba): loading"), caplog.records
