@@ -169,7 +169,7 @@ def test_a_workers_configuration_error_is_not_restarted_by_torchrun(tmp_path: Pa
 def test_kill_9_of_a_cluster_job_while_its_worker_starts_leaves_no_worker(tmp_path: Path, small_corpus: str) -> None:
     """Issue 64: `kill -9` of a cluster's torchrun process group while its worker was still starting left the worker
     alive (it set its parent-death signal only once running, and took a dead parent for pid 1, which a container's
-    subreaper is not). tests/orphan_probe.py is that subreaper; it holds the worker before it runs any of our code."""
+    subreaper is not). tests/helpers/orphan_probe.py is that subreaper; it holds the worker before it runs any of our code."""
     house, address = start_lighthouse(tmp_path, f"federation.key_file={KEY}")
     env = cli_env(CLUSTER="a", LIGHTHOUSE=address, NNODES="1", NODE_RANK="0", NPROC_PER_NODE="1",
                   RDZV_ENDPOINT=f"127.0.0.1:{_free_port()}", HOST_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo",
@@ -178,7 +178,7 @@ def test_kill_9_of_a_cluster_job_while_its_worker_starts_leaves_no_worker(tmp_pa
         env.pop(var, None)
     result = tmp_path / "probe.json"
     try:
-        probe = subprocess.run([sys.executable, str(Path(__file__).with_name("orphan_probe.py")), str(result), "--",
+        probe = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "helpers" / "orphan_probe.py"), str(result), "--",
                                 "bash", str(MULTINODE), "logger=none", "model=tiny", f"data.source={small_corpus}",
                                 f"run.dir={tmp_path / 'run'}", "cluster.clusters=[{name:a,ranks:1},{name:b,ranks:1}]"],
                                capture_output=True, text=True, env=env, cwd=REPO, timeout=400)
