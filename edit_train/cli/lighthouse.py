@@ -88,6 +88,11 @@ def main(argv: list[str] | None = None) -> None:
             fh.write(house.address + "\n")
     wait_for_signal()
     house.shutdown()
+    # no interpreter teardown: the gate's handler threads may still be inside torchft's client, and a thread
+    # unwound by force there aborts with a raw "FATAL: exception not rethrown" (issue 64)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 STOP = [False]  # set by the signal handler: a plain store, no lock (a second signal can never deadlock it)

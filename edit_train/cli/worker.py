@@ -57,7 +57,7 @@ def _main(args: list[str]) -> None:
         raise SystemExit(130) from None
 
 
-def _exit_without_teardown() -> None:
+def _exit_without_teardown(code: int = 0) -> None:
     """Leave a rank that finished cleanly without running C++ static destructors: gloo's and the TCPStore's
     background threads can still be joinable then, and destroying a joinable std::thread aborts the process
     ("terminate called without an active exception", seen on 2-rank FSDP2 runs after the final checkpoint).
@@ -67,7 +67,7 @@ def _exit_without_teardown() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
@@ -75,4 +75,10 @@ if __name__ == "__main__":
         main()
     except KeyboardInterrupt:  # between main's return and here, or before main ran its try
         interrupted_starting()
+    except SystemExit as stop:  # its one line is said: no teardown either (a background thread still inside
+        # gloo or torchft when the interpreter finalizes is unwound by force, and a C++ catch-all that swallows
+        # that unwind aborts with a raw "FATAL: exception not rethrown": seen on a Lighthouse stop)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        _exit_without_teardown(stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1))
     _exit_without_teardown()
