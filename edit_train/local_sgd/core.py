@@ -18,6 +18,7 @@ from edit_train.local_sgd.moves import aggregation
 from edit_train.local_sgd.outer import OuterState
 from edit_train.local_sgd.protocols import Contributions, Quorum, Transport
 from edit_train.local_sgd.retract import Retraction
+from edit_train.local_sgd.scale import LrShape
 from edit_train.local_sgd.suspects import Suspects
 
 
@@ -65,6 +66,8 @@ class SyncCore:
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
     scale_bound: float = 0.0  # a contribution counts for at most this many times the quorum's median (scale.py)
+    scale_spread: float = 0.0  # one between this and scale_bound times it counts as this many (scale.py; 0: off)
+    lr_shape: LrShape | None = None  # the shared lr schedule's shape: norms per lr-weighted step (None: per step)
     max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
