@@ -62,7 +62,7 @@ from edit_train.local_sgd import judge as judge_mod  # noqa: E402
 from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig  # noqa: E402
 from edit_train.local_sgd.outer import OuterConfig  # noqa: E402
 from edit_train.local_sgd.rules import RuleConfig  # noqa: E402
-from edit_train.local_sgd.scale import LrShape  # noqa: E402
+from edit_train.local_sgd.scale import LrShape, scale_ratios  # noqa: E402
 from edit_train.local_sgd.schedule import ScheduleConfig  # noqa: E402
 from edit_train.local_sgd.verified import VerifiedConfig  # noqa: E402
 from edit_train.sim.byzantine import corrupt  # noqa: E402
@@ -78,7 +78,7 @@ MECHANISMS = {"pseudo-gradient": "scale", "probe scores": "probe", "voted to sto
 
 # ------------------------------------------------------------------------------------------- the observer
 _DECISIONS: dict[str, list[dict[str, Any]]] = {}  # run key -> the observer's decisions
-_CURRENT = {"key": "", "observer": "c0"}
+_CURRENT: dict[str, Any] = {"key": "", "observer": "c0", "spread": 3.0}
 _LOCK = threading.Lock()
 _decide = judge_mod.Judge.decide
 
@@ -91,7 +91,8 @@ def _recording_decide(self: judge_mod.Judge, ev: Any) -> Any:
             _DECISIONS.setdefault(_CURRENT["key"], []).append({
                 "sync": self.report.sync, "unit": ev.module, "names": list(ev.names),
                 "contributes": list(ev.contributes), "weights": list(d.weights),
-                "tokens": [float(t) for t in tokens], "evidence": [dict(e) for e in d.evidence]})
+                "tokens": [float(t) for t in tokens], "evidence": [dict(e) for e in d.evidence],
+                "ratios": scale_ratios(ev, math.inf, self.core.lr_shape)})
     return d
 
 
@@ -112,10 +113,14 @@ def mechanism(line: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- the federation
+_INIT = threading.Lock()  # the global RNG: clusters that are threads must not interleave their inits
+
+
 def model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM_IN, DIM_H), nn.Tanh(), nn.Linear(DIM_H, DIM_H), nn.Tanh(),
-                         nn.Linear(DIM_H, DIM_H), nn.Tanh(), nn.Linear(DIM_H, DIM_OUT))
+    with _INIT:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(DIM_IN, DIM_H), nn.Tanh(), nn.Linear(DIM_H, DIM_H), nn.Tanh(),
+                             nn.Linear(DIM_H, DIM_H), nn.Tanh(), nn.Linear(DIM_H, DIM_OUT))
 
 
 def units(m: nn.Sequential) -> list[nn.Module]:
@@ -151,6 +156,7 @@ def config(rule: str, schedule: str, n: int, probe: bool) -> LocalSGDConfig:
     if rule == "tokens":  # the verified rule's token weights with nothing tested: what it does when nothing fires
         verified = dataclasses.replace(verified, anomaly=False, probe_tokens=0)
     r = RuleConfig(name="verified" if rule == "tokens" else rule, clip_threshold=10.0, verified=verified)
+    r = dataclasses.replace(r, scale_spread=float(_CURRENT["spread"]))
     if rule != "verified":
         r = dataclasses.replace(r, scale_bound=0.0, scale_spread=0.0)
     return LocalSGDConfig(schedule=sched, outer=OuterConfig(lr=0.7, momentum=0.8, nesterov=True), rule=r,
@@ -290,6 +296,7 @@ def count(decisions: list[dict[str, Any]], events: list[dict[str, Any]], warning
     """The honest unit-decisions by what was done to them, the warnings by mechanism, and the liar's record."""
     c: dict[str, int] = {"unit_decisions": 0, "clipped": 0, "held": 0, "below_token_share": 0, "left_out": 0}
     left: dict[str, int] = {}
+    ratios = [r for d in decisions for j, r in d["ratios"].items() if d["names"][j] != liar]
     liar_syncs: dict[int, bool] = {}
     for d in decisions:
         contributors = [j for j, ok in enumerate(d["contributes"]) if ok]
@@ -312,12 +319,14 @@ def count(decisions: list[dict[str, Any]], events: list[dict[str, Any]], warning
                 c["below_token_share"] += 1
     syncs = [e for e in events if e["event"] == "sync" and e["cluster"] != liar]
     retracted = sum(len([k for k in e.get("retracted", {}) if k != liar]) for e in syncs)
-    named = sorted({x["cluster"] for e in syncs for x in e.get("suspects", []) if x["cluster"] != liar})
+    named = sorted({x["cluster"] for e in syncs for x in e.get("suspects", []) if x["cluster"] != liar
+                    and "voted to stop" not in x["what"]})  # stop votes: the lead's A-EDiT stop
     honest_warnings = [w for w in warnings if liar is None or f"cluster {liar} " not in w.split(":", 1)[-1]]
     by: dict[str, int] = {}
     for w in honest_warnings:
         by[mechanism(w)] = by.get(mechanism(w), 0) + 1
-    out: dict[str, Any] = {**c, "left_out_by": left, "retracted": retracted, "named": named,
+    out: dict[str, Any] = {**c, "left_out_by": left, "scale_ratio_max": max(ratios, default=None),
+                           "scale_ratio_p99": sorted(ratios)[int(0.99 * (len(ratios) - 1))] if ratios else None, "retracted": retracted, "named": named,
                            "warnings": len(honest_warnings), "warnings_by": by,
                            "warning_lines": sorted(set(honest_warnings))[:6]}
     if liar is not None:
@@ -357,10 +366,30 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "clipped": sum(r["clipped"] for r in honest), "left_out": sum(r["left_out"] for r in honest),
         "retracted": sum(r["retracted"] for r in honest), "named": sum(len(r["named"]) for r in honest),
         "warnings": sum(r["warnings"] for r in honest),
+        "stop_warnings": sum(r["warnings_by"].get("stop", 0) for r in honest),
+        "named_besides_stop": sorted({f"{r['name']}: {w}" for r in honest for w in r["warning_lines"]
+                                      if mechanism(w) != "stop"})[:20],
         "down_weighted_share": (sum(r["held"] + r["below_token_share"] for r in honest) / max(decisions, 1)),
         "worst_loss_ratio": max((r["loss_ratio"] for r in honest), default=None),
         "attacks_min_caught": min((r["liar_caught"] for r in attacks), default=None),
     }
+
+
+def targets(s: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance on this matrix."""
+    def t(value: Any, bound: float, ok: bool) -> dict[str, Any]:
+        return {"value": value, "bound": bound, "pass": ok}
+
+    out = {"honest clipped + left out + retracted": t(s["clipped"] + s["left_out"] + s["retracted"], 0,
+                                                      s["clipped"] + s["left_out"] + s["retracted"] == 0),
+           "honest clusters named": t(s["named"], 0, s["named"] == 0),
+           "warnings (stop votes: the lead's A-EDiT stop, apart)": t(s["warnings"] - s["stop_warnings"], 0,
+                                                                     s["warnings"] == s["stop_warnings"]),
+           "down-weighted below the token share": t(s["down_weighted_share"], 0.01, s["down_weighted_share"] <= 0.01),
+           "final loss / nothing tested": t(s["worst_loss_ratio"], 1.002, (s["worst_loss_ratio"] or 0) <= 1.002)}
+    if s["attacks_min_caught"] is not None:
+        out["liar caught in its lying syncs"] = t(s["attacks_min_caught"], 0.95, s["attacks_min_caught"] >= 0.95)
+    return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -387,6 +416,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--clusters", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--spread", type=float, default=3.0, help="algo.rule.scale_spread of the verified runs")
     ap.add_argument("--only", default="", help="a regex: run only the settings whose name matches")
     ap.add_argument("--product", action="store_true", help="edit-train subprocesses (see the docstring)")
     ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "false_positives.json")
@@ -394,6 +424,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.product:
         return product(args)
+    _CURRENT["spread"] = args.spread
     rows = []
     todo = [s for s in settings(args.quick, args.seeds[:1] if args.quick else args.seeds,
                                 [2, 4] if args.quick else args.clusters) if re.search(args.only, s["name"])]
@@ -407,10 +438,11 @@ def main() -> None:
         left = (time.perf_counter() - t0) / (k + 1) * (len(todo) - k - 1)
         extra = f" liar caught {row['liar_caught']:.0%}" if s.get("attack") else ""
         print(f"[{k + 1}/{len(todo)}] {s['name']}: clipped {row['clipped']} held {row['held']} below-share "
-              f"{row['below_token_share']} left out {row['left_out']} {row['left_out_by']} warnings "
+              f"{row['below_token_share']} ratio max {row['scale_ratio_max']:.2f} left out {row['left_out']} {row['left_out_by']} warnings "
               f"{row['warnings_by']} loss/tokens {row['loss_ratio']:.4f} /uniform {row['uniform_ratio']:.4f}{extra} (ETA {left / 60:.0f} min)", flush=True)
     summary = summarize(rows)
-    C.write_json(args.out, {"environment": C.environment(), "load": C.load(), "summary": summary, "runs": rows})
+    C.write_json(args.out, {"environment": C.environment(), "load": C.load(), "command": " ".join(sys.argv),
+                            "targets": targets(summary), "summary": summary, "runs": rows})
     plot(rows, args.plot)
     print(C.table([r for r in rows if not r.get("attack")],
                   [("name", "honest run", ""), ("clipped", "clip", "d"), ("held", "held", "d"),

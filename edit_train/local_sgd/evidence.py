@@ -141,7 +141,8 @@ def _lower_median(values: Tensor) -> float:
 
 def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int, str]]:
     """[evaluators, candidates] relative loss changes -> (per candidate the lower median of the bounded scores
-    the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it; the suspected
+    the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it, less the quorum's
+    `baseline` — what a typical update does to the others' probe loss; the suspected
     evaluators). Nobody vouches for its own update, and no single evaluator decides alone: with two clusters
     each update has one other evaluator, so the probe flags nobody. An evaluator is suspected when, for a strict
     majority of the updates it can be compared on, its score is more than `tolerance` (at least `PROBE_LIE`) from
@@ -170,4 +171,14 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
         out.append(_lower_median(col) if col.numel() >= 2 else math.nan)
         if len(who) == 1 and float(s[who[0], c]) > max(tolerance, PROBE_LIE):
             suspects.setdefault(who[0], "alone")
-    return torch.tensor(out, dtype=torch.float64), suspects
+    judged = torch.tensor(out, dtype=torch.float64)
+    return judged - baseline(judged), suspects
+
+
+def baseline(judged: Tensor) -> float:
+    """What an update typically does to the others' probe loss: the lower median of the judged candidates (0 when
+    that is an improvement or nothing was judged). Sites with their own data make every other site's local model
+    worse on their slice (the four-language sites: by tens of percent); a harmful update is judged by how much
+    more it hurts than the typical one does."""
+    ok = judged[torch.isfinite(judged)]
+    return max(0.0, _lower_median(ok)) if ok.numel() else 0.0

@@ -71,7 +71,7 @@ class RuleConfig:
     scale_bound: float = 4.0
     # one between this and scale_bound times the median (every claimed step counted) counts as this many times it,
     # silently: no honest federation of benchmarks/false_positives.py went over it (scale.py); 0 = off
-    scale_spread: float = 2.0
+    scale_spread: float = 3.0
     verified: VerifiedConfig = field(default_factory=VerifiedConfig)
     edit_norm: EditNormConfig = field(default_factory=EditNormConfig)
     options: dict[str, Any] = field(default_factory=dict)  # a rule of your own: its parameters
