@@ -37,6 +37,17 @@ def test_the_cores_lr_shape_is_the_trainers_schedule_over_its_peak(warmup: int, 
         assert shape.at(step) == pytest.approx(lr_at(step, 3e-3, total, warmup, ratio) / 3e-3, rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize("shape", [DEMO, LrShape(0, 100, 0.0), LrShape(10, 10, 0.5), LrShape(16, 160, 0.1)])
+def test_lr_weighted_steps_in_closed_form_are_the_sum(shape: LrShape) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for end, n in torch.randint(0, 700, (200, 2), generator=gen).tolist():
+        brute = sum(shape.at(max(t, 0)) for t in range(end - n - 1, end))
+        assert shape.weighted(end, n + 1) == pytest.approx(brute, rel=1e-9, abs=1e-9)
+    # a claim of 2^40 steps is one closed form, not 2^40 terms
+    tail = (2.0 ** 40 - shape.total) * shape.min_ratio  # the floor's steps, plus at most `total` steps above it
+    assert tail <= shape.weighted(2.0 ** 40, 2.0 ** 40) <= tail + shape.total
+
+
 def test_the_demos_honest_fast_cluster_at_sync_1_is_not_clipped() -> None:
     """Measured in the default demo (2 clusters 1:3 on a loaded box: 17 and 2 steps of the lr warm-up at sync
     1, whole-model ‖Δ‖ 6.49 and 0.316): per step, the fast one was clipped; per lr-weighted step, nothing is."""
@@ -59,7 +70,7 @@ def test_an_honest_noise_dominated_fast_cluster_does_not_put_the_slow_one_over()
 
 
 def test_a_liar_just_under_the_bound_pulls_no_harder_than_the_spread() -> None:
-    """Issue 69 item 3: 3.9 times its Δ at honest steps passed the bound of 4 whole; now it counts as 2 times the
+    """Issue 69 item 3: 3.9 times its Δ at honest steps passed the bound of 4 whole; now it counts as 3 times the
     median (held, silently) — and 10 times is still clipped to the median."""
     clipped, held, weights = _bound([1.0, 3.9], [8.0, 8.0], [64.0, 64.0], DEMO)
     assert clipped == {} and held == {1: pytest.approx(SCALE_SPREAD / 3.9)}
