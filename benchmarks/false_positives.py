@@ -22,9 +22,10 @@ membership, other). The final loss (the anchor on every site's held-out data) is
 nothing tested (`tokens`: the verified rule's token weights, its tests, probe and scale bound off: what the
 rule costs the honest) and under `algo.rule.name=uniform` (scale bound off; it differs from `tokens` by
 weighing a slow site as much as a fast one, which on sites with their own data is most of the gap). The attack columns: cluster c1 lies in every sync (`sign_flip`,
-`scale10` — 10× its Δ with its true norm reported, `garbage` — it trains on noise targets, `probe` — it scores
-every other update +1000 %), counted as its share of syncs left out (weight 0 in every unit), or for the probe
-liar the syncs after the first in which its scores were not counted.
+`scale10` — 10× its Δ with its true norm reported, `garbage` — it trains on noise targets; from sync 7, when
+every test is warm, as benchmarks/penalty_faults.py's window; `probe` — it scores every other update +1000 %,
+from sync 1), counted as its share of lying syncs in which every unit left it out or clipped it to the median,
+or for the probe liar the syncs after the first in which its scores were not counted.
 
     python benchmarks/false_positives.py --quick            # 2 and 4 clusters, 1:3 and 1:12, lang, seed 0
     python benchmarks/false_positives.py                    # the matrix: ~45 min on 2 shared cores
@@ -73,6 +74,8 @@ FAST = 24  # the fastest A-EDiT cluster's steps per interval
 LR, WARMUP = 3e-3, 16
 DIM_IN, DIM_H, DIM_OUT = 8, 32, 4
 ATTACKS = ("sign_flip", "scale10", "garbage", "probe")
+LIE_FROM = 7  # a payload or data liar lies from this sync on: every test warm (verified warm-up 5 syncs, as
+# benchmarks/penalty_faults.py's window); from sync 1 a pair's history would be the lie's
 MECHANISMS = {"pseudo-gradient": "scale", "probe scores": "probe", "voted to stop": "stop", "claims": "claims",
               "voted no": "veto", "left out of the sync": "membership"}
 
@@ -170,18 +173,33 @@ def secs_per_step(schedule: str, ratio: float, n: int, i: int) -> float:
 
 
 class PayloadLiar:
-    """A cluster's transport that corrupts every contribution it sends (`sim.byzantine.corrupt`; its reported
-    norms stay its true ones)."""
+    """A cluster's transport that corrupts every contribution it sends from sync `LIE_FROM` on
+    (`sim.byzantine.corrupt`; its reported norms stay its true ones), counting syncs by its norm exchanges."""
 
     def __init__(self, inner: Any, kind: str, seed: int) -> None:
-        self.inner, self.kind, self.gen = inner, kind, torch.Generator().manual_seed(seed)
+        self.inner, self.kind, self.gen, self.sync = inner, kind, torch.Generator().manual_seed(seed), 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def all_gather(self, vec: Tensor, what: str = "") -> Any:
+        self.sync += what == "norm exchange"
+        return self.inner.all_gather(vec, what)
+
+    def _out(self, tensors: list[Tensor], key: str) -> list[Tensor]:
+        lying = key and self.sync >= LIE_FROM
+        return corrupt("sign_flip" if self.kind == "sign_flip" else "lie_norm", tensors, self.gen) if lying else tensors
+
     def gather(self, tensors: list[Tensor], params: Any = None, key: str = "", **kw: Any) -> Any:
-        return self.inner.gather(corrupt("sign_flip" if self.kind == "sign_flip" else "lie_norm", tensors, self.gen)
-                                 if key else tensors, params, key, **kw)
+        return self.inner.gather(self._out(tensors, key), params, key, **kw)
+
+    def reduce_(self, tensors: list[Tensor], params: Any = None, key: str = "", **kw: Any) -> Any:
+        sent = self._out(tensors, key)
+        if sent is tensors:
+            return self.inner.reduce_(tensors, params, key, **kw)
+        from edit_train.sim.byzantine import _Into
+
+        return _Into(self.inner.reduce_(sent, params, key, **kw), sent, tensors)
 
 
 class ProbeLiar:
@@ -222,7 +240,8 @@ def train(i: int, name: str, transport: Any, cfg: LocalSGDConfig, task: Any, see
     while not algo.should_stop(step) and sum(e["event"] == "sync" and e["cluster"] == name for e in events) < SYNCS:
         for g in opt.param_groups:
             g["lr"] = LR * shape.at(step)
-        x, y = batch(task, 7 * (seed + 1) + 1000 * i, step, garbage)
+        syncs = sum(e["event"] == "sync" and e["cluster"] == name for e in events)
+        x, y = batch(task, 7 * (seed + 1) + 1000 * i, step, garbage and syncs >= LIE_FROM - 1)
         nn.functional.mse_loss(m(x), y).backward()
         algo.after_backward(step)
         opt.step()
@@ -298,13 +317,15 @@ def count(decisions: list[dict[str, Any]], events: list[dict[str, Any]], warning
     left: dict[str, int] = {}
     ratios = [r for d in decisions for j, r in d["ratios"].items() if d["names"][j] != liar]
     liar_syncs: dict[int, bool] = {}
-    for d in decisions:
+    last = {(d["sync"], d["unit"]): d for d in decisions}  # a sketched SUM decides twice: the regathered counts
+    for d in last.values():
         contributors = [j for j, ok in enumerate(d["contributes"]) if ok]
         total = sum(d["tokens"][j] for j in contributors)
         for j in contributors:
             name, w, e = d["names"][j], d["weights"][j], d["evidence"][j]
             if name == liar:
-                liar_syncs[d["sync"]] = liar_syncs.get(d["sync"], True) and w == 0.0
+                if d["sync"] >= LIE_FROM:
+                    liar_syncs[d["sync"]] = liar_syncs.get(d["sync"], True) and (w == 0.0 or "scale_clip" in e)
                 continue
             c["unit_decisions"] += 1
             if w == 0.0:
@@ -352,7 +373,7 @@ def settings(quick: bool, seeds: list[int], clusters: list[int]) -> list[dict[st
     for attack, n in itertools.product(ATTACKS, [2, 4, 8] if not quick else [4]):
         if attack == "probe" and n == 2:
             continue  # one evaluator per update decides nothing (evidence.probe_judgement)
-        out.append({"name": f"attack_{attack}_n{n}", "schedule": "a_edit", "ratio": 3, "clusters": n, "data": "lang",
+        out.append({"name": f"attack_{attack}_n{n}", "schedule": "a_edit", "ratio": 3, "clusters": n, "data": "iid",
                     "seed": 0, "attack": attack})
     return out
 
@@ -419,6 +440,7 @@ def main() -> None:
     ap.add_argument("--spread", type=float, default=3.0, help="algo.rule.scale_spread of the verified runs")
     ap.add_argument("--only", default="", help="a regex: run only the settings whose name matches")
     ap.add_argument("--product", action="store_true", help="edit-train subprocesses (see the docstring)")
+    ap.add_argument("--merge", action="store_true", help="keep the --out file's other runs (replace those run now)")
     ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "false_positives.json")
     ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "docs" / "false_positives.png")
     args = ap.parse_args()
@@ -440,6 +462,11 @@ def main() -> None:
         print(f"[{k + 1}/{len(todo)}] {s['name']}: clipped {row['clipped']} held {row['held']} below-share "
               f"{row['below_token_share']} ratio max {row['scale_ratio_max']:.2f} left out {row['left_out']} {row['left_out_by']} warnings "
               f"{row['warnings_by']} loss/tokens {row['loss_ratio']:.4f} /uniform {row['uniform_ratio']:.4f}{extra} (ETA {left / 60:.0f} min)", flush=True)
+    if args.merge and args.out.exists():
+        import json
+
+        ran = {r["name"] for r in rows}
+        rows = [r for r in json.loads(args.out.read_text())["runs"] if r["name"] not in ran] + rows
     summary = summarize(rows)
     C.write_json(args.out, {"environment": C.environment(), "load": C.load(), "command": " ".join(sys.argv),
                             "targets": targets(summary), "summary": summary, "runs": rows})
