@@ -419,11 +419,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     attacks = [r for r in rows if r.get("attack")]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     a.bar(range(len(honest)), [100 * (r["loss_ratio"] - 1) for r in honest],
-          color=["tab:red" if r["clipped"] + r["left_out"] + r["warnings"] else "tab:green" for r in honest])
+          color=["tab:red" if r["clipped"] + r["left_out"] + r["retracted"] else "tab:orange" if r["held"] or
+                 r["warnings"] > r["warnings_by"].get("stop", 0) else "tab:green" for r in honest])
     a.axhline(0.2, color="k", lw=0.8, ls="--")
     a.set_xticks(range(len(honest)), [r["name"] for r in honest], rotation=90, fontsize=5)
     a.set_ylabel("final loss vs nothing tested (%)")
-    a.set_title("honest runs (red: something fired)")
+    a.set_title("honest runs (red: left out / clipped; orange: held or warned)")
     b.bar(range(len(attacks)), [100 * r["liar_caught"] for r in attacks], color="tab:blue")
     b.axhline(95, color="k", lw=0.8, ls="--")
     b.set_xticks(range(len(attacks)), [r["name"] for r in attacks], rotation=60, fontsize=7)
