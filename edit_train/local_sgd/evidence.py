@@ -126,6 +126,11 @@ def snap(w: float, bits: int = 30) -> float:
 
 
 PROBE_BOUND = 1.0  # a probe score counts at most ±100 % (one wild evaluator cannot pull a middle value far)
+# an evaluator is suspected only this far (relative probe loss) from the others, or alone this far above 0: honest
+# sites with other data (the four-language federations of benchmarks/false_positives.py) score each other's
+# updates up to a few tens of percent apart, a lie is bounded at ±100 %. Below it, the lower median of at
+# least two other evaluators already bounds what one evaluator's score does.
+PROBE_LIE = 0.5
 
 
 def _lower_median(values: Tensor) -> float:
@@ -136,12 +141,14 @@ def _lower_median(values: Tensor) -> float:
 
 def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int, str]]:
     """[evaluators, candidates] relative loss changes -> (per candidate the lower median of the bounded scores
-    the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it; the suspected
+    the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it, less the quorum's
+    `baseline` — what a typical update does to the others' probe loss; the suspected
     evaluators). Nobody vouches for its own update, and no single evaluator decides alone: with two clusters
     each update has one other evaluator, so the probe flags nobody. An evaluator is suspected when, for a strict
-    majority of the updates it can be compared on, its score is more than `tolerance` from the lower median
-    of the other evaluators of that update; its scores are then not counted ("disagrees"). An evaluator whose
-    score above `tolerance` is the only one an update got is named too ("alone"): it decided nothing."""
+    majority of the updates it can be compared on, its score is more than `tolerance` (at least `PROBE_LIE`) from
+    the lower median of the other evaluators of that update; its scores are then not counted ("disagrees"). An
+    evaluator whose score above `tolerance` (at least `PROBE_LIE`) is the only one an update got is named too
+    ("alone"): it decided nothing. Honest sites with other data disagree by less (`PROBE_LIE`)."""
     s = scores.to(torch.float64).clamp(-PROBE_BOUND, PROBE_BOUND)  # NaN (not measured) stays NaN
     n_eval, n_cand = s.shape
     suspects: dict[int, str] = {}
@@ -154,7 +161,7 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
             others = others[torch.isfinite(others)]
             if others.numel():
                 compared += 1
-                disagreed += int(abs(float(s[e, c]) - _lower_median(others)) > tolerance)
+                disagreed += int(abs(float(s[e, c]) - _lower_median(others)) > max(tolerance, PROBE_LIE))
         if compared and 2 * disagreed > compared:
             suspects[e] = "disagrees"
     out = []
@@ -162,6 +169,16 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
         who = [e for e in range(n_eval) if e != c and e not in suspects and math.isfinite(float(s[e, c]))]
         col = torch.tensor([float(s[e, c]) for e in who], dtype=torch.float64)
         out.append(_lower_median(col) if col.numel() >= 2 else math.nan)
-        if len(who) == 1 and float(s[who[0], c]) > tolerance:
+        if len(who) == 1 and float(s[who[0], c]) > max(tolerance, PROBE_LIE):
             suspects.setdefault(who[0], "alone")
-    return torch.tensor(out, dtype=torch.float64), suspects
+    judged = torch.tensor(out, dtype=torch.float64)
+    return judged - baseline(judged), suspects
+
+
+def baseline(judged: Tensor) -> float:
+    """What an update typically does to the others' probe loss: the lower median of the judged candidates (0 when
+    that is an improvement or nothing was judged). Sites with their own data make every other site's local model
+    worse on their slice (the four-language sites: by tens of percent); a harmful update is judged by how much
+    more it hurts than the typical one does."""
+    ok = judged[torch.isfinite(judged)]
+    return max(0.0, _lower_median(ok)) if ok.numel() else 0.0

@@ -28,6 +28,7 @@ from edit_train.local_sgd.moe.experts import RoutedCounts
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.sync.membership import MembershipConfig
 from edit_train.local_sgd.sync.schedule import ScheduleConfig, lr_boundaries
+from edit_train.local_sgd.aggregation.scale import LrShape
 from edit_train.train.lr import lr_at
 from edit_train.train.metrics import MetricsLogger
 from edit_train.train.progress import restart_count
@@ -111,7 +112,8 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                           checkpoint_every=cfg.checkpoint.every,
                           membership=membership, shares_loss=cfg.train.spike_factor > 0,
                           tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max,
-                          max_tokens_per_step=max_tokens_per_step(cfg))
+                          max_tokens_per_step=max_tokens_per_step(cfg),
+                          lr_shape=LrShape(cfg.train.lr_warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio))
 
 
 def sync_boundaries(cfg: Config) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ def _bound(norms: list[float], steps: list[float], multiple: float = SCALE_BOUND
     ev = Evidence("u", tuple(f"c{i}" for i in range(n)), torch.tensor(norms, dtype=torch.float64),
                   torch.tensor(steps, dtype=torch.float64), (True,) * n)
     d = Decision("u", list(norms), [1.0 / n] * n, [False] * n, False)
-    return bound_scale(d, ev, multiple)
+    return bound_scale(d, ev, multiple)[0]  # the clipped (no hold: spread 0)
 
 
 def _pseudo_gradient(steps: int, seed: int) -> float:

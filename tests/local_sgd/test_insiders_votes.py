@@ -193,12 +193,12 @@ def test_a_consistent_tenfold_payload_counts_for_the_bound_from_the_first_sync(
         tmp_path: Path, clean: dict[int, dict[str, float]], caplog: pytest.LogCaptureFixture, clusters: int) -> None:
     """The liar sends 10x its pseudo-gradient and reports the norms of what it sends (the verified rule, whose
     norm test is off for its warm-up of 10 syncs): from sync 1, being over `scale_bound` times the quorum's
-    median norm per √step, it counts as the median (today +11 % / +14 % loss here)."""
+    median norm per lr-weighted step, it counts as the median (today +11 % / +14 % loss here)."""
     with caplog.at_level(logging.WARNING):
         outs = federation(tmp_path, clusters, "scale", rule="verified")
     liar = f"c{clusters - 1}"
     _honest_unharmed(outs, clean_verified(tmp_path, clusters), liar, syncs_with_liar=True)
-    _named(caplog.records, liar, "times the quorum's median norm", "clipped to the median")
+    _named(caplog.records, liar, "times the quorum's median norm", "it counts as the median's size")
 
 
 def test_a_veto_at_every_sync_is_outvoted_by_a_majority(tmp_path: Path, clean: dict[int, dict[str, float]],

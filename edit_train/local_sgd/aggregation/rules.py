@@ -69,6 +69,9 @@ class RuleConfig:
     # from the first sync, whatever the rule: a contribution over this many times the quorum's median norm per
     # local step (penalty.interval_norm) counts as the median (clipped: scale.py, docs/sync_math.md); 0 = off
     scale_bound: float = 4.0
+    # one between this and scale_bound times the median (every claimed step counted) counts as this many times it,
+    # silently: no honest federation of benchmarks/false_positives.py went over it (scale.py); 0 = off
+    scale_spread: float = 3.0
     verified: VerifiedConfig = field(default_factory=VerifiedConfig)
     edit_norm: EditNormConfig = field(default_factory=EditNormConfig)
     options: dict[str, Any] = field(default_factory=dict)  # a rule of your own: its parameters
@@ -82,6 +85,8 @@ class RuleConfig:
         check_fields(self.clip_threshold > 0, "clip_threshold", f"must be > 0, got {self.clip_threshold}")
         check_fields(self.scale_bound == 0 or self.scale_bound >= 1, "scale_bound",
                      f"must be 0 (off) or >= 1, got {self.scale_bound}")
+        check_fields(self.scale_spread == 0 or self.scale_spread >= 1, "scale_spread",
+                     f"must be 0 (off) or >= 1, got {self.scale_spread}")
         self.verified.validate()
         self.edit_norm.validate()
 

@@ -64,7 +64,9 @@ class VerifiedConfig(NormTestConfig):
     probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
     retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
     report_tolerance: float = 1e-3  # relative gap between a reported and a measured norm that flags a liar
-    max_token_ratio: float = 8.0  # a cluster's claimed tokens count up to this many times the median claim
+    # a cluster's claimed tokens count up to this many times the median claim: an honest A-EDiT cluster 12 times
+    # as fast as the median is not capped (benchmarks/false_positives.py: 8 capped every decision of a 1:12 pair)
+    max_token_ratio: float = 16.0
     # what a left-out cluster's token share of a unit's step becomes: "zero" (the step is backed by the
     # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
     left_out: str = "zero"

@@ -40,6 +40,7 @@ from edit_train.local_sgd.aggregation.rules import RuleConfig, make_rule
 from edit_train.local_sgd.sync.schedule import ScheduleConfig, StepSchedule
 from edit_train.local_sgd.sync.state import SyncState
 from edit_train.local_sgd.aggregation.suspects import Suspects
+from edit_train.local_sgd.aggregation.scale import LrShape
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class LocalSGDConfig:
     max_tokens_per_step: int = 0  # the most tokens any configured cluster takes per step (0: tokens_per_step):
     # what another cluster's claimed tokens are bounded by (local steps x this)
     gather_max: int = 4  # a rule that needs measurements gathers up to this many clusters, sketches above
+    lr_shape: LrShape | None = None  # the run's lr schedule relative to its peak (the scale bound's lr-weighted steps)
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class LocalSGD:
                         keep=self.probe.keep if probing else None,
                         retract=Retraction(caps.probe_tolerance) if probing and caps.retract else None,
                         experts=experts, scale_bound=pen.scale_bound, suspects=self.suspects,
+                        scale_spread=pen.scale_spread, lr_shape=self.cfg.lr_shape,
                         max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1),
                         probe_tolerance=caps.probe_tolerance)
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \

@@ -19,6 +19,7 @@ from edit_train.local_sgd.sync.outer import OuterState
 from edit_train.local_sgd.protocols import Contributions, Quorum, Transport
 from edit_train.local_sgd.aggregation.retract import Retraction
 from edit_train.local_sgd.aggregation.suspects import Suspects
+from edit_train.local_sgd.aggregation.scale import LrShape
 
 
 @dataclass
@@ -65,6 +66,8 @@ class SyncCore:
     retract: Retraction | None = None  # gathered: take back an update the probe showed harmful (retract.py)
     experts: Experts | None = None  # an MoE model: routed tokens per expert, which rows are whose (experts.py)
     scale_bound: float = 0.0  # a contribution counts for at most this many times the quorum's median (scale.py)
+    scale_spread: float = 0.0  # one between this and scale_bound times it counts as this many (scale.py; 0: off)
+    lr_shape: LrShape | None = None  # the shared lr schedule's shape: norms per lr-weighted step (None: per step)
     max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
     # a step schedule: per member of the round's quorum, the most local steps it can have taken since its anchor (the
     # steps between the anchor version it holds and the boundary this sync makes: the same on every member, from the

@@ -38,7 +38,8 @@ class Judge:
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
         steps = self._steps(rows[:, n].clone())
         self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
-                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
+                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe,
+                     "total_steps": rows[:, n + EXTRA.index("total_steps")].clone()}
         self._suspected(probe_suspects)
         self.rows.read(full[:, n + 1:n + 1 + m])
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
@@ -95,20 +96,28 @@ class Judge:
         i = self.core.index[name]
         extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
                  "probe": self.meta["probe"].clone(), "sync": torch.tensor(self.report.sync), **measured,
+                 **({"total_steps": self.meta["total_steps"].clone()} if "total_steps" in self.meta else {}),
                  **self.rows.evidence(name)}
         return Evidence(name, tuple(self.report.quorum), norms.clone(), steps.clone(),
                         tuple(bool(s > 0) for s in steps.tolist()), extra)
 
     def decide(self, ev: Evidence) -> Decision:
-        """The rule's decision, every contribution then bounded by the quorum's median scale (scale.py)."""
+        """The rule's decision, every contribution then bounded by the quorum's median scale (scale.py): over
+        `scale_bound` times it clipped to the median and named, over `scale_spread` times it held to the spread
+        (silently: recorded in the unit's evidence as `scale_hold`)."""
         d = self.core.rule.decide(ev)
         if isinstance(self.core.rule, Combiner):
             return d
-        for i, f in bound_scale(d, ev, self.core.scale_bound).items():
-            if len(d.evidence) == len(ev.names):
-                d.evidence[i] = {**d.evidence[i], "scale_clip": f}
-            self.name(i, f"sent a pseudo-gradient over {self.core.scale_bound:g} times the quorum's median norm "
-                         f"per √step at sync {self.report.sync} (clipped to the median)", "scale")
+        clipped, held = bound_scale(d, ev, self.core.scale_bound, self.core.scale_spread, self.core.lr_shape)
+        for key, factors in (("scale_clip", clipped), ("scale_hold", held)):
+            for i, f in factors.items():
+                if len(d.evidence) == len(ev.names):
+                    d.evidence[i] = {**d.evidence[i], key: f}
+        for i, f in clipped.items():
+            self.name(i, f"sent a pseudo-gradient {1 / f:.3g} times the quorum's median norm per lr-weighted step "
+                         f"at sync {self.report.sync}, over algo.rule.scale_bound={self.core.scale_bound:g} (its "
+                         f"weight in unit {ev.module} scaled by {f:.3g}: it counts as the median's size; check its "
+                         f"data, its optimizer and the local steps it claims)", "scale")
         return d
 
     def reported(self, name: str) -> Decision:
