@@ -1,7 +1,7 @@
 """False positives of the `verified` rule on honest federations, and its attack columns (issue 65).
 
 Every run is a federation of honest clusters — threads of this process over the real in-process transport
-(`federation.inproc`), the real `LocalSGD` core and rule (`local_sgd/verified.py`, the scale bound of
+(`federation.inproc`), the real `LocalSGD` core and rule (`local_sgd/aggregation/verified.py`, the scale bound of
 `scale.py`, the probe of `evidence.py`), as `tests/toy_federation.py` runs them — training a small MLP
 (4 units) with AdamW under the product's lr shape (linear warm-up, cosine to 0.1 × at `train.steps`, flat
 after it; `LrShape` given to the core). What differs between clusters is what differs between honest sites:
@@ -36,7 +36,7 @@ Measured wall time on 2 shared cores: the docs/ subset (35 honest settings × 3 
 
 `--product` runs `edit-train` subprocesses (`_common.run_job`, `--reuse`) on the default demo's configuration
 (two clusters, 1:3, A-EDiT, model tiny) and the four-language 4-cluster experiment, shortened, and counts the
-same from their `sync` events and logs. Output: docs/false_positives.json and .png (`--out`, `--plot`).
+same from their `sync` events and logs. Output: results/false_positives.json and .png (`--out`, `--plot`).
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ from edit_train.cluster.group import RankGroup  # noqa: E402
 from edit_train.federation import heal  # noqa: E402
 from edit_train.federation.inproc import InProcessFederation  # noqa: E402
 from edit_train.local_sgd import judge as judge_mod  # noqa: E402
-from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig  # noqa: E402
-from edit_train.local_sgd.outer import OuterConfig  # noqa: E402
-from edit_train.local_sgd.rules import RuleConfig  # noqa: E402
-from edit_train.local_sgd.scale import LrShape, scale_ratios  # noqa: E402
-from edit_train.local_sgd.schedule import ScheduleConfig  # noqa: E402
-from edit_train.local_sgd.verified import VerifiedConfig  # noqa: E402
+from edit_train.local_sgd.sync.algorithms import LocalSGD, LocalSGDConfig  # noqa: E402
+from edit_train.local_sgd.sync.outer import OuterConfig  # noqa: E402
+from edit_train.local_sgd.aggregation.rules import RuleConfig  # noqa: E402
+from edit_train.local_sgd.aggregation.scale import LrShape, scale_ratios  # noqa: E402
+from edit_train.local_sgd.sync.schedule import ScheduleConfig  # noqa: E402
+from edit_train.local_sgd.aggregation.verified import VerifiedConfig  # noqa: E402
 from edit_train.sim.byzantine import corrupt  # noqa: E402
 
 SYNCS = 20  # per run
@@ -445,8 +445,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="a regex: run only the settings whose name matches")
     ap.add_argument("--product", action="store_true", help="edit-train subprocesses (see the docstring)")
     ap.add_argument("--merge", action="store_true", help="keep the --out file's other runs (replace those run now)")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "docs" / "false_positives.json")
-    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "docs" / "false_positives.png")
+    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "false_positives.json")
+    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "results" / "false_positives.png")
     args = ap.parse_args()
     if args.product:
         return product(args)

@@ -13,7 +13,7 @@ import torch
 
 from edit_train.local_sgd.aggregator import Decision, Evidence
 from edit_train.local_sgd.evidence import probe_judgement
-from edit_train.local_sgd.scale import SCALE_BOUND, SCALE_SPREAD, LrShape, bound_scale
+from edit_train.local_sgd.aggregation.scale import SCALE_BOUND, SCALE_SPREAD, LrShape, bound_scale
 from edit_train.train.lr import lr_at
 
 DEMO = LrShape(warmup=30, total=48, min_ratio=0.1)  # the default demo's lr (train.lr_warmup_steps=30), 48 steps
@@ -109,7 +109,7 @@ def test_the_demos_shape_in_process_fires_no_rule() -> None:
     """Two honest clusters at 1:3 under A-EDiT with the product's lr shape (warm-up, cosine), each its own
     data, the verified rule with the probe: nothing clipped, held, left out or retracted, and no rule warning
     (the stop votes are the lead's A-EDiT stop: not counted here)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import false_positives as fp
 
     got = fp.run({"name": "demo", "schedule": "a_edit", "ratio": 3, "clusters": 2, "data": "lang", "seed": 0})
