@@ -62,7 +62,7 @@ import _common as C  # noqa: E402
 from edit_train.cluster.group import RankGroup  # noqa: E402
 from edit_train.federation import heal  # noqa: E402
 from edit_train.federation.inproc import InProcessFederation  # noqa: E402
-from edit_train.local_sgd import judge as judge_mod  # noqa: E402
+from edit_train.local_sgd.sync import judge as judge_mod  # noqa: E402
 from edit_train.local_sgd.sync.algorithms import LocalSGD, LocalSGDConfig  # noqa: E402
 from edit_train.local_sgd.sync.outer import OuterConfig  # noqa: E402
 from edit_train.local_sgd.aggregation.rules import RuleConfig  # noqa: E402
