@@ -152,6 +152,43 @@ def test_flops_per_token_formula() -> None:
     assert flops_per_token(cfg, 128, active) == 6 * (active - embedding) + attn
 
 
+@pytest.mark.parametrize("mtp", [1, 2])
+def test_flops_per_token_counts_the_mtp_layers(mtp: int) -> None:
+    """Each MTP layer adds its own active parameters (a decoder layer with its MoE block, eh_proj, norms: read off
+    the model), one more pass through the shared V x H head on every token, and a layer's attention."""
+    base = dataclasses.replace(load_preset("tiny_v2"), num_nextn_predict_layers=0)
+    cfg = dataclasses.replace(base, num_nextn_predict_layers=mtp)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    layer = model.layers[cfg.num_hidden_layers]
+    experts = sum(p.numel() for p in layer.mlp.experts.parameters())
+    layer_active = sum(p.numel() for p in layer.parameters()) - experts * (
+        cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+    head = cfg.vocab_size * cfg.hidden_size
+    d_attn = cfg.num_attention_heads * cfg.head_dim
+    seq = 128
+    without = flops_per_token(base, seq, count_params(base)["active_params"])
+    got = flops_per_token(cfg, seq, count_params(cfg)["active_params"])
+    assert got - without == mtp * (6 * layer_active + 6 * head + 12 * d_attn * seq)
+    assert without == 6 * (count_params(base)["active_params"] - head) + 12 * cfg.num_hidden_layers * d_attn * seq
+
+
+def test_the_mtp_layer_runs_the_shared_head_once_more_per_token() -> None:
+    """What the `6 * M * V * H` term counts, measured: torch's FLOP counter sees the head's matmuls (forward and
+    backward) once per token for the main model and once more per MTP layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for mtp in (0, 1, 2):
+        cfg = dataclasses.replace(load_preset("tiny_v2"), num_nextn_predict_layers=mtp)
+        torch.manual_seed(0)
+        model = CausalLM(cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        with FlopCounterMode(display=False) as counter:
+            model(x, x).loss.backward()
+        head = sum(counter.get_flop_counts()["CausalLM.lm_head"].values())
+        assert head == 6 * (1 + mtp) * cfg.vocab_size * cfg.hidden_size * x.numel(), mtp
+
+
 @pytest.mark.parametrize("name,peak", [
     ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989.4e12),
     ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA L40S", 362.05e12), ("NVIDIA L4", 121e12),
