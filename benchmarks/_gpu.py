@@ -30,9 +30,19 @@ from edit_train.train.parallel import apply_layer_options
 
 RECORDS = Path(__file__).resolve().parents[1] / "results"
 RESULTS = Path(__file__).resolve().parent / "results"
-# tokens per step a user would run: Ling-Lite-width layers at Ling's 4k pre-training context; the others as before
-DEFAULT_SHAPE = {"ling_lite_slice": (2, 4096)}
+# tokens per step a user would run: Ling-Lite- and Ling-mini-2.0-width layers at a 4k pre-training context; the
+# others as before
+DEFAULT_SHAPE = {"ling_lite_slice": (2, 4096), "ling_mini_2_slice": (2, 4096)}
 FALLBACK_SHAPE = (4, 2048)
+# the one-GPU slices (model.num_hidden_layers as deep as one GPU holds; `--layers` overrides it) and, for a CPU
+# smoke run, the CPU preset of the same architecture
+SLICES = ("ling_lite_slice", "ling_mini_2_slice")
+SMOKE_MODEL = {"ling_mini_2_slice": "tiny_v2", "ling_mini_2": "tiny_v2", "small_v2": "tiny_v2", "tiny_v2": "tiny_v2"}
+
+
+def smoke_model(model: str) -> str:
+    """What a CPU smoke run trains instead of `model`: tiny, or tiny_v2 for a Ling 2.0 model."""
+    return SMOKE_MODEL.get(model, "tiny")
 
 
 @dataclass(frozen=True)
@@ -113,9 +123,9 @@ def build_step(v: Variant, device: torch.device) -> Step:
 
 def add_shape_args(ap: argparse.ArgumentParser) -> None:
     """The tokens and model overrides of a step: ``--batch --seq --layers --loss-chunk --warmup``."""
-    ap.add_argument("--batch", type=int, default=None, help="default: 2 for ling_lite_slice, else 4")
-    ap.add_argument("--seq", type=int, default=None, help="default: 4096 for ling_lite_slice, else 2048")
-    ap.add_argument("--layers", type=int, default=None, help="ling_lite_slice's depth (default: the preset's)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 2 for the slices, else 4")
+    ap.add_argument("--seq", type=int, default=None, help="default: 4096 for the slices, else 2048")
+    ap.add_argument("--layers", type=int, default=None, help="the slices' depth (default: the preset's)")
     ap.add_argument("--loss-chunk", type=int, default=None, help="model.loss_chunk (0: full logits)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before the measured ones (absorb compilation)")
 

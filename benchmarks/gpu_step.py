@@ -1,7 +1,9 @@
 """One GPU, one training step: tokens/s, MFU and peak memory of `model=ling_lite_slice` (Ling-Lite's layer
 widths — hidden 2048, 64 experts of 1408 top-6 + 2 shared, 126k vocabulary — with as many layers as one GPU holds),
-`ling_1b` and `small`, for eager vs `torch.compile`, activation checkpointing none vs full, and grouped vs sorted
-experts — the options `train.compile`, `train.activation_checkpointing` and `model.expert_impl` set.
+`ling_1b` and `small` (and, asked by `--models`, `ling_mini_2_slice`: Ling-mini-2.0's layers, 256 experts of 512
+top-8 in groups, sigmoid routing with an expert bias, QK-norm, half RoPE, an MTP layer), for eager vs
+`torch.compile`, activation checkpointing none vs full, and grouped vs sorted experts — the options `train.compile`,
+`train.activation_checkpointing` and `model.expert_impl` set.
 
 Each variant builds the model on the device and runs the trainer's step (benchmarks/_gpu.py: its layer options,
 its fused AdamW, bf16 autocast, the presets' fused head loss `model.loss_chunk`) on random tokens: warm-up steps
@@ -35,8 +37,8 @@ from typing import Any
 
 import torch
 
-from _gpu import (Variant, add_shape_args, build_step, default_shape, parse_and_pick,
-                  device_slug, sync)
+from _gpu import (SLICES, Variant, add_shape_args, build_step, default_shape, parse_and_pick,
+                  device_slug, smoke_model, sync)
 from edit_train.memplan import GIB, memory_plan
 from edit_train.model import count_params
 from edit_train.train.mfu import device_peak_flops, flops_per_token, mfu
@@ -113,10 +115,10 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
     out = []
     modes = [m == "compiled" for m in args.modes]
     for model, comp, ckpt, experts in itertools.product(args.models, modes, args.checkpointing, args.experts):
-        if model == "ling_lite_slice" and experts == "sorted" and not args.sorted_slice:
-            continue  # a per-expert loop over 64 experts at these widths measures nothing worth its minutes
+        if model in SLICES and experts == "sorted" and not args.sorted_slice:
+            continue  # a per-expert loop over 64 or 256 experts at these widths measures nothing worth its minutes
         batch, seq = default_shape(model, args.batch, args.seq)
-        layers = args.layers if model == "ling_lite_slice" else None
+        layers = args.layers if model in SLICES else None
         out.append(Variant(model, comp, ckpt, experts, batch, seq, layers, args.loss_chunk))
     return out
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="eager only (same as --modes eager)")
     ap.add_argument("--checkpointing", nargs="+", choices=["none", "full", "moe"], default=["none", "full"])
     ap.add_argument("--experts", nargs="+", choices=["grouped", "sorted"], default=["grouped", "sorted"])
-    ap.add_argument("--sorted-slice", action="store_true", help="also sorted experts for ling_lite_slice")
+    ap.add_argument("--sorted-slice", action="store_true", help="also sorted experts for the slices")
     add_shape_args(ap)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--peak-flops", type=float, default=0.0, help="per-device peak FLOP/s (default: table)")
@@ -155,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batch, args.seq, args.iters, args.warmup = 1, 64, 2, 1
         if not on_gpu:
-            # compiling on 2 CPU cores takes minutes and measures nothing; the 126k-vocabulary models do not fit
-            args.models, args.modes = ["tiny"], ["eager"]
+            # compiling on 2 CPU cores takes minutes and measures nothing; the 126k-vocabulary models do not fit:
+            # tiny, or tiny_v2 for a Ling 2.0 model
+            args.models, args.modes = list(dict.fromkeys(smoke_model(m) for m in args.models)), ["eager"]
     peak = device_peak_flops(device, args.peak_flops)
     note = None if on_gpu else "CPU-only figures (no GPU on this machine): not GPU throughput, no MFU, no peak memory"
     result: dict[str, Any] = {"device": name, "device_slug": device_slug(name), "torch": torch.__version__,

@@ -16,6 +16,7 @@ Rows (appended to `<out-dir>/gpu_step_<device>.json`, the file `gpu_step.py` wri
     python benchmarks/gpu_train.py                      # every row -> docs/gpu_step_<device>.json
     python benchmarks/gpu_train.py --rows trainer harness --iters 10
     python benchmarks/gpu_train.py --smoke              # without a GPU: the same rows at toy size on the CPU
+    python benchmarks/gpu_train.py --model ling_mini_2_slice --rows trainer harness   # Ling 2.0's rows
 
 A row that fails (out of memory, a crash, a timeout) is written with its `status` and the run goes on. Without a
 CUDA device and without --smoke it refuses with one line.
@@ -37,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_step  # noqa: E402
-from _gpu import Variant, default_shape, device_and_output, device_slug  # noqa: E402
+from _gpu import Variant, default_shape, device_and_output, device_slug, smoke_model  # noqa: E402
 from edit_train.memplan import GIB, plan_for_config  # noqa: E402
 from edit_train.train.mfu import device_peak_flops  # noqa: E402
 
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device, name, out = picked
     if args.smoke:
-        args.model, args.batch, args.seq, args.iters, args.experts = "tiny", 2, 32, 2, "auto"
+        # tiny, or tiny_v2 for a Ling 2.0 model (the same rows through the same code at toy size)
+        args.model, args.batch, args.seq, args.iters, args.experts = smoke_model(args.model), 2, 32, 2, "auto"
     args.batch, args.seq = default_shape(args.model, args.batch, args.seq) if args.batch is None or \
         args.seq is None else (args.batch, args.seq)
     args.compile = device.type == "cuda" and not args.eager

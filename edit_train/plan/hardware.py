@@ -3,9 +3,9 @@ token, and accelerators (dense bf16 peak, memory).
 
 The counts follow the model code exactly (`edit_train/model/transformer.py`, `moe.py`): the sync units are
 the ones `round.build_units` makes — the root (what no FSDP unit owns: the final norm), the embeddings, each
-decoder layer, the head — so the bytes a sync moves can be computed per unit as `federation` does.
-`tests/plan/test_plan.py` checks the totals against `model.presets.count_params` and the FLOPs against
-`train.mfu.flops_per_token`.
+decoder layer (Ling 2.0's MTP layers after them), the head — so the bytes a sync moves can be computed per unit
+as `federation` does. `tests/plan/test_plan.py` checks, for every preset, the units against the model's,
+the totals against `model.presets.count_params` and the FLOPs against `train.mfu.flops_per_token`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class ModelFacts:
     units: tuple[tuple[str, int], ...]  # (sync unit, parameters) in forward order
     total_params: int
     active_params: int
-    flops_per_token_at: tuple[int, int, int]  # (6 * active-non-embedding, 12 * L * d_attn, tie) -> per seq_len
+    # (6 * active-non-embedding + 6 * M * V * H, 12 * (L + M) * d_attn, tie) -> per seq_len (M: MTP layers)
+    flops_per_token_at: tuple[int, int, int]
     experts: int = 0  # routed experts per MoE layer
     expert_sizes: tuple[int, ...] = ()  # per sync unit, one routed expert's elements (its gate/up/down rows; 0: none)
 
@@ -64,7 +65,8 @@ def load_preset(name: str, conf_dir: str | Path = CONF_DIR) -> dict[str, Any]:
 _DEFAULTS = {"vocab_size": 320, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8, "num_shared_experts": 1,
              "num_experts_per_tok": 2, "moe_intermediate_size": 128, "intermediate_size": 384,
-             "first_k_dense_replace": 1, "tie_word_embeddings": False}
+             "first_k_dense_replace": 1, "tie_word_embeddings": False, "use_qk_norm": False,
+             "num_nextn_predict_layers": 0}
 
 
 def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
@@ -75,8 +77,9 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
     heads, kv, hd = int(c["num_attention_heads"]), int(c["num_key_value_heads"]), int(c["head_dim"])
     experts, shared, top_k = int(c["num_experts"]), int(c["num_shared_experts"]), int(c["num_experts_per_tok"])
     moe_i, dense_i = int(c["moe_intermediate_size"]), int(c["intermediate_size"])
-    attn = h * (heads + 2 * kv) * hd + heads * hd * h
+    attn = h * (heads + 2 * kv) * hd + heads * hd * h + (2 * hd if c["use_qk_norm"] else 0)  # QK-norm: 2 RMSNorms
     norms = 2 * h
+    mtp = int(c["num_nextn_predict_layers"])  # MTP layers: decoder layers after the main ones (units of their own)
     units: list[tuple[str, int]] = []
     tied = bool(c["tie_word_embeddings"])
     units.append(("root", h))  # the final norm (the root owns what no unit does)
@@ -84,7 +87,7 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
         units.append(("word_embeddings", v * h))
     inactive = 0
     per_expert: dict[str, int] = {}
-    for i in range(n_layers):
+    for i in range(n_layers + mtp):
         if experts > 0 and i >= int(c["first_k_dense_replace"]):
             routed = experts * 3 * h * moe_i
             mlp = h * experts + routed + (3 * h * shared * moe_i if shared > 0 else 0)
@@ -92,7 +95,8 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
             per_expert[f"layers.{i}"] = 3 * h * moe_i
         else:
             mlp = 3 * h * dense_i
-        units.append((f"layers.{i}", attn + norms + mlp))
+        extra = 2 * h * h + 3 * h if i >= n_layers else 0  # an MTP layer's eh_proj, enorm, hnorm, final_layernorm
+        units.append((f"layers.{i}", attn + norms + mlp + extra))
     if tied:
         units[0] = ("root", h + v * h)  # the shared table belongs to the root then
     else:
@@ -101,7 +105,8 @@ def model_facts(preset: str | dict[str, Any], name: str = "") -> ModelFacts:
     active = total - inactive
     embedding = 0 if tied else v * h
     return ModelFacts(name or (preset if isinstance(preset, str) else "custom"), n_layers, tuple(units), total,
-                      active, (6 * (active - embedding), 12 * n_layers * heads * hd, int(tied)),
+                      active, (6 * (active - embedding) + 6 * mtp * v * h, 12 * (n_layers + mtp) * heads * hd,
+                               int(tied)),
                       experts if per_expert else 0, tuple(per_expert.get(name, 0) for name, _ in units))
 
 

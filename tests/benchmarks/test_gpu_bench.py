@@ -104,3 +104,21 @@ def test_gpu_train_smoke_federation_row(tmp_path, small_corpus) -> None:
     (row,) = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok" and row["completed"], row
     assert all(c["syncs"] == 3 and c["plan_gib"] > 0 and c["peak_gib"] is None for c in row["clusters"].values())
+
+
+@no_gpu
+def test_the_ling_mini_2_slice_rows_smoke_on_tiny_v2(tmp_path, small_corpus) -> None:
+    """`gpu_all.sh`'s ling2 stage (`gpu_train.py --model ling_mini_2_slice --rows trainer harness`) and gpu_step.py's
+    slice rows, smoked on the CPU: the same rows through the same code on Ling 2.0's CPU preset (tiny_v2)."""
+    out = tmp_path / "gpu_step_cpu.json"
+    assert gpu_train.main(["--smoke", "--model", "ling_mini_2_slice", "--rows", "trainer", "harness",
+                           "--grad-accum", "1", "--out", str(out), "--data-source", small_corpus]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["what"], r["model"]) for r in rows] == [("trainer", "tiny_v2"), ("harness", "tiny_v2")]
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["plan_gib"] > 0 for r in rows), rows
+    step = tmp_path / "gpu_step.json"
+    assert gpu_step.main(["--quick", "--models", "ling_mini_2_slice", "--experts", "grouped", "--checkpointing",
+                          "none", "--out", str(step)]) == 0
+    (row,) = json.loads(step.read_text())["rows"]
+    assert row["model"] == "tiny_v2" and row["status"] == "ok" and row["experts_ran"] == ["grouped"], row
+    assert row["mtp_params"] > 0 and row["flops_per_token"] > 0

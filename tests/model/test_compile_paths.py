@@ -76,3 +76,35 @@ def test_attention_runs_on_the_flash_kernel() -> None:
         outs[backend] = (y.detach(), x.grad.clone())
     for a, b in zip(outs[SDPBackend.FLASH_ATTENTION], outs[SDPBackend.MATH]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+V2 = dataclasses.replace(CFG, score_function="sigmoid", moe_router_enable_expert_bias=True, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5, use_qk_norm=True, partial_rotary_factor=0.5,
+                         num_nextn_predict_layers=1, router_aux_loss_coef=0.0, router_z_loss_coef=3.5e-6)
+
+
+def test_ling2_router_and_mtp_layer_compile_without_graph_breaks() -> None:
+    """Ling 2.0's block (sigmoid scores, the expert bias choosing, group-limited top-k, scaling, QK-norm, half RoPE)
+    and the MTP layer, compiled as the trainer compiles them (Dynamo's trace, backend=eager): no graph break, the
+    eager block's loss and gradients, and the expert bias update after the step sees the compiled forward's load."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    eager = CausalLM(V2)
+    with torch.no_grad():  # a bias that changes the choice (zero would leave the bias path untested)
+        for b in eager.moe_blocks():
+            b.gate.expert_bias.copy_(torch.randn(V2.num_experts) * 0.05)
+    compiled = CausalLM(V2)
+    compiled.load_state_dict(eager.state_dict())
+    assert apply_compile(compiled, backend="eager") == V2.num_hidden_layers + 1  # the MTP layer too
+    loss, grads = _step(compiled)
+    counters = torch._dynamo.utils.counters
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    ref_loss, ref_grads = _step(eager)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=5e-2, atol=5e-3, msg=name)
+    for model in (eager, compiled):
+        model.update_expert_bias()
+    for a, b in zip(eager.moe_blocks(), compiled.moe_blocks()):
+        torch.testing.assert_close(a.gate.expert_bias, b.gate.expert_bias)

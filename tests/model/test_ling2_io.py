@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from edit_train.model import CausalLM, load_preset
 from edit_train.model.config import ModelConfig
@@ -166,7 +166,7 @@ def test_imported_checkpoint_trains_20_steps_on_two_clusters_and_exports(tmp_pat
     run = tmp_path / "run"
     env = dict(os.environ)
     cmd = [sys.executable, "-m", "edit_train.cli.train", "model=tiny_v2", f"model.init_from={tmp_path / 'public'}",
-           "train.steps=20", f"run.dir={run}"]
+           "train.steps=20", "train.log_every=1", f"run.dir={run}"]  # every step logs: A-EDiT's steps vary
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -181,3 +181,14 @@ def test_imported_checkpoint_trains_20_steps_on_two_clusters_and_exports(tmp_pat
     assert sorted(back) == sorted(written)
     bias = back["model.layers.1.mlp.gate.expert_bias"]
     assert not torch.equal(bias, written["model.layers.1.mlp.gate.expert_bias"])  # the bias was updated
+    # each cluster kept its own bias (buffers are not synced); the export is their mean, the simplest rule
+    step = max(int(p.name[5:]) for p in (run / "checkpoints" / "c0").glob("step_*[0-9]")
+               if (run / "checkpoints" / "c1" / p.name / "manifest.json").is_file())
+    own = [load_file(str(run / "checkpoints" / c / f"step_{step:08d}" / "rank0-model.safetensors"))
+           for c in ("c0", "c1")]
+    keys = [k for k in own[0] if k.endswith("mlp.gate.expert_bias")]  # buffer/layers.{i}.mlp.gate.expert_bias
+    assert len(keys) == 4
+    for key in keys:
+        assert not torch.equal(own[0][key], own[1][key]), key
+        exported = back[f"model.{key.removeprefix('buffer/')}"]
+        torch.testing.assert_close(exported, (own[0][key] + own[1][key]) / 2, rtol=0, atol=1e-7)

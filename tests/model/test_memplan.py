@@ -123,6 +123,22 @@ def test_ling_lite_slice_is_ling_lite_layers_on_one_gpu(capsys) -> None:
     assert info["memory_plan"]["fits"] and info["memory_plan"]["tokens_per_microbatch"] == 8192
 
 
+def test_ling_mini_2_slice_is_ling_mini_2_layers_on_one_gpu() -> None:
+    """Ling-mini-2.0's layers exactly (the dense layer 0, MoE layers, the MTP layer), as many as an 80 GB GPU holds
+    with fp32 AdamW state at the benchmark's 2 x 4096 tokens (bf16, no checkpointing) — one more does not fit; it
+    builds (on the meta device) with the layer mix of the full model."""
+    mini, piece = load_preset("ling_mini_2"), load_preset("ling_mini_2_slice")
+    assert dataclasses.replace(piece, num_hidden_layers=mini.num_hidden_layers) == mini
+    shape = {"shard_size": 1, "batch_size": 2, "seq_len": 4096, "precision": "bf16", "gpu_mem_gb": 80}
+    assert memory_plan(piece, **shape)["fits"]
+    assert not memory_plan(dataclasses.replace(piece, num_hidden_layers=piece.num_hidden_layers + 1), **shape)["fits"]
+    with torch.device("meta"):
+        model = CausalLM(piece)
+    assert [type(layer).__name__ for layer in model.layers] == ["DecoderLayer"] * 4 + ["MTPLayer"]
+    assert [layer.is_moe for layer in model.layers] == [False, True, True, True, True]
+    assert sum(p.numel() for p in model.parameters()) == count_params(piece)["total_params"]
+
+
 def test_info_prints_memory_plan(monkeypatch, capsys) -> None:
     from edit_train.cli.info import main
 
@@ -150,6 +166,43 @@ def test_flops_per_token_formula() -> None:
     embedding = cfg.vocab_size * cfg.hidden_size
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * 128
     assert flops_per_token(cfg, 128, active) == 6 * (active - embedding) + attn
+
+
+@pytest.mark.parametrize("mtp", [1, 2])
+def test_flops_per_token_counts_the_mtp_layers(mtp: int) -> None:
+    """Each MTP layer adds its own active parameters (a decoder layer with its MoE block, eh_proj, norms: read off
+    the model), one more pass through the shared V x H head on every token, and a layer's attention."""
+    base = dataclasses.replace(load_preset("tiny_v2"), num_nextn_predict_layers=0)
+    cfg = dataclasses.replace(base, num_nextn_predict_layers=mtp)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    layer = model.layers[cfg.num_hidden_layers]
+    experts = sum(p.numel() for p in layer.mlp.experts.parameters())
+    layer_active = sum(p.numel() for p in layer.parameters()) - experts * (
+        cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
+    head = cfg.vocab_size * cfg.hidden_size
+    d_attn = cfg.num_attention_heads * cfg.head_dim
+    seq = 128
+    without = flops_per_token(base, seq, count_params(base)["active_params"])
+    got = flops_per_token(cfg, seq, count_params(cfg)["active_params"])
+    assert got - without == mtp * (6 * layer_active + 6 * head + 12 * d_attn * seq)
+    assert without == 6 * (count_params(base)["active_params"] - head) + 12 * cfg.num_hidden_layers * d_attn * seq
+
+
+def test_the_mtp_layer_runs_the_shared_head_once_more_per_token() -> None:
+    """What the `6 * M * V * H` term counts, measured: torch's FLOP counter sees the head's matmuls (forward and
+    backward) once per token for the main model and once more per MTP layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    for mtp in (0, 1, 2):
+        cfg = dataclasses.replace(load_preset("tiny_v2"), num_nextn_predict_layers=mtp)
+        torch.manual_seed(0)
+        model = CausalLM(cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        with FlopCounterMode(display=False) as counter:
+            model(x, x).loss.backward()
+        head = sum(counter.get_flop_counts()["CausalLM.lm_head"].values())
+        assert head == 6 * (1 + mtp) * cfg.vocab_size * cfg.hidden_size * x.numel(), mtp
 
 
 @pytest.mark.parametrize("name,peak", [

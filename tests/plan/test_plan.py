@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edit_train.model.presets import available_presets
 from edit_train.plan import hardware, traffic
 from edit_train.plan.calibrate import CalibrationError, calibrate
 from edit_train.plan.costs import resolve
@@ -513,3 +514,26 @@ def test_the_default_scenario_tries_top_k_and_runs_its_sites_as_a_real_federatio
     assert "cluster=real" in over and "cluster=local" not in over, over
     local = scenario_from_dict({**raw, "simulated_link": True})  # one host's federation: the local launcher's
     assert "cluster=local" in overrides(local, cand)
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_model_facts_are_the_models_units_counts_and_flops(preset: str) -> None:
+    """The planner's torch-free facts of every preset (Ling 2.0's QK-norm and MTP layers included) equal the model
+    built on the meta device: the sync units the round makes (names, sizes, in order), the total and active counts,
+    and the FLOPs per token the trainer's MFU uses."""
+    import torch
+
+    from edit_train.cluster.mesh import fsdp_units
+    from edit_train.local_sgd.sync.core import build_units
+    from edit_train.model import CausalLM, count_params, load_preset
+    from edit_train.train.mfu import flops_per_token
+
+    cfg = load_preset(preset)
+    facts = hardware.model_facts(preset)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    units = tuple((u.name, sum(p.numel() for p in u.params)) for u in build_units(model, fsdp_units(model)))
+    assert facts.units == units
+    counts = count_params(cfg)
+    assert (facts.total_params, facts.active_params) == (counts["total_params"], counts["active_params"])
+    assert facts.flops_per_token(4096) == flops_per_token(cfg, 4096, counts["active_params"])
