@@ -3,7 +3,7 @@
 Every run is the product's own command — `edit-train algo=<ddp|edit> cluster.count=M cluster.ranks=1 model=tiny
 train.steps=320 algo.interval=8 train.batch_size=8 train.seq_len=128 seed=S` (plus the benchmarks' `logger=none
 train.progress=false checkpoint.at_end=false`, which change no number) — on seeds no tuning used (11, 12), so what
-it measures is what `algo=edit` gives a user who sets nothing: the outer step from the rule by cluster count
+it measures is what `algo=edit` gives a user who sets nothing: the outer step from the default by cluster count
 (`edit_train/local_sgd/outer.py`, `DEFAULT_OUTER_STEPS`; docs/algorithms.md, "The outer step's default"). Besides
 the defaults: edit at the outer step the product shipped before (lr 0.7, Nesterov momentum 0.8, named on the command
 line) on the same seeds. Each row: the command, the commit that ran it, the final validation losses and the ratio
@@ -32,7 +32,7 @@ import _common as C  # noqa: E402
 DOCS = C.BENCH_DIR.parent / "docs"
 REPO = C.BENCH_DIR.parent
 BAR = 1.07  # issue 66, acceptance 2: the command above ends within 1.07 x DDP's loss on seeds 11 and 12
-# what `algo=edit` shipped before the rule (conf/algo/edit.yaml until issue 66): the EDiT paper's outer step
+# what `algo=edit` shipped before the default by cluster count (conf/algo/edit.yaml until issue 66): the EDiT paper's outer step
 OLD = {"lr": 0.7, "momentum": 0.8}
 
 
