@@ -107,6 +107,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per cluster count and seed: DDP's loss, edit's at the defaults (and at the old default), their ratios."""
     out: dict[str, Any] = {}
     for r in rows:
+        if r.get("role") == "4-cluster choice":  # seed 0, no DDP: the edit losses side by side
+            o = r["outer_named"]
+            out.setdefault(f"choice_g{r['clusters']}_s{r['seed']}", {})[f"{o['lr']:g}/{o['momentum']:g}N"] = \
+                r["final_val_loss"]
+            continue
         if r["algo"] == "ddp" or r["ratio_vs_ddp"] is None:
             continue
         key = f"g{r['clusters']}_s{r['seed']}"
@@ -132,6 +137,7 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
 
 def plot(summary: dict[str, Any], path: Path) -> Path:
     plt = C.pyplot()
+    summary = {k: v for k, v in summary.items() if "ddp" in v}  # the cells with a ratio
     keys = list(summary)
     labels = sorted({k for v in summary.values() for k in v if k not in ("ddp", "default_outer")},
                     key=lambda s: (s != "default", s))
