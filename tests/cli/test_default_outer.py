@@ -19,9 +19,10 @@ EDIT2 = ["algo=edit", "cluster.count=2", "cluster.ranks=1", "model=tiny", "algo.
     (2, 8, (0.5, 0.5)),  # measured: the 9-point grid's best at 2 clusters, H = 8 (results/convergence_tuned.json)
     (2, 1, (0.5, 0.5)),  # the interval does not move it yet (only H = 8 measured)
     (2, 32, (0.5, 0.5)),
-    (4, 8, (0.5, 0.5)),  # not tuned at 4: M = 2's point
-    (8, 16, (0.5, 0.5)),
-    (64, 8, (0.5, 0.5)),
+    (3, 8, (0.7, 0.5)),  # M >= 3: the longer of the two steps tried at 4 clusters (seed 0)
+    (4, 8, (0.7, 0.5)),
+    (8, 16, (0.7, 0.5)),
+    (64, 8, (0.7, 0.5)),
 ])
 def test_the_table_by_cluster_count_and_interval(clusters, interval, want):
     assert default_outer_step(clusters, interval) == want
