@@ -49,7 +49,7 @@ from edit_train.train.resume import Resumable, find_resume, resume, save_checkpo
 from edit_train.train.signals import Interrupted, StopSignal
 from edit_train.train.finished import peer_news
 from edit_train.local_sgd import waits
-from edit_train.train.routing import RoutedTally
+from edit_train.train.routing import RoutedTally, expert_bias_hook
 from edit_train.train.site_data import check_tokenizers, open_data, site_data
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,10 @@ class Trainer:
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
-                                    routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
+                                    routed_counts=self.tally.hook(),  # the sync closes the local-SGD intervals
+                                    bias_hook=expert_bias_hook(self.model, cfg.model,  # algo.expert_bias
+                                                               lambda: self.frozen.owned if self.frozen else
+                                                               self._routed_map()))
         if self.is_leader and topo.index == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_container(cfg), indent=1))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
