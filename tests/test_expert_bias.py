@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edit_train.local_sgd.expert_bias import (BiasHook, BiasSync, bound_biases, bound_counts, global_update,
-                                              max_violation, mean_bias, sign_update)
+from edit_train.local_sgd.expert_bias import (BiasHook, BiasSync, bound_biases, bound_counts, max_violation,
+                                              mean_bias, sign_update)
 from edit_train.model.moe import bias_update
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
@@ -30,16 +30,21 @@ class Site:
         self.bias = t.to(torch.float32).clone()
 
     def step(self, load: torch.Tensor) -> None:
+        """The model's per-step update, its load through the rule's (`LocalSGD.bias_load`: global adds the others')."""
+        others = self.sync.step_load()
+        load = load if others is None else load + others
         self.bias = self.bias + torch.stack([bias_update(row, U) for row in load])
 
 
-def _sync(sites: list[Site], counts: list[torch.Tensor], steps: int, tokens: list[float]) -> torch.Tensor:
+def _sync(sites: list[Site], counts: list[torch.Tensor], steps: int, tokens: list[float],
+          name: object = None, total: int | None = None) -> torch.Tensor:
     """One committed round among `sites` (the exchange every cluster reads the same): returns the columns."""
     columns = torch.tensor([s.sync.payload() for s in sites], dtype=torch.float64)
     c = torch.stack(counts).to(torch.float64)
-    for s in sites:
+    for me, s in enumerate(sites):
         s.sync.committed([f"c{i}" for i in range(len(sites))], c, columns, torch.full((len(sites),), float(steps)),
-                         torch.tensor(tokens, dtype=torch.float64))
+                         torch.tensor(tokens, dtype=torch.float64), me, name if name is not None else lambda i, w: None,
+                         torch.full((len(sites),), float(total if total is not None else steps)))
     return columns
 
 
@@ -63,13 +68,17 @@ def _loads(site: int, sync: int, step: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rule", ["mean", "global", "local"])
 def test_closed_form_after_k_syncs(rule: str) -> None:
-    """k syncs of H local steps: mean — b̄ₖ = mean of the clusters' biases; global — b̄ₖ = b̄₀ + Σⱼ H·update(Σᵢ loadᵢⱼ);
-    local — each cluster's own bias is its local updates alone, the anchor the global closed form."""
+    """k syncs of H local steps from per-step loads L_{i,t}:
+    mean   — b_i ← b̄ + Σ_t update(L_{i,t}); b̄ ← mean_i b_i; every cluster continues from b̄;
+    global — b_i ← b̄ + Σ_t update(L_{i,t} + O_i), O_i = Σ_{j≠i} C_j / H of the last interval (0 before the first);
+             b̄ ← Σ_i C_i ⊙ b_i / Σ_i C_i per expert; every cluster continues from b̄ (all hold the same bias);
+    local  — b_i ← b_i + Σ_t update(L_{i,t}), untouched by the syncs; b̄ as global's."""
     k, h, tokens = 3, 4, 1000.0
     sites = [Site(rule), Site(rule)]
-    own = [torch.zeros(L, E, dtype=torch.float64) for _ in sites]  # local only: the sum of a site's own updates
-    anchor = torch.zeros(L, E, dtype=torch.float64)  # global closed form
-    mean_anchor = torch.zeros(L, E, dtype=torch.float64)
+    ref = [torch.zeros(L, E, dtype=torch.float64) for _ in sites]  # each cluster's bias, closed form
+    anchor = torch.zeros(L, E, dtype=torch.float64)
+    others = [torch.zeros(L, E, dtype=torch.float64) for _ in sites]
+    upd = lambda load: torch.stack([bias_update(row, U) for row in load]).to(torch.float64)  # noqa: E731
     for j in range(k):
         counts = []
         for i, s in enumerate(sites):
@@ -77,29 +86,28 @@ def test_closed_form_after_k_syncs(rule: str) -> None:
             for t in range(h):
                 load = _loads(i, j, t)
                 s.step(load)
-                own[i] += torch.stack([bias_update(row, U) for row in load]).to(torch.float64)
+                ref[i] += upd(load.double() + others[i]) if rule == "global" else upd(load)
                 c += load
             counts.append(c)
-        before = [s.bias.to(torch.float64).clone() for s in sites]
-        _sync(sites, counts, h, [tokens, tokens])
-        anchor = anchor + h * sign_update(sum(c.double() for c in counts) / (2 * tokens), U)
-        mean_anchor = (before[0] + before[1]) / 2
+        _sync(sites, counts, h, [tokens, tokens], total=h * (j + 1))
+        cs = torch.stack(counts).double()
         if rule == "mean":
-            for s in sites:
-                assert torch.allclose(s.sync.anchor, mean_anchor, atol=1e-9)
-                assert torch.allclose(s.bias.to(torch.float64), mean_anchor, atol=1e-6)
-        elif rule == "global":
-            for s in sites:
-                assert torch.allclose(s.sync.anchor, anchor, atol=1e-12)
-                assert torch.equal(s.bias, anchor.to(torch.float32))  # every cluster holds the same bias
+            anchor = (ref[0] + ref[1]) / 2
         else:
-            for i, s in enumerate(sites):
-                assert torch.allclose(s.sync.anchor, anchor, atol=1e-12)
-                assert torch.allclose(s.bias.to(torch.float64), own[i], atol=1e-5)  # untouched by the syncs
+            anchor = (cs[0] * ref[0] + cs[1] * ref[1]) / cs.sum(0)
+        if rule == "global":
+            others = [cs[1] / h, cs[0] / h]
+        if rule != "local":
+            ref = [anchor.clone(), anchor.clone()]
+        for i, s in enumerate(sites):
+            assert torch.allclose(s.sync.anchor, anchor, atol=1e-6), (rule, j)
+            assert torch.allclose(s.bias.to(torch.float64), ref[i], atol=1e-5), (rule, j)
+    if rule == "global":
+        assert torch.equal(sites[0].bias, sites[1].bias)  # every cluster holds the same bias
     if rule == "local":
         assert not torch.allclose(sites[0].bias, sites[1].bias)  # each kept its own
-        sites[0].sync.to_anchor()  # the run's end / a joiner: the anchor's (global) bias
-        assert torch.equal(sites[0].bias, anchor.to(torch.float32))
+        sites[0].sync.to_anchor()  # the run's end / a joiner: the anchor's bias
+        assert torch.equal(sites[0].bias, sites[0].sync.anchor.to(torch.float32))
 
 
 def test_an_overlapped_commit_keeps_the_bias_moves_since_the_exchange() -> None:
@@ -108,44 +116,50 @@ def test_an_overlapped_commit_keeps_the_bias_moves_since_the_exchange() -> None:
     a.step(_loads(0, 0, 0))  # a local step while the round is in flight
     moved = a.bias.to(torch.float64).clone()
     counts = torch.stack([_loads(0, 0, 0), _loads(1, 0, 0)]).to(torch.float64)
-    a.sync.committed(["c0", "c1"], counts, columns, torch.tensor([1.0, 1.0]), torch.tensor([100.0, 100.0]))
+    a.sync.committed(["c0", "c1"], counts, columns, torch.tensor([1.0, 1.0]), torch.tensor([100.0, 100.0]), 0)
     assert torch.allclose(a.bias.to(torch.float64), a.sync.anchor + moved, atol=1e-7)
 
 
 def test_a_liar_reporting_100x_counts_for_one_expert_is_bounded_by_its_tokens() -> None:
-    """Three sites, one of which reports 100x its counts for expert 0: its counts are cut to what its tokens hold
-    (an expert at most once per token, k per token in all: the largest counts cut to one level), the honest sites'
-    bias is the global rule on the bounded counts, the liar is named. Here the cut brings the lie back to its
-    honest count, so no honest site's bias moves at all; unbounded, the lie would flip expert 0's update."""
+    """Three sites, one of which reports 100x its counts for one expert: its counts are cut to what its tokens hold
+    (an expert at most once per token, k per token in all: the largest counts cut to one level) and it is named.
+    The lie on its most-loaded expert comes back to its honest count exactly: no honest site's anchor or per-step
+    load moves at all; a lie on another expert moves them by no more than that expert's count up to T allows."""
     h, tokens = 8, 200.0
-    honest = [torch.full((L, E), tokens * K / E) for _ in range(3)]
-    honest[0][:, 0] = 20.0  # expert 0 underloaded at site 0 ...
-    honest[1][:, 0] = 30.0  # ... and at site 1: the federation should raise its bias
-    lie = [c.clone() for c in honest]
-    lie[2][:, 0] = 100 * honest[2][:, 0]
-    counts = torch.stack(lie).to(torch.float64)
-    bounded, cut = bound_counts(counts, torch.full((3,), tokens), K)
-    assert cut == [2]
-    assert bool((bounded[2] <= tokens).all()) and bool((bounded[2].sum(-1) <= K * tokens + 1e-9).all())
-    assert torch.equal(bounded[:2], counts[:2])  # the honest counts are untouched
+    g = torch.Generator().manual_seed(5)
+    honest = []
+    for _ in range(3):  # whole counts, each layer's row summing to k·T, as top-k routing gives
+        picks = torch.multinomial(torch.rand(E, generator=g) + 0.2, int(K * tokens) * L, replacement=True,
+                                  generator=g).reshape(L, -1)
+        honest.append(torch.stack([torch.bincount(p, minlength=E) for p in picks]).double())
+    top = int(honest[2][0].argmax())
 
-    named: list[tuple[int, str]] = []
-    sites = [Site("global") for _ in range(3)]
-    columns = torch.tensor([s.sync.payload() for s in sites], dtype=torch.float64)
-    for s in sites[:2]:
-        s.sync.committed(["c0", "c1", "c2"], counts, columns, torch.full((3,), float(h)), torch.full((3,), tokens),
-                         lambda i, what: named.append((i, what)))
-    assert {i for i, _ in named} == {2}
-    want = h * sign_update(bounded.sum(0) / (3 * tokens), U)
-    honest_only = h * sign_update(torch.stack(honest).sum(0).to(torch.float64) / (3 * tokens), U)
-    assert torch.allclose(bounded[2], torch.stack(honest)[2].double())  # cut to one level: its honest 50
-    for s in sites[:2]:
-        assert torch.allclose(s.sync.anchor, want, atol=1e-15)
-        assert torch.equal(s.sync.anchor, honest_only)  # the liar moved no honest site's bias
-    # expert 0 still rises: the bounded claim (200 tokens) cannot outweigh the honest sites' deficit; unbounded,
-    # the 100x report (5000) would have made it the most loaded expert and pushed its bias down
-    assert float(want[0, 0]) > 0
-    assert float(h * sign_update(counts.sum(0) / (3 * tokens), U)[0, 0]) < 0
+    def run(counts: list[torch.Tensor]) -> tuple[list[Site], list[tuple[int, str]]]:
+        named: list[tuple[int, str]] = []
+        sites = [Site("global") for _ in range(3)]
+        for i, s in enumerate(sites):
+            s.bias = s.bias + 0.0002 * (i + 1) * torch.arange(E, dtype=torch.float32)  # some bias to weigh
+        _sync(sites, counts, h, [tokens] * 3, lambda i, what: named.append((i, what)))
+        return sites, named
+
+    base, none = run(honest)
+    assert none == []
+    for expert, exact in ((top, True), ((top + 1) % E, False)):
+        lie = [c.clone() for c in honest]
+        lie[2][0, expert] *= 100  # layer 0
+        bounded, cut = bound_counts(torch.stack(lie), torch.full((3,), tokens), K)
+        assert cut == [2]
+        assert bool((bounded[2] <= tokens).all()) and bool((bounded[2].sum(-1) <= K * tokens * (1 + 1e-12)).all())
+        sites, named = run(lie)
+        assert {i for i, _ in named} == {2} and "routed counts" in named[0][1]
+        for s, b in zip(sites[:2], base[:2]):
+            if exact:
+                assert torch.allclose(s.sync.anchor, b.sync.anchor, atol=1e-12)
+                assert torch.allclose(s.sync.step_load(), b.sync.step_load(), atol=1e-9)
+            else:  # what a site that routed up to T tokens to the expert could have done, no more
+                assert float((s.sync.step_load() - b.sync.step_load()).abs().max()) <= tokens / h + 1e-9
+            unbounded = torch.stack(lie).double()[[i for i in range(3) if i != sites.index(s)]].sum(0) / h
+            assert float((unbounded - s.sync.step_load()).abs().max()) > tokens / h  # the bound did something
 
 
 def test_a_bias_further_than_its_steps_move_it_is_cut_under_mean() -> None:
@@ -161,8 +175,9 @@ def test_a_bias_further_than_its_steps_move_it_is_cut_under_mean() -> None:
 
 def test_expert_subsets_an_expert_a_site_does_not_own_gets_no_update_from_it() -> None:
     """expert_subsets=split with two sites: site i owns the experts e with e % 2 == i and reports 0 for the others.
-    Whatever a site's counts or bias on an expert it does not own, that expert's anchor bias is the owner's:
-    mean — the owner's bias; global / local — the update from the owner's load per owner token."""
+    Whatever a site did to its bias on an expert it does not own, that expert's anchor bias is its owner's (mean:
+    the owners' mean; global / local: weighted by the owners' counts); an expert nobody owns (or, weighted, nobody
+    routed a token to) keeps the anchor's bias; global's per-step load from the others is the owners' load."""
     owned = [torch.tensor([[e % 2 == i for e in range(E)]] * L) for i in range(2)]
     g = torch.Generator().manual_seed(3)
     counts = torch.stack([torch.where(owned[i], torch.randint(1, 60, (L, E), generator=g), 0) for i in range(2)])
@@ -174,24 +189,22 @@ def test_expert_subsets_an_expert_a_site_does_not_own_gets_no_update_from_it() -
                 s.step(counts[i])  # its own update, on every expert (the model's per-step rule)
                 s.bias = s.bias + torch.where(owned[i], 0.0, noise)  # what it did to the experts it does not own
             _sync(sites, list(counts), 1, [1000.0, 500.0])
-            results.append((sites[0].sync.anchor.clone(), [s.bias.clone() for s in sites]))
-        (a0, b0), (a1, b1) = results
+            results.append((sites[0].sync.anchor.clone(), [s.bias.clone() for s in sites], sites))
+        (a0, b0, sites), (a1, _, _) = results
         assert torch.equal(a0, a1), rule  # nobody's bias on an expert it does not own reaches the anchor
-        if rule == "mean":
-            mine = torch.where(owned[0], results[0][1][0].to(torch.float64), 0) + \
-                torch.where(owned[1], results[0][1][1].to(torch.float64), 0)
-            assert torch.allclose(a0, mine, atol=1e-7)
-        else:  # each expert's load per token of its owner
-            per_token = torch.where(owned[0], counts[0].double() / 1000.0, counts[1].double() / 500.0)
-            assert torch.allclose(a0, sign_update(per_token, U), atol=1e-15)
-            assert torch.allclose(a0, global_update(counts.double(), torch.tensor([1000.0, 500.0]), 1, U, True,
-                                                    torch.stack(owned)))
-    # an expert nobody owns keeps the anchor's bias
-    nobody = torch.zeros(2, L, E, dtype=torch.bool)
-    nobody[:, :, 1:] = True
+        mine = torch.where(owned[0], b0[0].to(torch.float64), 0) + torch.where(owned[1], b0[1].to(torch.float64), 0)
+        if rule != "local":  # (local: b0 is each site's own bias, which its sync leaves alone)
+            assert torch.allclose(a0, mine.to(torch.float32).double(), atol=1e-7), rule
+        if rule == "global":  # site 0's per-step load from the others: site 1's (its owned experts only) per step
+            assert torch.equal(sites[0].sync.step_load(), counts[1].double())
     anchor = torch.full((L, E), 0.25, dtype=torch.float64)
-    assert torch.equal(mean_bias(torch.zeros(2, L, E, dtype=torch.float64), anchor, nobody)[:, 0], anchor[:, 0])
-    assert bool((global_update(counts.double(), torch.tensor([1.0, 1.0]), 1, U, True, nobody)[:, 0] == 0).all())
+    nobody = torch.ones(2, L, E, dtype=torch.bool)
+    nobody[:, :, 0] = False
+    biases = torch.randn(2, L, E, dtype=torch.float64)
+    assert torch.equal(mean_bias(biases, anchor, nobody)[:, 0], anchor[:, 0])
+    unrouted = torch.ones(2, L, E)
+    unrouted[:, :, 3] = 0
+    assert torch.equal(mean_bias(biases, anchor, None, unrouted)[:, 3], anchor[:, 3])
 
 
 def test_maxvio() -> None:

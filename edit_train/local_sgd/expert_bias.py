@@ -1,27 +1,31 @@
 """Aux-loss-free balancing across clusters: what a sync does to the MoE routers' expert bias (`algo.expert_bias`).
 
 A Ling 2.0 router chooses experts on score + bias; every optimizer step moves the bias by the public update rule
-``u · sign(mean(load) − load)`` (zero-mean), from that step's load (`model/moe.bias_update`). Between syncs every
-cluster does that from its own data. At a sync (each MoE layer, each expert):
+``u · sign(mean(load) − load)`` (zero-mean) from that step's load (`model/moe.bias_update`). Per rule:
 
-* ``mean``   — the anchor's bias is the clusters' mean; every cluster continues from it.
-* ``global`` — every cluster applies the update rule to the federation's load of the interval: the routed counts
-  the exchange carries (`experts.py`), summed over the clusters, per token of the clusters that own the expert.
-  The anchor's bias is b̄ + s · update(load), s the quorum's lower-median local steps (an interval of s steps from
-  one sign); every cluster continues from it, so all hold the same bias, as if one cluster had seen every
-  cluster's tokens.
-* ``local``  — every cluster keeps its own bias across syncs; the anchor (what a joiner starts from, what the
-  run ends on and exports) carries the ``global`` bias.
+* ``mean``   — each step's update from the cluster's own load; at a sync the anchor's bias is the clusters' mean
+  and every cluster continues from it.
+* ``global`` — each step's update from the federation's load: the cluster's own step load plus the other
+  clusters' load per step of the last committed interval (the routed counts the exchange carries, `experts.py`,
+  each over its local steps). At a sync the anchor's bias is the clusters' biases weighted per expert by the
+  tokens each routed to it (a cluster that never routed to an expert had no feedback on it and gives it nothing),
+  and every cluster continues from it: all hold the same bias, each step balanced — one interval's lag aside —
+  as one cluster that saw every cluster's tokens would balance it. (Applying the rule to the interval's summed load
+  once per sync, s steps from one sign, limit-cycles: docs/noniid.md.)
+* ``local``  — each step's update from the cluster's own load; the syncs leave every cluster's bias its own. The
+  anchor (what a joiner starts from, what the run ends on and exports) is the ``global`` sync's: the biases
+  weighted by the tokens each cluster routed to each expert.
 
 The bias never passes through the outer optimizer or the rule's norm tests. What a cluster reports is a claim,
 bounded by what its tokens trained can hold: no expert more than its bounded tokens T, no layer more than k·T in
-all (top-k: every token picks k experts, each once); a bias no further from the anchor's than its steps can move
-it (2·u per step, steps at most `STEPS_MULTIPLE` times the quorum's lower median). A claim over a bound is cut to
-it and its cluster named (the `sync` event's `suspects`).
+all (top-k: every token picks k experts, each once; the largest counts cut to one level until it fits); a bias no
+further from the anchor's than its steps can move it (2·u per step, steps at most `STEPS_MULTIPLE` times the
+quorum's lower median). A claim over a bound is cut to it and its cluster named (the `sync` event's `suspects`).
 
 Expert subsets (`expert_subsets`): each cluster also reports which experts it owns (all of them without
-subsets). An expert a cluster does not own gets no bias update from it: its counts and bias do not enter that
-expert's load or mean; an expert nobody owns keeps the anchor's bias.
+subsets; its counts are 0 on the others, `experts.owned_counts`). An expert a cluster does not own gets no bias
+update from it: its bias does not enter that expert's mean (nor its counts the load) under any rule; an expert
+nobody owns, or (``global``, ``local``) no owner routed a token to, keeps the anchor's bias.
 
 Pure tensor math on [clusters, MoE layers, experts]; the model's side is a `BiasHook` (the trainer's).
 """
@@ -37,7 +41,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["RULES", "STEPS_MULTIPLE", "BiasHook", "BiasSync", "sign_update", "bound_counts", "bound_biases",
-           "global_update", "mean_bias", "max_violation", "maxvio_of"]
+           "mean_bias", "max_violation", "maxvio_of"]
 
 RULES = ("mean", "global", "local")
 STEPS_MULTIPLE = 4.0  # a bias counts at most this many times the quorum's lower-median steps of moves
@@ -83,7 +87,8 @@ def _water_fill(rows: Tensor, cap: Tensor) -> Tensor:
     lo = torch.cat([torch.zeros_like(a[..., :1]), a[..., :-1]], -1)
     ok = (tau >= lo) & (tau <= a)
     level = torch.where(ok, tau, torch.full_like(tau, math.inf)).amin(-1, keepdim=True)
-    return torch.where(rows.sum(-1, keepdim=True) > cap, torch.minimum(rows, level), rows)
+    over = rows.sum(-1, keepdim=True) > cap * (1 + 1e-12)  # (rounding of an honest k·T is not over)
+    return torch.where(over, torch.minimum(rows, level), rows)
 
 
 def bound_counts(counts: Tensor, tokens: Tensor, top_k: int) -> tuple[Tensor, list[int]]:
@@ -118,26 +123,14 @@ def _owned(owned: Tensor | None, shape: torch.Size) -> Tensor:
     return torch.ones(shape, dtype=torch.bool) if owned is None else owned.to(torch.bool)
 
 
-def global_update(counts: Tensor, tokens: Tensor, steps: float, rate: float, zero_mean: bool = True,
-                  owned: Tensor | None = None) -> Tensor:
-    """[L, E]: what ``global`` adds to the anchor's bias: ``steps · sign_update(ℓ)``, ℓₑ = Σᵢ cᵢₑ / Σᵢ Tᵢ over the
-    clusters i that own e (the federation's load per token that could have reached it; without subsets the plain
-    summed load over the total tokens). An expert nobody owns (or no owner trained a token) gets nothing."""
-    own = _owned(owned, counts.shape)
-    c = torch.where(own, counts.to(torch.float64), torch.zeros((), dtype=torch.float64))
-    backing = torch.where(own, tokens.to(torch.float64).reshape(-1, 1, 1).expand(counts.shape),
-                          torch.zeros((), dtype=torch.float64)).sum(0)
-    active = backing > 0
-    load = torch.where(active, c.sum(0) / backing.clamp_min(1e-300), torch.zeros_like(backing))
-    return steps * sign_update(load, rate, zero_mean, active)
-
-
-def mean_bias(biases: Tensor, anchor: Tensor, owned: Tensor | None = None) -> Tensor:
-    """[L, E]: ``mean``'s anchor: per expert, the mean of the owners' biases (the anchor's where nobody owns it)."""
+def mean_bias(biases: Tensor, anchor: Tensor, owned: Tensor | None = None, weights: Tensor | None = None) -> Tensor:
+    """[L, E]: per expert, the mean of the owners' biases (`weights` [P, L, E]: weighted, e.g. by the tokens each
+    routed to the expert); the anchor's where nobody owns it (or no owner has weight)."""
     own = _owned(owned, biases.shape)
-    n = own.sum(0)
-    total = torch.where(own, biases.to(torch.float64), torch.zeros((), dtype=torch.float64)).sum(0)
-    return torch.where(n > 0, total / n.clamp_min(1), anchor.to(torch.float64))
+    w = own.to(torch.float64) if weights is None else torch.where(own, weights.to(torch.float64), 0.0)
+    n = w.sum(0)
+    total = (w * biases.to(torch.float64)).sum(0)
+    return torch.where(n > 0, total / n.clamp_min(1e-300), anchor.to(torch.float64))
 
 
 def max_violation(load: Tensor, active: Tensor | None = None) -> Tensor:
@@ -172,6 +165,8 @@ class BiasSync:
     anchor: Tensor | None = None  # [L, E] float64
     snap: Tensor | None = None  # the live bias at the exchange (overlap: its progress since is kept)
     last: dict[str, Any] = field(default_factory=dict)  # what the last commit measured (the `sync` event)
+    others: Tensor | None = None  # global: the other clusters' load per step of the last committed interval
+    load: Tensor | None = None  # the last commit's bounded counts [P, L, E]
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -204,43 +199,56 @@ class BiasSync:
         half = self.anchor.numel()
         return columns[:, :half].reshape(shape) > 0.5, columns[:, half:].reshape(shape).to(torch.float64)
 
-    def new_anchor(self, counts: Tensor | None, columns: Tensor, steps: Tensor, tokens: Tensor,
-                   name: Callable[[int, str], None] = lambda i, what: None) -> Tensor:
-        """The anchor's bias after this sync (every cluster computes the same from the exchange). `counts` [P, L,
-        E] the routed counts reported, `steps` / `tokens` [P] the bounded claims; `name(i, what)` names a liar."""
+    def new_anchor(self, counts: Tensor | None, columns: Tensor, steps: Tensor, tokens: Tensor, me: int,
+                   name: Callable[[int, str], None] = lambda i, what: None, total: Tensor | None = None) -> Tensor:
+        """The anchor's bias after this sync (every cluster computes the same from the exchange): the owners' mean
+        of the bounded biases. `counts` [P, L, E] the routed counts reported, `steps` / `tokens` [P] the bounded
+        claims (``local``: a bias is bounded by `total`, every step the cluster claims, since it is never reset),
+        `me` this cluster's row; `name(i, what)` names a liar. Under ``global`` it also keeps the other
+        clusters' bounded load per step (`others`) for the next interval's updates."""
         assert self.anchor is not None
         owned, biases = self.read(columns)
         h = self.hook
-        if self.rule == "mean":
-            bounded, cut = bound_biases(biases, self.anchor, steps, h.rate)
-            for i in cut:
-                name(i, f"reported an expert bias further from the anchor's than its {float(steps[i]):.0f} steps "
-                        f"can move it (2·{h.rate:g} per step; cut to that)")
-            return mean_bias(bounded, self.anchor, owned)
-        if counts is None:  # no routed counts exchanged (no MoE layer hooked): nothing to balance on
-            return self.anchor.clone()
-        bounded, cut = bound_counts(counts, tokens, h.top_k)
+        reach = total if self.rule == "local" and total is not None else steps
+        bounded, cut = bound_biases(biases, self.anchor, reach, h.rate)
         for i in cut:
-            name(i, f"reported routed counts over what its {float(tokens[i]):.4g} tokens can hold (an expert at most "
-                    f"once per token, {h.top_k} per token in all; cut to that)")
-        s = sorted(steps.clamp_min(0).tolist())[(len(steps) - 1) // 2] if len(steps) else 0.0
-        return self.anchor + global_update(bounded, tokens, s, h.rate, h.zero_mean, owned)
+            name(i, f"reported an expert bias further from the anchor's than its {float(reach[i]):.0f} steps can "
+                    f"move it (2·{h.rate:g} per step; cut to that)")
+        if counts is not None:
+            load, cut = bound_counts(counts, tokens, h.top_k)
+            for i in cut:
+                name(i, f"reported routed counts over what its {float(tokens[i]):.4g} tokens can hold (an expert at "
+                        f"most once per token, {h.top_k} per token in all; cut to that)")
+            self.load = load
+            if self.rule == "global":
+                per_step = load / steps.to(torch.float64).clamp_min(1).reshape(-1, 1, 1)
+                keep = [i for i in range(load.shape[0]) if i != me]
+                self.others = per_step[keep].sum(0) if keep else torch.zeros_like(self.anchor)
+            if self.rule != "mean":  # the clusters that routed an expert's tokens decide its bias, by how many
+                return mean_bias(bounded, self.anchor, owned, load)
+        return mean_bias(bounded, self.anchor, owned)
+
+    def step_load(self) -> Tensor | None:
+        """``global``: what the other clusters add to this cluster's load each step ([L, E], their last committed
+        interval's load per step); None otherwise (or before the first sync)."""
+        return self.others if self.rule == "global" else None
 
     @torch.no_grad()
     def committed(self, names: Sequence[str], counts: Tensor | None, columns: Tensor, steps: Tensor,
-                  tokens: Tensor, name: Callable[[int, str], None] = lambda i, what: None) -> None:
+                  tokens: Tensor, me: int, name: Callable[[int, str], None] = lambda i, what: None,
+                  total: Tensor | None = None) -> None:
         """The round committed: the anchor's bias moves; this cluster's live bias follows it (``mean``,
         ``global``: plus what it moved since the exchange) or stays its own (``local``)."""
-        anchor = self.new_anchor(counts, columns, steps, tokens, name)
+        anchor = self.new_anchor(counts, columns, steps, tokens, me, name, total)
         live = self.live()
         if self.rule != "local":
             moved = live - self.snap if self.snap is not None and self.snap.shape == live.shape else 0.0
             self.hook.set((anchor + moved).to(torch.float32))
         self.anchor, self.snap = anchor, None
-        owned, _ = self.read(columns)
-        self.last = {"rule": self.rule, "maxvio": maxvio_of(names, counts, owned) if counts is not None else {},
-                     "spread": round(float(self.read(columns)[1].std(0, unbiased=False).max()), 9)
-                     if columns.shape[0] > 1 else 0.0}
+        owned, biases = self.read(columns)
+        self.last = {"rule": self.rule,
+                     "maxvio": maxvio_of(names, self.load, owned) if counts is not None else {},
+                     "spread": round(float(biases.std(0, unbiased=False).max()), 9) if columns.shape[0] > 1 else 0.0}
 
     def rolled_back(self) -> None:
         self.snap = None
@@ -252,7 +260,8 @@ class BiasSync:
 
     # ------------------------------------------------------------------ checkpoint / heal
     def state_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "anchor": self.anchor.tolist() if self.anchor is not None else None}
+        return {"rule": self.rule, "anchor": self.anchor.tolist() if self.anchor is not None else None,
+                "others": self.others.tolist() if self.others is not None else None}
 
     def load_json(self, state: Any, source: str) -> None:
         """Adopt a checkpoint's or heal payload's state (ValueError, one line, for a malformed one)."""
@@ -262,12 +271,16 @@ class BiasSync:
         if anchor is None:
             self.anchor = None
             return
-        shape = tuple(self.live().shape)
-        try:
-            t = torch.tensor(anchor, dtype=torch.float64)
-        except (TypeError, ValueError):
-            raise ValueError(f"{source}: expert_bias anchor is not a table of numbers") from None
-        if tuple(t.shape) != shape or not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{source}: expert_bias anchor has shape {tuple(t.shape)} (want {shape}) or non-finite "
-                             "values")
-        self.anchor = t
+        self.anchor = _table(anchor, tuple(self.live().shape), source, "anchor")
+        others = state.get("others")
+        self.others = None if others is None else _table(others, tuple(self.live().shape), source, "others")
+
+
+def _table(values: Any, shape: tuple[int, ...], source: str, what: str) -> Tensor:
+    try:
+        t = torch.tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: expert_bias {what} is not a table of numbers") from None
+    if tuple(t.shape) != shape or not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{source}: expert_bias {what} has shape {tuple(t.shape)} (want {shape}) or non-finite values")
+    return t

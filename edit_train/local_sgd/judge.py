@@ -39,7 +39,8 @@ class Judge:
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
         self.meta = {"reported": norms, "steps": rows[:, n].clone(), "tokens": self._tokens(rows[:, n].clone(),
-                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
+                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe,
+                     "total_steps": rows[:, n + EXTRA.index("total_steps")].clone()}
         self._suspected(probe_suspects)
         self.rows.read(full[:, n + 1:n + 1 + m])
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
@@ -64,8 +65,10 @@ class Judge:
         eb = self.core.expert_bias
         if eb is None or self.bias is None:
             return
+        sync = self.report.sync
         eb.committed(self.report.quorum, self.rows.exchanged, self.bias, self.meta["steps"], self.meta["tokens"],
-                     lambda i, what: self.name(i, f"{what} at sync {self.report.sync}", "expert bias"))
+                     self.report.position, lambda i, what: self.name(i, f"{what} at sync {sync}", "expert bias"),
+                     self.meta["total_steps"])
         self.report.expert_bias = dict(eb.last)
 
     def name(self, i: int, what: str, kind: str) -> None:

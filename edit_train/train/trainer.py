@@ -337,8 +337,8 @@ class Trainer:
         finite = torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
         step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
         # model.moe_router_enable_expert_bias: once per optimizer step, from the step's load summed over the
-        # cluster's ranks (every rank applies the same update); a no-op otherwise
-        self.model.update_expert_bias(self._cluster_sum if self.topo.ranks > 1 else None)
+        # cluster's ranks (every rank applies the same update); algo.expert_bias=global adds the other clusters' load
+        self.model.update_expert_bias(self.algo.bias_load(step, self._cluster_sum if self.topo.ranks > 1 else None))
         if self.frozen is not None:
             self.frozen.restore()
         self.optimizer.zero_grad(set_to_none=True)
