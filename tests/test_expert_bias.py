@@ -228,3 +228,33 @@ def test_state_round_trips_bit_exact_and_a_bad_one_is_one_line() -> None:
         t.sync.load_json({"anchor": [["x"] * E] * L}, "checkpoint")
     with pytest.raises(ValueError, match="algo.expert_bias"):
         BiasSync("median", s.hook)
+
+
+def test_the_report_draws_maxvio_per_site_and_the_federation(tmp_path) -> None:
+    """edit-train-report's expert_maxvio.png from the `sync` events; maxvio_series extracts the numbers (per sync,
+    per cluster, per MoE layer; the first cluster's events), and the W&B sink's metrics of one event."""
+    import json
+
+    from edit_train.report import load_run
+    from edit_train.report.maxvio import maxvio_series, plot_maxvio
+    from edit_train.train.wandb_sink import maxvio_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for g, name in enumerate(("a", "b")):
+        for k in range(3):
+            eb = {"rule": "global", "spread": 0.0,
+                  "maxvio": {"clusters": {"a": [1.0 + k, 2.0], "b": [0.5, 0.5 * k]}, "federation": [0.1 * k, 0.2]}}
+            lines.append({"event": "sync", "step": 8 * (k + 1), "sync": k + 1, "cluster_index": g, "cluster": name,
+                          "expert_bias": eb})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+    d = maxvio_series(load_run(run))
+    assert d is not None and d.syncs == [1, 2, 3] and d.layers == 2 and d.rule == "global"
+    assert d.clusters["a"] == [[1.0, 2.0], [2.0, 2.0], [3.0, 2.0]]
+    assert d.federation[2] == pytest.approx([0.2, 0.2])
+    png = plot_maxvio([load_run(run)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = maxvio_metrics(lines[-1]["expert_bias"])
+    assert m["sync/maxvio/federation"] == pytest.approx(0.2) and m["sync/maxvio/a/layer0"] == 3.0
+    assert maxvio_metrics(None) == {}
