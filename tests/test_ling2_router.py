@@ -227,3 +227,49 @@ def test_bad_fields_name_themselves(field, value):
     kw = {"n_group": 4, "topk_group": 2} if field == "topk_group" else {}
     with pytest.raises(ValueError, match=f"model.{field}"):
         ModelConfig(**{**kw, field: value}).validate()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_ling1_presets_keep_their_exact_path(preset):
+    """The Ling 1 presets leave every new field at its default: no new parameter or buffer, the router bit for bit
+    Ling 1's softmax top-k, the attention's full RoPE without QK-norm, no MTP layer."""
+    from edit_train.model.presets import load_preset
+
+    cfg = load_preset(preset)
+    assert not cfg.ling2_router and cfg.num_nextn_predict_layers == 0 and not cfg.use_qk_norm
+    assert cfg.rotary_dim == cfg.head_dim
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    assert not any(k.endswith(("expert_bias", "layernorm.weight")) and ".attention." in k or k.endswith("expert_bias")
+                   for k in model.state_dict())
+    assert all(b.step_tokens is None for b in model.moe_blocks())
+    block = model.moe_blocks()[0]
+    x = torch.randn(64, cfg.hidden_size)
+    _, probs, idx, w = block.route(x)
+    p = torch.softmax(F.linear(x, block.gate.weight), dim=-1)
+    tw, ti = torch.topk(p, cfg.num_experts_per_tok, dim=-1)
+    assert torch.equal(probs, p) and torch.equal(idx, ti) and torch.equal(w, tw / tw.sum(-1, keepdim=True))
+    out = model(torch.randint(0, cfg.vocab_size, (1, 8)), torch.randint(0, cfg.vocab_size, (1, 8)))
+    assert out.mtp_loss is None
+
+
+def test_grouped_experts_serve_256_experts_like_the_sorted_path():
+    """Ling 2.0's 256 experts (top-8 within 4 of 8 groups) through torch._grouped_mm = the sorted reference."""
+    kw = dict(V2, hidden_size=32, num_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+              moe_intermediate_size=16)
+    torch.manual_seed(4)
+    sorted_block = MoEBlock(ModelConfig(**kw, expert_impl="sorted"))
+    sorted_block.reset_parameters()
+    grouped = MoEBlock(ModelConfig(**kw, expert_impl="grouped"))
+    grouped.load_state_dict(sorted_block.state_dict())
+    x = torch.randn(300, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    a, b = sorted_block(x), grouped(x2)
+    assert grouped.experts.last_impl == "grouped"
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sorted_block.experts.gate_proj.grad, grouped.experts.gate_proj.grad, rtol=1e-4,
+                               atol=1e-6)
+    assert int(sorted_block.last_expert_load.sum()) == 300 * 8

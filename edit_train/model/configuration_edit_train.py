@@ -33,7 +33,11 @@ class BailingMoeConfig(PretrainedConfig):
                  num_shared_experts: int | None = 0, num_experts_per_tok: int = 2, norm_topk_prob: bool = True,
                  moe_intermediate_size: int | None = None, first_k_dense_replace: int = 0,
                  head_dim: int | None = None, use_cache: bool = True, pad_token_id: int | None = None,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None, **kwargs: Any) -> None:
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 score_function: str = "softmax", moe_router_enable_expert_bias: bool = False, n_group: int = 0,
+                 topk_group: int = 0, routed_scaling_factor: float = 1.0, use_qk_norm: bool = False,
+                 partial_rotary_factor: float = 1.0, num_nextn_predict_layers: int = 0,
+                 mtp_loss_scaling_factor: float = 0.0, **kwargs: Any) -> None:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -63,5 +67,15 @@ class BailingMoeConfig(PretrainedConfig):
         self.moe_intermediate_size = moe_intermediate_size
         self.first_k_dense_replace = first_k_dense_replace
         self.use_cache = use_cache
+        # BailingMoeV2 (Ling 2.0) keys; the defaults are Ling 1's model (an export of a V2 model writes every one)
+        self.score_function = score_function
+        self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.use_qk_norm = use_qk_norm
+        self.partial_rotary_factor = partial_rotary_factor
+        self.num_nextn_predict_layers = num_nextn_predict_layers
+        self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
         super().__init__(tie_word_embeddings=tie_word_embeddings, pad_token_id=pad_token_id,
                          bos_token_id=bos_token_id, eos_token_id=eos_token_id, **kwargs)

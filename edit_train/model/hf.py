@@ -40,6 +40,15 @@ SGLang, the shipped ``transformers`` code and Ling's public ``modeling_bailing_m
   so :func:`from_hf_config` gives back the training architecture. Directories without it (our older exports,
   public Ling checkpoints) are read literally: a raw head with ``norm_head: true``, nulls for "none".
 
+**Ling 2.0** (:func:`is_v2`: any BailingMoeV2 field off its Ling 1 default): ``architectures:
+["BailingMoeV2ForCausalLM"]`` (``model_type`` stays ``bailing_moe``, as Ling-V2's checkpoints say) and every V2 key
+written (:data:`HF_FIELDS_V2`; no group limit is written as one group, ``n_group: 1``: the engines route sigmoid +
+bias grouped only). Beyond the Ling 1 names: ``model.layers.{i}.attention.{query,key}_layernorm.weight`` (QK-norm),
+``model.layers.{i}.mlp.gate.expert_bias`` (fp32 in every export), and the MTP layers after the main ones,
+``model.layers.{L + j}.{enorm,hnorm,eh_proj,final_layernorm}.weight`` beside a decoder layer's names (SGLang's and
+llama.cpp's layout; Ling-V2's reference modeling code instead counts them among ``num_hidden_layers``). A V2 file's
+absent keys mean BailingMoeV2Config's defaults (:data:`BAILING_V2_BASE_DEFAULTS`).
+
 This module is the naming and config contract; reading and writing directories (``export_hf``,
 ``load_hf_into``) is :mod:`edit_train.model.hf_io`, the shard files :mod:`edit_train.model.shards`. Nothing unpickles: tensors are read with
 ``safetensors`` and metadata with ``json``.
@@ -116,7 +125,16 @@ BAILING_V2_DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 2.5, "use_qk_norm": True, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 0,
     "mtp_loss_scaling_factor": 0.0,
 }
-_LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in HF_FIELDS_V2}
+#: BailingMoeV2Config's defaults for the keys Ling 1 shares (they differ: no biases, eps 1e-6, Ling-mini-2.0's sizes).
+BAILING_V2_BASE_DEFAULTS: dict[str, Any] = {
+    **BAILING_DEFAULTS, "vocab_size": 157184, "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 20,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "use_bias": False, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768, "rope_theta": 600000.0, "num_experts": 256, "num_shared_experts": 1,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 512, "first_k_dense_replace": 1, "head_dim": 128,
+    **BAILING_V2_DEFAULTS,
+}
+_LING1_V2_FIELDS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ModelConfig)
+                                     if f.name in HF_FIELDS_V2}
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_proj|up_proj|down_proj)$")
@@ -258,8 +276,12 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
         # no groups is n_group 0 / topk_group 0 (SGLang: off when both are 0; vLLM's grouped top-k likewise),
         # the shared experts' width is left to moe_intermediate_size * num_shared_experts (every reader's fallback)
         d["architectures"] = [ARCHITECTURE_V2]
+        d["auto_map"] = {**AUTO_MAP, "AutoModelForCausalLM": "modeling_edit_train.BailingMoeV2ForCausalLM"}
         d.update({f: getattr(served, f) for f in HF_FIELDS_V2})
+        if cfg.n_group == 0:  # no group limit is one group holding every expert: SGLang and vLLM (the revisions
+            d["n_group"] = d["topk_group"] = 1  # tests/test_ling2_serving.py reads) route sigmoid + bias only grouped
         d["moe_router_enable_expert_bias"] = bool(cfg.moe_router_enable_expert_bias and cfg.num_experts > 0)
+        d["use_rmsnorm"] = True  # vLLM's QK-norm is an nn.LayerNorm (weight and bias) unless this says RMSNorm
     return d
 
 
@@ -278,8 +300,10 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
                          f"architectures={archs!r}); expected model_type={MODEL_TYPE!r} and {ARCHITECTURE} "
                          f"or {ARCHITECTURE_V2}")
 
-    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's default, not ours
-        return d[key] if key in d else BAILING_DEFAULTS.get(key)
+    base = BAILING_V2_BASE_DEFAULTS if v2 else BAILING_DEFAULTS
+
+    def get(key: str) -> Any:  # a key the file leaves out means BailingMoe's (V2's) default, not ours
+        return d[key] if key in d else base.get(key)
 
     unsupported: dict[str, tuple[Any, ...]] = {"hidden_act": ("silu",), "use_bias": (False,),
                                                "use_qkv_bias": (False, None), "rope_scaling": (None,)}
@@ -322,8 +346,10 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
         for f in HF_FIELDS_V2:
             v = d[f] if f in d else BAILING_V2_DEFAULTS[f]
             want = type(_LING1_V2_FIELDS[f])
-            if want is bool and not isinstance(v, bool) or want is int and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"{source}: {f} must be {'true or false' if want is bool else 'an integer'}, got {v!r}")
+            if want is bool and not isinstance(v, bool):
+                raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
+            if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
             if want is float:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ValueError(f"{source}: {f} must be a number, got {v!r}")
@@ -334,7 +360,8 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
         shared = d.get("moe_shared_expert_intermediate_size")
         if shared is not None and kw["num_shared_experts"] and shared != kw["moe_intermediate_size"]:
             raise ValueError(f"{source}: moe_shared_expert_intermediate_size={shared!r} differs from "
-                             f"moe_intermediate_size={kw['moe_intermediate_size']!r}: not supported by edit-train's model")
+                             f"moe_intermediate_size={kw['moe_intermediate_size']!r}: not supported by edit-train's "
+                             f"model")
         if kw["score_function"] == "softmax" and kw["moe_router_enable_expert_bias"]:
             kw["moe_router_enable_expert_bias"] = False  # the engines pair a bias with sigmoid only (SGLang asserts it)
     nulls = [f for f, v in kw.items() if v is None]

@@ -50,8 +50,11 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE of ``x [B, heads, T, hd]`` at ``positions [B, T]`` (frequencies in fp32)."""
+def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [B, heads, T, hd]`` at ``positions [B, T]`` (frequencies in fp32); with
+    ``rotary_dim`` < hd only the first ``rotary_dim`` dims turn (``partial_rotary_factor``), the rest pass."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        return torch.cat((rotary(x[..., :rotary_dim], positions, theta), x[..., rotary_dim:]), dim=-1)
     hd = x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
@@ -68,7 +71,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.nq, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.theta = cfg.rope_theta
+        self.rotary_dim = int(self.hd * getattr(cfg, "partial_rotary_factor", 1.0))
         self.query_key_value = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.hd, bias=False)
+        if getattr(cfg, "use_qk_norm", False):  # BailingMoeV2: RMSNorm over each head's q / k, before RoPE
+            self.query_layernorm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.key_layernorm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.dense = nn.Linear(self.nq * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
@@ -76,7 +83,9 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         qkv = self.query_key_value(x).view(b, t, self.nq + 2 * self.nkv, self.hd)
         q, k, v = (s.transpose(1, 2) for s in qkv.split([self.nq, self.nkv, self.nkv], dim=2))
-        q, k = rotary(q, positions, self.theta), rotary(k, positions, self.theta)
+        if hasattr(self, "query_layernorm"):
+            q, k = self.query_layernorm(q), self.key_layernorm(k)
+        q, k = rotary(q, positions, self.theta, self.rotary_dim), rotary(k, positions, self.theta, self.rotary_dim)
         if cache is not None:  # transformers' Cache: append this step's keys/values, get the whole history
             k, v = cache.update(k, v, self.layer_idx)
         if self.nkv != self.nq:
@@ -102,24 +111,45 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Gate(nn.Linear):
+    """The router's weight and, for BailingMoeV2's aux-loss-free routing, its ``expert_bias`` buffer."""
+
+    def __init__(self, hidden_size: int, num_experts: int, expert_bias: bool) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+
 class MoE(nn.Module):
-    """Softmax router (fp32 logits) choosing ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts per token
-    (weights renormalised when ``norm_topk_prob``), plus the shared experts on every token. Dropless."""
+    """Router (fp32 logits) choosing ``num_experts_per_tok`` of ``num_experts`` SwiGLU experts per token, plus the
+    shared experts on every token. Dropless. Ling 1: softmax scores, weights renormalised when ``norm_topk_prob``.
+    BailingMoeV2: softmax or sigmoid scores; the choice on scores + ``expert_bias`` within each token's
+    ``topk_group`` best of ``n_group`` groups (a group scores its best two); the weights the chosen unbiased
+    scores, renormalised (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``."""
 
     def __init__(self, cfg: BailingMoeConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.score_function = getattr(cfg, "score_function", "softmax")
+        self.n_group, self.topk_group = getattr(cfg, "n_group", 0) or 0, getattr(cfg, "topk_group", 0) or 0
+        self.scaling = getattr(cfg, "routed_scaling_factor", 1.0)
+        bias = bool(getattr(cfg, "moe_router_enable_expert_bias", False))
+        self.v2 = self.score_function != "softmax" or bias or self.n_group > 0 or self.scaling != 1.0
+        self.gate = Gate(cfg.hidden_size, cfg.num_experts, bias)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         shared = cfg.num_shared_experts
         self.shared_experts = MLP(cfg.hidden_size, shared * cfg.moe_intermediate_size) if shared else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
-        probs = torch.softmax(F.linear(x.float(), self.gate.weight.float()), dim=-1)
-        weight, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob and self.top_k > 1:
-            weight = weight / weight.sum(dim=-1, keepdim=True)
+        logits = F.linear(x.float(), self.gate.weight.float())
+        if self.v2:
+            weight, idx = self.route_v2(logits)
+        else:
+            probs = torch.softmax(logits, dim=-1)
+            weight, idx = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob and self.top_k > 1:
+                weight = weight / weight.sum(dim=-1, keepdim=True)
         y = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():
             token, slot = torch.where(idx == e)
@@ -127,6 +157,21 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.view_as(hidden)
+
+
+    def route_v2(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(logits) if self.score_function == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = scores + self.gate.expert_bias if hasattr(self.gate, "expert_bias") else scores
+        if self.n_group > 0:
+            n, e = choice.shape
+            best = choice.view(n, self.n_group, -1).topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            keep = torch.zeros(n, self.n_group, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.n_group, dim=1), float("-inf"))
+        idx = torch.topk(choice, self.top_k, dim=-1).indices
+        weight = scores.gather(1, idx)
+        if self.norm_topk_prob and self.top_k > 1:
+            weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return weight * self.scaling, idx
 
 
 class DecoderLayer(nn.Module):
@@ -142,6 +187,19 @@ class DecoderLayer(nn.Module):
                 cache: Any | None) -> torch.Tensor:
         h = h + self.attention(self.input_layernorm(h), positions, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPLayer(DecoderLayer):
+    """A BailingMoeV2 multi-token-prediction layer (``model.layers.{num_hidden_layers + j}``): loaded with the
+    checkpoint; generation does not run it (the logits are the main model's)."""
+
+    def __init__(self, cfg: BailingMoeConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.mlp = MoE(cfg)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class BailingMoePreTrainedModel(PreTrainedModel):
@@ -165,7 +223,9 @@ class BailingMoeModel(BailingMoePreTrainedModel):
         super().__init__(config)
         _check_supported(config)
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.layers = nn.ModuleList([*(DecoderLayer(config, i) for i in range(config.num_hidden_layers)),
+                                     *(MTPLayer(config, config.num_hidden_layers + j) for j in range(mtp))])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_init()
 
@@ -189,7 +249,7 @@ class BailingMoeModel(BailingMoePreTrainedModel):
             mask = (causal.unsqueeze(0) & keep.unsqueeze(1)).unsqueeze(1)  # [B, 1, T, total]
             mask = mask | ~mask.any(-1, keepdim=True)  # a fully padded row attends everywhere (output unused)
         h = self.word_embeddings(input_ids)
-        for layer in self.layers:
+        for layer in self.layers[:self.config.num_hidden_layers]:  # the MTP layers after them do not run here
             h = layer(h, position_ids, mask, cache)
         return self.norm(h)
 
@@ -242,3 +302,7 @@ class BailingMoeForCausalLM(BailingMoePreTrainedModel, GenerationMixin):
         fields = CausalLMOutputWithPast.__dataclass_fields__
         out["cache" if "cache" in fields else "past_key_values"] = cache if use_cache is not False else None
         return CausalLMOutputWithPast(**out)
+
+
+class BailingMoeV2ForCausalLM(BailingMoeForCausalLM):
+    """The same model under BailingMoeV2's name (what an export of a Ling 2.0 model names in ``architectures``)."""

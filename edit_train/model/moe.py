@@ -6,6 +6,14 @@ tokens; empty experts skipped), and the weighted outputs are combined back per t
 token is ever dropped. Forward and backward of the routed experts are one hand-written autograd Function
 (``_SortedMoE``) in which every data movement is a gather — scatter-adds (``index_add_``) are slow on CPU.
 
+Ling 2.0 (BailingMoeV2, ``MoEBlock.route_ling2``): sigmoid scores, an aux-loss-free expert bias that only chooses
+(``Router.expert_bias``, a persistent buffer), group-limited top-k and a routed scaling factor. The bias's life:
+``CausalLM.update_expert_bias`` moves it once per optimizer step (the trainer calls it after the step, from the
+step's load summed over the cluster's ranks); checkpoints carry it (model buffers), so a resume is exact; the
+cross-cluster sync and healing move parameters (and optimizer / outer state) only, never buffers, so each cluster
+keeps its own bias for the whole run (a healed cluster keeps the one it had); an export of the clusters' common
+anchor writes the clusters' mean bias (``train/export.py``), the simplest rule.
+
 Pure torch; nothing here knows about distribution.
 """
 

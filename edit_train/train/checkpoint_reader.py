@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from edit_train.model.config import ModelConfig
-from edit_train.model.hf import param_shapes
+from edit_train.model.hf import buffer_shapes, param_shapes
 from edit_train.train.checkpoint import (MANIFEST, MAX_STATE_BYTES, STEP_RE, CheckpointError, CheckpointManager,
                                          read_json)
 
@@ -136,10 +136,15 @@ class CheckpointParams(Mapping[str, torch.Tensor]):
     """{parameter name: full tensor} of one model kept by a checkpoint's ranks, gathered on access."""
 
     def __init__(self, files: list[Path], keys: dict[str, str], shapes: dict[str, tuple[int, ...]],
-                 what: str) -> None:
+                 what: str, replicated: dict[str, tuple[Path, str]] | None = None) -> None:
         self.files, self.file_keys, self.shapes, self.what = files, keys, shapes, what  # parameter -> key in file
+        # tensors every rank holds whole (the expert-bias buffers): read from one file, {name: (file, key)}
+        self.replicated = replicated or {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.replicated:
+            path, key = self.replicated[name]
+            return CheckpointParams([path], {name: key}, self.shapes, self.what)[name]
         key = self.file_keys[name]
         pieces = []
         for path in self.files:
@@ -160,10 +165,10 @@ class CheckpointParams(Mapping[str, torch.Tensor]):
         return full
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.file_keys)
+        return iter([*self.file_keys, *self.replicated])
 
     def __len__(self) -> int:
-        return len(self.file_keys)
+        return len(self.file_keys) + len(self.replicated)
 
 
 @dataclass
@@ -185,16 +190,20 @@ def _open(step_dir: Path, ranks: range, run_cfg: dict[str, Any], model_cfg: Mode
           member: Callable[[str], Path] | None = None) -> StepCheckpoint:
     member = member or (lambda name: step_dir / name)
     shapes = param_shapes(model_cfg)
+    buffers = buffer_shapes(model_cfg)  # the expert biases: every rank holds the cluster's (one update, summed load)
     model_files = [member(f"rank{r}-model.safetensors") for r in ranks]
     outer_files = [member(f"rank{r}-outer.safetensors") for r in ranks]
     for path in model_files:
         if not path.is_file():
             raise ValueError(f"{path}: missing (the checkpoint was written by {len(ranks)} rank(s) here)")
-    replica = CheckpointParams(model_files, {n: f"param/{n}" for n in shapes}, shapes, "parameter")
+    biases = {n: (model_files[0], f"buffer/{n}") for n in buffers}
+    replica = CheckpointParams(model_files, {n: f"param/{n}" for n in shapes}, {**shapes, **buffers}, "parameter",
+                               biases)
     anchor = None
     if all(p.is_file() for p in outer_files):  # no outer state: no local SGD (ddp), the replica is the model
-        anchor = CheckpointParams(outer_files, {n: k for k, n in anchor_names(model_cfg).items()}, shapes,
-                                  "anchor of")
+        # the anchor carries no bias (a buffer is not synced): an export of it takes this cluster's
+        anchor = CheckpointParams(outer_files, {n: k for k, n in anchor_names(model_cfg).items()},
+                                  {**shapes, **buffers}, "anchor of", biases)
     return StepCheckpoint(step_dir, model_cfg, run_cfg, replica, anchor)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,19 +42,58 @@ class Picked:
     metadata: dict[str, str]
 
 
+class _MeanBias(Mapping[str, torch.Tensor]):
+    """A cluster's exported state with each expert bias (``model.moe_router_enable_expert_bias``) replaced by the
+    mean of the clusters' biases: every cluster keeps its own bias between syncs (a buffer, not synced) and the
+    anchor's bias is the clusters' mean — the simplest rule."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], all_states: list[Mapping[str, torch.Tensor]],
+                 biases: list[str]) -> None:
+        self.state, self.all_states, self.biases = state, all_states, set(biases)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.biases:
+            return torch.stack([st[name].to(torch.float32) for st in self.all_states]).mean(0)
+        return self.state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+
+class _Without(Mapping[str, torch.Tensor]):
+    def __init__(self, state: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self.state, self.names = state, [n for n in state if n not in set(names)]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.state[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def pick_common(root: Path, clusters: dict[str, Path], step: int | None) -> Picked:
-    """The clusters' common final anchor at the newest step they all completed (refused when they differ)."""
+    """The clusters' common final anchor at the newest step they all completed (refused when they differ; the
+    expert biases, which each cluster keeps for itself, are exported as their mean)."""
     s = common_step(clusters, step)
     names, n = list(clusters), len(clusters)
     first = open_cluster(clusters[names[0]] / f"step_{s:08d}")
     kind = "anchors" if first.anchor is not None else "weights"
+    biases = list(getattr(first.replica, "replicated", {}))
     same_replicas = first.anchor is None or first_difference(first.anchor, first.replica) is None
+    states = [first.anchor or first.replica]
     for name in names[1:]:
         ck = open_cluster(clusters[name] / f"step_{s:08d}")
         if (first.anchor is None) != (ck.anchor is None):
             raise ValueError(f"step {s}: one of clusters {names[0]} and {name} has an anchor, the other not; "
                              f"export one cluster with --cluster NAME")
-        diff = first_difference(first.anchor or first.replica, ck.anchor or ck.replica)
+        states.append(ck.anchor or ck.replica)
+        diff = first_difference(_Without(first.anchor or first.replica, biases), ck.anchor or ck.replica)
         if diff is not None:
             raise ValueError(f"clusters {names[0]} and {name} hold different {kind} at step {s} (first: {diff}); "
                              f"they did not end on one model: export one with --cluster NAME")
@@ -73,7 +112,11 @@ def pick_common(root: Path, clusters: dict[str, Path], step: int | None) -> Pick
             "edit_train_checkpoint": f"checkpoints/{names[0]}/step_{s:08d}" if n == 1
             else f"checkpoints/{{{','.join(names)}}}/step_{s:08d}",
             "edit_train_tensor": "anchor" if first.anchor is not None else "replica"}
-    return Picked(first.anchor or first.replica, first.model_cfg, first.run_cfg, s, what, where, meta)
+    state = first.anchor or first.replica
+    if biases and n > 1:
+        state = _MeanBias(state, states, biases)
+        what += "; expert biases: the clusters' mean"
+    return Picked(state, first.model_cfg, first.run_cfg, s, what, where, meta)
 
 
 def _single_world_index(cluster: str | None, step_dir: Path) -> int:
