@@ -17,7 +17,7 @@ L, E, K = 2, 8, 2
 
 
 class Site:
-    """One cluster's router bias (the model's buffer) and its BiasSync, with the per-step update the model makes."""
+    """One cluster's expert bias (the model's buffer) and its BiasSync, with the per-step update the model makes."""
 
     def __init__(self, rule: str, owned: torch.Tensor | None = None) -> None:
         self.bias = torch.zeros(L, E, dtype=torch.float32)
@@ -163,14 +163,18 @@ def test_a_liar_reporting_100x_counts_for_one_expert_is_bounded_by_its_tokens() 
 
 
 def test_a_bias_further_than_its_steps_move_it_is_cut_under_mean() -> None:
-    anchor = torch.zeros(L, E, dtype=torch.float64)
+    """Each reported bias within 4u·s of the quorum's elementwise lower median (the same reference everywhere)."""
     biases = torch.zeros(3, L, E, dtype=torch.float64)
-    biases[0] += 0.5 * 2 * U * 4  # within 4 steps' reach
+    biases[0] += 2 * U * 4  # within 4 steps' reach of the median (0)
     biases[2, :, 0] = 100.0  # a liar
-    out, cut = bound_biases(biases, anchor, torch.tensor([4.0, 4.0, 4.0]), U)
+    out, cut = bound_biases(biases, torch.tensor([4.0, 4.0, 4.0]), U)
     assert cut == [2]
-    assert float(out[2, 0, 0]) == pytest.approx(2 * U * 4)
+    assert float(out[2, 0, 0]) == pytest.approx(2 * U * 4 + 4 * U * 4)  # the median there is site 0's
     assert torch.equal(out[:2], biases[:2])
+    nan = biases.clone()
+    nan[1, 0, 0] = float("nan")
+    out, cut = bound_biases(nan, torch.tensor([4.0, 4.0, 4.0]), U)
+    assert cut == [1, 2] and bool(torch.isfinite(out).all())
 
 
 def test_expert_subsets_an_expert_a_site_does_not_own_gets_no_update_from_it() -> None:

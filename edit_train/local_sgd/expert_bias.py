@@ -103,19 +103,25 @@ def bound_counts(counts: Tensor, tokens: Tensor, top_k: int) -> tuple[Tensor, li
     return out, cut
 
 
-def bound_biases(biases: Tensor, anchor: Tensor, steps: Tensor, rate: float) -> tuple[Tensor, list[int]]:
-    """Each cluster's bias [P, L, E] within ``anchor ± 2·rate·s`` (s its local steps, at most STEPS_MULTIPLE
-    times the quorum's lower median; a non-finite bias is the anchor's). Returns (bounded, clusters cut)."""
+def bound_biases(biases: Tensor, steps: Tensor, rate: float) -> tuple[Tensor, list[int]]:
+    """Each cluster's bias [P, L, E] within ``m ± 4·rate·s`` of m, the quorum's elementwise lower-median bias (the
+    same reference on every cluster, a liar's bias cannot move it past an honest one), s its steps (at most
+    STEPS_MULTIPLE times the quorum's lower median): two honest clusters that started from one bias are at most
+    2·rate per step each from it. A non-finite bias is m. Returns (bounded, clusters cut)."""
     s = steps.to(torch.float64).clamp_min(0)
     s0 = sorted(s.tolist())[(len(s) - 1) // 2] if len(s) else 0.0
-    reach = (2.0 * rate * torch.minimum(s, torch.full_like(s, STEPS_MULTIPLE * s0))).reshape(-1, 1, 1)
+    reach = (4.0 * rate * torch.minimum(s, torch.full_like(s, STEPS_MULTIPLE * s0))).reshape(-1, 1, 1)
     b = biases.to(torch.float64)
-    a = anchor.to(torch.float64).unsqueeze(0).expand_as(b)
-    b = torch.where(torch.isfinite(b), b, a)
-    out = torch.maximum(torch.minimum(b, a + reach), a - reach)
+    finite = torch.isfinite(b)
+    ordered = torch.where(finite, b, torch.full_like(b, math.inf)).sort(0).values  # the finite ones first
+    at = ((finite.sum(0) - 1).clamp_min(0) // 2).unsqueeze(0)  # the lower median of the finite ones
+    m = ordered.gather(0, at)[0]
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(0).expand_as(b)
+    b = torch.where(finite, b, m)
+    out = torch.maximum(torch.minimum(b, m + reach), m - reach)
     # a difference within float rounding of the reach is not a lie (a float32 bias moved by float64 steps)
-    cut = [i for i in range(b.shape[0]) if bool(((out[i] - biases[i].to(torch.float64)).abs() > 1e-6 * (1 + reach[i])).any()
-                                                 or not torch.isfinite(biases[i]).all())]
+    cut = [i for i in range(b.shape[0]) if not bool(finite[i].all())
+           or bool(((out[i] - b[i]).abs() > 1e-6 * (1 + reach[i])).any())]
     return out, cut
 
 
@@ -167,6 +173,7 @@ class BiasSync:
     last: dict[str, Any] = field(default_factory=dict)  # what the last commit measured (the `sync` event)
     others: Tensor | None = None  # global: the other clusters' load per step of the last committed interval
     load: Tensor | None = None  # the last commit's bounded counts [P, L, E]
+    agreed: bool = False  # the anchor came from a committed sync (or a checkpoint / heal of one), not this cluster
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -209,10 +216,11 @@ class BiasSync:
         assert self.anchor is not None
         owned, biases = self.read(columns)
         h = self.hook
-        reach = total if self.rule == "local" and total is not None else steps
-        bounded, cut = bound_biases(biases, self.anchor, reach, h.rate)
+        # local never resets a bias, and the first sync after a warm-up (each cluster moved its own) neither had one
+        reach = total if (self.rule == "local" or not self.agreed) and total is not None else steps
+        bounded, cut = bound_biases(biases, reach, h.rate)
         for i in cut:
-            name(i, f"reported an expert bias further from the anchor's than its {float(reach[i]):.0f} steps can "
+            name(i, f"reported an expert bias further from the others' than its {float(reach[i]):.0f} steps can "
                     f"move it (2·{h.rate:g} per step; cut to that)")
         if counts is not None:
             load, cut = bound_counts(counts, tokens, h.top_k)
@@ -244,7 +252,7 @@ class BiasSync:
         if self.rule != "local":
             moved = live - self.snap if self.snap is not None and self.snap.shape == live.shape else 0.0
             self.hook.set((anchor + moved).to(torch.float32))
-        self.anchor, self.snap = anchor, None
+        self.anchor, self.snap, self.agreed = anchor, None, True
         owned, biases = self.read(columns)
         self.last = {"rule": self.rule,
                      "maxvio": maxvio_of(names, self.load, owned) if counts is not None else {},
@@ -271,6 +279,7 @@ class BiasSync:
         if anchor is None:
             self.anchor = None
             return
+        self.agreed = True
         self.anchor = _table(anchor, tuple(self.live().shape), source, "anchor")
         others = state.get("others")
         self.others = None if others is None else _table(others, tuple(self.live().shape), source, "others")
