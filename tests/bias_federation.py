@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,7 +86,8 @@ def routed(model: CausalLM, lie: Callable[[Tensor], Tensor] | None = None,
 
 
 def config(rule: str, syncs: int, interval: int) -> LocalSGDConfig:
-    return LocalSGDConfig(schedule=ScheduleConfig(interval=interval), outer=OuterConfig(lr=0.7, momentum=0.0, nesterov=False),
+    return LocalSGDConfig(schedule=ScheduleConfig(interval=interval),
+                          outer=OuterConfig(lr=0.7, momentum=0.0, nesterov=False),
                           rule=RuleConfig(name="uniform"), mode="at_end", total_steps=syncs * interval,
                           tokens_per_step=B * T, max_tokens_per_step=B * T, expert_bias=rule)
 
@@ -200,5 +201,4 @@ def last_maxvio(site: Site) -> list[float]:
     return syncs[-1]["expert_bias"]["maxvio"]["federation"]
 
 
-__all__ = ["run_federation", "run_single", "last_maxvio", "maxvio_tail", "federation_maxvio", "make_model", "batch",
-           "replace"]
+__all__ = ["run_federation", "run_single", "last_maxvio", "maxvio_tail", "federation_maxvio", "make_model", "batch"]

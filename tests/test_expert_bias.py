@@ -1,5 +1,5 @@
-"""algo.expert_bias (issue 68): what a sync does to the routers' expert bias — the public update rule, the three rules'
-closed forms after k syncs, the bounds on what a cluster reports (a 100x-counts liar), expert subsets."""
+"""algo.expert_bias (issue 68): what a sync does to the routers' expert bias — the public update rule, the three
+rules' closed forms after k syncs, the bounds on what a cluster reports (a 100x-counts liar), expert subsets."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _loads(site: int, sync: int, step: int) -> torch.Tensor:
 def test_closed_form_after_k_syncs(rule: str) -> None:
     """k syncs of H local steps from per-step loads L_{i,t}:
     mean   — b_i ← b̄ + Σ_t update(L_{i,t}); b̄ ← mean_i b_i; every cluster continues from b̄;
-    global — b_i ← b̄ + Σ_t update(L_{i,t} + O_i), O_i = Σ_{j≠i} C_j / H of the last interval (0 before the first);
+    global — b_i ← b̄ + Σ_t update(L_{i,t} + O_i), O_i = Σ_{j≠i} C_j / H of the last interval (0 at first);
              b̄ ← Σ_i C_i ⊙ b_i / Σ_i C_i per expert; every cluster continues from b̄ (all hold the same bias);
     local  — b_i ← b_i + Σ_t update(L_{i,t}), untouched by the syncs; b̄ as global's."""
     k, h, tokens = 3, 4, 1000.0

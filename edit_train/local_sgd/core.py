@@ -135,4 +135,4 @@ class SyncReport:
     unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
     expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
     probe_suspects: dict[str, str] = field(default_factory=dict)  # evaluator -> why its probe scores did not count
-    expert_bias: dict[str, Any] = field(default_factory=dict)  # the rule and MaxVio per cluster and layer (expert_bias.py)
+    expert_bias: dict[str, Any] = field(default_factory=dict)  # rule, MaxVio per cluster and layer (expert_bias.py)
