@@ -7,6 +7,8 @@ are set so that its traffic goes to its own half of the experts (`disjoint`), or
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,10 +102,14 @@ class Site:
     seen: list[Tensor] = field(default_factory=list)  # the counts it reported, per sync
     biases: list[Tensor] = field(default_factory=list)  # live bias after each step
     algo: LocalSGD | None = None
+    saved: dict[str, Any] | None = None  # stop_at's checkpoint
 
 
 def train_site(index: int, transport: Any, cfg: LocalSGDConfig, sites: int, out: Site, disjoint: bool = True,
-               lie: Callable[[Tensor], Tensor] | None = None) -> Site:
+               lie: Callable[[Tensor], Tensor] | None = None, stop_at: int | None = None,
+               resume: dict[str, Any] | None = None) -> Site:
+    """`stop_at`: leave after that many steps (a checkpoint in `out.saved`: the model's and optimizer's state
+    dicts, the sync state's tensors and JSON, as `train/checkpoint.py` keeps them); `resume`: start from one."""
     torch.set_num_threads(1)
     model = make_model(disjoint)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -115,9 +121,21 @@ def train_site(index: int, transport: Any, cfg: LocalSGDConfig, sites: int, out:
                     cluster_index=index, optimizer=opt, routed_counts=routed(model, lie, out.seen),
                     bias_hook=expert_bias_hook(model, model.config))
     out.algo = algo
+    step = 0
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["optim"])
+        algo.state.load(resume["tensors"], json.loads(resume["json"]))
+        step = resume["step"]
     adopted = algo.join()
-    step = adopted if adopted is not None else 0
+    step = adopted if adopted is not None else step
     while not algo.should_stop(step):
+        if stop_at is not None and step == stop_at:
+            out.saved = {"model": copy.deepcopy(model.state_dict()), "optim": copy.deepcopy(opt.state_dict()),
+                         "tensors": copy.deepcopy(algo.state.tensors()), "json": json.dumps(algo.state.json()),
+                         "step": step}
+            algo.close()
+            return out
         x = batch(index, step, sites)
         loss = _loss(model, x)
         loss.backward()
@@ -140,7 +158,8 @@ def _loss(model: CausalLM, x: Tensor) -> Tensor:
 
 
 def run_federation(rule: str, sites: int = 2, syncs: int = 8, interval: int = 8, disjoint: bool = True,
-                   lies: dict[int, Callable[[Tensor], Tensor]] | None = None) -> list[Site]:
+                   lies: dict[int, Callable[[Tensor], Tensor]] | None = None, stop_at: int | None = None,
+                   resume: list[dict[str, Any]] | None = None) -> list[Site]:
     hub = InProcessFederation(min_clusters=sites, join_timeout_s=30.0, timeout_s=60.0)
     names = [f"c{i}" for i in range(sites)]
     transports = [hub.transport(n, RankGroup()) for n in names]
@@ -150,7 +169,8 @@ def run_federation(rule: str, sites: int = 2, syncs: int = 8, interval: int = 8,
 
     def one(i: int) -> None:
         try:
-            train_site(i, transports[i], cfg, sites, outs[i], disjoint, (lies or {}).get(i))
+            train_site(i, transports[i], cfg, sites, outs[i], disjoint, (lies or {}).get(i), stop_at,
+                       resume[i] if resume is not None else None)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

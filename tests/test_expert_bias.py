@@ -230,6 +230,8 @@ def test_state_round_trips_bit_exact_and_a_bad_one_is_one_line() -> None:
         t.sync.load_json({"anchor": [[1.0]]}, "checkpoint")
     with pytest.raises(ValueError, match="not a table"):
         t.sync.load_json({"anchor": [["x"] * E] * L}, "checkpoint")
+    with pytest.raises(ValueError, match="not a record"):
+        t.sync.load_json([1, 2], "checkpoint")
     with pytest.raises(ValueError, match="algo.expert_bias"):
         BiasSync("median", s.hook)
 

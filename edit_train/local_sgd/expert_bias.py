@@ -269,17 +269,19 @@ class BiasSync:
     # ------------------------------------------------------------------ checkpoint / heal
     def state_json(self) -> dict[str, Any]:
         return {"rule": self.rule, "anchor": self.anchor.tolist() if self.anchor is not None else None,
-                "others": self.others.tolist() if self.others is not None else None}
+                "others": self.others.tolist() if self.others is not None else None, "agreed": self.agreed}
 
     def load_json(self, state: Any, source: str) -> None:
         """Adopt a checkpoint's or heal payload's state (ValueError, one line, for a malformed one)."""
         if state is None:
             return
-        anchor = state.get("anchor") if isinstance(state, dict) else "?"
+        if not isinstance(state, dict):
+            raise ValueError(f"{source}: expert_bias is {type(state).__name__}, not a record")
+        anchor = state.get("anchor")
         if anchor is None:
             self.anchor = None
             return
-        self.agreed = True
+        self.agreed = bool(state.get("agreed", True))
         self.anchor = _table(anchor, tuple(self.live().shape), source, "anchor")
         others = state.get("others")
         self.others = None if others is None else _table(others, tuple(self.live().shape), source, "others")
