@@ -209,7 +209,7 @@ class BiasSync:
     def new_anchor(self, counts: Tensor | None, columns: Tensor, steps: Tensor, tokens: Tensor, me: int,
                    name: Callable[[int, str], None] = lambda i, what: None, total: Tensor | None = None) -> Tensor:
         """The anchor's bias after this sync (every cluster computes the same from the exchange): the owners' mean
-        of the bounded biases. `counts` [P, L, E] the routed counts reported, `steps` / `tokens` [P] the bounded
+        of the bounded biases (``global``, ``local``: weighted by the tokens each routed to the expert). `counts` [P, L, E] the routed counts reported, `steps` / `tokens` [P] the bounded
         claims (``local``: a bias is bounded by `total`, every step the cluster claims, since it is never reset),
         `me` this cluster's row; `name(i, what)` names a liar. Under ``global`` it also keeps the other
         clusters' bounded load per step (`others`) for the next interval's updates."""
@@ -220,8 +220,8 @@ class BiasSync:
         reach = total if (self.rule == "local" or not self.agreed) and total is not None else steps
         bounded, cut = bound_biases(biases, reach, h.rate)
         for i in cut:
-            name(i, f"reported an expert bias further from the others' than its {float(reach[i]):.0f} steps can "
-                    f"move it (2·{h.rate:g} per step; cut to that)")
+            name(i, f"reported an expert bias further from the quorum's median than {float(reach[i]):.0f} steps can "
+                    f"move two clusters apart (4·{h.rate:g} per step; cut to that)")
         if counts is not None:
             load, cut = bound_counts(counts, tokens, h.top_k)
             for i in cut:
