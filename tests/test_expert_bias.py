@@ -31,8 +31,8 @@ class Site:
 
     def step(self, load: torch.Tensor) -> None:
         """The model's per-step update, its load through the rule's (`LocalSGD.bias_load`: global adds the others')."""
-        others = self.sync.step_load()
-        load = load if others is None else load + others
+        fed = self.sync.step_load()
+        load = load if fed is None else fed(load)
         self.bias = self.bias + torch.stack([bias_update(row, U) for row in load])
 
 
@@ -70,14 +70,15 @@ def _loads(site: int, sync: int, step: int) -> torch.Tensor:
 def test_closed_form_after_k_syncs(rule: str) -> None:
     """k syncs of H local steps from per-step loads L_{i,t}:
     mean   — b_i ← b̄ + Σ_t update(L_{i,t}); b̄ ← mean_i b_i; every cluster continues from b̄;
-    global — b_i ← b̄ + Σ_t update(L_{i,t} + O_i), O_i = Σ_{j≠i} C_j / H of the last interval (0 at first);
+    global — b_i ← b̄ + Σ_t update(R_i ⊙ L_{i,t} + A_i) with, from the last interval's counts C (none at first),
+             R_i = Σ_j C_j / C_i where C_i > 0 (else 1) and A_i = Σ_{j≠i} C_j / H where C_i = 0 (else 0);
              b̄ ← Σ_i C_i ⊙ b_i / Σ_i C_i per expert; every cluster continues from b̄ (all hold the same bias);
     local  — b_i ← b_i + Σ_t update(L_{i,t}), untouched by the syncs; b̄ as global's."""
     k, h, tokens = 3, 4, 1000.0
     sites = [Site(rule), Site(rule)]
     ref = [torch.zeros(L, E, dtype=torch.float64) for _ in sites]  # each cluster's bias, closed form
     anchor = torch.zeros(L, E, dtype=torch.float64)
-    others = [torch.zeros(L, E, dtype=torch.float64) for _ in sites]
+    fed: list = [None, None]  # global: each site's (R, A) of the last interval
     upd = lambda load: torch.stack([bias_update(row, U) for row in load]).to(torch.float64)  # noqa: E731
     for j in range(k):
         counts = []
@@ -86,7 +87,10 @@ def test_closed_form_after_k_syncs(rule: str) -> None:
             for t in range(h):
                 load = _loads(i, j, t)
                 s.step(load)
-                ref[i] += upd(load.double() + others[i]) if rule == "global" else upd(load)
+                if rule == "global" and fed[i] is not None:
+                    ref[i] += upd(load.double() * fed[i][0] + fed[i][1])
+                else:
+                    ref[i] += upd(load)
                 c += load
             counts.append(c)
         _sync(sites, counts, h, [tokens, tokens], total=h * (j + 1))
@@ -96,7 +100,9 @@ def test_closed_form_after_k_syncs(rule: str) -> None:
         else:
             anchor = (cs[0] * ref[0] + cs[1] * ref[1]) / cs.sum(0)
         if rule == "global":
-            others = [cs[1] / h, cs[0] / h]
+            total = cs.sum(0)
+            fed = [(torch.where(cs[i] > 0, total / cs[i].clamp_min(1e-300), 1.0),
+                    torch.where(cs[i] > 0, 0.0, cs[1 - i] / h)) for i in range(2)]
         if rule != "local":
             ref = [anchor.clone(), anchor.clone()]
         for i, s in enumerate(sites):
@@ -155,11 +161,11 @@ def test_a_liar_reporting_100x_counts_for_one_expert_is_bounded_by_its_tokens() 
         for s, b in zip(sites[:2], base[:2]):
             if exact:
                 assert torch.allclose(s.sync.anchor, b.sync.anchor, atol=1e-12)
-                assert torch.allclose(s.sync.step_load(), b.sync.step_load(), atol=1e-9)
+                assert torch.allclose(s.sync.fed, b.sync.fed, atol=1e-9)
             else:  # what a site that routed up to T tokens to the expert could have done, no more
-                assert float((s.sync.step_load() - b.sync.step_load()).abs().max()) <= tokens / h + 1e-9
-            unbounded = torch.stack(lie).double()[[i for i in range(3) if i != sites.index(s)]].sum(0) / h
-            assert float((unbounded - s.sync.step_load()).abs().max()) > tokens / h  # the bound did something
+                assert float((s.sync.fed - b.sync.fed).abs().max()) <= tokens
+            unbounded = torch.stack(lie).double().sum(0)
+            assert float((unbounded - s.sync.fed).abs().max()) > tokens  # the bound did something
 
 
 def test_a_bias_further_than_its_steps_move_it_is_cut_under_mean() -> None:
@@ -200,7 +206,9 @@ def test_expert_subsets_an_expert_a_site_does_not_own_gets_no_update_from_it() -
         if rule != "local":  # (local: b0 is each site's own bias, which its sync leaves alone)
             assert torch.allclose(a0, mine.to(torch.float32).double(), atol=1e-7), rule
         if rule == "global":  # site 0's per-step load from the others: site 1's (its owned experts only) per step
-            assert torch.equal(sites[0].sync.step_load(), counts[1].double())
+            assert torch.equal(sites[0].sync.others, counts[1].double())
+            est = sites[0].sync.step_load()(torch.ones(L, E))  # where it routed nothing: the owner's load
+            assert torch.equal(est[~owned[0]], 1 + counts[1].double()[~owned[0]])
     anchor = torch.full((L, E), 0.25, dtype=torch.float64)
     nobody = torch.ones(2, L, E, dtype=torch.bool)
     nobody[:, :, 0] = False

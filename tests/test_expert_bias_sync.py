@@ -70,6 +70,7 @@ def test_checkpoint_and_heal_carry_the_rule_and_a_joiner_starts_from_the_anchor(
     dst.bias.anchor, dst.bias.others = None, None
     dst.bias.load_json(state["expert_bias"], "checkpoint")
     assert torch.equal(dst.bias.anchor, src.bias.anchor) and torch.equal(dst.bias.others, src.bias.others)
+    assert torch.equal(dst.bias.own, src.bias.own) and torch.equal(dst.bias.fed, src.bias.fed)
 
     meta, local = src.state.heal_out()
     tensors = {k: t for k, (t, _) in local.items()}

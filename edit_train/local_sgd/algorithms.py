@@ -234,16 +234,12 @@ class LocalSGD:
     def bias_load(self, step: int, reduce: Callable[[Tensor], Tensor] | None = None
                   ) -> Callable[[Tensor], Tensor] | None:
         """What the model's per-step expert-bias update reads its load through (`CausalLM.update_expert_bias`):
-        `reduce` (the sum over the cluster's ranks), and under algo.expert_bias=global in the local phase plus the
-        other clusters' load per step of the last committed interval (expert_bias.py)."""
-        others = self.bias.step_load() if self.bias is not None and not self.warmup.is_warmup(step) else None
-        if others is None:
+        `reduce` (the sum over the cluster's ranks), and under algo.expert_bias=global in the local phase then the
+        federation's load estimated from it (`BiasSync.step_load`, expert_bias.py)."""
+        fed = self.bias.step_load() if self.bias is not None and not self.warmup.is_warmup(step) else None
+        if fed is None:
             return reduce
-
-        def federation(load: Tensor) -> Tensor:
-            own = reduce(load) if reduce is not None else load
-            return own + others.to(own.device)
-        return federation
+        return lambda load: fed(reduce(load) if reduce is not None else load)
 
     def should_stop(self, step: int) -> bool:
         return self.pacer.should_stop(step)

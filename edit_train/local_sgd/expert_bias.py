@@ -5,9 +5,9 @@ A Ling 2.0 router chooses experts on score + bias; every optimizer step moves th
 
 * ``mean``   — each step's update from the cluster's own load; at a sync the anchor's bias is the clusters' mean
   and every cluster continues from it.
-* ``global`` — each step's update from the federation's load: the cluster's own step load plus the other
-  clusters' load per step of the last committed interval (the routed counts the exchange carries, `experts.py`,
-  each over its local steps). At a sync the anchor's bias is the clusters' biases weighted per expert by the
+* ``global`` — each step's update from the federation's load, estimated from the last committed interval's
+  routed counts (the ones the exchange carries, `experts.py`): each expert's current own load times the
+  federation-to-own ratio of that interval, and where the cluster routed nothing to it, the others' load per step. At a sync the anchor's bias is the clusters' biases weighted per expert by the
   tokens each routed to it (a cluster that never routed to an expert had no feedback on it and gives it nothing),
   and every cluster continues from it: all hold the same bias, each step balanced — one interval's lag aside —
   as one cluster that saw every cluster's tokens would balance it. (Applying the rule to the interval's summed load
@@ -172,6 +172,8 @@ class BiasSync:
     snap: Tensor | None = None  # the live bias at the exchange (overlap: its progress since is kept)
     last: dict[str, Any] = field(default_factory=dict)  # what the last commit measured (the `sync` event)
     others: Tensor | None = None  # global: the other clusters' load per step of the last committed interval
+    own: Tensor | None = None  # global: this cluster's load of that interval (bounded as the others')
+    fed: Tensor | None = None  # global: the federation's load of that interval
     load: Tensor | None = None  # the last commit's bounded counts [P, L, E]
     agreed: bool = False  # the anchor came from a committed sync (or a checkpoint / heal of one), not this cluster
 
@@ -229,17 +231,29 @@ class BiasSync:
                         f"most once per token, {h.top_k} per token in all; cut to that)")
             self.load = load
             if self.rule == "global":
+                self.own = load[me].clone()
                 per_step = load / steps.to(torch.float64).clamp_min(1).reshape(-1, 1, 1)
                 keep = [i for i in range(load.shape[0]) if i != me]
                 self.others = per_step[keep].sum(0) if keep else torch.zeros_like(self.anchor)
+                self.fed = load.sum(0)
             if self.rule != "mean":  # the clusters that routed an expert's tokens decide its bias, by how many
                 return mean_bias(bounded, self.anchor, owned, load)
         return mean_bias(bounded, self.anchor, owned)
 
-    def step_load(self) -> Tensor | None:
-        """``global``: what the other clusters add to this cluster's load each step ([L, E], their last committed
-        interval's load per step); None otherwise (or before the first sync)."""
-        return self.others if self.rule == "global" else None
+    def step_load(self) -> Callable[[Tensor], Tensor] | None:
+        """``global``: this cluster's step load [L, E] -> the federation's, estimated: each expert's current own load
+        times the federation-to-own ratio of the last committed interval (feedback every step, at the federation's
+        scale), and where this cluster routed it nothing then, the others' load per step of that interval. None
+        otherwise (or before the first sync)."""
+        if self.rule != "global" or self.others is None or self.own is None or self.fed is None:
+            return None
+        mine = self.own > 0
+        ratio = torch.where(mine, self.fed / self.own.clamp_min(1e-300), torch.ones_like(self.fed))
+        add = torch.where(mine, torch.zeros_like(self.others), self.others)
+
+        def federation(load: Tensor) -> Tensor:
+            return load.to(torch.float64) * ratio.to(load.device) + add.to(load.device)
+        return federation
 
     @torch.no_grad()
     def committed(self, names: Sequence[str], counts: Tensor | None, columns: Tensor, steps: Tensor,
@@ -269,7 +283,8 @@ class BiasSync:
     # ------------------------------------------------------------------ checkpoint / heal
     def state_json(self) -> dict[str, Any]:
         return {"rule": self.rule, "anchor": self.anchor.tolist() if self.anchor is not None else None,
-                "others": self.others.tolist() if self.others is not None else None, "agreed": self.agreed}
+                **{k: (getattr(self, k).tolist() if getattr(self, k) is not None else None)
+                   for k in ("others", "own", "fed")}, "agreed": self.agreed}
 
     def load_json(self, state: Any, source: str) -> None:
         """Adopt a checkpoint's or heal payload's state (ValueError, one line, for a malformed one)."""
@@ -283,8 +298,9 @@ class BiasSync:
             return
         self.agreed = bool(state.get("agreed", True))
         self.anchor = _table(anchor, tuple(self.live().shape), source, "anchor")
-        others = state.get("others")
-        self.others = None if others is None else _table(others, tuple(self.live().shape), source, "others")
+        for k in ("others", "own", "fed"):
+            v = state.get(k)
+            setattr(self, k, None if v is None else _table(v, tuple(self.live().shape), source, k))
 
 
 def _table(values: Any, shape: tuple[int, ...], source: str, what: str) -> Tensor:
