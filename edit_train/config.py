@@ -93,7 +93,7 @@ class AlgoConfig:
     # a Ling 2.0 router's aux-loss-free expert bias at a sync (local_sgd/expert_bias.py, docs/noniid.md): mean (the
     # anchor's is the clusters' mean) | global (the update rule on the federation's summed load) | local (each
     # cluster keeps its own; the anchor and export carry the global one)
-    expert_bias: str = "mean"
+    expert_bias: str = "global"  # docs/noniid.md: why global
     outer: OuterConfig = field(default_factory=OuterConfig)
     rule: RuleConfig = field(default_factory=RuleConfig)
 

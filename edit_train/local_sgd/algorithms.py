@@ -63,7 +63,7 @@ class LocalSGDConfig:
     max_tokens_per_step: int = 0  # the most tokens any configured cluster takes per step (0: tokens_per_step):
     # what another cluster's claimed tokens are bounded by (local steps x this)
     gather_max: int = 4  # a rule that needs measurements gathers up to this many clusters, sketches above
-    expert_bias: str = "mean"  # mean | global | local: what a sync does to the routers' expert bias (expert_bias.py)
+    expert_bias: str = "global"  # mean | global | local: what a sync does to the routers' expert bias (expert_bias.py)
 
 
 @dataclass(frozen=True)
