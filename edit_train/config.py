@@ -90,6 +90,10 @@ class AlgoConfig:
     warmup_steps: int = 0  # fully synchronous steps before local SGD starts
     sync_time_s: float = 10.0  # A-EDiT wall-clock budget tau (schedule=time)
     min_steps: int = 1
+    # a Ling 2.0 router's aux-loss-free expert bias at a sync (local_sgd/moe/expert_bias.py, docs/noniid.md): mean (the
+    # anchor's is the clusters' mean) | global (the update rule on the federation's summed load) | local (each
+    # cluster keeps its own; the anchor and export carry the global one)
+    expert_bias: str = "global"  # docs/noniid.md: why global
     outer: OuterConfig = field(default_factory=OuterConfig)
     rule: RuleConfig = field(default_factory=RuleConfig)
 
@@ -361,6 +365,8 @@ def validate(cfg: Config) -> None:
     _need(a.interval_power == 0 or (a.local_sgd and a.schedule == "step"), "algo.interval_power",
           "places the syncs of a step schedule (algo.schedule=step, a local-SGD algorithm); set it to 0")
     _need(a.warmup_steps >= 0, "algo.warmup_steps", "must be >= 0")
+    _need(a.expert_bias in ("mean", "global", "local"), "algo.expert_bias",
+          f"must be mean, global or local, got {a.expert_bias!r}")
     _check_finite("algo.sync_time_s", a.sync_time_s, example=10)
     outer_step(cfg).config.validate()  # algo.outer with the default by cluster count filled in
     _check_expert_subsets(cfg)  # every unmet prerequisite in one line, before the rule's own checks say one each

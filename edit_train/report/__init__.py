@@ -17,6 +17,7 @@ from pathlib import Path
 
 from edit_train.report import plots as fig
 from edit_train.report.experts import plot_expert_clusters
+from edit_train.report.maxvio import plot_maxvio
 from edit_train.report.model import ReportError, Run, human_bytes, load_run, markdown_table, table_rows
 from edit_train.report.time_split import plot_time, time_table
 from edit_train.report.weights import plot_weights
@@ -27,7 +28,8 @@ __all__ = ["PLOTS", "Report", "ReportError", "Run", "default_out", "human_bytes"
 log = logging.getLogger(__name__)
 
 PLOTS = ("val_loss_vs_tokens.png", "val_loss_vs_wall.png", "loss.png", "tokens_per_s.png", "blocked.png",
-         "expert_load.png", "time.png", "weights.png", "expert_clusters.png")
+         "expert_load.png", "time.png", "weights.png", "expert_clusters.png",
+         "expert_maxvio.png")
 
 
 def _assign_labels(runs: list[Run]) -> None:
@@ -72,6 +74,7 @@ def make_report(run_dirs: list[str | Path], out: str | Path | None = None, exper
         plot_time(runs, out_dir),
         plot_weights(runs, out_dir),
         plot_expert_clusters(runs, out_dir, expert_intervals),
+        plot_maxvio(runs, out_dir),
     ]
     table = markdown_table(table_rows(runs))
     notes = []

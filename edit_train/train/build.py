@@ -25,6 +25,7 @@ from edit_train.federation.link import LinkModel
 from edit_train.federation.registry import TransportRequest, make_transport
 from edit_train.local_sgd.sync.algorithms import LocalSGD, LocalSGDConfig
 from edit_train.local_sgd.moe.experts import RoutedCounts
+from edit_train.local_sgd.moe.expert_bias import BiasHook
 from edit_train.local_sgd.protocols import Transport
 from edit_train.local_sgd.sync.membership import MembershipConfig
 from edit_train.local_sgd.sync.schedule import ScheduleConfig, lr_boundaries
@@ -113,7 +114,8 @@ def local_sgd_config(cfg: Config, tokens_per_step: int = 0, tokenizer: str | Non
                           membership=membership, shares_loss=cfg.train.spike_factor > 0,
                           tokens_per_step=tokens_per_step, gather_max=cfg.sync.gather_max,
                           max_tokens_per_step=max_tokens_per_step(cfg),
-                          lr_shape=LrShape(cfg.train.lr_warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio))
+                          lr_shape=LrShape(cfg.train.lr_warmup_steps, cfg.train.steps, cfg.train.min_lr_ratio),
+                          expert_bias=a.expert_bias)
 
 
 def sync_boundaries(cfg: Config) -> tuple[int, ...]:
@@ -218,7 +220,7 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     span: Callable[[str], AbstractContextManager[Any]] | None = None, tokens_per_step: int = 0,
                     probe_loss: Callable[[], float] | None = None,
                     wrap_transport: Callable[[Transport], Transport] | None = None,
-                    routed_counts: RoutedCounts | None = None) -> LocalSGD:
+                    routed_counts: RoutedCounts | None = None, bias_hook: BiasHook | None = None) -> LocalSGD:
     """The algorithm of this rank: its transport (`wrap_transport`: the trainer's simulation hooks, which wrap it
     when a Byzantine fault is configured for this cluster, sim/byzantine.py), the probe of each update's
     usefulness, the core's config."""
@@ -231,4 +233,4 @@ def build_algorithm(cfg: Config, model: nn.Module, topo: Topology, metrics: Metr
                     fsdp_units(model), transport,
                     (heal.encode, heal.decode), emit=metrics.log, cluster_index=topo.index,
                     optimizer=optimizer, span=span or (lambda _n: nullcontext()), probe_loss=probe_loss,
-                    routed_counts=routed_counts)
+                    routed_counts=routed_counts, bias_hook=bias_hook)

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 
 from edit_train.cluster.mesh import Topology
-from edit_train.local_sgd.moe.experts import Owned, RoutedCounts, owned_counts
+from edit_train.local_sgd.moe.expert_bias import BiasHook
+from edit_train.local_sgd.moe.experts import Owned, RoutedCounts, layer_mask, owned_counts
 from edit_train.model import CausalLM
+from edit_train.model.config import ModelConfig
 from edit_train.model.expert_params import sync_pieces
 
 
@@ -70,3 +72,30 @@ class RoutedTally:
         self.intervals += 1
         self.steps = 0
         return owned_counts(counts, self.owned())  # what it sends: 0 for an expert it does not own (the event: all)
+
+
+def expert_bias_hook(model: CausalLM, cfg: ModelConfig, owned: Callable[[], Owned | None] = lambda: None
+                     ) -> BiasHook | None:
+    """The sync core's handle on the routers' expert bias (`local_sgd/moe/expert_bias.py`, algo.expert_bias): every MoE
+    block's ``gate.expert_bias`` as one [MoE layers, experts] table, read and written (every rank holds the same);
+    `owned`: the experts this cluster owns now under expert subsets. None without an expert bias."""
+    blocks = [b for b in model.moe_blocks() if b.gate.expert_bias is not None]
+    if not blocks or not cfg.moe_router_enable_expert_bias:
+        return None
+
+    def get() -> torch.Tensor:
+        return torch.stack([b.gate.expert_bias.detach().to("cpu", torch.float32) for b in blocks])
+
+    @torch.no_grad()
+    def put(table: torch.Tensor) -> None:
+        for b, row in zip(blocks, table):
+            b.gate.expert_bias.copy_(row.to(b.gate.expert_bias.device, torch.float32))
+
+    def mask() -> torch.Tensor | None:
+        o = owned()
+        if o is None:
+            return None
+        return torch.tensor([list(layer_mask(o, i) or ()) for i in range(len(blocks))], dtype=torch.bool)
+
+    return BiasHook(get, put, cfg.moe_router_bias_update_rate, cfg.moe_router_bias_update_zero_mean,
+                    cfg.num_experts_per_tok, mask)

@@ -49,7 +49,7 @@ from edit_train.train.resume import Resumable, find_resume, resume, save_checkpo
 from edit_train.train.signals import Interrupted, StopSignal
 from edit_train.train.finished import peer_news
 from edit_train.local_sgd.sync import waits
-from edit_train.train.routing import RoutedTally
+from edit_train.train.routing import RoutedTally, expert_bias_hook
 from edit_train.train.site_data import check_tokenizers, open_data, site_data
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,10 @@ class Trainer:
         self.algo = build_algorithm(cfg, self.model, topo, self.metrics, self.optimizer, self.federated,
                                     span=self.timing.span, tokens_per_step=self.state.tokens_per_step,
                                     probe_loss=probe, wrap_transport=self.sim.transport,
-                                    routed_counts=self.tally.hook())  # the sync closes the local-SGD intervals
+                                    routed_counts=self.tally.hook(),  # the sync closes the local-SGD intervals
+                                    bias_hook=expert_bias_hook(self.model, cfg.model,  # algo.expert_bias
+                                                               lambda: self.frozen.owned if self.frozen else
+                                                               self._routed_map()))
         if self.is_leader and topo.index == 0:  # config.json once; a resume's changes appended to resumes.jsonl
             note_start(self.run_dir, to_container(cfg))
         self.resumable = Resumable(self.model, self.optimizer, self.algo.state, self.loader, self.spike, self.timing)
@@ -346,8 +349,8 @@ class Trainer:
         finite = torch.isfinite(torch.as_tensor(gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm))
         step_unless(self.optimizer, ~finite if spike is None else ~finite | spike)
         # model.moe_router_enable_expert_bias: once per optimizer step, from the step's load summed over the
-        # cluster's ranks (every rank applies the same update); a no-op otherwise
-        self.model.update_expert_bias(self._cluster_sum if self.topo.ranks > 1 else None)
+        # cluster's ranks (every rank applies the same update); algo.expert_bias=global adds the other clusters' load
+        self.model.update_expert_bias(self.algo.bias_load(step, self._cluster_sum if self.topo.ranks > 1 else None))
         if self.frozen is not None:
             self.frozen.restore()
         self.optimizer.zero_grad(set_to_none=True)

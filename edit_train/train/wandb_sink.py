@@ -67,6 +67,7 @@ class WandbSink:
                 flat[f"{event}/{key}"] = value
         if event == "sync":
             flat["sync/sync"] = record.get("sync", 0)
+            flat.update(maxvio_metrics(record.get("expert_bias")))
         else:
             flat["step"] = record.get("step", 0)
         self.run.log(flat)
@@ -79,3 +80,20 @@ class WandbSink:
         self.run.finish()
         # one W&B run per process: shutting the service down here guarantees the offline files are complete
         self._wandb.teardown()
+
+
+def maxvio_metrics(expert_bias: Any) -> dict[str, float]:
+    """algo.expert_bias's MaxVio of a `sync` event as W&B metrics: `sync/maxvio/<cluster or federation>` (the mean
+    over the MoE layers) and `.../layer<i>` per MoE layer."""
+    if not isinstance(expert_bias, dict) or not isinstance(expert_bias.get("maxvio"), dict):
+        return {}
+    mv = expert_bias["maxvio"]
+    series = {**{str(k): v for k, v in (mv.get("clusters") or {}).items()}, "federation": mv.get("federation") or []}
+    out: dict[str, float] = {}
+    for who, layers in series.items():
+        values = [float(v) for v in layers if isinstance(v, (int, float))]
+        if values:
+            out[f"sync/maxvio/{who}"] = sum(values) / len(values)
+            out.update({f"sync/maxvio/{who}/layer{i}": v for i, v in enumerate(values)})
+    return out
+

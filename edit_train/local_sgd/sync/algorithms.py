@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from edit_train.local_sgd.aggregator import capabilities_of
 from edit_train.local_sgd.moe.assignment import RoutedAssignment
 from edit_train.local_sgd.sync.drivers import BlockingDriver, Driver, OverlapDriver
+from edit_train.local_sgd.moe.expert_bias import BiasHook, BiasSync
 from edit_train.local_sgd.errors import FederationError, FederationRefused, SyncAborted
 from edit_train.local_sgd.moe.experts import Experts, RoutedCounts
 from edit_train.local_sgd.sync.gradients import GradientExchange
@@ -64,6 +65,7 @@ class LocalSGDConfig:
     # what another cluster's claimed tokens are bounded by (local steps x this)
     gather_max: int = 4  # a rule that needs measurements gathers up to this many clusters, sketches above
     lr_shape: LrShape | None = None  # the run's lr schedule relative to its peak (the scale bound's lr-weighted steps)
+    expert_bias: str = "global"  # mean | global | local: what a sync does to the routers' expert bias (expert_bias.py)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,8 @@ class LocalSGD:
                  codec: tuple[Encode, Decode], emit: Callable[..., None] | None = None, cluster_index: int = 0,
                  optimizer: torch.optim.Optimizer | None = None,
                  span: Callable[[str], AbstractContextManager[Any]] = lambda _n: nullcontext(),
-                 probe_loss: Callable[[], float] | None = None, routed_counts: RoutedCounts | None = None) -> None:
+                 probe_loss: Callable[[], float] | None = None, routed_counts: RoutedCounts | None = None,
+                 bias_hook: BiasHook | None = None) -> None:
         self.cfg, self.t, self.span, self.routed = cfg, transport, span, routed_counts  # MoE: experts.py
         self.warmup = StepSchedule(cfg.schedule)
         self.pacer = Pacer(PaceConfig(cfg.schedule, cfg.local_sgd, cfg.total_steps, cfg.time_budget_s, cfg.eval_every,
@@ -100,8 +103,10 @@ class LocalSGD:
         # expert_subsets=routed: the map the warm-up's committed exchanges decide (checkpointed and healed)
         self.assignment = RoutedAssignment(self.caps.expert_subsets_syncs) \
             if self.caps.expert_subsets == "routed" and routed_counts is not None else None
+        # a model with an expert bias (Ling 2.0): what each sync does to it (algo.expert_bias)
+        self.bias = BiasSync(cfg.expert_bias, bias_hook) if bias_hook is not None and cfg.local_sgd else None
         self.state = SyncState(self.replica, self.rule, self.pacer, self.membership, self.records, transport, outer,
-                               self.start_local_phase, self.assignment)
+                               self.start_local_phase, self.assignment, self.bias)
         self.grads = GradientExchange(transport, self.membership)
         self._blocked_mark = 0.0
         if cfg.local_sgd and cfg.schedule.warmup_steps == 0:
@@ -121,7 +126,9 @@ class LocalSGD:
                         experts=experts, scale_bound=pen.scale_bound, suspects=self.suspects,
                         scale_spread=pen.scale_spread, lr_shape=self.cfg.lr_shape,
                         max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1),
-                        probe_tolerance=caps.probe_tolerance)
+                        probe_tolerance=caps.probe_tolerance, expert_bias=self.bias)
+        if self.bias is not None:
+            self.bias.start()  # every cluster holds the same bias here: the anchor's
         self.driver = OverlapDriver(core, self._completed, self._aborted) if self.cfg.mode == "overlap" else \
             BlockingDriver(core, self._completed, self._aborted, self.cfg.mode == "layerwise", self.cfg.prefetch)
 
@@ -224,6 +231,18 @@ class LocalSGD:
             self._start_sync(final=True)
         if self.driver is not None and self.pacer.local_steps == 0:
             land_on_anchors(self.driver.core)  # every cluster ends on θ̄ (sync.unsent=keep: what it kept is let go)
+            if self.bias is not None:
+                self.bias.to_anchor()  # ... and on the anchor's expert bias (algo.expert_bias=local: the global one)
+
+    def bias_load(self, step: int, reduce: Callable[[Tensor], Tensor] | None = None
+                  ) -> Callable[[Tensor], Tensor] | None:
+        """What the model's per-step expert-bias update reads its load through (`CausalLM.update_expert_bias`):
+        `reduce` (the sum over the cluster's ranks), and under algo.expert_bias=global in the local phase then the
+        federation's load estimated from it (`BiasSync.step_load`, expert_bias.py)."""
+        fed = self.bias.step_load() if self.bias is not None and not self.warmup.is_warmup(step) else None
+        if fed is None:
+            return reduce
+        return lambda load: fed(reduce(load) if reduce is not None else load)
 
     def should_stop(self, step: int) -> bool:
         return self.pacer.should_stop(step)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from edit_train.local_sgd.aggregator import Aggregator, Decision, needs_of
 from edit_train.local_sgd.evidence import buckets, shard_positions
+from edit_train.local_sgd.moe.expert_bias import BiasSync
 from edit_train.local_sgd.moe.experts import Experts, UnitExperts
 from edit_train.local_sgd.moves import aggregation
 from edit_train.local_sgd.sync.outer import OuterState
@@ -76,6 +77,7 @@ class SyncCore:
     steps_bound: list[int] = field(default_factory=list)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
+    expert_bias: BiasSync | None = None  # the routers' expert bias across syncs (algo.expert_bias, expert_bias.py)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}
@@ -141,3 +143,4 @@ class SyncReport:
     unsent: int = 0  # elements of this cluster's Δ it did not send (rows of experts it or nobody touched)
     expert_shares: dict[str, list[float]] = field(default_factory=dict)  # unit -> each expert's share of it
     probe_suspects: dict[str, str] = field(default_factory=dict)  # evaluator -> why its probe scores did not count
+    expert_bias: dict[str, Any] = field(default_factory=dict)  # rule, MaxVio per cluster and layer (expert_bias.py)

@@ -25,13 +25,16 @@ class Judge:
         self.core, self.report, self.rows = core, report, rows
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
+        self.bias: Tensor | None = None  # per cluster: what it reported of its expert bias (expert_bias.py)
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
         cluster's last update], one row per cluster) → (reported norms [P, units], markers [P], EXTRA [P, k])."""
         n, k, m = len(self.core.units), len(EXTRA), self.rows.width
+        b = self.core.expert_bias.width if self.core.expert_bias is not None else 0
         norms, marks = full[:, :n].clamp_min(0).sqrt(), full[:, n]
-        rows = torch.cat([full[:, :n], full[:, n + 1 + m:]], dim=1)  # without the marker and the routed tokens
+        self.bias = full[:, n + 1 + m:n + 1 + m + b].clone() if b else None
+        rows = torch.cat([full[:, :n], full[:, n + 1 + m + b:]], dim=1)  # without marker, routed tokens, bias
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
@@ -74,6 +77,18 @@ class Judge:
             self.name(i, f"claims {float(claimed[i]):.4g} tokens for {float(steps[i]):.0f} local steps, more than "
                          f"{cap} per step (bounded to {float(most[i]):.4g})", "tokens")
         return torch.where(over, most, claimed)
+
+    def bias_committed(self) -> None:
+        """The round commits: the expert bias moves by the rule (`expert_bias.py`) on what the exchange carried,
+        the claims bounded as the tokens are; its MaxVio goes into the `sync` event."""
+        eb = self.core.expert_bias
+        if eb is None or self.bias is None:
+            return
+        sync = self.report.sync
+        eb.committed(self.report.quorum, self.rows.exchanged, self.bias, self.meta["steps"], self.meta["tokens"],
+                     self.report.position, lambda i, what: self.name(i, f"{what} at sync {sync}", "expert bias"),
+                     self.meta["total_steps"])
+        self.report.expert_bias = dict(eb.last)
 
     def name(self, i: int, what: str, kind: str) -> None:
         """Name cluster `i` (not this one) for `what` (suspects.py)."""

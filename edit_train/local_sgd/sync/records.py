@@ -101,6 +101,8 @@ def summarize(report: SyncReport) -> dict[str, Any]:
         "retracted": {n: dict(v) for n, v in report.retracted.items()},
         # evaluators whose probe scores did not count, by roster name: "disagrees" with the others, or "alone"
         "probe_suspects": dict(report.probe_suspects),
+        # algo.expert_bias: the rule, MaxVio of each cluster's and the federation's interval load per MoE layer
+        **({"expert_bias": dict(report.expert_bias)} if report.expert_bias else {}),
     }
 
 

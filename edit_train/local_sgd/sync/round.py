@@ -99,7 +99,8 @@ class SyncRound:
             sent = self.ctx.rows.reported(unit.name, self.delta[unit.name])  # what it reports is what it sends
             sq[i] = sum(float(d.double().pow(2).sum()) for d in sent)
         c.transport.cluster.sum_(sq)
-        vec = torch.cat([sq, torch.tensor([self.ctx.taking.marker, *counts, *extra], dtype=torch.float64,
+        bias = c.expert_bias.payload() if c.expert_bias is not None else []  # owned ‖ bias (expert_bias.py)
+        vec = torch.cat([sq, torch.tensor([self.ctx.taking.marker, *counts, *bias, *extra], dtype=torch.float64,
                                           device=sq.device)])
         return self.ctx.counted(lambda: c.transport.all_gather(vec, "norm exchange"))
 
@@ -214,6 +215,7 @@ class SyncRound:
         """The vote passed: this round is the one the next round's probe verdicts refer to; the routed counts it
         carried are spent."""
         self.ctx.taking.committed()
+        self.ctx.judge.bias_committed()
         self.ctx.rows.committed()
         self.delta.clear()
 
@@ -227,6 +229,8 @@ class SyncRound:
         self.ctx.rows.forget()
         self.todo.clear()
         self.merge.undone()  # a sketched round that did not commit decided nothing
+        if self.core.expert_bias is not None:
+            self.core.expert_bias.rolled_back()
         self.core.transport.abort()
         self.core.transport.feedback.restore()
         self.core.kept = False  # the live parameters are what they were before the round

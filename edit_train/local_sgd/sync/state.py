@@ -10,6 +10,8 @@ from typing import Any
 from torch import Tensor
 
 from edit_train.local_sgd.moe.assignment import RoutedAssignment
+from edit_train.local_sgd.errors import HealError
+from edit_train.local_sgd.moe.expert_bias import BiasSync
 from edit_train.local_sgd.sync.healing import (LocalState, Replica, adopt_outer, adopt_replica, anchor_digest,
                                           collect_state, prefixed)
 from edit_train.local_sgd.sync.membership import Membership
@@ -23,10 +25,10 @@ from edit_train.local_sgd.aggregation.rules import Aggregator
 class SyncState:
     def __init__(self, replica: Replica, rule: Aggregator, pacer: Pacer, membership: Membership, records: Records,
                  transport: Transport, outer: Callable[[], OuterState | None], start_local: Callable[[], None],
-                 assignment: RoutedAssignment | None = None) -> None:
+                 assignment: RoutedAssignment | None = None, bias: BiasSync | None = None) -> None:
         self.replica, self.rule, self.pacer, self.membership = replica, rule, pacer, membership
         self.records, self.t, self.outer, self.start_local = records, transport, outer, start_local
-        self.assignment = assignment
+        self.assignment, self.bias = assignment, bias
 
     # ------------------------------------------------------------------ heal
     def heal_out(self) -> tuple[dict[str, Any], LocalState]:
@@ -35,7 +37,7 @@ class SyncState:
         outer = self.outer()
         meta = {"sync_index": self.membership.sync_index, "total_steps": self.pacer.total_steps,
                 "global_step": self.pacer.global_step, "rule": rule_meta, "local_phase": outer is not None,
-                **self._assignment()}
+                **self._assignment(), **self._bias()}
         return meta, collect_state(self.replica, outer, rule_tensors)
 
     def anchor_digest(self) -> str:
@@ -61,6 +63,12 @@ class SyncState:
             assert outer is not None
             adopt_outer(self.replica, outer, tensors, self.t.feedback)
             self.rule.load(dict(meta.get("rule") or {}), prefixed(tensors, "penalty/"))
+            if self.bias is not None:  # a joiner (or a cluster behind) starts from the anchor's expert bias
+                try:
+                    self.bias.load_json(meta.get("expert_bias"), f"healing payload from {meta.get('from', '?')}")
+                except ValueError as exc:
+                    raise HealError(str(exc)) from None
+                self.bias.to_anchor()
         else:
             adopt_replica(self.replica, tensors)
         self.membership.holds(int(meta.get("sync_index", self.membership.sync_index)))
@@ -84,7 +92,10 @@ class SyncState:
     def json(self) -> dict[str, Any]:
         return {"sync_index": self.membership.sync_index, "local_phase": self.outer() is not None,
                 "bytes_sent": self.t.bytes_sent, "blocked_s": self.t.blocked_s, "rule": self.rule.state()[0],
-                **self.pacer.state_json(), **self.records.state_json(), **self._assignment()}
+                **self.pacer.state_json(), **self.records.state_json(), **self._assignment(), **self._bias()}
+
+    def _bias(self) -> dict[str, Any]:
+        return {"expert_bias": self.bias.state_json()} if self.bias is not None else {}
 
     def _assignment(self) -> dict[str, Any]:
         return {"assignment": self.assignment.state_json()} if self.assignment is not None else {}
@@ -105,3 +116,5 @@ class SyncState:
             outer.load_state_dict(tensors["outer"])
             self.rule.load(dict(state.get("rule") or {}), tensors.get("penalty", {}))
             self.t.feedback.load_state_dict(tensors.get("residual", {}))
+            if self.bias is not None:  # the anchor's bias (the live one is the model's buffer)
+                self.bias.load_json(state.get("expert_bias"), "checkpoint")
