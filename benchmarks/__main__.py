@@ -24,6 +24,7 @@ SUITE: dict[str, str] = {
     "convergence": "convergence vs communication: ddp, post-local SGD, DiLoCo, EDiT at one token budget",
     "default_outer": "the outer step's default by cluster count: the product's command at its defaults against DDP",
     "goodput": "goodput of 3 clusters while one is killed and restarted every few seconds",
+    "expert_bias": "what a sync does to the expert bias (mean / global / local) on four languages: loss, MaxVio",
     "false_positives": "honest federations only: what each defence clips, leaves out or warns about; the attack columns beside",
     "gpu_codec": "the pseudo-gradient codec's encode/decode time on one GPU",
     "gpu_profile": "where a training step's time goes on one GPU (torch.profiler table)",

@@ -4,7 +4,7 @@ federation, with Ling 1's auxiliary balance loss at the same active parameters a
 
 Every run is `experiment=noniid_lang_4`'s data (one language per cluster, `data.split=by_language`, every cluster
 validating on all four and on each alone) with `algo=edit` at the moe_sync benchmark's tuned point
-(docs/convergence_tuned.json; H = 8, batch 8, seq 128, no warm-up). Arms:
+(results/convergence_tuned.json; H = 8, batch 8, seq 128, no warm-up). Arms:
 
 * `mean`, `global`, `local` — `model=<tiny_v2|small_v2>` (sigmoid routing with an expert bias, no aux loss) and
   `algo.expert_bias=<arm>`;
@@ -22,7 +22,7 @@ half of the intervals. Per setting (model, clusters): each arm's numbers per see
     python benchmarks/expert_bias.py --reuse                                    # the grid: tiny_v2 + small_v2, 5 seeds
 
 Runs go to <workdir>/<model>_<steps>steps/g<G>/seed<S>/<arm>; `--reuse` picks up finished runs with identical
-overrides. JSON to docs/expert_bias.json, the plot to docs/expert_bias.png.
+overrides. JSON to results/expert_bias.json, the plot to docs/expert_bias.png.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 from paired import paired_gain  # noqa: E402
 
-DOCS = C.BENCH_DIR.parent / "docs"
+RECORDS = C.BENCH_DIR.parent / "results"
 ARMS = ("mean", "global", "local", "aux")
 STEPS = {"tiny_v2": 320, "small_v2": 160}
 LING1_ROUTER = ["model.score_function=softmax", "model.moe_router_enable_expert_bias=false", "model.n_group=0",
@@ -55,12 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--aux-coef", type=float, default=0.01, help="the aux arm's router_aux_loss_coef (tiny's)")
-    ap.add_argument("--tuned", type=Path, default=DOCS / "convergence_tuned.json")
+    ap.add_argument("--tuned", type=Path, default=RECORDS / "convergence_tuned.json")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every run")
     ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "expert_bias")
-    ap.add_argument("--out", type=Path, default=DOCS / "expert_bias.json")
-    ap.add_argument("--plot", type=Path, default=DOCS / "expert_bias.png")
+    ap.add_argument("--out", type=Path, default=RECORDS / "expert_bias.json")
+    ap.add_argument("--plot", type=Path, default=RECORDS / "expert_bias.png")
     ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
     return ap.parse_args(argv)
 

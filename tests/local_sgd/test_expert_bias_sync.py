@@ -1,5 +1,5 @@
 """algo.expert_bias over the in-process federation (issue 68): small Ling 2.0 models whose two clusters see disjoint
-halves of the experts' traffic (tests/bias_federation.py) — the federation's MaxVio under each rule beside one
+halves of the experts' traffic (tests/helpers/bias_federation.py) — the federation's MaxVio under each rule beside one
 cluster trained on both halves' tokens, a cluster that reports 100x its counts named and bounded, and the rule's
 state carried by checkpoints and heals (a joiner starts from the anchor's bias)."""
 

@@ -21,11 +21,11 @@ from edit_train.cluster.group import RankGroup
 from edit_train.cluster.mesh import fsdp_units
 from edit_train.federation import heal
 from edit_train.federation.inproc import InProcessFederation
-from edit_train.local_sgd.algorithms import LocalSGD, LocalSGDConfig
-from edit_train.local_sgd.experts import RoutedCounts
-from edit_train.local_sgd.outer import OuterConfig
-from edit_train.local_sgd.rules import RuleConfig
-from edit_train.local_sgd.schedule import ScheduleConfig
+from edit_train.local_sgd.sync.algorithms import LocalSGD, LocalSGDConfig
+from edit_train.local_sgd.moe.experts import RoutedCounts
+from edit_train.local_sgd.sync.outer import OuterConfig
+from edit_train.local_sgd.aggregation.rules import RuleConfig
+from edit_train.local_sgd.sync.schedule import ScheduleConfig
 from edit_train.model import CausalLM
 from edit_train.model.config import ModelConfig
 from edit_train.model.expert_params import sync_pieces
