@@ -1,6 +1,6 @@
 """Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2
 and 5, on the toy federation over a real gate with a roster — the runs of `tests/test_insiders_first_heal.py`,
-`tests/test_insiders_claimed_steps.py` and `tests/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
+`tests/test_insiders_claimed_steps.py` (and `_a_edit.py`: a time schedule) and `tests/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
 Prints one line per item and cluster count: (cluster, loss without the lie, loss with it, change); item 5 against
 the honest clusters' run without the staller, with the syncs they lost. docs/security.md quotes it. ~3 min."""
 
@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
+import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
 import test_insiders_first_heal as first  # noqa: E402
 import test_insiders_stalled as stalled  # noqa: E402
 
@@ -39,6 +40,8 @@ def main() -> None:
               first._run(root / f"1l{n}", names, True, late)[0])
         _line("2 claimed steps", n, honest, claimed._run(root / f"2c{n}", names, False)[0],
               claimed._run(root / f"2l{n}", names, True)[0])
+        _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
+              claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
         _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
               stalled._run(root / f"5l{n}", names, names[-1])[0])
 

@@ -272,6 +272,11 @@ class LocalSGD:
             sched, top = self.cfg.schedule, self.cfg.schedule.steps_at(q.agreed_sync + 1)
             self.driver.core.steps_bound = [max(top - sched.steps_at(min(m.sync, q.agreed_sync)), 1)
                                             for m in q.members]
+        else:  # a time schedule: the intervals since the anchor each holds (judge.time_caps)
+            self.driver.core.sync_time_s, self.driver.core.min_steps = self.cfg.schedule.sync_time_s, \
+                self.cfg.schedule.min_steps
+            self.driver.core.intervals_bound = [max(q.agreed_sync + 1 - min(m.sync, q.agreed_sync), 1)
+                                                for m in q.members]
         driver = self.driver  # the final sync runs blocking in every mode: every cluster ends on θ̄
         if final and isinstance(driver, OverlapDriver):
             driver = BlockingDriver(driver.core, driver.on_complete, driver.on_abort, False, True)

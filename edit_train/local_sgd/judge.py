@@ -16,6 +16,40 @@ from edit_train.local_sgd.expert_rows import ExpertRows
 from edit_train.local_sgd.scale import bound_scale
 
 EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  # per-cluster scalars of the exchange
+# A-EDiT: a member's claimed steps count at most what its claimed seconds per step fit in the interval's agreed
+# duration (`time_caps`); a claim over NAMED_OVER times that is named (an honest cluster that slowed down within an
+# interval, or stepped on longer while the quorum formed, is bounded a little, never named). A member's claimed speed
+# counts at most SPEED_SPAN times the quorum's lower-median speed (an honest federation up to 1:SPEED_SPAN pays
+# nothing; it bounds a member only where it is not the lower median: three members or more).
+NAMED_OVER, SPEED_SPAN = 2.0, 16.0
+
+
+def lower_median(x: Tensor) -> Tensor:
+    """The lower median of a 1-D tensor (what one member of three cannot move outside the others' range)."""
+    return x.sort().values[(x.numel() - 1) // 2]
+
+
+def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min_steps: int = 1) -> Tensor:
+    """A-EDiT: the most local steps each member's claims let it have taken (docs/security.md, issue 69), computed
+    from the exchange and the quorum's records only, so every member caps the same claims the same way.
+
+    Each member's claimed work — steps x seconds per step per interval since its anchor — is that interval's
+    duration as it says it spent it. The interval's agreed duration D is the lower median of those (at least τ: a
+    member claiming no work cannot pull it down). A member's steps count at most ⌈D x its intervals / its seconds
+    per step⌉ (an honest cluster plans ⌊τ / its last speed⌋ steps, its first interval until τ is spent: within it
+    unless it slowed down or stepped on longer than the others while the quorum formed), and at least `min_steps`
+    per interval (a cluster slower than τ per step takes one). Its seconds per step count at least the quorum's
+    lower-median seconds per step / `SPEED_SPAN`; a non-finite or non-positive claim counts as the lower median."""
+    k = torch.tensor(intervals, dtype=torch.float64)
+    steps, secs = steps.to(torch.float64), secs.to(torch.float64)
+    sane = torch.isfinite(secs) & (secs > 0)
+    typical = lower_median(secs[sane]) if bool(sane.any()) else torch.tensor(math.inf, dtype=torch.float64)
+    s = torch.where(sane, secs, typical).clamp_min(typical / SPEED_SPAN)
+    work = torch.where(torch.isfinite(steps) & (steps >= 0), steps, torch.zeros_like(steps)) * s / k
+    duration = max(float(lower_median(work)), tau)
+    caps = torch.ceil(duration * k / s * (1 - 1e-6))  # rounding of the claims (float32 rows) gives no step
+    caps = torch.where(torch.isfinite(caps), caps, torch.zeros_like(caps))  # no sane speed anywhere: min_steps
+    return torch.maximum(caps, k * min_steps)
 
 
 class Judge:
@@ -25,6 +59,8 @@ class Judge:
         self.core, self.report, self.rows = core, report, rows
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
+        self.time_bound = (list(core.intervals_bound), core.sync_time_s, core.min_steps) \
+            if core.intervals_bound else None
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
@@ -36,7 +72,7 @@ class Judge:
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
-        steps = self._steps(rows[:, n].clone())
+        steps = self._steps(rows[:, n].clone(), rows[:, n + EXTRA.index("secs_per_step")].clone())
         self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
                      rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
         self._suspected(probe_suspects)
@@ -44,12 +80,30 @@ class Judge:
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return norms, marks, rows[:, n:n + k]
 
-    def _steps(self, claimed: Tensor) -> Tensor:
+    def _time_steps(self, claimed: Tensor, secs: Tensor) -> Tensor:
+        """A time schedule: each claim bounded by `time_caps` (the same on every member). A claim over `NAMED_OVER`
+        times it is named when this cluster's own claim is not (when every member is over — a sync lost by all —
+        every weight is bounded alike and nobody is named)."""
+        intervals, tau, least = self.time_bound
+        caps = time_caps(claimed, secs, intervals, tau, least)
+        over = ~(claimed.to(torch.float64) <= caps)  # NaN is over too
+        named = ~(claimed.to(torch.float64) <= NAMED_OVER * caps)
+        me = self.report.position
+        if not bool(named[me]):
+            for i in named.nonzero().flatten().tolist():
+                self.name(i, f"claims {float(claimed[i]):.4g} local steps at {float(secs[i]):.4g} s per step at sync "
+                             f"{self.report.sync}, more than the {float(caps[i]):.0f} the interval's agreed duration "
+                             "lets it have taken (bounded to it)", "local steps")
+        return torch.where(over, caps.to(claimed.dtype), claimed)
+
+    def _steps(self, claimed: Tensor, secs: Tensor) -> Tensor:
         """The claimed local steps, each bounded under a step schedule by what the sync count lets that member have
         taken since the anchor it holds (`SyncCore.steps_bound`, the same on every member: the decisions stay
         everyone's). A claim over it and over this cluster's own steps (the honest lost the same syncs) is named: a
         claim of 4x its steps buys no weight (issue 69)."""
         caps = self.steps_bound
+        if self.time_bound and len(self.time_bound[0]) == claimed.numel():
+            return self._time_steps(claimed, secs)
         if len(caps) != claimed.numel():
             return claimed
         cap = torch.tensor(caps, dtype=claimed.dtype)
