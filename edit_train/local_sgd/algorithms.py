@@ -277,6 +277,7 @@ class LocalSGD:
                 self.cfg.schedule.min_steps
             self.driver.core.intervals_bound = [max(q.agreed_sync + 1 - min(m.sync, q.agreed_sync), 1)
                                                 for m in q.members]
+        self.driver.core.not_counted = [i for i, m in enumerate(q.members) if m.name in self.membership.rolled_back]
         driver = self.driver  # the final sync runs blocking in every mode: every cluster ends on θ̄
         if final and isinstance(driver, OverlapDriver):
             driver = BlockingDriver(driver.core, driver.on_complete, driver.on_abort, False, True)
@@ -296,6 +297,7 @@ class LocalSGD:
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)
         self.probe.committed(report.quorum)
+        self.membership.committed(report.sync)
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()

@@ -77,6 +77,9 @@ class SyncCore:
     intervals_bound: list[int] = field(default_factory=list)
     sync_time_s: float = 0.0
     min_steps: int = 1  # algo.min_steps: the fewest local steps a cluster takes in an interval
+    # positions in the round's quorum whose update counts for nothing (a member that rolled back a sync it took
+    # part in: its Δ is from another anchor; membership.py). Set for each round.
+    not_counted: list[int] = field(default_factory=list)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
 

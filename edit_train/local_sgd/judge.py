@@ -59,6 +59,7 @@ class Judge:
         self.core, self.report, self.rows = core, report, rows
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
+        self.not_counted = list(core.not_counted)
         self.time_bound = (list(core.intervals_bound), core.sync_time_s, core.min_steps) \
             if core.intervals_bound else None
 
@@ -73,6 +74,9 @@ class Judge:
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
         steps = self._steps(rows[:, n].clone(), rows[:, n + EXTRA.index("secs_per_step")].clone())
+        for i in self.not_counted:  # it rolled back a sync it took part in (membership.py): weight 0
+            if i < steps.numel():
+                steps[i] = 0
         self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
                      rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe}
         self._suspected(probe_suspects)

@@ -67,6 +67,11 @@ class Membership:
         # model.init_from, in the configuration fingerprint), so nobody heals at sync 1 on one member's word (a
         # resumed cluster is set rejoining by `SyncState.load`)
         self.rejoining = cfg.restarted or transport.name not in cfg.expected
+        # what each member of a sync in flight claimed (its version, its anchor digest), by the version the sync
+        # makes; once it commits here, `held`: what each member of the last committed sync held before it
+        self._claims: dict[int, dict[str, tuple[int, str]]] = {}
+        self.held: dict[str, tuple[int, str]] = {}
+        self.rolled_back: set[str] = set()  # members of the quorum just admitted that rolled a sync back
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
@@ -123,6 +128,7 @@ class Membership:
         if q.shared:
             self.rejoining = False
             self._name_ahead_of_start(q)
+            self._name_rolled_back(q)
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
             self.adopt_step = self.pacer.adopt(agreed)
         return q
@@ -141,6 +147,32 @@ class Membership:
                 self.suspects.name(q, i, f"claims sync {m.sync} where {holders} of {len(q.members)} members hold the "
                                    "federation's first anchor (sync 0): not followed", kind="ahead of start")
 
+    def committed(self, sync: int) -> None:
+        """The sync that made version `sync` committed here: what its members held before it is `held`."""
+        claims = self._claims.pop(sync, None)
+        self._claims = {v: c for v, c in self._claims.items() if v > sync}
+        if claims is not None:
+            self.held = claims
+
+    def _name_rolled_back(self, q: Quorum) -> None:
+        """Name a member that claims a newer version than it held at the last sync committed here, with the very
+        anchor digest it held then: the sync it took part in moved every member's anchor (this cluster's too — else
+        nobody is named), and an honest cluster on a device that rounds differently holds another digest than the
+        others, never the one it held before. It voted to commit and rolled its own state back (issue 69)."""
+        self.rolled_back = set()
+        mine = self.held.get(self.t.name)
+        if mine is None or mine[1] == "" or q.members[q.me].data.get("anchor") == mine[1]:
+            return
+        for i, m in enumerate(q.members):
+            before = self.held.get(m.name)
+            if i == q.me or before is None or before[1] == "":
+                continue
+            if m.sync > before[0] and m.data.get("anchor") == before[1]:
+                self.suspects.name(q, i, f"claims sync {m.sync} with the anchor it held at sync {before[0]} (digest "
+                                   f"{before[1][:12]}): it rolled back a sync it took part in (its update counts for "
+                                   "nothing in this sync)", kind="rolled back")
+                self.rolled_back.add(m.name)
+
     # ------------------------------------------------------------ the one writer of `sync_index`
     def holds(self, sync: int) -> None:
         """The anchor version this cluster holds now (restored, or ddp's: its step)."""
@@ -149,6 +181,8 @@ class Membership:
     def syncing(self, q: Quorum) -> None:
         """A sync of quorum `q` starts: the version it makes (the agreed one when nobody contributes)."""
         self.sync_index = q.agreed_sync + (1 if any(m.contributes for m in q.members) else 0)
+        if self.sync_index > q.agreed_sync:
+            self._claims[self.sync_index] = {m.name: (m.sync, str(m.data.get("anchor", ""))) for m in q.members}
 
     def aborted(self) -> None:
         """The sync that was to make the next version did not commit."""
