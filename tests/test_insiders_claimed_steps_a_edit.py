@@ -67,9 +67,11 @@ def test_time_caps_bound_a_claim_by_the_agreed_duration_and_keep_honest_claims()
                         ([5, 4, 1], [0.0085, 0.01, 0.12])):
         st = torch.tensor(steps, dtype=torch.float64)
         assert bool((time_caps(st, torch.tensor(secs, dtype=torch.float64), [1] * len(steps), tau) >= st).all())
-    # the first interval (until τ is spent: one step more than τ fits) is kept
+    # the first interval (until τ is spent: one step more than τ fits) is kept; at the first sync one more
     st = torch.tensor([5.0, 2.0])
     assert time_caps(st, torch.tensor([0.0085, 0.039]), [1, 1], tau).tolist() == [5.0, 2.0]
+    st = torch.tensor([4.0, 2.0])
+    assert time_caps(st, torch.tensor([0.01, 0.12]), [1, 1], tau, first=True).tolist() == [5.0, 2.0]
     # 4x the steps at its real speed: counted at what the agreed duration fits (2 and 3 clusters)
     caps = time_caps(torch.tensor([4.0, 16.0]), torch.tensor([0.01, 0.01]), [1, 1], tau)
     assert caps.tolist() == [4.0, 4.0]

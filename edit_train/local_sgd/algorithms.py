@@ -252,6 +252,9 @@ class LocalSGD:
             self.t.abort()
             q = None
         final = self.pacer.take_finishing() or final  # after the agreed stop: the last sync
+        if q is not None and not q.shared and not final and self.membership.holding_start:
+            self.t.abort()  # alone before the first shared sync: keep the first anchor for those still coming
+            q = None
         if q is None:  # cut off: keep training from the local replica; try again after another interval
             self.records.missed(self.membership.sync_index + 1, self.pacer.local_steps, self.pacer.total_steps)
             self.pacer.missed()
@@ -275,6 +278,8 @@ class LocalSGD:
         else:  # a time schedule: the intervals since the anchor each holds (judge.time_caps)
             self.driver.core.sync_time_s, self.driver.core.min_steps = self.cfg.schedule.sync_time_s, \
                 self.cfg.schedule.min_steps
+            self.driver.core.missed = [bool(m.data.get("missed", 0)) for m in q.members]
+            self.driver.core.first_sync = q.agreed_sync == 0
             self.driver.core.intervals_bound = [max(q.agreed_sync + 1 - min(m.sync, q.agreed_sync), 1)
                                                 for m in q.members]
         self.driver.core.not_counted = [i for i, m in enumerate(q.members) if m.name in self.membership.rolled_back]

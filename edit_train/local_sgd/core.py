@@ -77,6 +77,8 @@ class SyncCore:
     intervals_bound: list[int] = field(default_factory=list)
     sync_time_s: float = 0.0
     min_steps: int = 1  # algo.min_steps: the fewest local steps a cluster takes in an interval
+    missed: list[bool] = field(default_factory=list)  # per member: says it missed intervals since its last sync
+    first_sync: bool = False  # the federation's first sync (its intervals timed by each cluster's clock)
     # positions in the round's quorum whose update counts for nothing (a member that rolled back a sync it took
     # part in: its Δ is from another anchor; membership.py). Set for each round.
     not_counted: list[int] = field(default_factory=list)

@@ -72,12 +72,19 @@ class Membership:
         self._claims: dict[int, dict[str, tuple[int, str]]] = {}
         self.held: dict[str, tuple[int, str]] = {}
         self.rolled_back: set[str] = set()  # members of the quorum just admitted that rolled a sync back
+        # a configured cluster's fresh start waits `join_timeout_s` for the configured clusters, then trains; until
+        # its first shared sync (at most `quorum_timeout_s` after it started) a sync it would make alone is not
+        # made: its anchor stays the federation's first (everyone's by construction), so a configured cluster that
+        # comes later meets it at sync 0 with the same anchor and nobody heals (`holding_start`)
+        self.fresh_start = not self.rejoining
+        self.started_t = time.time()
+        self.shared_once = False
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
         data = {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
                 "total_steps": self.pacer.total_steps, "anchor": self.digest() if self.t.federated else "",
-                "refused": self._refused()}
+                "refused": self._refused(), "missed": self.pacer.missed_since}
         self.t.form_start(self.sync_index, data, vet=self.vet)
 
     def _refused(self) -> str:
@@ -127,11 +134,20 @@ class Membership:
             self.healed_from.append(healed)
         if q.shared:
             self.rejoining = False
+            self.shared_once = True
             self._name_ahead_of_start(q)
             self._name_rolled_back(q)
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
             self.adopt_step = self.pacer.adopt(agreed)
         return q
+
+    @property
+    def holding_start(self) -> bool:
+        """A fresh configured start not yet in a shared sync, within `quorum_timeout_s` of its start: a sync it
+        would make alone is not made (it keeps the federation's first anchor for the configured clusters still on
+        their way; after that it trains alone as before)."""
+        return self.fresh_start and not self.shared_once and \
+            time.time() < self.started_t + self.cfg.quorum_timeout_s
 
     def _name_ahead_of_start(self, q: Quorum) -> None:
         """Name a member that claims a sync past a start no one else has left: a strict majority of the quorum holds
@@ -208,7 +224,7 @@ class Membership:
     def meet(self) -> Quorum | None:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
         deadline = time.time() + self.cfg.quorum_timeout_s
-        regroup = time.time() + self.cfg.join_timeout_s
+        regroup = time.time() + self.cfg.join_timeout_s  # a resumed cluster's grace window, a fresh one's join wait
         seen = [""]  # who the last quorum held, who it missed: the wait's progress lines say it
         regrouping = self.cfg.restarted or self.pacer.total_steps > 0  # the grace window, not the quorum timeout
         limit = self.cfg.join_timeout_s if regrouping else self.cfg.quorum_timeout_s
@@ -254,8 +270,10 @@ class Membership:
         # ahead must not make it start alone), nor does one member's (a liar claiming sync 1 must not make a fresh
         # cluster start with it alone while a third configured cluster is still on its way)
         begun = q is not None and 2 * sum(m.sync > 0 for i, m in enumerate(q.members) if i != q.me) > self._others(q)
+        # a fresh start waits the join wait for the configured clusters (a member that never asks holds nobody
+        # longer), then trains: `holding_start` keeps its anchor the federation's first for those still coming
         fresh = q is not None and not begun and total_steps == 0 and not self.cfg.restarted \
-            and time.time() < deadline
+            and time.time() < min(deadline, regroup)
         resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
             and time.time() < regroup
         return missing and (fresh or resumed)
