@@ -252,12 +252,13 @@ class LocalSGD:
             self.t.abort()
             q = None
         final = self.pacer.take_finishing() or final  # after the agreed stop: the last sync
-        if q is not None and not q.shared and not final and self.membership.holding_start:
-            self.t.abort()  # alone before the first shared sync: keep the first anchor for those still coming
+        holding = q is not None and not q.shared and not final and self.membership.holding_start
+        if holding:  # alone before the first shared sync: keep the first anchor for those still coming
+            self.t.abort()
             q = None
         if q is None:  # cut off: keep training from the local replica; try again after another interval
             self.records.missed(self.membership.sync_index + 1, self.pacer.local_steps, self.pacer.total_steps)
-            self.pacer.missed()
+            self.pacer.missed(counted=not holding)
         else:
             self._run_sync(q, final)
 

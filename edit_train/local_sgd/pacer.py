@@ -170,10 +170,11 @@ class Pacer:
             self.planned = self.cfg.schedule.interval_after(self.total_steps)
         self.timer.reset()
 
-    def missed(self) -> None:
-        """Cut off: keep training from the local replica; try again after another interval."""
+    def missed(self, counted: bool = True) -> None:
+        """Cut off: keep training from the local replica; try again after another interval. Not `counted` toward
+        the run's syncs: a fresh start still waiting for the configured clusters (`Membership.holding_start`)."""
         self.last_exchange_t = time.time()
-        self.intervals += 1
+        self.intervals += 1 if counted else 0
         self.missed_since += 1
         base = self.cfg.schedule.interval_after(self.total_steps) if self.planner is None else max(self.planned, 1)
         self.planned = self.local_steps + base
