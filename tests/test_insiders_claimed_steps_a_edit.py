@@ -29,8 +29,8 @@ from test_insiders_claimed_steps import ClaimsMore
 from toy_federation import H, Outcome, train_cluster
 
 TOLERANCE = 0.02
-STEP_S = 0.01  # the seconds per step every cluster reports (× its ratio): H steps of it per interval
-TAU = H * STEP_S
+STEP_S = 0.01  # the seconds per step every cluster reports (× its ratio): 2H steps of it per interval
+TAU = 2 * H * STEP_S
 
 
 def _config(names: tuple[str, ...]) -> Any:
@@ -67,22 +67,23 @@ def test_time_caps_bound_a_claim_by_the_agreed_duration_and_keep_honest_claims()
                         ([5, 4, 1], [0.0085, 0.01, 0.12])):
         st = torch.tensor(steps, dtype=torch.float64)
         assert bool((time_caps(st, torch.tensor(secs, dtype=torch.float64), [1] * len(steps), tau) >= st).all())
-    # the first interval (until τ is spent: one step more than τ fits) is kept; at the first sync one more
+    # the first interval (until τ is spent: one step more than τ fits) is kept; one step more (the step in
+    # progress when an overlapped quorum is issued), at the first sync two (a step spent waiting is not timed)
     st = torch.tensor([5.0, 2.0])
-    assert time_caps(st, torch.tensor([0.0085, 0.039]), [1, 1], tau).tolist() == [5.0, 2.0]
+    assert time_caps(st, torch.tensor([0.0085, 0.039]), [1, 1], tau).tolist() == [6.0, 3.0]
     st = torch.tensor([4.0, 2.0])
-    assert time_caps(st, torch.tensor([0.01, 0.12]), [1, 1], tau, first=True).tolist() == [5.0, 2.0]
-    # 4x the steps at its real speed: counted at what the agreed duration fits (2 and 3 clusters)
+    assert time_caps(st, torch.tensor([0.01, 0.12]), [1, 1], tau, first=True).tolist() == [6.0, 3.0]
+    # 4x the steps at its real speed: counted at what the agreed duration fits, and one (2 and 3 clusters)
     caps = time_caps(torch.tensor([4.0, 16.0]), torch.tensor([0.01, 0.01]), [1, 1], tau)
-    assert caps.tolist() == [4.0, 4.0]
+    assert caps.tolist() == [5.0, 5.0]
     caps = time_caps(torch.tensor([4.0, 4.0, 16.0]), torch.tensor([0.01, 0.01, 0.01]), [1, 1, 1], tau)
-    assert caps.tolist() == [4.0, 4.0, 4.0]
+    assert caps.tolist() == [5.0, 5.0, 5.0]
     # claiming 100x the speed too: at three members the speed counts at most SPEED_SPAN x the lower median's
     caps = time_caps(torch.tensor([4.0, 4.0, 400.0]), torch.tensor([0.01, 0.01, 1e-4]), [1, 1, 1], tau)
-    assert caps[2] == round(tau / (0.01 / judge.SPEED_SPAN))
+    assert caps[2] == round(tau / (0.01 / judge.SPEED_SPAN)) + 1
     # a member claiming no work (or NaN) cannot shrink the others' duration below τ; two intervals since an anchor
     caps = time_caps(torch.tensor([8.0, float("nan")]), torch.tensor([0.01, float("nan")]), [2, 1], tau)
-    assert caps[0] == 8.0 and caps[1] == 4.0
+    assert caps[0] == 9.0 and caps[1] == 5.0
 
 
 @pytest.mark.parametrize("ratio", [1, 3, 12])

@@ -252,7 +252,7 @@ class LocalSGD:
             self.t.abort()
             q = None
         final = self.pacer.take_finishing() or final  # after the agreed stop: the last sync
-        holding = q is not None and not q.shared and not final and self.membership.holding_start
+        holding = q is not None and not q.shared and not final and self.membership.holding_start(q)
         if holding:  # alone before the first shared sync: keep the first anchor for those still coming
             self.t.abort()
             q = None

@@ -39,8 +39,9 @@ def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min
     member claiming no work cannot pull it down). A member's steps count at most ⌈D x its intervals / its seconds
     per step⌉ (an honest cluster plans ⌊τ / its last speed⌋ steps, its first interval until τ is spent: within it
     unless it slowed down or stepped on longer than the others while the quorum formed), and at least `min_steps`
-    per interval (a cluster slower than τ per step takes one); at the `first` sync one step more (a first
-    interval is timed by the cluster's clock, and a step spent waiting for the others is not timed). Its seconds per step count at least the quorum's
+    per interval (a cluster slower than τ per step takes one), plus one step (an overlapped cluster steps on while
+    the quorum forms: the step in progress when it is issued), at the `first` sync two (a first interval is timed
+    by the cluster's clock, and a step spent waiting for the others is not timed). Its seconds per step count at least the quorum's
     lower-median seconds per step / `SPEED_SPAN`; a non-finite or non-positive claim counts as the lower median."""
     k = torch.tensor(intervals, dtype=torch.float64)
     steps, secs = steps.to(torch.float64), secs.to(torch.float64)
@@ -51,7 +52,7 @@ def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min
     duration = max(float(lower_median(work)), tau)
     caps = torch.ceil(duration * k / s * (1 - 1e-6))  # rounding of the claims (float32 rows) gives no step
     caps = torch.where(torch.isfinite(caps), caps, torch.zeros_like(caps))  # no sane speed anywhere: min_steps
-    return torch.maximum(caps, k * min_steps) + (1 if first else 0)
+    return torch.maximum(caps, k * min_steps) + (2 if first else 1)
 
 
 class Judge:

@@ -141,12 +141,13 @@ class Membership:
             self.adopt_step = self.pacer.adopt(agreed)
         return q
 
-    @property
-    def holding_start(self) -> bool:
-        """A fresh configured start not yet in a shared sync, within `quorum_timeout_s` of its start: a sync it
-        would make alone is not made (it keeps the federation's first anchor for the configured clusters still on
-        their way; after that it trains alone as before)."""
-        return self.fresh_start and not self.shared_once and \
+    def holding_start(self, q: Quorum) -> bool:
+        """A fresh configured start not yet in a shared sync, within `quorum_timeout_s` of its start, whose quorum
+        `q` lacks a configured cluster that no quorum holds or left out (one still on its way, or one that never
+        asks): a sync it would make alone is not made — it keeps the federation's first anchor for them; after
+        that it trains alone as before."""
+        missing = set(self.cfg.expected) - {*q.names, *q.left_out}
+        return self.fresh_start and not self.shared_once and bool(missing) and \
             time.time() < self.started_t + self.cfg.quorum_timeout_s
 
     def _name_ahead_of_start(self, q: Quorum) -> None:
