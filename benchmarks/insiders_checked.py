@@ -1,8 +1,9 @@
-"""Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2
-and 5, on the toy federation over a real gate with a roster — the runs of `tests/test_insiders_first_heal.py`,
-`tests/test_insiders_claimed_steps.py` (and `_a_edit.py`: a time schedule) and `tests/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
-Prints one line per item and cluster count: (cluster, loss without the lie, loss with it, change); item 5 against
-the honest clusters' run without the staller, with the syncs they lost. docs/security.md quotes it. ~3 min."""
+"""Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2,
+5 and 7, on the toy federation over a real gate with a roster — the runs of `tests/test_insiders_first_heal.py`,
+`tests/test_insiders_claimed_steps.py` (and `_a_edit.py`: a time schedule), `tests/test_insiders_stalled.py` and
+`tests/test_insiders_rollback.py` (4 syncs of 4 steps, the same seed). Prints one line per item and cluster count:
+(cluster, loss without the lie, loss with it, change); item 5 against the honest clusters' run without the staller,
+with the syncs they lost. docs/security.md quotes it. ~4 min."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
 import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
 import test_insiders_first_heal as first  # noqa: E402
+import test_insiders_rollback as rollback  # noqa: E402
 import test_insiders_stalled as stalled  # noqa: E402
 
 
@@ -42,6 +44,8 @@ def main() -> None:
               claimed._run(root / f"2l{n}", names, True)[0])
         _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
               claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
+        _line("7 commit-then-rollback", n, honest, rollback._run(root / f"7c{n}", names, False)[0],
+              rollback._run(root / f"7l{n}", names, True)[0])
         _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
               stalled._run(root / f"5l{n}", names, names[-1])[0])
 

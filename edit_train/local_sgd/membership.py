@@ -175,7 +175,8 @@ class Membership:
         """Name a member that claims a newer version than it held at the last sync committed here, with the very
         anchor digest it held then: the sync it took part in moved every member's anchor (this cluster's too — else
         nobody is named), and an honest cluster on a device that rounds differently holds another digest than the
-        others, never the one it held before. It voted to commit and rolled its own state back (issue 69)."""
+        others, never the one it held before. It voted to commit and rolled its own state back (issue 69). Only at
+        the agreed version: a member at another one is healed from the agreed state anyway."""
         self.rolled_back = set()
         mine = self.held.get(self.t.name)
         if mine is None or mine[1] == "" or q.members[q.me].data.get("anchor") == mine[1]:
@@ -184,7 +185,7 @@ class Membership:
             before = self.held.get(m.name)
             if i == q.me or before is None or before[1] == "":
                 continue
-            if m.sync > before[0] and m.data.get("anchor") == before[1]:
+            if q.agreed_sync == m.sync > before[0] and m.data.get("anchor") == before[1]:
                 self.suspects.name(q, i, f"claims sync {m.sync} with the anchor it held at sync {before[0]} (digest "
                                    f"{before[1][:12]}): it rolled back a sync it took part in (its update counts for "
                                    "nothing in this sync)", kind="rolled back")
