@@ -1,8 +1,9 @@
-"""Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2
-and 5, on the toy federation over a real gate with a roster — the runs of `tests/federation/test_insiders_first_heal.py`,
-`tests/federation/test_insiders_claimed_steps.py` and `tests/federation/test_insiders_stalled.py` (4 syncs of 4 steps, the same seed).
-Prints one line per item and cluster count: (cluster, loss without the lie, loss with it, change); item 5 against
-the honest clusters' run without the staller, with the syncs they lost. docs/security.md quotes it. ~3 min."""
+"""Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2,
+5 and 7, on the toy federation over a real gate with a roster — the runs of `tests/federation/test_insiders_first_heal.py`,
+`tests/federation/test_insiders_claimed_steps.py` (and `_a_edit.py`: a time schedule), `tests/federation/test_insiders_stalled.py` and
+`tests/federation/test_insiders_rollback.py` (4 syncs of 4 steps, the same seed). Prints one line per item and cluster count:
+(cluster, loss without the lie, loss with it, change); item 5 against the honest clusters' run without the staller,
+with the syncs they lost. docs/security.md quotes it. ~4 min."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ sys.path[:0] = [str(TESTS / "helpers"), str(TESTS / "federation")]  # the tests 
 
 from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
+import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
 import test_insiders_first_heal as first  # noqa: E402
+import test_insiders_rollback as rollback  # noqa: E402
 import test_insiders_stalled as stalled  # noqa: E402
 
 
@@ -42,6 +45,10 @@ def main(argv: list[str] | None = None) -> None:
               first._run(root / f"1l{n}", names, True, late)[0])
         _line("2 claimed steps", n, honest, claimed._run(root / f"2c{n}", names, False)[0],
               claimed._run(root / f"2l{n}", names, True)[0])
+        _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
+              claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
+        _line("7 commit-then-rollback", n, honest, rollback._run(root / f"7c{n}", names, False)[0],
+              rollback._run(root / f"7l{n}", names, True)[0])
         _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
               stalled._run(root / f"5l{n}", names, names[-1])[0])
 

@@ -15,7 +15,7 @@ from edit_train.federation import auth
 MAX_FRAME = 64 * 1024
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(?:\.[A-Za-z0-9_-]+)*")  # fullmatch; no "..", at most 64
 DATA_KEYS = {"local_steps": int, "incarnation": str, "fp": str, "total_steps": int, "anchor": str, "sig": str,
-             "refused": str}
+             "refused": str, "missed": int}
 # The gate's answer to a request whose tag does not verify: untagged (the gate cannot sign for a key it does
 # not hold) and always the same bytes, so a stranger learns only what a closed connection already told it
 # (this is a gate, and its key is not theirs). A cluster holding another key can then say so instead of

@@ -274,9 +274,13 @@ class LocalSGD:
             self.t.abort()
             q = None
         final = self.pacer.take_finishing() or final  # after the agreed stop: the last sync
+        holding = q is not None and not q.shared and not final and self.membership.holding_start(q)
+        if holding:  # alone before the first shared sync: keep the first anchor for those still coming
+            self.t.abort()
+            q = None
         if q is None:  # cut off: keep training from the local replica; try again after another interval
             self.records.missed(self.membership.sync_index + 1, self.pacer.local_steps, self.pacer.total_steps)
-            self.pacer.missed()
+            self.pacer.missed(counted=not holding)
         else:
             self._run_sync(q, final)
 
@@ -294,6 +298,14 @@ class LocalSGD:
             sched, top = self.cfg.schedule, self.cfg.schedule.steps_at(q.agreed_sync + 1)
             self.driver.core.steps_bound = [max(top - sched.steps_at(min(m.sync, q.agreed_sync)), 1)
                                             for m in q.members]
+        else:  # a time schedule: the intervals since the anchor each holds (judge.time_caps)
+            self.driver.core.sync_time_s, self.driver.core.min_steps = self.cfg.schedule.sync_time_s, \
+                self.cfg.schedule.min_steps
+            self.driver.core.missed = [bool(m.data.get("missed", 0)) for m in q.members]
+            self.driver.core.first_sync = q.agreed_sync == 0
+            self.driver.core.intervals_bound = [max(q.agreed_sync + 1 - min(m.sync, q.agreed_sync), 1)
+                                                for m in q.members]
+        self.driver.core.not_counted = [i for i, m in enumerate(q.members) if m.name in self.membership.rolled_back]
         driver = self.driver  # the final sync runs blocking in every mode: every cluster ends on θ̄
         if final and isinstance(driver, OverlapDriver):
             driver = BlockingDriver(driver.core, driver.on_complete, driver.on_abort, False, True)
@@ -313,6 +325,7 @@ class LocalSGD:
     def _completed(self, report: SyncReport) -> None:
         self.records.completed(report)
         self.probe.committed(report.quorum)
+        self.membership.committed(report.sync)
 
     def _aborted(self, report: SyncReport, why: str) -> None:
         self.probe.dropped()

@@ -72,9 +72,20 @@ class SyncCore:
     max_tokens_per_step: int = 0  # a cluster's claimed tokens are bounded by its local steps x this (0: unbounded)
     # a step schedule: per member of the round's quorum, the most local steps it can have taken since its anchor (the
     # steps between the anchor version it holds and the boundary this sync makes: the same on every member, from the
-    # quorum's records); a claim over it counts as it (judge.py). Empty: no bound (a time schedule, where a
-    # cluster's speed is its own word: docs/security.md). Set for each round.
+    # quorum's records); a claim over it counts as it (judge.py). Empty: no bound (a time schedule: below).
+    # Set for each round.
     steps_bound: list[int] = field(default_factory=list)
+    # a time schedule (A-EDiT): per member, the intervals since the anchor it holds (the quorum's records), and τ;
+    # a member's claimed local steps are bounded by what its claimed seconds per step fit in the interval's agreed
+    # duration (judge.time_caps: the same on every member). Empty: no bound. Set for each round.
+    intervals_bound: list[int] = field(default_factory=list)
+    sync_time_s: float = 0.0
+    min_steps: int = 1  # algo.min_steps: the fewest local steps a cluster takes in an interval
+    missed: list[bool] = field(default_factory=list)  # per member: says it missed intervals since its last sync
+    first_sync: bool = False  # the federation's first sync (its intervals timed by each cluster's clock)
+    # positions in the round's quorum whose update counts for nothing (a member that rolled back a sync it took
+    # part in: its Δ is from another anchor; membership.py). Set for each round.
+    not_counted: list[int] = field(default_factory=list)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
     expert_bias: BiasSync | None = None  # the routers' expert bias across syncs (algo.expert_bias, expert_bias.py)

@@ -16,6 +16,43 @@ from edit_train.local_sgd.sync.expert_rows import ExpertRows
 from edit_train.local_sgd.aggregation.scale import bound_scale
 
 EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  # per-cluster scalars of the exchange
+# A-EDiT: a member's claimed steps count at most what its claimed seconds per step fit in the interval's agreed
+# duration (`time_caps`); a claim over NAMED_OVER times that is named (an honest cluster that slowed down within an
+# interval, or stepped on longer while the quorum formed, is bounded a little, never named). A member's claimed speed
+# counts at most SPEED_SPAN times the quorum's lower-median speed (an honest federation up to 1:SPEED_SPAN pays
+# nothing; it bounds a member only where it is not the lower median: three members or more).
+NAMED_OVER, SPEED_SPAN = 2.0, 16.0
+
+
+def lower_median(x: Tensor) -> Tensor:
+    """The lower median of a 1-D tensor (what one member of three cannot move outside the others' range)."""
+    return x.sort().values[(x.numel() - 1) // 2]
+
+
+def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min_steps: int = 1,
+              first: bool = False) -> Tensor:
+    """A-EDiT: the most local steps each member's claims let it have taken (docs/security.md, issue 69), computed
+    from the exchange and the quorum's records only, so every member caps the same claims the same way.
+
+    Each member's claimed work — steps x seconds per step per interval since its anchor — is that interval's
+    duration as it says it spent it. The interval's agreed duration D is the lower median of those (at least τ: a
+    member claiming no work cannot pull it down). A member's steps count at most ⌈D x its intervals / its seconds
+    per step⌉ (an honest cluster plans ⌊τ / its last speed⌋ steps, its first interval until τ is spent: within it
+    unless it slowed down or stepped on longer than the others while the quorum formed), and at least `min_steps`
+    per interval (a cluster slower than τ per step takes one), plus one step (an overlapped cluster steps on while
+    the quorum forms: the step in progress when it is issued), at the `first` sync two (a first interval is timed
+    by the cluster's clock, and a step spent waiting for the others is not timed). Its seconds per step count at least the quorum's
+    lower-median seconds per step / `SPEED_SPAN`; a non-finite or non-positive claim counts as the lower median."""
+    k = torch.tensor(intervals, dtype=torch.float64)
+    steps, secs = steps.to(torch.float64), secs.to(torch.float64)
+    sane = torch.isfinite(secs) & (secs > 0)
+    typical = lower_median(secs[sane]) if bool(sane.any()) else torch.tensor(math.inf, dtype=torch.float64)
+    s = torch.where(sane, secs, typical).clamp_min(typical / SPEED_SPAN)
+    work = torch.where(torch.isfinite(steps) & (steps >= 0), steps, torch.zeros_like(steps)) * s / k
+    duration = max(float(lower_median(work)), tau)
+    caps = torch.ceil(duration * k / s * (1 - 1e-6))  # rounding of the claims (float32 rows) gives no step
+    caps = torch.where(torch.isfinite(caps), caps, torch.zeros_like(caps))  # no sane speed anywhere: min_steps
+    return torch.maximum(caps, k * min_steps) + (2 if first else 1)
 
 
 class Judge:
@@ -26,6 +63,10 @@ class Judge:
         self.meta: dict[str, Tensor] = {}  # per cluster: reported norms, steps, tokens, probe scores
         self.steps_bound = list(core.steps_bound)  # this round's (an overlapped round reads after the next began)
         self.bias: Tensor | None = None  # per cluster: what it reported of its expert bias (expert_bias.py)
+        self.not_counted = list(core.not_counted)
+        self.time_bound = (list(core.intervals_bound), core.sync_time_s, core.min_steps, core.first_sync) \
+            if core.intervals_bound else None
+        self.missed = list(core.missed)
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
@@ -39,21 +80,47 @@ class Judge:
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
-        steps = self._steps(rows[:, n].clone())
+        said = rows[:, n].clone()
+        steps = self._steps(said.clone(), rows[:, n + EXTRA.index("secs_per_step")].clone())
+        for i in self.not_counted:  # it rolled back a sync it took part in (membership.py): weight 0
+            if i < steps.numel():
+                steps[i] = 0
         self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
-                     rows[:, n + EXTRA.index("tokens")].clone()), "probe": probe,
+                     rows[:, n + EXTRA.index("tokens")].clone(), said), "probe": probe,
                      "total_steps": rows[:, n + EXTRA.index("total_steps")].clone()}
         self._suspected(probe_suspects)
         self.rows.read(full[:, n + 1:n + 1 + m])
         self.report.cluster_norm = float(norms[self.report.position].pow(2).sum().sqrt())
         return norms, marks, rows[:, n:n + k]
 
-    def _steps(self, claimed: Tensor) -> Tensor:
+    def _time_steps(self, claimed: Tensor, secs: Tensor) -> Tensor:
+        """A time schedule: each claim bounded by `time_caps` (the same on every member). A claim over `NAMED_OVER`
+        times it is named when this cluster's own claim is not (when every member is over — a sync lost by all —
+        every weight is bounded alike and nobody is named), unless its record says it missed intervals since its
+        last sync (cut off, or a fresh start before its first shared sync: its steps span intervals no sync count
+        shows; they are bounded all the same, so saying so buys nothing)."""
+        intervals, tau, least, first = self.time_bound
+        caps = time_caps(claimed, secs, intervals, tau, least, first)
+        over = ~(claimed.to(torch.float64) <= caps)  # NaN is over too
+        named = ~(claimed.to(torch.float64) <= NAMED_OVER * caps)
+        if len(self.missed) == claimed.numel():  # intervals missed that no sync count shows: bounded, not named
+            named &= ~torch.tensor(self.missed, dtype=torch.bool)
+        me = self.report.position
+        if not bool(named[me]):
+            for i in named.nonzero().flatten().tolist():
+                self.name(i, f"claims {float(claimed[i]):.4g} local steps at {float(secs[i]):.4g} s per step at sync "
+                             f"{self.report.sync}, more than the {float(caps[i]):.0f} the interval's agreed duration "
+                             "lets it have taken (bounded to it)", "local steps")
+        return torch.where(over, caps.to(claimed.dtype), claimed)
+
+    def _steps(self, claimed: Tensor, secs: Tensor) -> Tensor:
         """The claimed local steps, each bounded under a step schedule by what the sync count lets that member have
         taken since the anchor it holds (`SyncCore.steps_bound`, the same on every member: the decisions stay
         everyone's). A claim over it and over this cluster's own steps (the honest lost the same syncs) is named: a
         claim of 4x its steps buys no weight (issue 69)."""
         caps = self.steps_bound
+        if self.time_bound and len(self.time_bound[0]) == claimed.numel():
+            return self._time_steps(claimed, secs)
         if len(caps) != claimed.numel():
             return claimed
         cap = torch.tensor(caps, dtype=claimed.dtype)
@@ -65,15 +132,16 @@ class Judge:
                              f"{caps[i]} the step schedule allows since its anchor (bounded to it)", "local steps")
         return torch.where(over, cap, claimed)
 
-    def _tokens(self, steps: Tensor, claimed: Tensor) -> Tensor:
-        """The claimed tokens, each bounded by the cluster's local steps x the most tokens per step any configured
-        cluster takes (a claim of 10^12 tokens weighs what its steps can hold); those over it are named."""
+    def _tokens(self, steps: Tensor, claimed: Tensor, said: Tensor) -> Tensor:
+        """The claimed tokens, each bounded by the cluster's (bounded) local steps x the most tokens per step any
+        configured cluster takes (a claim of 10^12 tokens weighs what its steps can hold); those over what its own
+        claimed steps can hold are named (a claim of steps over its bound is named for the steps, `_steps`)."""
         cap = self.core.max_tokens_per_step
         if cap <= 0:
             return claimed
         most = steps.clamp_min(0) * cap
         over = ~(claimed <= most)  # NaN is over too
-        for i in over.nonzero().flatten().tolist():
+        for i in (over & ~(claimed <= said.clamp_min(0) * cap)).nonzero().flatten().tolist():
             self.name(i, f"claims {float(claimed[i]):.4g} tokens for {float(steps[i]):.0f} local steps, more than "
                          f"{cap} per step (bounded to {float(most[i]):.4g})", "tokens")
         return torch.where(over, most, claimed)

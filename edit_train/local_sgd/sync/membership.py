@@ -67,12 +67,24 @@ class Membership:
         # model.init_from, in the configuration fingerprint), so nobody heals at sync 1 on one member's word (a
         # resumed cluster is set rejoining by `SyncState.load`)
         self.rejoining = cfg.restarted or transport.name not in cfg.expected
+        # what each member of a sync in flight claimed (its version, its anchor digest), by the version the sync
+        # makes; once it commits here, `held`: what each member of the last committed sync held before it
+        self._claims: dict[int, dict[str, tuple[int, str]]] = {}
+        self.held: dict[str, tuple[int, str]] = {}
+        self.rolled_back: set[str] = set()  # members of the quorum just admitted that rolled a sync back
+        # a configured cluster's fresh start waits `join_timeout_s` for the configured clusters, then trains; until
+        # its first shared sync (at most `quorum_timeout_s` after it started) a sync it would make alone is not
+        # made: its anchor stays the federation's first (everyone's by construction), so a configured cluster that
+        # comes later meets it at sync 0 with the same anchor and nobody heals (`holding_start`)
+        self.fresh_start = not self.rejoining
+        self.started_t = time.time()
+        self.shared_once = False
 
     def start(self, local_steps: int) -> None:
         """Ask for this sync's quorum (in the background where the transport can)."""
         data = {"local_steps": local_steps, "incarnation": self.incarnation, "fp": self.cfg.fingerprint,
                 "total_steps": self.pacer.total_steps, "anchor": self.digest() if self.t.federated else "",
-                "refused": self._refused()}
+                "refused": self._refused(), "missed": self.pacer.missed_since}
         self.t.form_start(self.sync_index, data, vet=self.vet)
 
     def _refused(self) -> str:
@@ -122,10 +134,21 @@ class Membership:
             self.healed_from.append(healed)
         if q.shared:
             self.rejoining = False
+            self.shared_once = True
             self._name_ahead_of_start(q)
+            self._name_rolled_back(q)
         if self.lockstep_sgd and agreed > self.pacer.total_steps:
             self.adopt_step = self.pacer.adopt(agreed)
         return q
+
+    def holding_start(self, q: Quorum) -> bool:
+        """A fresh configured start not yet in a shared sync, within `quorum_timeout_s` of its start, whose quorum
+        `q` lacks a configured cluster that no quorum holds or left out (one still on its way, or one that never
+        asks): a sync it would make alone is not made — it keeps the federation's first anchor for them; after
+        that it trains alone as before."""
+        missing = set(self.cfg.expected) - {*q.names, *q.left_out}
+        return self.fresh_start and not self.shared_once and bool(missing) and \
+            time.time() < self.started_t + self.cfg.quorum_timeout_s
 
     def _name_ahead_of_start(self, q: Quorum) -> None:
         """Name a member that claims a sync past a start no one else has left: a strict majority of the quorum holds
@@ -141,6 +164,33 @@ class Membership:
                 self.suspects.name(q, i, f"claims sync {m.sync} where {holders} of {len(q.members)} members hold the "
                                    "federation's first anchor (sync 0): not followed", kind="ahead of start")
 
+    def committed(self, sync: int) -> None:
+        """The sync that made version `sync` committed here: what its members held before it is `held`."""
+        claims = self._claims.pop(sync, None)
+        self._claims = {v: c for v, c in self._claims.items() if v > sync}
+        if claims is not None:
+            self.held = claims
+
+    def _name_rolled_back(self, q: Quorum) -> None:
+        """Name a member that claims a newer version than it held at the last sync committed here, with the very
+        anchor digest it held then: the sync it took part in moved every member's anchor (this cluster's too — else
+        nobody is named), and an honest cluster on a device that rounds differently holds another digest than the
+        others, never the one it held before. It voted to commit and rolled its own state back (issue 69). Only at
+        the agreed version: a member at another one is healed from the agreed state anyway."""
+        self.rolled_back = set()
+        mine = self.held.get(self.t.name)
+        if mine is None or mine[1] == "" or q.members[q.me].data.get("anchor") == mine[1]:
+            return
+        for i, m in enumerate(q.members):
+            before = self.held.get(m.name)
+            if i == q.me or before is None or before[1] == "":
+                continue
+            if q.agreed_sync == m.sync > before[0] and m.data.get("anchor") == before[1]:
+                self.suspects.name(q, i, f"claims sync {m.sync} with the anchor it held at sync {before[0]} (digest "
+                                   f"{before[1][:12]}): it rolled back a sync it took part in (its update counts for "
+                                   "nothing in this sync)", kind="rolled back")
+                self.rolled_back.add(m.name)
+
     # ------------------------------------------------------------ the one writer of `sync_index`
     def holds(self, sync: int) -> None:
         """The anchor version this cluster holds now (restored, or ddp's: its step)."""
@@ -149,6 +199,8 @@ class Membership:
     def syncing(self, q: Quorum) -> None:
         """A sync of quorum `q` starts: the version it makes (the agreed one when nobody contributes)."""
         self.sync_index = q.agreed_sync + (1 if any(m.contributes for m in q.members) else 0)
+        if self.sync_index > q.agreed_sync:
+            self._claims[self.sync_index] = {m.name: (m.sync, str(m.data.get("anchor", ""))) for m in q.members}
 
     def aborted(self) -> None:
         """The sync that was to make the next version did not commit."""
@@ -174,7 +226,7 @@ class Membership:
     def meet(self) -> Quorum | None:
         """Before the first step: the first quorum this cluster takes part in (None: training alone)."""
         deadline = time.time() + self.cfg.quorum_timeout_s
-        regroup = time.time() + self.cfg.join_timeout_s
+        regroup = time.time() + self.cfg.join_timeout_s  # a resumed cluster's grace window, a fresh one's join wait
         seen = [""]  # who the last quorum held, who it missed: the wait's progress lines say it
         regrouping = self.cfg.restarted or self.pacer.total_steps > 0  # the grace window, not the quorum timeout
         limit = self.cfg.join_timeout_s if regrouping else self.cfg.quorum_timeout_s
@@ -220,8 +272,10 @@ class Membership:
         # ahead must not make it start alone), nor does one member's (a liar claiming sync 1 must not make a fresh
         # cluster start with it alone while a third configured cluster is still on its way)
         begun = q is not None and 2 * sum(m.sync > 0 for i, m in enumerate(q.members) if i != q.me) > self._others(q)
+        # a fresh start waits the join wait for the configured clusters (a member that never asks holds nobody
+        # longer), then trains: `holding_start` keeps its anchor the federation's first for those still coming
         fresh = q is not None and not begun and total_steps == 0 and not self.cfg.restarted \
-            and time.time() < deadline
+            and time.time() < min(deadline, regroup)
         resumed = q is not None and (total_steps > 0 or self.cfg.restarted) and q.agreed_sync <= self.sync_index \
             and time.time() < regroup
         return missing and (fresh or resumed)

@@ -82,6 +82,7 @@ class Pacer:
         self.checkpoint_due = False  # time schedule: save now (a sync has just been exchanged or missed)
         self.checkpoint_step = 0  # time schedule: this cluster's total steps at its last checkpoint
         self.intervals = 0  # time schedule: intervals this cluster ended (syncs joined or missed)
+        self.missed_since = 0  # intervals missed since the last sync began (said in its quorum record)
         self.syncs = run_syncs(cfg.schedule, cfg.total_steps) if self.planner is not None else 0
         self.vote = False  # this cluster's agreed stop vote, refreshed every local step
         self.overdue = False  # a time budget passed by an interval on this cluster's clock (agreed by its ranks)
@@ -164,14 +165,17 @@ class Pacer:
         self.last_exchange_t = time.time()
         self.local_steps = 0
         self.intervals += 1
+        self.missed_since = 0
         if self.planner is None:  # to the next boundary: every `interval` steps unless they follow the lr
             self.planned = self.cfg.schedule.interval_after(self.total_steps)
         self.timer.reset()
 
-    def missed(self) -> None:
-        """Cut off: keep training from the local replica; try again after another interval."""
+    def missed(self, counted: bool = True) -> None:
+        """Cut off: keep training from the local replica; try again after another interval. Not `counted` toward
+        the run's syncs: a fresh start still waiting for the configured clusters (`Membership.holding_start`)."""
         self.last_exchange_t = time.time()
-        self.intervals += 1
+        self.intervals += 1 if counted else 0
+        self.missed_since += 1
         base = self.cfg.schedule.interval_after(self.total_steps) if self.planner is None else max(self.planned, 1)
         self.planned = self.local_steps + base
         self._plan_checkpoint()  # cut off for long: its local progress is saved too
