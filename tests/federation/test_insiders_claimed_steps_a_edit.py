@@ -21,9 +21,9 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.inproc import InProcessFederation, ThreadGroup
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.transport import LaneTransport
-from edit_train.local_sgd import judge
-from edit_train.local_sgd.judge import time_caps
-from edit_train.local_sgd.schedule import ScheduleConfig
+from edit_train.local_sgd.sync import judge
+from edit_train.local_sgd.sync.judge import time_caps
+from edit_train.local_sgd.sync.schedule import ScheduleConfig
 from liar_utils import KEY, SYNCS, TOTAL, GateRun, final_loss, run_threads, toy_config
 from test_insiders_claimed_steps import ClaimsMore
 from toy_federation import H, Outcome, train_cluster

@@ -22,7 +22,7 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.inproc import InProcessFederation, ThreadGroup
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.transport import LaneTransport
-from edit_train.local_sgd.membership import Membership
+from edit_train.local_sgd.sync.membership import Membership
 from liar_utils import KEY, SYNCS, GateRun, final_loss, run_threads, toy_config
 from toy_federation import Outcome, max_diff, train_cluster
 
