@@ -174,3 +174,14 @@ def resumed_bit_identically(tmp_path: Path, corpus, *common: str) -> list[dict[s
         assert not [k for k in a if not torch.equal(a[k], b[k])], fa.name
         loaded.append(a)
     return loaded
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_left_over():
+    """A test that stops an in-process run by a signal (train/signals.py) sets the process's `waits.STOP`; the next
+    test's waits for the federation would give up at once. Every test starts and ends without it."""
+    from edit_train.local_sgd.sync import waits
+
+    waits.STOP.clear()
+    yield
+    waits.STOP.clear()

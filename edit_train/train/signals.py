@@ -51,7 +51,8 @@ class StopSignal:
     def finished(self) -> None:
         """The work is over and its files are written: from here a SIGINT/SIGTERM exits at once (128 + signal)
         with one line, whatever is shutting down."""
-        waits.STOP.set()  # nothing left to wait for
+        # not waits.STOP: it is the process's, and a process that trains again (a test, a notebook) would find
+        # every wait for the federation given up at once
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._after_the_work)
             signal.signal(signal.SIGTERM, self._after_the_work)

@@ -31,8 +31,8 @@ def test_past_train_steps_the_lines_keep_their_pace(caplog: pytest.LogCaptureFix
         bar.close()  # its last line
     said = [r.getMessage().split(" loss")[0] for r in caplog.records]
     assert said == ["cluster c0 step 10/20", "cluster c0 step 20/20",
-                    "cluster c0 step 110 (past train.steps 20: training on until most clusters reach it)",
-                    "cluster c0 step 120 (past train.steps 20: training on until most clusters reach it)"], said
+                    "cluster c0 step 110 (past train.steps 20: a fast cluster trains on to the run's last sync)",
+                    "cluster c0 step 120 (past train.steps 20: a fast cluster trains on to the run's last sync)"], said
 
 
 def test_oversubscribed_is_said_once_per_run(caplog: pytest.LogCaptureFixture,
