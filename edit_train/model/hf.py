@@ -285,6 +285,19 @@ def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_to
     return d
 
 
+def _typed(source: str, field: str, v: Any, want: type) -> Any:
+    """A config.json value as the dataclass field's type (`want`), or one line naming the field."""
+    if want is bool and not isinstance(v, bool):
+        raise ValueError(f"{source}: {field} must be true or false, got {v!r}")
+    if want is int and (isinstance(v, bool) or not isinstance(v, int)):
+        raise ValueError(f"{source}: {field} must be an integer, got {v!r}")
+    if want is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{source}: {field} must be a number, got {v!r}")
+        return float(v)
+    return v
+
+
 def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG_NAME) -> ModelConfig:
     """A :class:`ModelConfig` from a BailingMoe ``config.json`` dict. Unknown keys are ignored, a key left out
     takes BailingMoeConfig's default (not ours), training-only fields keep our defaults; features our model
@@ -319,17 +332,8 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
     defaults = ModelConfig()
     kw: dict[str, Any] = {f: get(f) for f in HF_FIELDS}
     for f, v in list(kw.items()):  # JSON values -> the dataclass field's type
-        if v is None:
-            continue
-        want = type(getattr(defaults, f))
-        if want is bool and not isinstance(v, bool):
-            raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
-        if want is int and (isinstance(v, bool) or not isinstance(v, int)):
-            raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
-        if want is float:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{source}: {f} must be a number, got {v!r}")
-            kw[f] = float(v)
+        if v is not None:
+            kw[f] = _typed(source, f, v, type(getattr(defaults, f)))
     for f in ("num_experts", "num_shared_experts"):  # null: no MoE block / no shared experts
         kw[f] = 0 if kw[f] is None else kw[f]
     if kw["head_dim"] is None and kw["hidden_size"] and kw["num_attention_heads"]:
@@ -345,16 +349,7 @@ def from_hf_config(d: Mapping[str, Any], source: str | os.PathLike[str] = CONFIG
     if v2:  # the V2 keys; one left out means BailingMoeV2Config's default
         for f in HF_FIELDS_V2:
             v = d[f] if f in d else BAILING_V2_DEFAULTS[f]
-            want = type(_LING1_V2_FIELDS[f])
-            if want is bool and not isinstance(v, bool):
-                raise ValueError(f"{source}: {f} must be true or false, got {v!r}")
-            if want is int and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"{source}: {f} must be an integer, got {v!r}")
-            if want is float:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise ValueError(f"{source}: {f} must be a number, got {v!r}")
-                v = float(v)
-            kw[f] = v
+            kw[f] = _typed(source, f, v, type(_LING1_V2_FIELDS[f]))
         if kw["n_group"] in (None, 1) and kw["topk_group"] in (None, 1):  # one group: no limit
             kw["n_group"] = kw["topk_group"] = 0
         shared = d.get("moe_shared_expert_intermediate_size")
