@@ -30,8 +30,11 @@ PUBLISHED = {
                     moe_intermediate_size=2048, intermediate_size=18432, first_k_dense_replace=4),
 }
 # model cards: (total, active, non-embedding active, tolerance); the counts leave the MTP layer out, as the cards do.
-# Ling-flash-2.0's card rounds its total to "100B": the published config counts 102.9B (the hub lists 103B), so
-# that one figure is held to 3 %; Ling-1T's "about 50B" active is 51.05B with the embeddings, 48.5B without.
+# Ling-flash-2.0's card rounds its total to "100B": the published checkpoint holds 102,889,697,280 bf16 parameters
+# (the Hugging Face hub's safetensors metadata for inclusionAI/Ling-flash-2.0, which also lists 7,936 fp32 values:
+# the expert bias of 31 MoE layers × 256 experts), held to the unit below, so the card's rounded total is held to
+# 3 %; Ling-1T's "about 50B" active is 51.05B with the embeddings, 48.5B without.
+PUBLISHED_CHECKPOINT = {"ling_flash_2": (102_889_697_280, 7_936)}  # (bf16 parameters, fp32 expert-bias values)
 CARDS = {
     "ling_mini_2": ((16.26e9, 0.02), (1.43e9, 0.02), (789e6, 0.02)),
     "ling_flash_2": ((100e9, 0.03), (6.1e9, 0.02), (4.8e9, 0.02)),
@@ -55,6 +58,17 @@ def test_counts_match_the_model_cards(name):
         if card is not None:
             want, tol = card
             assert abs(value / want - 1) <= tol, (name, value, want)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_CHECKPOINT))
+def test_counts_equal_the_published_checkpoint(name):
+    """The published checkpoint has no MTP layer: its parameters are the model's without it, to the unit, and its
+    fp32 values are one expert bias per MoE layer — which only the published widths give."""
+    cfg = load_preset(name)
+    c = count_params(cfg)
+    params, bias = PUBLISHED_CHECKPOINT[name]
+    assert c["total_params"] - c["mtp_params"] == params
+    assert (cfg.num_hidden_layers - cfg.first_k_dense_replace) * cfg.num_experts == bias
 
 
 def test_mini_counts_to_the_last_digit():
