@@ -126,11 +126,18 @@ def snap(w: float, bits: int = 30) -> float:
 
 
 PROBE_BOUND = 1.0  # a probe score counts at most ±100 % (one wild evaluator cannot pull a middle value far)
-# an evaluator is suspected only this far (relative probe loss) from the others, or alone this far above 0: honest
-# sites with other data (the four-language federations of benchmarks/false_positives.py) score each other's
-# updates up to a few tens of percent apart, a lie is bounded at ±100 %. Below it, the lower median of at
-# least two other evaluators already bounds what one evaluator's score does.
+# what honest sites with other data do to each other's probe loss: up to a few tens of percent (the four-language
+# federations of benchmarks/false_positives.py: +58 % at most); a site's typical harm counts up to it
 PROBE_LIE = 0.5
+# an evaluator is suspected only when, on most updates it scored, it is this far (relative probe loss) from the
+# other evaluators' lower median: honest four-language sites' median distance reached 0.87 (false_positives.py,
+# seed 0), a liar scoring every update +1000 % (bounded to +100 %) against others' −20..−45 % is 1.2-1.45 away.
+# Below it, the lower median of at least two other evaluators already bounds what one evaluator's score does. The
+# distance is taken on scores bounded at ±PROBE_WILD (not PROBE_BOUND, which bounds what a score counts for): an
+# evaluator claiming +1000 % is 10 away from the others, one claiming +100 % is within what honest sites show. An
+# evaluator whose score is the only one an update got is named only above PROBE_BOUND + PROBE_DISAGREE: it decided
+# nothing, and honest unlike sites score each other's updates up to +58 %.
+PROBE_DISAGREE, PROBE_WILD = 0.95, 10.0
 
 
 def _lower_median(values: Tensor) -> float:
@@ -145,11 +152,12 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
     `baseline` — what a typical update does to the others' probe loss; the suspected
     evaluators). Nobody vouches for its own update, and no single evaluator decides alone: with two clusters
     each update has one other evaluator, so the probe flags nobody. An evaluator is suspected when, for a strict
-    majority of the updates it can be compared on, its score is more than `tolerance` (at least `PROBE_LIE`) from
-    the lower median of the other evaluators of that update; its scores are then not counted ("disagrees"). An
-    evaluator whose score above `tolerance` (at least `PROBE_LIE`) is the only one an update got is named too
-    ("alone"): it decided nothing. Honest sites with other data disagree by less (`PROBE_LIE`)."""
-    s = scores.to(torch.float64).clamp(-PROBE_BOUND, PROBE_BOUND)  # NaN (not measured) stays NaN
+    majority of the updates it can be compared on, its score is more than `tolerance` (at least `PROBE_DISAGREE`)
+    from the lower median of the other evaluators of that update; its scores are then not counted ("disagrees").
+    An evaluator whose score above `PROBE_BOUND` + `PROBE_DISAGREE` is the only one an update got is named too
+    ("alone"): it decided nothing. Honest sites with other data disagree by less (`PROBE_DISAGREE`)."""
+    wild = scores.to(torch.float64).clamp(-PROBE_WILD, PROBE_WILD)  # NaN (not measured) stays NaN
+    s = wild.clamp(-PROBE_BOUND, PROBE_BOUND)
     n_eval, n_cand = s.shape
     suspects: dict[int, str] = {}
     for e in range(n_eval):
@@ -157,11 +165,11 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
         for c in range(n_cand):
             if c == e or not math.isfinite(float(s[e, c])):
                 continue
-            others = torch.tensor([float(s[j, c]) for j in range(n_eval) if j not in (e, c)], dtype=torch.float64)
+            others = torch.tensor([float(wild[j, c]) for j in range(n_eval) if j not in (e, c)], dtype=torch.float64)
             others = others[torch.isfinite(others)]
             if others.numel():
                 compared += 1
-                disagreed += int(abs(float(s[e, c]) - _lower_median(others)) > max(tolerance, PROBE_LIE))
+                disagreed += int(abs(float(wild[e, c]) - _lower_median(others)) > max(tolerance, PROBE_DISAGREE))
         if compared and 2 * disagreed > compared:
             suspects[e] = "disagrees"
     out = []
@@ -169,7 +177,7 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
         who = [e for e in range(n_eval) if e != c and e not in suspects and math.isfinite(float(s[e, c]))]
         col = torch.tensor([float(s[e, c]) for e in who], dtype=torch.float64)
         out.append(_lower_median(col) if col.numel() >= 2 else math.nan)
-        if len(who) == 1 and float(s[who[0], c]) > max(tolerance, PROBE_LIE):
+        if len(who) == 1 and float(wild[who[0], c]) > PROBE_BOUND + PROBE_DISAGREE:
             suspects.setdefault(who[0], "alone")
     judged = torch.tensor(out, dtype=torch.float64)
     return judged - baseline(judged), suspects

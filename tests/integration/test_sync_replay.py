@@ -11,7 +11,12 @@ float tolerance on each anchor's summary and on every number of every event, and
 (flags, weights' structure, modes, counts). Re-recorded 2026-11-29 from a code that still replayed the first
 recording bit-for-bit on its box (CI at 1abb9e1). Re-recorded 2026-12-02 (issue 65, on the 2-core box) after the
 probe judgement began to subtract the quorum's baseline: every decision as before; beyond this box's rounding
-(the canary differs) the one changed number is the retracted cluster's probe score, 1.0 → 0.9595.
+(the canary differs) the one changed number is the retracted cluster's probe score, 1.0 → 0.9595. Re-recorded 2026-12-02 again
+(issue 65, this box) when the direction test began to judge each cluster against its own history and the probe
+each cluster against its own threshold: every anchor and decision of `sum`, `combine`, `experts` and `gathered` as
+before (in `gathered` the evidence's `probe` is now the score less the cluster's offset, 0.9595 → 0.5595, and
+`direction_z` is against the cluster's own history); `sketched` flips c1 in its third sync instead of its second
+(a cluster is judged on direction once its own history holds two values).
 """
 
 from __future__ import annotations
@@ -142,11 +147,11 @@ def gathered_run() -> dict[str, Outcome]:
 
 
 def sketched_run() -> dict[str, Outcome]:
-    """verified at 6 clusters (gather_max 4): a checked SUM; c1 flips its sign in sync 2: the sketches show it and
-    the sync is gathered again."""
-    faults = FaultInjector([{"kind": "sign_flip", "cluster": 1, "start": 4, "end": 8}], group=1, vocab_size=2)
+    """verified at 6 clusters (gather_max 4): a checked SUM; c1 flips its sign in its third sync (its own direction
+    history holds two values then: judged): the sketches show it and the sync is gathered again."""
+    faults = FaultInjector([{"kind": "sign_flip", "cluster": 1, "start": 8, "end": 12}], group=1, vocab_size=2)
     wrap = lambda transport, step: ByzantineTransport(transport, faults, step)  # noqa: E731
-    return run_inproc([f"c{i}" for i in range(6)], config("at_end", "verified", syncs=3, warmup=1),
+    return run_inproc([f"c{i}" for i in range(6)], config("at_end", "verified", syncs=4, warmup=1),
                       wraps={"c1": wrap}, shared_task=True, lr=0.01)
 
 

@@ -1,6 +1,7 @@
 """The direction test on crafted contributions (exact Gram matrices): a cluster that disagrees with the others
 is flagged, whatever it reports; two clusters are told apart by the reference; a cluster that was left out
-for a while is not locked out once it agrees again; the statistics learn accepted values only."""
+for a while is not locked out once it agrees again; each cluster's statistics learn its own accepted values
+only; a site that always disagrees as much is not flagged, one that turns is."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def test_a_sign_flipped_cluster_among_four_is_flagged_and_nobody_else() -> None:
     verdict = _round(test, v)
     assert verdict.flagged.tolist() == [False, False, True, False]
     assert verdict.agreement[2] < 0 < verdict.agreement[0]
-    # per sync the 3 non-median excesses; at the last one, not the flagged value
-    assert int(test.stats["direction/m"].count[0]) == 12 * 3 + 2
+    # each cluster's own excess every sync; at the last one, not the flagged value
+    assert test.stats["direction/m"].count.tolist() == [13, 13, 12, 13]
 
 
 def test_two_clusters_the_reference_tells_which_one_is_off() -> None:
@@ -96,9 +97,26 @@ def test_an_untrusted_cluster_is_still_judged_against_the_trusted_ones() -> None
     for _ in range(10):
         shared = shared + 0.2 * _shared(gen)
         _round(test, _honest(3, gen, shared))
-    count = int(test.stats["direction/m"].count[0])
+    count = test.stats["direction/m"].count.tolist()
     v = _honest(3, gen, shared)
     v[1] = -v[1]
     verdict = _round(test, v, trusted=[True, False, True])  # e.g. on probation: the median is over c0, c2
     assert verdict.flagged.tolist() == [False, True, False]
-    assert int(test.stats["direction/m"].count[0]) == count  # two trusted: nothing learned
+    assert test.stats["direction/m"].count.tolist() == count  # two trusted: nothing learned
+
+
+def test_a_site_that_always_disagrees_is_not_flagged_but_one_that_turns_is() -> None:
+    """Four sites, one of them with its own data (its update half its own direction, half the shared one, every
+    sync): judged against its own history it is never flagged; when another site flips its sign, that one is."""
+    gen = torch.Generator().manual_seed(4)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared, own = _shared(gen), _shared(gen)
+    for sync in range(16):
+        shared, own = shared + 0.2 * _shared(gen), own + 0.2 * _shared(gen)
+        v = _honest(4, gen, shared)
+        v[3] = 0.3 * v[3] + own  # the unlike site: mostly its own direction
+        if sync == 15:
+            v[1] = -v[1]
+        verdict = _round(test, v)
+        assert verdict.flagged.tolist() == [False, sync == 15, False, False], sync
+        assert float(verdict.agreement[3]) < float(verdict.agreement[0])

@@ -116,3 +116,58 @@ def test_the_demos_shape_in_process_fires_no_rule() -> None:
     assert got["unit_decisions"] > 0
     assert (got["clipped"], got["held"], got["left_out"], got["retracted"]) == (0, 0, 0, 0), got
     assert {k: v for k, v in got["warnings_by"].items() if k != "stop"} == {}, got["warning_lines"]
+
+
+def test_four_unlike_sites_at_1_to_8_lose_nothing_to_the_rule() -> None:
+    """Four sites each with its own data, A-EDiT 1:8 (benchmarks/false_positives.py's `lang`): before, 40 of
+    their 320 unit-decisions were left out (26 by the direction test's pooled history, 16 on probation after it,
+    8 by the probe's fixed 10 %) and their final loss was 0.78x-1.17x the run with nothing tested. Judged
+    against each site's own history: nothing left out, retracted or named, no warning."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import false_positives as fp
+
+    got = fp.run({"name": "lang4", "schedule": "a_edit", "ratio": 8, "clusters": 4, "data": "lang", "seed": 0})
+    assert got["unit_decisions"] > 0
+    assert (got["clipped"], got["left_out"], got["retracted"], got["named"]) == (0, 0, 0, []), got
+    assert got["warnings"] == 0, got["warning_lines"]
+
+
+def _probe_sync(rule, sync: int, raw: list[float]) -> Decision:  # type: ignore[no-untyped-def]
+    """One sync of the verified rule with the probe's scores as the judge hands them over (less each offset)."""
+    names = [f"c{i}" for i in range(len(raw))]
+    r = torch.tensor(raw, dtype=torch.float64)
+    ev = Evidence("u", tuple(names), torch.ones(len(raw), dtype=torch.float64), torch.full((len(raw),), 8.0,
+                  dtype=torch.float64), (True,) * len(raw),
+                  {"probe_raw": r, "probe": r - rule.probe_typical(names), "sync": torch.tensor(sync)})
+    return rule.decide(ev)
+
+
+def test_the_probe_judges_a_site_against_its_own_harm() -> None:
+    """A site whose updates always raise the others' probe loss by ~30 % (its own data) is not useless once its
+    history holds 3 scores; before that a score counts as harmful above 50 % (`PROBE_LIE`), and after, one that
+    jumps far above its own (+90 %) is, as is anything above 60 % whatever its history."""
+    from edit_train.local_sgd.aggregation.rules import RuleConfig, make_rule
+    from edit_train.local_sgd.aggregation.verified import VerifiedConfig
+
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
+    for sync in range(1, 7):
+        d = _probe_sync(rule, sync, [0.3 + 0.02 * (sync % 2), -0.1, -0.05, 0.32])
+        assert d.left_out == [False] * 4, (sync, d.evidence)
+    assert _probe_sync(rule, 7, [0.9, -0.1, -0.05, 0.3]).left_out == [True, False, False, False]
+    fresh = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
+    assert _probe_sync(fresh, 1, [0.45, 0.55, 0.0, 0.0]).left_out == [False, True, False, False]
+    drift = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
+    for sync in range(1, 30):  # creeping up in steps its own threshold lets through: held at 60 %
+        d = _probe_sync(drift, sync, [min(0.05 * sync, 1.0), 0.0, 0.0, 0.0])
+    assert d.left_out[0] and 0.05 * 29 > 0.6
+
+
+def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:
+    """Four-language sites' evaluators disagreed with the others by up to 0.87 (median over the updates they
+    scored, false_positives.py seed 0): not suspected; a liar scoring +1000 % is, whatever the others' data."""
+    nan = math.nan
+    s = torch.tensor([[nan, 0.9, 0.85, 0.8], [0.0, nan, 0.05, 0.1], [0.05, 0.0, nan, 0.0],
+                      [0.1, 0.05, 0.0, nan]], dtype=torch.float64)
+    assert probe_judgement(s, 0.1)[1] == {}
+    s[3, :3] = 10.0
+    assert probe_judgement(s, 0.1)[1] == {3: "disagrees"}

@@ -10,9 +10,10 @@ Per unit, a contributing cluster is left out (weight 0) when any of these holds 
   trusted others, against the unit's pooled history (`direction.py`; with two clusters, the reference
   direction of past accepted updates tells which of a disagreeing pair is off);
 * usefulness: the lower median of at least two other clusters' relative loss change of their probe slice
-  under its previous update (θ̄ − Δᵢ against θ̄) was above `probe_tolerance` — nobody scores its own update,
-  and no evaluator decides alone (`evidence.probe_judgement`); non-IID data makes
-  an honest cluster's own local model a few percent worse on another's slice, a harmful one far more;
+  under its previous update (θ̄ − Δᵢ against θ̄) was more than `probe_tolerance` above what that cluster's
+  accepted updates usually do (`probe_typical`, at most `PROBE_LIE`) — nobody scores its own update, and no
+  evaluator decides alone (`evidence.probe_judgement`); sites with their own data make each other's slices
+  worse by tens of percent, every sync alike; a harmful update far more, or suddenly;
 * probation: most of its units were left out of its previous sync as corrupt (direction, non-finite,
   misreported), and that update did not demonstrably help the others (its probe score was not below
   −`probe_tolerance`/10, a tenth of the tolerance as an improvement): an update that
@@ -39,14 +40,24 @@ from torch import Tensor
 
 from edit_train.local_sgd.aggregator import Capabilities, Decision, Evidence, Needs, nobody, spread
 from edit_train.local_sgd.aggregation.direction import KEYS as DIRECTION_KEYS
+from edit_train.local_sgd.aggregation.direction import OWN_KEYS as DIRECTION_OWN
 from edit_train.local_sgd.aggregation.direction import DirectionTest, Verdict, cosines
+from edit_train.local_sgd.evidence import PROBE_LIE
 from edit_train.local_sgd.moe.experts import expert_weights
 from edit_train.local_sgd.penalty import NormTestConfig, check_fields, flag, interval_norm
 from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 
 log = logging.getLogger(__name__)
-_TESTS = ("norm", "interval", *DIRECTION_KEYS)  # "interval": each cluster's reference interval s₀ (its steps)
-_OWN = ("norm/", "interval/")  # the per-cluster statistics this rule keeps (the rest are the direction test's)
+_TESTS = ("norm", "interval", "probe", *DIRECTION_KEYS)  # "interval": each cluster's reference interval s₀ (its
+# steps); "probe": each cluster's typical probe score (`probe_typical`)
+_OWN = ("norm/", "interval/", "probe/")  # the per-cluster statistics this rule keeps (the rest are the direction test's)
+# The usefulness test judges a cluster against its own history: sites with their own data hurt each other's probe
+# slices every sync (at the federation's fixed point each site's update points toward its own optimum), by tens of
+# percent (benchmarks/false_positives.py: up to +58 % on its four-language sites). A cluster's accepted scores
+# (raw: before this offset) learn at PROBE_RATE; once it has PROBE_WARM of them its update is harmful above
+# max(mean, 0) + max(`probe_tolerance`, PROBE_Z·σ), at most PROBE_LIE + `probe_tolerance` (what an honest site
+# may do; more is harmful whatever its history); before that, above PROBE_LIE.
+PROBE_RATE, PROBE_WARM, PROBE_Z = 0.2, 3, 3.0
 LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
 EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
 
@@ -60,6 +71,9 @@ class VerifiedConfig(NormTestConfig):
     direction_rate: float = 0.3  # EWMA rate of the reference direction (accepted aggregates)
     direction_alpha: float = 0.05  # EWMA rate per accepted value of a unit's pooled direction statistics
     direction_z: float = 4.0  # the direction test's nominal z (agreements have heavier tails than norms)
+    # the least rise of a cluster's disagreement above its own history that flags it (cosine units, direction.py):
+    # honest sites with their own data swing up to 0.7 (benchmarks/false_positives.py), a sign flip rises ≥ 1.06
+    direction_floor: float = 0.5
     probe_tokens: int = 0  # tokens of validation data each cluster scores every update on (0 = no probe)
     probe_tolerance: float = 0.1  # flag an update that raised the others' probe loss by more than this fraction
     retract: bool = True  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
@@ -90,6 +104,8 @@ class VerifiedConfig(NormTestConfig):
                      f"must be 0 or a power of two, got {self.sketch_dim}")
         check_fields(self.direction_z > 0 and math.isfinite(self.direction_z), f"{rule}.direction_z",
                      f"must be > 0, got {self.direction_z}")
+        check_fields(0.0 <= self.direction_floor <= 2.0 and math.isfinite(self.direction_floor),
+                     f"{rule}.direction_floor", f"must be in [0, 2] (cosine units), got {self.direction_floor}")
         check_fields(0.0 < self.direction_alpha < 1.0, f"{rule}.direction_alpha",
                      f"must be in (0, 1), got {self.direction_alpha}")
         check_fields(0.0 < self.direction_rate <= 1.0, f"{rule}.direction_rate",
@@ -122,12 +138,13 @@ class VerifiedRule:
         self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
         self.tally: dict[str, list[int]] = {}  # name -> [units judged, units left out as corrupt]
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
+        self.probe_learned = -1  # the sync whose probe scores the typical scores last learned
 
     def capabilities(self) -> Capabilities:
         """Sketches of `sketch_dim`; the probe, its retraction and the expert options as configured."""
         c = self.cfg
         return Capabilities(sketch_dim=c.sketch_dim, probe_tokens=c.probe_tokens, probe_tolerance=c.probe_tolerance,
-                            retract=c.retract,
+                            retract=c.retract, probe_typical=self.probe_typical if c.probe_tokens > 0 else None,
                             # under subsets a cluster reports 0 tokens to others' experts: below 1, not sent
                             expert_min_tokens=max(c.expert_min_tokens, int(bool(c.expert_subsets))),
                             weighs_experts=c.expert_weights != "none", expert_subsets=c.expert_subsets,
@@ -166,13 +183,36 @@ class VerifiedRule:
         st = self.stats.setdefault(key, EWMAStats(len(self.clusters), self.cfg.ewma_alpha))
         return st, self.clusters.rows(names)
 
+    def probe_typical(self, names: list[str]) -> Tensor:
+        """Each named cluster's offset of its probe score: its threshold (see PROBE_RATE) less `probe_tolerance`,
+        so that "the score less the offset is above `probe_tolerance`" is "above the cluster's own threshold"
+        (the test here and the retraction, retract.py, both read it so)."""
+        tol = self.cfg.probe_tolerance
+        st, rows = self._rows("probe/all", names)
+        sub = st.select(rows)
+        mu = sub.mu.clamp(0.0, PROBE_LIE)
+        own = (mu + torch.maximum(PROBE_Z * sub.sigma, torch.full_like(mu, tol))).clamp_max(PROBE_LIE + tol)
+        return torch.where(sub.count >= PROBE_WARM, own, torch.full_like(mu, max(PROBE_LIE, tol))) - tol
+
+    def _learn_probe(self, ev: Evidence, idx: list[int], names: list[str], accepted: Tensor) -> None:
+        """Once per sync: the scores as measured of the clusters whose previous update is not judged harmful."""
+        if "probe_raw" not in ev.extra or self.probe_learned == self.sync:
+            return
+        self.probe_learned = self.sync
+        st, rows = self._rows("probe/all", names)
+        st.alpha = PROBE_RATE
+        sub = st.select(rows)
+        raw = torch.as_tensor(ev.extra["probe_raw"], dtype=torch.float64)[idx]
+        sub.update(raw, accepted & torch.isfinite(raw))
+        st.assign(rows, sub)
+
     def _new_sync(self, ev: Evidence) -> None:
         """At the first unit of a new sync, the previous sync's tallies decide who is on probation."""
         sync = int(ev.extra["sync"]) if "sync" in ev.extra else self.sync
         if sync == self.sync:
             return
         if sync == self.sync + 1:
-            self.probation = {n for n, (judged, corrupt) in self.tally.items() if 2 * corrupt > judged}
+            self.probation = {n for n, (judged, corrupt) in self.tally.items() if 2 * corrupt >= judged > 0}
         else:  # a gap (this cluster missed syncs): the others' last sync is not known here
             self.probation = set()
         self.sync, self.tally = sync, {}
@@ -193,7 +233,9 @@ class VerifiedRule:
             bad |= ~ev.extra["finite"].bool()[idx]
         lied = self._misreported(ev, g, idx)
         useless = self._useless(ev, idx)
-        probe = torch.as_tensor(ev.extra["probe"], dtype=torch.float64)[idx] if "probe" in ev.extra else None
+        self._learn_probe(ev, idx, names, ~(bad | lied | useless))
+        key = "probe_raw" if "probe_raw" in ev.extra else "probe"  # what its update did, whatever its history
+        probe = torch.as_tensor(ev.extra[key], dtype=torch.float64)[idx] if key in ev.extra else None
         helped = -0.1 * cfg.probe_tolerance  # "demonstrably helped": lowered the others' probe loss this much
         held = torch.tensor([n in self.probation and not (probe is not None and float(probe[j]) < helped)
                              for j, n in enumerate(names)], dtype=torch.bool)
@@ -207,7 +249,7 @@ class VerifiedRule:
         if "gram" in ev.extra:
             gram = torch.as_tensor(ev.extra["gram"])[idx][:, idx]
             verdict = self.direction.judge(ev.module, gram, ~(bad | lied | useless | held), sk, held & ~(bad | lied),
-                                           noise=float(ev.extra.get("distance_noise", 0.0)))
+                                           noise=float(ev.extra.get("distance_noise", 0.0)), rows=rows)
             flags["direction"] = (verdict.flagged, verdict.z, verdict.bound, torch.zeros_like(bad))
         anomalous = bad | lied | useless | held
         for an, _z, _thr, _readmit in flags.values():
@@ -295,6 +337,9 @@ class VerifiedRule:
 
     # ------------------------------------------------------------------ state
     def state(self) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        for key, st in self.direction.stats.items():  # per-cluster rows grow lazily: every roster row is written
+            if key.split("/", 1)[0] in DIRECTION_OWN and st.mu.numel() < len(self.clusters):
+                st.grow(len(self.clusters) - st.mu.numel())
         stats = {**self.stats, **self.direction.stats}
         tensors = {f"{k}/{f}": getattr(st, f).clone().contiguous() for k, st in stats.items()
                    for f in EWMAStats.FIELDS}
@@ -314,10 +359,13 @@ class VerifiedRule:
                 continue
             test, _, rest = key.partition("/")
             module, _, fname = rest.rpartition("/")
-            rows = 1 if test in DIRECTION_KEYS else len(roster)  # direction statistics are pooled per unit
+            rows = 1 if test == "pair" else len(roster)  # the pair's statistics are pooled per unit
+            if test == "direction" and val.dim() == 1 and val.shape[0] == 1 < rows:
+                val = val.expand(rows).clone()  # written when the excesses were pooled: every cluster from the pool's
             if test not in _TESTS or fname not in EWMAStats.FIELDS or val.dim() != 1 or val.shape[0] != rows:
                 raise ValueError(f"penalty state: {key!r} does not fit a roster of {len(roster)} clusters")
-            alpha = self.cfg.direction_alpha if test in DIRECTION_KEYS else self.cfg.ewma_alpha
+            alpha = self.cfg.direction_alpha if test in DIRECTION_KEYS else \
+                PROBE_RATE if test == "probe" else self.cfg.ewma_alpha
             st = stats.setdefault(f"{test}/{module}", EWMAStats(rows, alpha))
             setattr(st, fname, val.detach().cpu().to(torch.int64 if fname in ("count", "streak") else torch.float64))
         sync, probation, tally = meta.get("sync", -1), meta.get("probation", []), meta.get("tally", {})

@@ -79,14 +79,16 @@ class Judge:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
-        probe, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
+        raw, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
+        typical = self.core.probe_typical
+        probe = raw - typical(list(self.report.quorum)) if typical is not None else raw
         said = rows[:, n].clone()
         steps = self._steps(said.clone(), rows[:, n + EXTRA.index("secs_per_step")].clone())
         for i in self.not_counted:  # it rolled back a sync it took part in (membership.py): weight 0
             if i < steps.numel():
                 steps[i] = 0
         self.meta = {"reported": norms, "steps": steps, "tokens": self._tokens(steps.clone(),
-                     rows[:, n + EXTRA.index("tokens")].clone(), said), "probe": probe,
+                     rows[:, n + EXTRA.index("tokens")].clone(), said), "probe": probe, "probe_raw": raw,
                      "total_steps": rows[:, n + EXTRA.index("total_steps")].clone()}
         self._suspected(probe_suspects)
         self.rows.read(full[:, n + 1:n + 1 + m])
@@ -178,7 +180,8 @@ class Judge:
         steps = self.meta["steps"]
         i = self.core.index[name]
         extra = {"reported": self.meta["reported"][:, i].clone(), "tokens": self.meta["tokens"].clone(),
-                 "probe": self.meta["probe"].clone(), "sync": torch.tensor(self.report.sync), **measured,
+                 "probe": self.meta["probe"].clone(), "probe_raw": self.meta["probe_raw"].clone(),
+                 "sync": torch.tensor(self.report.sync), **measured,
                  **({"total_steps": self.meta["total_steps"].clone()} if "total_steps" in self.meta else {}),
                  **self.rows.evidence(name)}
         return Evidence(name, tuple(self.report.quorum), norms.clone(), steps.clone(),
