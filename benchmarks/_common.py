@@ -4,8 +4,8 @@ failure, what it wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §
 commit and box they came from), plots (matplotlib, Agg) and tables.
 
 `--smoke` runs a member in miniature: its outputs go to a temporary folder (`BENCH_SMOKE_DIR` when set; never
-results/), and every `edit-train` job trains in this process at the smallest size (`SMOKE_OVERRIDES`: `model=tiny`,
-one cluster of one rank, a few steps), so the default test suite runs every member end to end in seconds.
+results/), and every `edit-train` job trains in this process at the smallest size (`SMOKE_OVERRIDES`: a tiny model,
+one cluster of one rank, two steps), so the default test suite runs every member end to end in seconds.
 
 Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` puts this folder on
 ``sys.path``).
@@ -38,29 +38,34 @@ RECORDS_DIR = BENCH_DIR.parent / "results"  # the committed records and their in
 BASE_OVERRIDES = ("logger=none", "train.progress=false", "checkpoint.at_end=false")
 
 
-# --smoke: every job at the smallest size, in this process (one cluster of one rank, a few steps, no faults)
-SMOKE_OVERRIDES = ("model=tiny", "train.steps=2", "train.batch_size=1", "train.seq_len=16", "train.eval_every=2",
+# --smoke: every job at the smallest size, in this process (one cluster of one rank, a few steps, no faults; the
+# smallest model of the job's family, `SMOKE_MODELS`)
+SMOKE_OVERRIDES = ("train.steps=2", "train.batch_size=1", "train.seq_len=16", "train.eval_every=2",
                    "train.eval_batches=1", "train.log_every=1", "train.threads=1", "cluster=local", "cluster.count=1",
-                   "cluster.ranks=1", "cluster.slowdown=[]", "faults=[]")
-SMOKE_SYNC_S = 0.2  # a time schedule's seconds per interval under --smoke (A-EDiT's 5 s would be the smoke's time)
+                   "cluster.ranks=1", "cluster.slowdown=[]", "faults=[]", "data.split=shared")
+SMOKE_MODELS = ("tiny", "tiny_v2")  # a job on another model runs on tiny under --smoke
+SMOKE_SYNC_S = 0.05  # a time schedule's seconds per interval under --smoke (A-EDiT's 5 s would be the smoke's time)
 OUTPUTS = ("out", "plot", "workdir", "out_dir", "outdir", "run_dir")  # the arguments --smoke moves to its folder
 SMOKE: Path | None = None  # the smoke's output folder while a member runs with --smoke
 
 
-def parser(doc: str | None, *, out: str | None = None, workdir: str | None = None, reuse: bool = False,
-           timeout: float | None = None) -> argparse.ArgumentParser:
+def parser(doc: str | None, *, out: str | None = None, plot: str | None = None, workdir: str | None = None,
+           reuse: bool = False, timeout: float | None = None) -> argparse.ArgumentParser:
     """A member's argument parser: the first paragraph of its docstring, `--smoke`, and those of the shared options
-    it names (`--out RECORD` under results/, `--workdir` under the runs folder, `--reuse`, `--timeout`)."""
+    it names (`--out RECORD` and `--plot PNG` under results/, `--workdir` under the runs folder, `--reuse`,
+    `--timeout` seconds per run)."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0])
     ap.add_argument("--smoke", action="store_true", help="run in miniature into a temporary folder (not results/)")
     if out is not None:
         ap.add_argument("--out", type=Path, default=RECORDS_DIR / out)
+    if plot is not None:
+        ap.add_argument("--plot", type=Path, default=RECORDS_DIR / plot)
     if workdir is not None:
         ap.add_argument("--workdir", type=Path, default=RUNS_DIR / workdir)
     if reuse:
         ap.add_argument("--reuse", action="store_true", help="read a run that already finished with these overrides")
     if timeout is not None:
-        ap.add_argument("--timeout", type=float, default=timeout)
+        ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
     return ap
 
 
@@ -169,7 +174,9 @@ def smoke_job(name: str, run_dir: Path, args: list[str], verbose: bool) -> Job:
     from edit_train.config import validate
     from edit_train.train.trainer import train
 
-    smoke = [*args[:-1], *SMOKE_OVERRIDES, args[-1]]
+    models = [x.split("=", 1)[1] for x in args if x.startswith("model=")]
+    model = [] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]
+    smoke = [*args[:-1], *model, *SMOKE_OVERRIDES, args[-1]]
     t0 = time.perf_counter()
     with (run_dir / "job.log").open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         try:
