@@ -168,21 +168,28 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
     return job
 
 
+def smoke_overrides(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides at the smoke's size: `SMOKE_OVERRIDES` after them, a tiny model, a short time schedule."""
+    from edit_train.cli.common import compose
+
+    models = [x.split("=", 1)[1] for x in overrides if x.startswith("model=")]
+    out = [*overrides, *([] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]), *SMOKE_OVERRIDES]
+    if getattr(compose(out).algo, "schedule", "") == "time":
+        out.append(f"algo.sync_time_s={SMOKE_SYNC_S}")
+    return out
+
+
 def smoke_job(name: str, run_dir: Path, args: list[str], verbose: bool) -> Job:
     """`run_job` under --smoke: the job's overrides, then `SMOKE_OVERRIDES`, trained in this process."""
     from edit_train.cli.common import compose
     from edit_train.config import validate
     from edit_train.train.trainer import train
 
-    models = [x.split("=", 1)[1] for x in args if x.startswith("model=")]
-    model = [] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]
-    smoke = [*args[:-1], *model, *SMOKE_OVERRIDES, args[-1]]
+    smoke = smoke_overrides(args[:-1]) + args[-1:]
     t0 = time.perf_counter()
     with (run_dir / "job.log").open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         try:
             cfg = compose(smoke)
-            if getattr(cfg.algo, "schedule", "") == "time":
-                cfg = compose([*smoke, f"algo.sync_time_s={SMOKE_SYNC_S}"])
             validate(cfg)
             train(cfg)
         except Exception as exc:  # noqa: BLE001
