@@ -195,6 +195,7 @@ def smoke_job(name: str, run_dir: Path, args: list[str], verbose: bool) -> Job:
         except Exception as exc:  # noqa: BLE001
             raise JobError(f"{name}: edit-train (in-process smoke) failed: {type(exc).__name__}: {exc}") from exc
     wall = time.perf_counter() - t0
+    (run_dir / "bench_job.json").write_text(json.dumps({"args": smoke, "wall_s": wall}))
     if verbose:
         print(f"{name}: smoke run in {wall:.1f}s", flush=True)
     return Job(name, run_dir, smoke, wall, read_summary(run_dir), read_metrics(run_dir))
