@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+import _common as C
 from _gpu import (SLICES, Variant, add_shape_args, build_step, default_shape, parse_and_pick,
                   device_slug, smoke_model, sync)
 from edit_train.memplan import GIB, memory_plan
@@ -136,7 +137,7 @@ def _write(path: Path, result: dict[str, Any], append: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--models", nargs="+", default=["ling_lite_slice", "ling_1b", "small"])
     ap.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     ap.add_argument("--no-compile", action="store_true", help="eager only (same as --modes eager)")
