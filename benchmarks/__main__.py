@@ -31,7 +31,6 @@ SUITE: dict[str, str] = {
     "gpu_step": "one GPU, one training step: tokens/s, MFU, peak memory of a Ling-Lite slice",
     "gpu_train": "the product's own training loop on one GPU beside the harness: tokens/s, MFU, memory",
     "heterogeneity": "heterogeneous clusters at a fixed wall-clock budget: ddp, EDiT, A-EDiT (+ overlap)",
-    "heterogeneity_same_box": "A-EDiT at equal wall time against an earlier commit's code, on this box",
     "hf_shards": "peak memory of sharded Hugging Face import and export",
     "insiders_checked": "what each insider lie of issue 69 costs the honest clusters, before and after its check",
     "ling2_speed": "small_v2 (Ling 2.0) against small (Ling 1) tokens/s on this CPU, with where the time goes",
