@@ -38,13 +38,13 @@ RECORDS_DIR = BENCH_DIR.parent / "results"  # the committed records and their in
 BASE_OVERRIDES = ("logger=none", "train.progress=false", "checkpoint.at_end=false")
 
 
-# --smoke: every job at the smallest size, in this process (one cluster of one rank, a few steps, no faults; the
-# smallest model of the job's family, `SMOKE_MODELS`)
+# --smoke: every job at the smallest size, in this process (one cluster of one rank, two steps, no faults, the
+# smallest model of the job's family `SMOKE_MODELS`, a time schedule's interval 0.05 s: A-EDiT's 5 s would be the
+# smoke's whole time)
 SMOKE_OVERRIDES = ("train.steps=2", "train.batch_size=1", "train.seq_len=16", "train.eval_every=2",
                    "train.eval_batches=1", "train.log_every=1", "train.threads=1", "cluster=local", "cluster.count=1",
-                   "cluster.ranks=1", "cluster.slowdown=[]", "faults=[]", "data.split=shared")
+                   "cluster.ranks=1", "cluster.slowdown=[]", "faults=[]", "data.split=shared", "algo.sync_time_s=0.05")
 SMOKE_MODELS = ("tiny", "tiny_v2")  # a job on another model runs on tiny under --smoke
-SMOKE_SYNC_S = 0.05  # a time schedule's seconds per interval under --smoke (A-EDiT's 5 s would be the smoke's time)
 OUTPUTS = ("out", "plot", "workdir", "out_dir", "outdir", "run_dir")  # the arguments --smoke moves to its folder
 SMOKE: Path | None = None  # the smoke's output folder while a member runs with --smoke
 
@@ -169,14 +169,9 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
 
 
 def smoke_overrides(overrides: Sequence[str]) -> list[str]:
-    """A job's overrides at the smoke's size: `SMOKE_OVERRIDES` after them, a tiny model, a short time schedule."""
-    from edit_train.cli.common import compose
-
+    """A job's overrides at the smoke's size: `SMOKE_OVERRIDES` after them, and a tiny model."""
     models = [x.split("=", 1)[1] for x in overrides if x.startswith("model=")]
-    out = [*overrides, *([] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]), *SMOKE_OVERRIDES]
-    if getattr(compose(out).algo, "schedule", "") == "time":
-        out.append(f"algo.sync_time_s={SMOKE_SYNC_S}")
-    return out
+    return [*overrides, *([] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]), *SMOKE_OVERRIDES]
 
 
 def smoke_job(name: str, run_dir: Path, args: list[str], verbose: bool) -> Job:
@@ -380,7 +375,7 @@ def save_fig(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if fig.get_layout_engine() is None:  # a figure with its own layout (constrained) keeps it
         fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120 if SMOKE is None else 30)  # a smoke's plot is drawn, not looked at
     pyplot().close(fig)
     return path
 

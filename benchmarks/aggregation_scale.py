@@ -47,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a = C.parse(ap, argv)
     a.quick = a.quick or a.smoke
     a.clusters = a.clusters or ([6] if a.quick else [6, 8])
-    a.kinds = a.kinds or (["sign_flip"] if a.smoke else ["sign_flip", "nan_payload"] if a.quick else list(KINDS))
-    a.faulty = a.faulty or ([1] if a.quick else [1, 2])
+    a.kinds = a.kinds or (["sign_flip", "nan_payload"] if a.quick else list(KINDS))
+    a.faulty = a.faulty or ([] if a.smoke else [1] if a.quick else [1, 2])  # a smoke has no faults: no faulty runs
     a.start = (a.warmup_syncs + 2) * a.interval
     a.end = a.start + 8 * a.interval
     return a

@@ -476,6 +476,12 @@ def retime(a: argparse.Namespace, schemes: list[str]) -> dict[str, dict[str, flo
     return {"tiny": tiny, "small": small_sync_times(a, schemes, work)}
 
 
+def codecs(a: argparse.Namespace, compressed: list[str]) -> dict[str, Any]:
+    """The codec's cost on tiny's and small's units (--smoke: tiny's units under both names, one repeat)."""
+    return {model: codec_us("tiny" if a.smoke else model, compressed, reps=1 if a.smoke else 15)
+            for model in ("tiny", "small")}
+
+
 def codec_only(a: argparse.Namespace) -> None:
     """The codec's share of a sync, measured again: the runs' sync times are what `a.out` recorded (a codec
     timing taken while other runs shared the cores measures the contention, not the codec)."""
@@ -488,7 +494,7 @@ def codec_only(a: argparse.Namespace) -> None:
     fresh = retime(a, a.retime) if a.retime else {}
     for model, times in fresh.items():
         sync_s[model].update(times)
-    codec = {model: codec_us(model, compressed, reps=1 if a.smoke else 15) for model in ("tiny", "small")}
+    codec = codecs(a, compressed)
     for model in codec:
         print_codec(model, codec[model], sync_s[model])
         for name, c in codec[model].items():
@@ -511,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     compressed = [s for s in a.schemes if s != "none"]
     conv = results.get("convergence") or next(iter(results.values()))
     tiny_sync = {r["scheme"]: r["sync_s"] for r in conv["rows"]}
-    codec = {model: codec_us(model, compressed, reps=1 if a.smoke else 15) for model in ("tiny", "small")}
+    codec = codecs(a, compressed)
     print_codec("tiny", codec["tiny"], tiny_sync)
     # a keep scheme with a resend twin sends its twin's payloads: timed once
     twin = {s: c["same_codec_as"] for s, c in codec["small"].items() if "same_codec_as" in c}

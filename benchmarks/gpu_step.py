@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             # compiling on 2 CPU cores takes minutes and measures nothing; the 126k-vocabulary models do not fit:
             # tiny, or tiny_v2 for a Ling 2.0 model
             args.models, args.modes = list(dict.fromkeys(smoke_model(m) for m in args.models)), ["eager"]
+    if args.smoke:  # one experts layout
+        args.experts = args.experts[:1]
     peak = device_peak_flops(device, args.peak_flops)
     note = None if on_gpu else "CPU-only figures (no GPU on this machine): not GPU throughput, no MFU, no peak memory"
     result: dict[str, Any] = {"device": name, "device_slug": device_slug(name), "torch": torch.__version__,

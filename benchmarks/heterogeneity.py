@@ -104,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="extra override for every job (repeatable)")
     a = C.parse(ap, argv)
     q = a.quick = a.quick or a.smoke
-    a.runs = ["ddp", "a_edit"] if a.smoke and a.runs == DEFAULT_RUNS else a.runs
+    a.runs = ["a_edit"] if a.smoke and a.runs == DEFAULT_RUNS else a.runs
     a.budget = a.budget or (45.0 if q else 240.0)
     a.sync_time = a.sync_time or (5.0 if q else 10.0)
     a.interval = a.interval or (16 if q else 32)
