@@ -70,7 +70,7 @@ def parser(doc: str | None, *, out: str | None = None, plot: str | None = None, 
 
 
 def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse; under `--smoke` every output argument (`OUTPUTS`) moves into the smoke's folder."""
+    """Parse; under `--smoke` every output argument (`OUTPUTS`) left at its default moves into the smoke's folder."""
     global SMOKE
     args = ap.parse_args(argv)
     SMOKE = None
@@ -79,7 +79,7 @@ def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> arg
         SMOKE.mkdir(parents=True, exist_ok=True)
         for name in OUTPUTS:
             value = getattr(args, name, None)
-            if isinstance(value, (str, Path)):
+            if isinstance(value, (str, Path)) and value == ap.get_default(name):
                 setattr(args, name, SMOKE / Path(value).name)
     return args
 

@@ -178,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         # tiny, or tiny_v2 for a Ling 2.0 model (the same rows through the same code at toy size)
         args.model, args.batch, args.seq, args.iters, args.experts = smoke_model(args.model), 2, 32, 2, "auto"
-        args.grad_accum = args.grad_accum[-1:]  # the trainer's row with accumulation
     args.batch, args.seq = default_shape(args.model, args.batch, args.seq) if args.batch is None or \
         args.seq is None else (args.batch, args.seq)
     args.compile = device.type == "cuda" and not args.eager
