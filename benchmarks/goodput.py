@@ -10,11 +10,8 @@ of both runs. Targets (Decoupled DiLoCo's figure): goodput ≥ 0.88 under failur
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time

@@ -16,7 +16,6 @@ Without a CUDA device and without --quick it refuses with one line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 

@@ -18,7 +18,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
