@@ -48,7 +48,8 @@ def main() -> None:
         print(f"{clusters:3d} clusters, {clusters * ranks:5d} accelerators: {r['candidates']} candidates in "
               f"{r['wall_s']:.1f} s wall ({cpu:.1f} s CPU), {r['events']:,} events ({r['events_per_s']:,.0f}/s); "
               f"best {r['best']}", flush=True)
-    C.write_json(a.out, {"benchmark": "plan_scale", "horizon_h": hours, "rows": rows})
+    out = C.write_json(a.out, {"benchmark": "plan_scale", "horizon_h": hours, "rows": rows})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
