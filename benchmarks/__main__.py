@@ -20,9 +20,13 @@ HERE = Path(__file__).resolve().parent
 
 # every member with its one-line purpose (tests check this table against the folder)
 SUITE: dict[str, str] = {
+    "aggregation_scale": "verified aggregation at 6 and 8 clusters, multi-process: Byzantine clusters left out, bytes",
+    "auth_cost": "what authentication (HMAC-SHA256 / Poly1305 tags) costs a sync",
     "compression": "compressed pseudo-gradients (bf16, int8, top-k, error feedback): loss and bytes per token",
     "convergence": "convergence vs communication: ddp, post-local SGD, DiLoCo, EDiT at one token budget",
+    "default_outer": "the outer step's default by cluster count: the product's command at its defaults against DDP",
     "goodput": "goodput of 3 clusters while one is killed and restarted every few seconds",
+    "expert_bias": "what a sync does to the expert bias (mean / global / local) on four languages: loss, MaxVio",
     "false_positives": "honest federations only: what each defence clips, leaves out or warns about; the attack columns beside",
     "gpu_codec": "the pseudo-gradient codec's encode/decode time on one GPU",
     "gpu_profile": "where a training step's time goes on one GPU (torch.profiler table)",
@@ -31,14 +35,18 @@ SUITE: dict[str, str] = {
     "heterogeneity": "heterogeneous clusters at a fixed wall-clock budget: ddp, EDiT, A-EDiT (+ overlap)",
     "hf_shards": "peak memory of sharded Hugging Face import and export",
     "insiders_checked": "what each insider lie of issue 69 costs the honest clusters, before and after its check",
+    "ling2_speed": "small_v2 (Ling 2.0) against small (Ling 1) tokens/s on this CPU, with where the time goes",
     "link_hosts": "a sync over a real shaped link (network namespaces) vs the link model and the planner",
     "lm_loss_memory": "peak memory of the LM head's loss at a 126k vocabulary: plain vs fused chunked",
     "loop_overhead": "edit-train's training loop against a bare loop, in alternating pairs",
     "moe_block": "the MoE block's sorted dropless dispatch vs a per-expert mask dispatch",
     "moe_sync": "expert-aware sync (experts merged by routed tokens, untouched experts left out) vs plain",
     "penalty_faults": "the verified rule against one faulty cluster: left out? what does the fault cost?",
+    "plan_published": "the planner against three published results",
     "plan_scale": "how fast `edit-train plan` plans the default candidate set",
     "plan_validation": "`edit-train plan` against real runs it was never fitted to",
+    "prepare_scale": "`edit-train-prepare` on corpora larger than its memory use",
+    "verified_cost": "what judging the bytes costs: the verified rule against EDiT's edit_norm",
 }
 HELPERS = {"paired"}  # importable pieces of members, not members themselves
 

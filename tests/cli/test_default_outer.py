@@ -156,3 +156,30 @@ def test_a_benchmark_reuses_an_edit_run_of_the_old_step_only_where_it_pins_that_
     assert C.finished_run(named, [*base, "algo.outer.lr=0.5", "algo.outer.momentum=0.5"]) is not None
     ddp = recorded("ddp", "ddp", 0.7, 0.8, ["algo=ddp", "seed=11"])
     assert C.finished_run(ddp, ["algo=ddp", "seed=11"]) is not None
+
+
+def test_the_benchmark_runs_the_issues_command_and_divides_by_ddp_at_the_same_count_and_seed():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import default_outer as B
+
+    runs = {s["name"]: s for s in B.settings()}
+    assert runs["edit_g2_s11"]["overrides"] == [
+        "algo=edit", "cluster.count=2", "cluster.ranks=1", "model=tiny", "train.steps=320", "algo.interval=8",
+        "train.batch_size=8", "train.seq_len=128", "seed=11"]  # nothing about the outer step: the default's
+    assert runs["ddp_g2_s11"]["overrides"][1:] == runs["edit_g2_s11"]["overrides"][1:]
+    assert runs["edit_g2_s11_o0.7-0.8N"]["overrides"][-3:] == [
+        "algo.outer.lr=0.7", "algo.outer.momentum=0.8", "algo.outer.nesterov=true"]
+    rows = B.with_ratios([
+        {"algo": "ddp", "clusters": 2, "seed": 11, "final_val_loss": 2.0, "outer_named": None},
+        {"algo": "edit", "clusters": 2, "seed": 11, "final_val_loss": 2.1, "outer_named": None,
+         "outer": {"lr": 0.5}},
+        {"algo": "edit", "clusters": 2, "seed": 11, "final_val_loss": 2.5, "outer_named": B.OLD},
+        {"algo": "edit", "clusters": 4, "seed": 11, "final_val_loss": 1.9, "outer_named": None}])
+    assert [r["ratio_vs_ddp"] for r in rows] == [None, pytest.approx(1.05), pytest.approx(1.25), None]
+    summary = B.summarize(rows)
+    assert summary["g2_s11"]["default"]["ratio"] == pytest.approx(1.05)
+    assert summary["g2_s11"]["0.7/0.8N"]["edit"] == 2.5 and "g4_s11" not in summary  # no DDP at 4: no ratio
+    assert B.targets(summary) == {"edit_g2_s11_ratio": pytest.approx(1.05), "edit_g2_s11_le_1.07": True}

@@ -27,7 +27,7 @@ _PREFIX = "algo.outer"  # where the config lives in the Hydra tree (for error me
 # Measured at the convergence setting (tiny, 320 steps, H = 8, AdamW 3e-3; docs/algorithms.md, "The outer step's
 # default"): at M = 2 the 9-point grid lr {0.5, 0.7, 1.0} x momentum {0, 0.5, 0.8} is best at 0.5 / 0.5 (1.969;
 # the EDiT paper's 0.7 / 0.8 that edit shipped before: 2.203, worst but two). M >= 3: a longer step, 0.7 / 0.5, beat
-# M = 2's point at 4 clusters (seed 0: 1.8789 against 1.9095; results/default_outer.json), as the DiLoCo scaling
+# M = 2's point at 4 clusters (seed 0: 1.8789 against 1.9095; benchmarks/default_outer.py), as the DiLoCo scaling
 # laws' best outer lr rises with M; only those two points were tried. The interval enters once a second interval is
 # measured: every interval takes H = 8's row today.
 DEFAULT_OUTER_STEPS: tuple[tuple[float, float, float], ...] = ((2, 0.5, 0.5), (math.inf, 0.7, 0.5))
