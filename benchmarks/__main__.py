@@ -1,10 +1,12 @@
 """The benchmark suite's one entry point: `python -m benchmarks NAME [ARGS...]`, `python -m benchmarks --list`.
 
 Each member is `benchmarks/NAME.py`: its definition of runs and its summary, over the shared runner
-(`_common.py`: the `edit-train` subprocess with its one-line failure, `--reuse`, progress lines, JSON records
-with their command, commit and box, plots; `_tuning.py`: the tuning grids). `--smoke` (where a member has it)
-runs it in miniature; the default test suite runs every member's smoke check (tests/.../test_benchmark_suite.py).
-Records go to results/ (`results/README.md` is their generated index).
+(`_common.py`: the arguments every member shares, `--smoke` among them; the `edit-train` subprocess with its
+one-line failure, `--reuse`, progress lines, JSON records with their command, commit and box, plots; `_tuning.py`:
+the tuning grids). `python -m benchmarks NAME --smoke` runs a member in miniature into a temporary folder; the
+default test suite runs every member's smoke, all of them in under 30 s (tests/benchmarks/test_benchmark_suite.py).
+Records go to results/ (`results/README.md` is their generated index; a retired harness's records stay there with
+the command that made them and the commit that has its source).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ SUITE: dict[str, str] = {
     "gpu_step": "one GPU, one training step: tokens/s, MFU, peak memory of a Ling-Lite slice",
     "gpu_train": "the product's own training loop on one GPU beside the harness: tokens/s, MFU, memory",
     "heterogeneity": "heterogeneous clusters at a fixed wall-clock budget: ddp, EDiT, A-EDiT (+ overlap)",
-    "heterogeneity_same_box": "A-EDiT at equal wall time against an earlier commit's code, on this box",
     "hf_shards": "peak memory of sharded Hugging Face import and export",
     "insiders_checked": "what each insider lie of issue 69 costs the honest clusters, before and after its check",
     "ling2_speed": "small_v2 (Ling 2.0) against small (Ling 1) tokens/s on this CPU, with where the time goes",

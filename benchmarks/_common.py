@@ -1,6 +1,11 @@
-"""The suite's shared runner (`python -m benchmarks NAME`): run one `edit-train` job as a subprocess, read what it
-wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §5), write JSON records (with the command, commit and
-box they came from) and plots (matplotlib, Agg) and tables.
+"""The suite's shared runner (`python -m benchmarks NAME`): every member's argument parser (`parser`, `parse`:
+`--smoke`, `--out`, `--workdir`, `--reuse`, `--timeout`), one `edit-train` job as a subprocess with a one-line
+failure, what it wrote (`summary.json`, `metrics.jsonl`, docs/architecture.md §5), JSON records (with the command,
+commit and box they came from), plots (matplotlib, Agg) and tables.
+
+`--smoke` runs a member in miniature: its outputs go to a temporary folder (`BENCH_SMOKE_DIR` when set; never
+results/), and every `edit-train` job trains in this process at the smallest size (`SMOKE_OVERRIDES`: a tiny model,
+one cluster of one rank, two steps), so the default test suite runs every member end to end in seconds.
 
 Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` puts this folder on
 ``sys.path``).
@@ -8,6 +13,8 @@ Benchmarks import this module as ``_common`` (``python benchmarks/<name>.py`` pu
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import math
 import os
@@ -15,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,9 +32,64 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 RUNS_DIR = RESULTS_DIR / "runs"
+RECORDS_DIR = BENCH_DIR.parent / "results"  # the committed records and their index (results/README.md)
 
 # Every benchmark job: no W&B, no progress bar, no end-of-run checkpoint (saves time and disk).
 BASE_OVERRIDES = ("logger=none", "train.progress=false", "checkpoint.at_end=false")
+
+
+# --smoke: every job at the smallest size, in this process (one cluster of one rank, two steps, no faults, the
+# smallest model of the job's family `SMOKE_MODELS`, a time schedule's interval 0.05 s: A-EDiT's 5 s would be the
+# smoke's whole time)
+SMOKE_OVERRIDES = ("train.steps=2", "train.batch_size=1", "train.seq_len=16", "train.eval_every=2",
+                   "train.eval_batches=1", "train.log_every=1", "train.threads=1", "cluster=local", "cluster.count=1",
+                   "cluster.ranks=1", "cluster.slowdown=[]", "faults=[]", "data.split=shared", "algo.sync_time_s=0.05")
+SMOKE_MODELS = ("tiny", "tiny_v2")  # a job on another model runs on tiny under --smoke
+OUTPUTS = ("out", "plot", "workdir", "out_dir", "outdir", "run_dir")  # the arguments --smoke moves to its folder
+SMOKE: Path | None = None  # the smoke's output folder while a member runs with --smoke
+
+
+def parser(doc: str | None, *, out: str | None = None, plot: str | None = None, workdir: str | None = None,
+           reuse: bool = False, timeout: float | None = None) -> argparse.ArgumentParser:
+    """A member's argument parser: the first paragraph of its docstring, `--smoke`, and those of the shared options
+    it names (`--out RECORD` and `--plot PNG` under results/, `--workdir` under the runs folder, `--reuse`,
+    `--timeout` seconds per run)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n", 1)[0])
+    ap.add_argument("--smoke", action="store_true", help="run in miniature into a temporary folder (not results/)")
+    if out is not None:
+        ap.add_argument("--out", type=Path, default=RECORDS_DIR / out)
+    if plot is not None:
+        ap.add_argument("--plot", type=Path, default=RECORDS_DIR / plot)
+    if workdir is not None:
+        ap.add_argument("--workdir", type=Path, default=RUNS_DIR / workdir)
+    if reuse:
+        ap.add_argument("--reuse", action="store_true", help="read a run that already finished with these overrides")
+    if timeout is not None:
+        ap.add_argument("--timeout", type=float, default=timeout, help="seconds per run")
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse; under `--smoke` every output argument (`OUTPUTS`) left at its default moves into the smoke's folder."""
+    global SMOKE
+    args = ap.parse_args(argv)
+    SMOKE = None
+    if getattr(args, "smoke", False):
+        SMOKE = Path(os.environ.get("BENCH_SMOKE_DIR") or tempfile.mkdtemp(prefix="bench-smoke-"))
+        SMOKE.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUTS:
+            value = getattr(args, name, None)
+            if isinstance(value, (str, Path)) and value == ap.get_default(name):
+                setattr(args, name, SMOKE / Path(value).name)
+    return args
+
+
+def smoke_dir(name: str) -> Path:
+    """A folder for `name` inside the smoke's folder (a member's own scratch space under --smoke)."""
+    assert SMOKE is not None
+    path = SMOKE / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 class JobError(RuntimeError):
@@ -74,6 +137,8 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    if SMOKE is not None:
+        return smoke_job(name, run_dir, args, verbose)
     cmd = edit_train_cmd() + args
     log_path = run_dir / "job.log"
     if verbose:
@@ -101,6 +166,34 @@ def run_job(name: str, run_dir: Path, overrides: Sequence[str], *, timeout: floa
               f"{s.get('final_val_loss', float('nan')):.4f}, {s.get('cross_cluster_bytes', 0) / 1e6:.1f} MB "
               "cross-cluster", flush=True)
     return job
+
+
+def smoke_overrides(overrides: Sequence[str]) -> list[str]:
+    """A job's overrides at the smoke's size: `SMOKE_OVERRIDES` after them, and a tiny model."""
+    models = [x.split("=", 1)[1] for x in overrides if x.startswith("model=")]
+    return [*overrides, *([] if models and models[-1] in SMOKE_MODELS else ["model=tiny"]), *SMOKE_OVERRIDES]
+
+
+def smoke_job(name: str, run_dir: Path, args: list[str], verbose: bool) -> Job:
+    """`run_job` under --smoke: the job's overrides, then `SMOKE_OVERRIDES`, trained in this process."""
+    from edit_train.cli.common import compose
+    from edit_train.config import validate
+    from edit_train.train.trainer import train
+
+    smoke = smoke_overrides(args[:-1]) + args[-1:]
+    t0 = time.perf_counter()
+    with (run_dir / "job.log").open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            cfg = compose(smoke)
+            validate(cfg)
+            train(cfg)
+        except Exception as exc:  # noqa: BLE001
+            raise JobError(f"{name}: edit-train (in-process smoke) failed: {type(exc).__name__}: {exc}") from exc
+    wall = time.perf_counter() - t0
+    (run_dir / "bench_job.json").write_text(json.dumps({"args": smoke, "wall_s": wall}))
+    if verbose:
+        print(f"{name}: smoke run in {wall:.1f}s", flush=True)
+    return Job(name, run_dir, smoke, wall, read_summary(run_dir), read_metrics(run_dir))
 
 
 def job_args(run_dir: Path, overrides: Sequence[str]) -> list[str]:
@@ -186,7 +279,8 @@ def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
     and outer momentum; the run needs `checkpoint.at_end=true`)."""
     from safetensors.torch import load_file
 
-    files = sorted(Path(run_dir).glob("checkpoints/*/step_*/rank*-outer.safetensors"))
+    files = sorted(Path(run_dir).glob("checkpoints/*/step_*/rank*-outer.safetensors")) or sorted(
+        Path(run_dir).glob("checkpoints/step_*/rank*-outer.safetensors"))  # a lone cluster (--smoke) has no folder
     if not files:
         raise JobError(f"{run_dir}: no checkpoints/<cluster>/step_*/rank*-outer.safetensors")
     bad, modules = [], set()
@@ -196,6 +290,11 @@ def anchor_check(run_dir: Path) -> tuple[int, list[str], list[str]]:
             if t.is_floating_point() and not bool(t.isfinite().all()):
                 bad.append(f"{f.relative_to(run_dir)}:{key}")
     return len(files), bad, sorted(modules)
+
+
+def ratio(num: float, den: float) -> float:
+    """num ÷ den, NaN where den is 0 (a smoke's lone cluster moves no bytes)."""
+    return num / den if den else math.nan
 
 
 def ring_bytes(summary: dict[str, Any], clusters: int) -> float:
@@ -214,9 +313,6 @@ def _clean(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
-
-
-RECORDS_DIR = BENCH_DIR.parent / "results"  # the committed records and their index (results/README.md)
 
 
 def provenance() -> dict[str, Any]:
@@ -241,6 +337,8 @@ def write_json(path: Path, obj: Any) -> Path:
     """Write a result; a dict gets `command`, `commit` and `box` where it has none. A record in results/
     regenerates the index (results/README.md)."""
     path = Path(path)
+    if SMOKE is not None and path.resolve().parent == RECORDS_DIR:
+        raise RuntimeError(f"--smoke writes no record in results/ ({path})")
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(obj, dict):
         obj = {**{k: v for k, v in provenance().items() if k not in obj}, **obj}
@@ -277,7 +375,7 @@ def save_fig(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if fig.get_layout_engine() is None:  # a figure with its own layout (constrained) keeps it
         fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120 if SMOKE is None else 30)  # a smoke's plot is drawn, not looked at
     pyplot().close(fig)
     return path
 

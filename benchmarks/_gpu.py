@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
 from edit_train.config import TrainConfig
 from edit_train.model import CausalLM
 from edit_train.model.config import ModelConfig
@@ -142,7 +145,7 @@ def parse_and_pick(ap: argparse.ArgumentParser, argv: list[str] | None, stem: st
     """Add the output arguments, parse `argv`, pick the device: (args, device, its label, the output file), or
     None after one line on stderr (no GPU and not ``--quick``)."""
     add_output_args(ap, stem, suffix)
-    args = ap.parse_args(argv)
+    args = C.parse(ap, argv)
     picked = device_and_output(args, stem, stem, suffix)
     return None if picked is None else (args, *picked)
 
@@ -151,6 +154,7 @@ def device_and_output(args: argparse.Namespace, tool: str, stem: str, suffix: st
                       ) -> tuple[torch.device, str, Path] | None:
     """(device, its label, the output file) — or None after one line on stderr: no GPU and not ``--quick``."""
     on_gpu = torch.cuda.is_available()
+    args.quick = getattr(args, "quick", False) or getattr(args, "smoke", False)  # --smoke: the --quick shapes
     if not on_gpu and not args.quick:
         print(f"{tool}: no CUDA device here; run it on a GPU machine (or --quick for a CPU-only smoke run)",
               file=sys.stderr)
@@ -159,6 +163,7 @@ def device_and_output(args: argparse.Namespace, tool: str, stem: str, suffix: st
     if not on_gpu:
         torch.set_num_threads(1)
     label = device_label(device)
-    out = args.out or (args.out_dir or (RECORDS if on_gpu else RESULTS)) / f"{stem}_{device_slug(label)}{suffix}"
+    folder = args.out_dir or C.SMOKE or (RECORDS if on_gpu else RESULTS)
+    out = args.out or folder / f"{stem}_{device_slug(label)}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     return device, label, out

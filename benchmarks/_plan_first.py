@@ -13,7 +13,6 @@ Only the old API is used (`Candidate(algo, mode, compression, interval, sync_tim
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

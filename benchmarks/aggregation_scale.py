@@ -34,7 +34,7 @@ KINDS = ("sign_flip", "random_direction", "lie_norm", "nan_payload")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="aggregation_scale.json", workdir="aggregation_scale", reuse=True, timeout=3600.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=None)
@@ -44,14 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup-syncs", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "aggregation_scale")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "aggregation_scale.json")
-    ap.add_argument("--timeout", type=float, default=3600.0)
-    ap.add_argument("--reuse", action="store_true")
-    a = ap.parse_args(argv)
+    a = C.parse(ap, argv)
+    a.quick = a.quick or a.smoke
     a.clusters = a.clusters or ([6] if a.quick else [6, 8])
     a.kinds = a.kinds or (["sign_flip", "nan_payload"] if a.quick else list(KINDS))
-    a.faulty = a.faulty or ([1] if a.quick else [1, 2])
+    a.faulty = a.faulty or ([] if a.smoke else [1] if a.quick else [1, 2])  # a smoke has no faults: no faulty runs
     a.start = (a.warmup_syncs + 2) * a.interval
     a.end = a.start + 8 * a.interval
     return a

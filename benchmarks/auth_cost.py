@@ -91,18 +91,16 @@ def micro(params: int = 1_757_312, repeat: int = 20) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="auth_cost.json", workdir="auth_cost")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "auth_cost.json")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "auth_cost")
-    a = ap.parse_args()
+    a = C.parse(ap)
     steps = ["train.steps=120"] if a.quick else []
     out: dict = {"setup": {"quick": a.quick, "env": C.environment(), "cpu_count": os.cpu_count()}, "runs": {},
                  "load": {}}
-    out["micro"] = micro()
+    out["micro"] = micro(params=4096, repeat=2) if a.smoke else micro()
     print("micro (ms, fastest / median): " + ", ".join(f"{k} {v['min']:.3f} / {v['median']:.3f}"
                                                       for k, v in out["micro"].items() if k != "params"), flush=True)
-    for run, overrides in RUNS.items():
+    for run, overrides in RUNS.items() if not a.smoke else [("demo", RUNS["demo"])]:  # a smoke: one cluster
         run_dir = a.workdir / run
         before = os.getloadavg()
         C.run_job(run, run_dir, [*overrides, *steps, "train.eval_every=0"])

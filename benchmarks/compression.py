@@ -179,11 +179,9 @@ INNER = {"adamw": EDIT, "muon": EDIT_MUON, "adamw_shipped": EDIT_SHIPPED}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="compression.json", workdir="compression", reuse=True)
     ap.add_argument("--quick", action="store_true", help="120 steps, seed 0, none/int8/3 top-k pairs; the slow "
                     "link for none and topk_1pct_2b only; no small-model timing run")
-    ap.add_argument("--smoke", action="store_true", help="the machinery in miniature: 12 steps, seed 0, none and "
-                    "topk_1pct_2b_efm95 (error feedback as momentum), no slow link, no small-model timing run")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--interval", type=int, default=8)
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
@@ -193,8 +191,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--slow-schemes", nargs="+", default=None, choices=list(SCHEMES),
                     help="schemes on the slow link (default: --schemes; --quick: none and topk_1pct_2b)")
     ap.add_argument("--slow-seeds", type=int, nargs="+", default=None, help="seeds on the slow link (default: --seeds)")
-    ap.add_argument("--reuse", action="store_true", help="reuse a finished run with identical overrides "
-                    "(an interrupted benchmark resumes; every run directory is under --workdir)")
     ap.add_argument("--no-small", action="store_true", help="skip the small model's sync-time run")
     ap.add_argument("--codec-only", action="store_true",
                     help="re-measure only the codec (on a quiet machine) against the sync times --out already "
@@ -206,16 +202,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the inner optimizer of every edit run: adamw at the convergence grid's point (default) or "
                     "muon at its own tuned point (lr 6e-2, plain averaging; issue 51), or adamw_shipped: edit's "
                     "outer step as conf/algo/edit.yaml shipped it until issue 66 (lr 0.7, Nesterov 0.8)")
-    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "compression.json")
-    ap.add_argument("--plot", type=Path, default=C.RESULTS_DIR / "compression.png")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "compression")
-    a = ap.parse_args(argv)
-    if a.smoke:
+    ap.add_argument("--plot", type=Path, default=C.RECORDS_DIR / "compression.png")
+    a = C.parse(ap, argv)
+    if a.smoke:  # 12 steps, seed 0, none and topk_1pct_2b_efm95 (error feedback as momentum), no slow link or small model
         a.quick, a.no_small, a.settings = True, True, ["convergence"]
         a.steps, a.interval, a.seeds = a.steps or 12, 4, a.seeds or [0]
         a.schemes = a.schemes or ["none", "topk_1pct_2b_efm95"]
-        if a.out == C.RESULTS_DIR / "compression.json":
-            a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
+        a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
     a.steps = a.steps or (120 if a.quick else 320)
     a.seeds = a.seeds or ([0] if a.quick else [0, 1, 2])
     a.schemes = a.schemes or (QUICK_SCHEMES if a.quick else list(SCHEMES))
@@ -267,7 +260,7 @@ def one_setting(a: argparse.Namespace, setting: str) -> dict[str, Any]:
         p["loss_ratio"] = ratio
         rows.append({"scheme": name, "val_loss": statistics.fmean(p["val_loss"]),
                      "loss_ratio": statistics.fmean(ratio), "worst_ratio": max(ratio), "bytes_per_token": bpt,
-                     "vs_none": bpt / statistics.fmean(none["bytes_per_token"]), "vs_ddp": bpt / ddp_bpt,
+                     "vs_none": C.ratio(bpt, statistics.fmean(none["bytes_per_token"])), "vs_ddp": C.ratio(bpt, ddp_bpt),
                      "blocked_per_sync": statistics.fmean(p["blocked_per_sync"]),
                      "sync_s": statistics.fmean(p["sync_s"]), "wall_s": statistics.fmean(p["wall_s"])})
     print(f"\n== {setting} ({a.steps} steps, H={a.interval}, seeds {seeds}) ==")
@@ -483,6 +476,12 @@ def retime(a: argparse.Namespace, schemes: list[str]) -> dict[str, dict[str, flo
     return {"tiny": tiny, "small": small_sync_times(a, schemes, work)}
 
 
+def codecs(a: argparse.Namespace, compressed: list[str]) -> dict[str, Any]:
+    """The codec's cost on tiny's and small's units (--smoke: tiny's units under both names, one repeat)."""
+    return {model: codec_us("tiny" if a.smoke else model, compressed, reps=1 if a.smoke else 15)
+            for model in ("tiny", "small")}
+
+
 def codec_only(a: argparse.Namespace) -> None:
     """The codec's share of a sync, measured again: the runs' sync times are what `a.out` recorded (a codec
     timing taken while other runs shared the cores measures the contention, not the codec)."""
@@ -495,7 +494,7 @@ def codec_only(a: argparse.Namespace) -> None:
     fresh = retime(a, a.retime) if a.retime else {}
     for model, times in fresh.items():
         sync_s[model].update(times)
-    codec = {"tiny": codec_us("tiny", compressed), "small": codec_us("small", compressed)}
+    codec = codecs(a, compressed)
     for model in codec:
         print_codec(model, codec[model], sync_s[model])
         for name, c in codec[model].items():
@@ -518,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     compressed = [s for s in a.schemes if s != "none"]
     conv = results.get("convergence") or next(iter(results.values()))
     tiny_sync = {r["scheme"]: r["sync_s"] for r in conv["rows"]}
-    codec = {"tiny": codec_us("tiny", compressed), "small": codec_us("small", compressed)}
+    codec = codecs(a, compressed)
     print_codec("tiny", codec["tiny"], tiny_sync)
     # a keep scheme with a resend twin sends its twin's payloads: timed once
     twin = {s: c["same_codec_as"] for s, c in codec["small"].items() if "same_codec_as" in c}

@@ -78,8 +78,6 @@ import _tuning as T  # noqa: E402
 
 ALGOS = ("ddp", "post_local_sgd", "diloco", "edit")
 TUNE_SEED, TUNE_GROUPS = T.TUNE_SEED, T.TUNE_GROUPS  # tuned mode: the grid runs on seed 0 at 2 clusters
-DEFAULT_OUT = C.RESULTS_DIR / "convergence.json"
-DEFAULT_PLOT = C.RESULTS_DIR / "convergence.png"
 
 # Per-algorithm overrides on top of conf/algo/<algo>.yaml (ddp: none, by design).
 ALGO_OVERRIDES: dict[str, list[str]] = {
@@ -92,7 +90,7 @@ ALGO_OVERRIDES: dict[str, list[str]] = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="convergence.json", workdir="convergence", reuse=True, timeout=3600.0)
     ap.add_argument("--quick", action="store_true", help="reduced run: 200 steps, H=8, batch 8, one seed "
                     "(tuned mode: 2x2 outer grid, inner lr 3e-3 only, 120 steps, 2 clusters, seed 0)")
     ap.add_argument("--tune", action="store_true",
@@ -126,26 +124,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="extra override for every job (repeatable)")
     ap.add_argument("--algo-set", action="append", default=[], metavar="ALGO:KEY=VALUE",
                     help="extra override for one algorithm (repeatable)")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "convergence", help="run directories")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
-    ap.add_argument("--reuse", action="store_true",
-                    help="reuse finished runs in --workdir that had exactly the same overrides")
+    ap.add_argument("--plot", type=Path, default=C.RECORDS_DIR / "convergence.png")
     ap.add_argument("--options", action=argparse.BooleanOptionalAction, default=True,
                     help="tuned mode: the options stage (issue 51: Muon inner steps, Pier's outer warm-up and "
                          "schedule) at each algorithm's best point; --no-options: the grid before issue 51")
-    ap.add_argument("--smoke", action="store_true", help="tuned mode in miniature to check the machinery: "
-                    "--tune --confirm, 12 steps, H=4, batch 2x32, one point per grid, seed 0, 2 clusters")
-    a = ap.parse_args(argv)
-    if a.smoke:
+    a = C.parse(ap, argv)
+    if a.smoke:  # tuned mode in miniature: --tune --confirm, 12 steps, H=4, batch 2x32, one point per grid, seed 0
+        a.algos = a.algos if a.algos != list(ALGOS) else ["edit"]
         a.tune = a.confirm = True
         a.steps, a.interval, a.batch_size, a.seq_len = a.steps or 12, a.interval or 4, a.batch_size or 2, 32
         a.eval_every, a.eval_batches, a.seeds, a.clusters = 6, 1, a.seeds or [0], a.clusters or [TUNE_GROUPS]
         a.inner_lrs, a.outer_lrs, a.outer_momenta = [a.base_lr], a.outer_lrs or [0.7], a.outer_momenta or [0.8]
         a.muon_lrs = a.muon_lrs or [1e-2]
-        if a.out == DEFAULT_OUT:
-            a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
+        a.out, a.plot = a.workdir / "smoke.json", a.workdir / "smoke.png"
     a.tuned_mode = a.tune or a.confirm
     if a.tuned_mode:
         a.steps = a.steps or (120 if a.quick else 1000)

@@ -159,16 +159,14 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
+    ap = C.parser(__doc__, out="default_outer.json", plot="default_outer.png", workdir="default_outer", reuse=True,
+                  timeout=3600.0)
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these settings, in this order")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "default_outer")
-    ap.add_argument("--out", type=Path, default=RECORDS / "default_outer.json")
-    ap.add_argument("--plot", type=Path, default=RECORDS / "default_outer.png")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     ap.add_argument("--finished", action="store_true", help="start no run: the JSON and plot of the finished ones")
-    a = ap.parse_args(argv)
+    a = C.parse(ap, argv)
     every = {s["name"]: s for s in settings()}
+    if a.smoke and not a.only:
+        a.only = list(every)[:2]  # the first two settings (DDP and the product at its defaults) in miniature
     if a.finished:
         a.reuse = True
         a.only = [n for n, s in every.items() if C.finished_run((a.workdir / n).resolve(), s["overrides"])]

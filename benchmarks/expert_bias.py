@@ -46,7 +46,8 @@ LING1_ROUTER = ["model.score_function=softmax", "model.moe_router_enable_expert_
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="expert_bias.json", plot="expert_bias.png", workdir="expert_bias", reuse=True,
+                  timeout=4 * 3600.0)
     ap.add_argument("--models", nargs="+", default=list(STEPS), choices=sorted(STEPS))
     ap.add_argument("--clusters", type=int, default=4)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -57,12 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--aux-coef", type=float, default=0.01, help="the aux arm's router_aux_loss_coef (tiny's)")
     ap.add_argument("--tuned", type=Path, default=RECORDS / "convergence_tuned.json")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every run")
-    ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "expert_bias")
-    ap.add_argument("--out", type=Path, default=RECORDS / "expert_bias.json")
-    ap.add_argument("--plot", type=Path, default=RECORDS / "expert_bias.png")
-    ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
-    return ap.parse_args(argv)
+    a = C.parse(ap, argv)
+    if a.smoke:  # one model, one seed, two arms
+        a.models, a.seeds, a.arms = ["tiny_v2"], [0], ["mean", "aux"]
+    return a
 
 
 def tuned_point(path: Path) -> list[str]:

@@ -437,7 +437,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.parser(__doc__, out="false_positives.json", plot="false_positives.png")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--clusters", type=int, nargs="+", default=[2, 4, 8])
@@ -445,15 +445,17 @@ def main() -> None:
     ap.add_argument("--only", default="", help="a regex: run only the settings whose name matches")
     ap.add_argument("--product", action="store_true", help="edit-train subprocesses (see the docstring)")
     ap.add_argument("--merge", action="store_true", help="keep the --out file's other runs (replace those run now)")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "false_positives.json")
-    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "results" / "false_positives.png")
-    args = ap.parse_args()
+    args = C.parse(ap)
+    if args.smoke:
+        global SYNCS
+        SYNCS = 3  # the first setting's three federations, three syncs each
     if args.product:
         return product(args)
     _CURRENT["spread"] = args.spread
     rows = []
-    todo = [s for s in settings(args.quick, args.seeds[:1] if args.quick else args.seeds,
-                                [2, 4] if args.quick else args.clusters) if re.search(args.only, s["name"])]
+    todo = [s for s in settings(args.quick or args.smoke, args.seeds[:1] if args.quick or args.smoke else args.seeds,
+                                [2] if args.smoke else [2, 4] if args.quick else args.clusters)
+            if re.search(args.only, s["name"])][:1 if args.smoke else None]  # --smoke: the first setting
     t0 = time.perf_counter()
     for k, s in enumerate(todo):
         got = run(s)
@@ -493,7 +495,8 @@ def product(args: argparse.Namespace) -> None:
         runs.append(("lang4_64", ["experiment=noniid_lang_4", "train.steps=64"]))
     rows = []
     for name, overrides in runs:
-        job = C.run_job(name, C.RUNS_DIR / "false_positives" / name, overrides, reuse=True)
+        job = C.run_job(name, (C.smoke_dir("runs") if args.smoke else C.RUNS_DIR / "false_positives") / name, overrides,
+                        reuse=True)
         syncs = [e for e in job.metrics if e.get("event") == "sync"]
         log = (job.run_dir / "job.log").read_text(errors="replace").splitlines()
         warnings = [ln for ln in log if re.search(r"cluster \w+: cluster \w+ ", ln)]

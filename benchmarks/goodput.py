@@ -10,11 +10,8 @@ of both runs. Targets (Decoupled DiLoCo's figure): goodput ≥ 0.88 under failur
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -60,22 +57,21 @@ def killer(run_dir: Path, every: float, stop: threading.Event, log: list[dict]) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _common.parser(__doc__, out="goodput.json", workdir="goodput")
     ap.add_argument("--quick", action="store_true", help="150 s per run instead of 360 s")
     ap.add_argument("--every", type=float, default=60.0, help="seconds between kills")
-    ap.add_argument("--out", type=Path, default=_common.RESULTS_DIR / "goodput.json")
-    args = ap.parse_args()
+    args = _common.parse(ap)
     budget = 150 if args.quick else 360
     common = ["cluster=local", "model=tiny", "algo=a_edit", "algo.sync_time_s=5", "cluster.count=3",
               "cluster.ranks=1",
               "train.batch_size=4", "train.seq_len=64", f"train.time_budget_s={budget}", "train.steps=100000",
               "train.eval_every=0", "train.log_every=10", "federation.join_timeout_s=5",
               "federation.heartbeat_timeout_s=3", "run.max_restarts=20", "run.restart_delay_s=2"]
-    runs = _common.RUNS_DIR / "goodput"
+    runs = args.workdir
     clean = _common.run_job("clean", runs / "clean", common)
     stop, kills = threading.Event(), []
-    thread = threading.Thread(target=killer, args=(runs / "faulty", args.every, stop, kills), daemon=True)
-    thread.start()
+    if not args.smoke:  # a smoke's run trains in this process: nothing to kill
+        threading.Thread(target=killer, args=(runs / "faulty", args.every, stop, kills), daemon=True).start()
     try:
         faulty = _common.run_job("faulty", runs / "faulty", common)
     finally:

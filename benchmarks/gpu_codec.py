@@ -8,14 +8,15 @@ that the GPU payload equals the CPU one byte for byte and that decode(payload) e
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
 from edit_train.codec.dense import CompressionConfig, dequantize, quantize_own
 
@@ -52,19 +53,19 @@ def rows(dev: torch.device, sizes: tuple[int, ...], repeats: int) -> list[dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="without a GPU: the CPU, small units (a smoke run)")
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")) / "gpu_codec.json")
-    args = ap.parse_args(argv)
+    args = C.parse(ap, argv)
+    args.quick = args.quick or args.smoke
     if not torch.cuda.is_available() and not args.quick:
         print("gpu_codec: no CUDA device here; run it on a GPU machine (or --quick for a CPU smoke run)",
               file=sys.stderr)
         return 2
     dev = torch.device("cuda") if torch.cuda.is_available() and not args.quick else torch.device("cpu")
     found = rows(dev, (4096,) if args.quick else (492800, 3543552), 2 if args.quick else 20)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    args.out.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": found}, indent=1) + "\n")
+    C.write_json(args.out, {"device": name, "torch": torch.__version__, "rows": found})
     return 0
 
 

@@ -16,13 +16,13 @@ Without a CUDA device and without --quick it refuses with one line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import _common as C
 from _gpu import (Variant, add_shape_args, build_step, default_shape, parse_and_pick,
                   sync)
 from edit_train.model.lm_loss import PROFILE_RANGE
@@ -62,7 +62,7 @@ def categorise(events, attr: str, kernels_only: bool) -> list[tuple[str, float]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--model", default="ling_lite_slice")
     ap.add_argument("--eager", action="store_true", help="profile the eager step (default: compiled)")
     ap.add_argument("--checkpointing", default="none", choices=["none", "full", "moe"])

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+import _common as C
 from _gpu import (SLICES, Variant, add_shape_args, build_step, default_shape, parse_and_pick,
                   device_slug, smoke_model, sync)
 from edit_train.memplan import GIB, memory_plan
@@ -136,7 +137,7 @@ def _write(path: Path, result: dict[str, Any], append: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--models", nargs="+", default=["ling_lite_slice", "ling_1b", "small"])
     ap.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"])
     ap.add_argument("--no-compile", action="store_true", help="eager only (same as --modes eager)")
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             # compiling on 2 CPU cores takes minutes and measures nothing; the 126k-vocabulary models do not fit:
             # tiny, or tiny_v2 for a Ling 2.0 model
             args.models, args.modes = list(dict.fromkeys(smoke_model(m) for m in args.models)), ["eager"]
+    if args.smoke:  # one experts layout
+        args.experts = args.experts[:1]
     peak = device_peak_flops(device, args.peak_flops)
     note = None if on_gpu else "CPU-only figures (no GPU on this machine): not GPU throughput, no MFU, no peak memory"
     result: dict[str, Any] = {"device": name, "device_slug": device_slug(name), "torch": torch.__version__,

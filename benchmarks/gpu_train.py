@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 import gpu_step  # noqa: E402
 from _gpu import Variant, default_shape, device_and_output, device_slug, smoke_model  # noqa: E402
 from edit_train.memplan import GIB, plan_for_config  # noqa: E402
@@ -151,7 +152,7 @@ def federation_row(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     ap.add_argument("--model", default="ling_lite_slice")
     ap.add_argument("--batch", type=int, default=None)
@@ -164,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-source", default=None, help="data.source (default: the config's: the stdlib)")
     ap.add_argument("--federation-timeout", type=float, default=150.0)
     ap.add_argument("--peak-flops", type=float, default=0.0)
-    ap.add_argument("--smoke", action="store_true", help="without a GPU: toy sizes on the CPU (no GPU figures)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--out-dir", type=Path, default=None)
-    args = ap.parse_args(argv)
-    args.quick = args.smoke
+    args = C.parse(ap, argv)  # --smoke: toy sizes (on a CPU box: no GPU figures), into the smoke's folder
+    if args.smoke and args.rows == list(ROWS):
+        args.rows = [r for r in ROWS if r != "federation"]
+        print("gpu_train --smoke: the federation row (two edit-train processes) runs only when named: --rows federation")
     picked = device_and_output(args, "gpu_train", "gpu_step", ".json")
     if picked is None:
         return 2

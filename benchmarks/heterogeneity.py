@@ -50,8 +50,6 @@ import _common as C  # noqa: E402
 
 from edit_train.timing import BUCKETS  # noqa: E402
 
-DEFAULT_OUT = C.RESULTS_DIR / "heterogeneity.json"
-DEFAULT_PLOT = C.RESULTS_DIR / "heterogeneity.png"
 SLOWDOWN = (1.0, 3.0)
 # name -> (algo, extra overrides); all on cluster=hetero_2x1
 RUNS: dict[str, tuple[str, list[str]]] = {
@@ -86,7 +84,7 @@ COLORS = {"ddp": "tab:blue", "edit": "tab:orange", "a_edit": "tab:green", "a_edi
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="heterogeneity.json", plot="heterogeneity.png", workdir="heterogeneity", reuse=True)
     ap.add_argument("--quick", action="store_true", help="45 s per run, batch 4 x 64, tau 5 s, H 16")
     ap.add_argument("--budget", type=float, default=None, help="train.time_budget_s of every run (s)")
     ap.add_argument("--sync-time", type=float, default=None, help="algo.sync_time_s (A-EDiT tau)")
@@ -104,12 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="runs to make (a_edit+overlap+staleness: issue 51's staleness correction, not by default)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every job (repeatable)")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "heterogeneity", help="run directories")
-    ap.add_argument("--reuse", action="store_true", help="re-read runs that already have a summary.json (replot)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
-    a = ap.parse_args(argv)
-    q = a.quick
+    a = C.parse(ap, argv)
+    q = a.quick = a.quick or a.smoke
+    a.runs = ["a_edit"] if a.smoke and a.runs == DEFAULT_RUNS else a.runs
     a.budget = a.budget or (45.0 if q else 240.0)
     a.sync_time = a.sync_time or (5.0 if q else 10.0)
     a.interval = a.interval or (16 if q else 32)
@@ -229,7 +224,7 @@ def row_for(name: str, job: C.Job, sum_tps: float, speed_ratio: float, sum_train
            "cross_cluster_bytes": s.get("cross_cluster_bytes"), "job_wall_s": job.wall_s, "run_dir": job.run_dir,
            "per_cluster": {c: {k: v[k] for k in ("tokens", "steps", "tokens_per_s", "blocked_s", "blocked_frac",
                                                  "slowdown_slept_s", "syncs") if k in v} for c, v in pc.items()},
-           "tps_g0": pc["c0"]["tokens_per_s"], "tps_g1": pc["c1"]["tokens_per_s"]}
+           "tps_g0": pc["c0"]["tokens_per_s"], "tps_g1": pc.get("c1", {}).get("tokens_per_s")}
     if s["algo"] == "a_edit":
         row.update(plan_stats(s))
         row["speed_ratio_standalone"] = speed_ratio

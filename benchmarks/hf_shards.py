@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-from edit_train.model.config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+from edit_train.model.config import ModelConfig  # noqa: E402
 
 HERE = Path(__file__).resolve()
 
@@ -45,6 +48,17 @@ def ling_lite_shaped(layers: int) -> ModelConfig:
     from edit_train.model.presets import load_preset
 
     return dataclasses.replace(load_preset("ling_lite"), num_hidden_layers=layers)
+
+
+def smoke_shaped() -> ModelConfig:
+    """Ling-Lite's layout (shared experts, the head as Ling has it) at the tiny preset's widths: --smoke's size."""
+    from edit_train.model.presets import load_preset
+
+    tiny = load_preset("tiny")
+    return dataclasses.replace(load_preset("ling_lite"), **{f.name: getattr(tiny, f.name) for f in dataclasses.fields(
+        tiny) if f.name in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+                            "num_key_value_heads", "num_experts", "num_experts_per_tok", "vocab_size", "head_dim",
+                            "num_hidden_layers")})
 
 
 def _status(key: str) -> int:
@@ -143,7 +157,9 @@ def phase_compare(src: Path, dst: Path) -> dict[str, Any]:
 
 
 def _run_phase(phase: str, cfg: ModelConfig, work: Path, shard_bytes: int) -> dict[str, Any]:
-    """One phase in a fresh process (its own baseline and peak); its JSON result."""
+    """One phase in a fresh process (its own baseline and peak; under --smoke in this one); its JSON result."""
+    if C.SMOKE is not None:
+        return run_phase(phase, cfg, work, shard_bytes)
     arg = json.dumps({"phase": phase, "cfg": dataclasses.asdict(cfg), "work": str(work), "shard": shard_bytes})
     proc = subprocess.run([sys.executable, str(HERE), "--phase", arg], capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")})
@@ -154,14 +170,15 @@ def _run_phase(phase: str, cfg: ModelConfig, work: Path, shard_bytes: int) -> di
 
 def _phase_main(arg: str) -> None:
     a = json.loads(arg)
-    cfg, work, shard = ModelConfig(**a["cfg"]), Path(a["work"]), int(a["shard"])
-    if a["phase"] == "write":
-        out = phase_write(cfg, work / "src", shard)
-    elif a["phase"] == "round_trip":
-        out = phase_round_trip(cfg, work / "src", work / "dst", shard)
-    else:
-        out = phase_compare(work / "src", work / "dst")
-    print(json.dumps(out))
+    print(json.dumps(run_phase(a["phase"], ModelConfig(**a["cfg"]), Path(a["work"]), int(a["shard"]))))
+
+
+def run_phase(phase: str, cfg: ModelConfig, work: Path, shard: int) -> dict[str, Any]:
+    if phase == "write":
+        return phase_write(cfg, work / "src", shard)
+    if phase == "round_trip":
+        return phase_round_trip(cfg, work / "src", work / "dst", shard)
+    return phase_compare(work / "src", work / "dst")
 
 
 def measure(cfg: ModelConfig, shard_bytes: int, root: Path) -> dict[str, Any]:
@@ -185,25 +202,24 @@ def measure(cfg: ModelConfig, shard_bytes: int, root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = C.parser(__doc__, out="hf_shards.json")
     p.add_argument("--layers", default="1,2,4", help="Ling-Lite-shaped sizes to measure (decoder layers)")
     p.add_argument("--shard-size", default="1GB", help="shard size for writing and exporting (default 1GB)")
     p.add_argument("--dir", default=None, help="where the generated checkpoints go (default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="one layer, 512MB shards")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = C.parse(p)
     if args.phase:
         _phase_main(args.phase)
         return
     from edit_train.model.shards import parse_size
 
-    layers = [1] if args.quick else [int(x) for x in args.layers.split(",")]
-    shard = parse_size("512MB" if args.quick else args.shard_size)
-    root = Path(args.dir or tempfile.gettempdir())
+    layers = [1] if args.quick or args.smoke else [int(x) for x in args.layers.split(",")]
+    shard = parse_size("1MB" if args.smoke else "512MB" if args.quick else args.shard_size)
+    root = Path(args.dir or C.SMOKE or tempfile.gettempdir())
     rows = []
-    for n in layers:
-        row = measure(ling_lite_shaped(n), shard, root)
+    for n in layers:  # --smoke: Ling-Lite's layout at the tiny preset's widths, each phase in this process
+        row = measure(smoke_shaped() if args.smoke else ling_lite_shaped(n), shard, root)
         rows.append(row)
         print(f"ling_lite x {n:>2} layers: {row['params'] / 1e9:6.2f} B params, {row['checkpoint_bytes'] / 1e9:6.2f} GB "
               f"in {row['files']} files; peak RSS above baseline: write {row['write']['x_shard']:.2f}, import "
@@ -219,9 +235,7 @@ def main() -> None:
               "host": {"cpu_count": os.cpu_count(), "loadavg": os.getloadavg(),
                        "mem_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
               "torch": torch.__version__}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    print(f"wrote {C.write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

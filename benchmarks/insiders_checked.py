@@ -7,15 +7,16 @@ with the syncs they lost. docs/security.md quotes it. ~4 min."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path[:0] = [str(TESTS / "helpers"), str(TESTS / "federation")]  # the tests whose federations it reruns
+sys.path[:0] = [str(TESTS / d) for d in ("helpers", "federation", "local_sgd")]  # the tests it reruns (and theirs)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
 import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
@@ -34,23 +35,25 @@ def _line(item: str, n: int, honest: list[str], base: dict, lied: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    a = C.parse(C.parser(__doc__), argv)
     logging.disable(logging.CRITICAL)
-    root = Path(tempfile.mkdtemp(prefix="insiders_checked-"))
-    for n in (2, 3):
+    root = C.SMOKE or Path(tempfile.mkdtemp(prefix="insiders_checked-"))
+    for n in (2,) if a.smoke else (2, 3):  # --smoke: item 7 at 2 clusters
         names = [f"c{i}" for i in range(n)]
         honest = names[:-1]
         late = {"c1": first.GateRun.join_timeout_s + 1.0} if n == 3 else {}
-        _line("1 first heal", n, honest, first._run(root / f"1c{n}", names, False, late)[0],
-              first._run(root / f"1l{n}", names, True, late)[0])
-        _line("2 claimed steps", n, honest, claimed._run(root / f"2c{n}", names, False)[0],
-              claimed._run(root / f"2l{n}", names, True)[0])
-        _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
-              claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
+        if not a.smoke:
+            _line("1 first heal", n, honest, first._run(root / f"1c{n}", names, False, late)[0],
+                  first._run(root / f"1l{n}", names, True, late)[0])
+            _line("2 claimed steps", n, honest, claimed._run(root / f"2c{n}", names, False)[0],
+                  claimed._run(root / f"2l{n}", names, True)[0])
+            _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
+                  claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
         _line("7 commit-then-rollback", n, honest, rollback._run(root / f"7c{n}", names, False)[0],
               rollback._run(root / f"7l{n}", names, True)[0])
-        _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
-              stalled._run(root / f"5l{n}", names, names[-1])[0])
+        if not a.smoke:
+            _line("5 stalled exchange", n, honest, stalled._run(root / f"5c{n}", honest, None)[0],
+                  stalled._run(root / f"5l{n}", names, names[-1])[0])
 
 
 if __name__ == "__main__":

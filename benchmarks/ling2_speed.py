@@ -19,7 +19,6 @@ The target: small_v2 / small tokens/s >= 0.7 (issue 67).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -29,18 +28,20 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, load, print_targets, pyplot, save_fig, write_json  # noqa: E402
+from _common import environment, load, parse, parser, print_targets, pyplot, save_fig, write_json  # noqa: E402
 from edit_train.model import CausalLM, count_params, load_preset  # noqa: E402
 from edit_train.model.config import ModelConfig  # noqa: E402
 
-RECORDS = Path(__file__).resolve().parents[1] / "results"
-def configs() -> dict[str, ModelConfig]:
-    v2 = load_preset("small_v2")
+
+
+def configs(v1: str = "small", v2_preset: str = "small_v2") -> dict[str, ModelConfig]:
+    """The rows (named for small / small_v2; --smoke builds them from tiny / tiny_v2)."""
+    v2 = load_preset(v2_preset)
     no_mtp = dataclasses.replace(v2, num_nextn_predict_layers=0)
     plain = dataclasses.replace(no_mtp, score_function="softmax", moe_router_enable_expert_bias=False, n_group=0,
                                 topk_group=0, routed_scaling_factor=1.0, use_qk_norm=False, partial_rotary_factor=1.0,
                                 router_aux_loss_coef=0.01, norm_head=True)
-    return {"small": load_preset("small"), "small_v2": v2, "small_v2/no_mtp": no_mtp, "small_v2/plain": plain}
+    return {"small": load_preset(v1), "small_v2": v2, "small_v2/no_mtp": no_mtp, "small_v2/plain": plain}
 
 
 class Row:
@@ -68,18 +69,20 @@ class Row:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, out="ling2_speed.json")
     ap.add_argument("--quick", action="store_true", help="2 timed steps per row, a short sequence")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=RECORDS / "ling2_speed.json")
-    args = ap.parse_args()
+    args = parse(ap)
     if args.quick:
         args.iters, args.seq, args.warmup = 2, 64, 1
+    if args.smoke:
+        args.iters, args.batch, args.seq, args.warmup = 1, 1, 16, 0
     torch.set_num_threads(1)
-    rows = [Row(name, cfg, args.batch, args.seq) for name, cfg in configs().items()]
+    presets = ("tiny", "tiny_v2") if args.smoke else ("small", "small_v2")
+    rows = [Row(name, cfg, args.batch, args.seq) for name, cfg in configs(*presets).items()]
     for row in rows:
         for _ in range(args.warmup):
             row.step()

@@ -14,22 +14,18 @@ timing, deterministic). Each row also has `predicted_bytes`, the term edit_train
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+import _common as C
 from _memory import CPU_PEAK_METHOD, cpu_peak_bytes
 from edit_train.model.lm_loss import linear_cross_entropy
-
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results" / "lm_loss_memory.json"
 
 
 def head_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -74,7 +70,7 @@ def measure(tokens: int, vocab: int, hidden: int, chunk: int, iters: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = C.parser(__doc__, out="lm_loss_memory.json")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=126464)
     ap.add_argument("--hidden", type=int, default=256)
@@ -82,11 +78,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="256 tokens, a 32k vocabulary, one timed iteration")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = ap.parse_args(argv)
+    args = C.parse(ap, argv)
     if args.quick:
         args.tokens, args.vocab, args.iters = 256, 32768, 1
         args.chunks = [c for c in args.chunks if c <= 256] or [64]
+    if args.smoke:
+        args.tokens, args.vocab, args.hidden, args.iters, args.chunks = 64, 1024, 32, 1, [32]
     torch.set_num_threads(args.threads)
     rows = [measure(args.tokens, args.vocab, args.hidden, c, args.iters) for c in [0, *args.chunks]]
     plain = rows[0]
@@ -100,9 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "cpu_count": os.cpu_count(), "loadavg": os.getloadavg(), "threads": args.threads,
               "torch": torch.__version__, "dtype": "float32", "tokens": args.tokens, "vocab": args.vocab,
               "hidden": args.hidden, "quick": args.quick, "memory_method": CPU_PEAK_METHOD, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {C.write_json(args.out, result)}")
     return result
 
 

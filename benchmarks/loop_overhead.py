@@ -51,13 +51,12 @@ from typing import IO, Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-DEFAULT_OUT = C.RESULTS_DIR / "loop_overhead.json"
 BARE = C.BENCH_DIR / "_bare_diloco.py"
 NOT_TRAINING = ("startup", "eval", "checkpoint")  # edit-train buckets outside the training loop
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="loop_overhead.json", workdir="loop_overhead")
     ap.add_argument("--quick", action="store_true", help="72 steps per run (2 syncs + a trailing one)")
     ap.add_argument("--pairs", type=int, default=3, help="bare/edit-train pairs, run alternately")
     ap.add_argument("--steps", type=int, default=None, help="train.steps (default 200, --quick 72)")
@@ -70,10 +69,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="OMP_NUM_THREADS of every training process (default: cores / 2)")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for both sides (repeatable)")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "loop_overhead", help="run directories")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    a = ap.parse_args(argv)
+    a = C.parse(ap, argv)
     a.steps = a.steps or (72 if a.quick else 200)
+    a.pairs = 1 if a.smoke else a.pairs
     return a
 
 
@@ -94,6 +92,8 @@ def run_bare(run_dir: Path, ovr: list[str], timeout: float) -> dict[str, dict[st
     from edit_train.cli.common import compose
     from edit_train.config import cluster_specs
 
+    if C.SMOKE is not None:  # both sides on the smoke's one cluster; the bare loop in this process
+        ovr = C.smoke_overrides(ovr)
     cfg = compose(ovr)
     names = [s.name for s in cluster_specs(cfg)]
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,7 +107,13 @@ def run_bare(run_dir: Path, ovr: list[str], timeout: float) -> dict[str, dict[st
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[IO[str]] = []
     try:
-        for name in names:
+        if C.SMOKE is not None:
+            import _bare_diloco
+
+            for name in names:
+                _bare_diloco.main(["--cluster", name, "--lighthouse", lighthouse, "--out",
+                                   str(run_dir / f"{name}.json"), *ovr])
+        for name in names if C.SMOKE is None else []:
             (run_dir / f"{name}.json").unlink(missing_ok=True)
             logs.append((run_dir / f"{name}.log").open("w"))
             procs.append(subprocess.Popen([sys.executable, str(BARE), "--cluster", name, "--lighthouse", lighthouse,
@@ -127,11 +133,11 @@ def run_bare(run_dir: Path, ovr: list[str], timeout: float) -> dict[str, dict[st
             log.close()
         house.shutdown()
     out: dict[str, dict[str, Any]] = {}
-    for name, p in zip(names, procs):
+    for name, rc in zip(names, [p.returncode for p in procs] or [0] * len(names)):
         path = run_dir / f"{name}.json"
-        if p.returncode != 0 or not path.exists():
+        if rc != 0 or not path.exists():
             tail = "\n".join((run_dir / f"{name}.log").read_text(errors="replace").splitlines()[-25:])
-            raise C.JobError(f"bare cluster {name} failed (rc={p.returncode}); log {run_dir / name}.log:\n{tail}")
+            raise C.JobError(f"bare cluster {name} failed (rc={rc}); log {run_dir / name}.log:\n{tail}")
         out[name] = json.loads(path.read_text())
     return out
 

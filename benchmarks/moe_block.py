@@ -25,9 +25,7 @@ torch profiler's ``[memory]`` allocation/free events (``profile_memory=True``) â
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
@@ -37,12 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import _common as C
 from _memory import CPU_PEAK_METHOD, cpu_peak_bytes
 from edit_train.model.config import ModelConfig
 from edit_train.model.moe import DenseMLP, MoEBlock
 from edit_train.model.presets import load_preset
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "moe_block.json"
 
 
 class MaskedMoE(nn.Module):
@@ -226,9 +224,9 @@ def bench_config(name: str, cfg: ModelConfig, device: torch.device, batch: int, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer iterations (a few seconds)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "moe_block.json")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
@@ -237,7 +235,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-routed-only", action="store_true",
                     help="skip the extra rows that time the blocks without their shared experts")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    args = ap.parse_args(argv)
+    args = C.parse(ap, argv)
+    if args.smoke:  # the tiny block, a few tokens, one timed iteration
+        args.quick, args.configs, args.batch, args.seq, args.iters = True, ["tiny"], 1, 16, 1
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -280,11 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
         "target_speedup": 1.5,
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    print(f"wrote {C.write_json(args.out, result)}")
     return result
 
 

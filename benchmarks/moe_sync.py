@@ -70,7 +70,6 @@ import _common as C  # noqa: E402
 from paired import paired_gain  # noqa: E402
 
 RECORDS = C.BENCH_DIR.parent / "results"
-DEFAULT_OUT, DEFAULT_PLOT = RECORDS / "moe_sync.json", RECORDS / "moe_sync.png"
 STEPS = {"tiny": 320, "small": 160}  # the convergence benchmark's runs (results/convergence_tuned.json, _small.json)
 ARMS = ("default", "tokens", "skip", "subsets", "routed")
 ROUTED_SYNCS = 4  # algo.rule.verified.expert_subsets_syncs's default: the warm-up of the `routed` arm
@@ -84,7 +83,8 @@ TAG, EXTRA = 16, 5  # a tag after every piece and exchange row; the exchange's p
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="moe_sync.json", plot="moe_sync.png", workdir="moe_sync", reuse=True,
+                  timeout=4 * 3600.0)
     ap.add_argument("--quick", action="store_true", help="tiny, 2 clusters, seed 0 (noniid + iid, every arm)")
     ap.add_argument("--models", nargs="+", default=None, choices=sorted(STEPS))
     ap.add_argument("--clusters", type=int, nargs="+", default=None)
@@ -99,15 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="edit's tuned point (tune.best.edit)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for every run (use another --workdir: run directories do not name them)")
-    ap.add_argument("--reuse", action="store_true", help="reuse finished runs with identical overrides")
     ap.add_argument("--finished-only", action="store_true",
                     help="report the grid's finished runs (identical overrides) and start none; list the rest")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "moe_sync")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--plot", type=Path, default=DEFAULT_PLOT)
-    ap.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per run")
     ap.add_argument("--plot-only", action="store_true", help="draw --plot from the summary in --out, run nothing")
-    a = ap.parse_args(argv)
+    a = C.parse(ap, argv)
+    if a.smoke:  # tiny, one data split, two arms
+        a.quick, a.data, a.arms = True, a.data[:1], a.arms[:2]
     a.models = a.models or ["tiny"] if a.quick else a.models or ["tiny", "small"]
     a.clusters = a.clusters or ([2] if a.quick else [2, 4])
     a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])

@@ -110,7 +110,8 @@ def jitter_override(extra: list[str], clusters: int, interval: int) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = C.parser(__doc__, out="penalty_faults.json", plot="penalty_faults.png", workdir="penalty_faults", reuse=True,
+                  timeout=3600.0)
     ap.add_argument("--quick", action="store_true", help="2 clusters, seed 0, garbage_data sign_flip nan_payload")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=None)
     ap.add_argument("--clusters", type=int, nargs="+", default=None, help="cluster counts (default 2 3 4)")
@@ -131,12 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"skip the {JITTER} run per (clusters, seed) that measures the per-seed resolution")
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="extra override for every run (repeatable)")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "penalty_faults")
-    ap.add_argument("--out", type=Path, default=C.BENCH_DIR.parent / "results" / "penalty_faults.json")
-    ap.add_argument("--plot", type=Path, default=C.BENCH_DIR.parent / "results" / "penalty_faults.png")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
-    ap.add_argument("--reuse", action="store_true", help="reuse finished runs in --workdir with the same overrides")
-    a = ap.parse_args(argv)
+    a = C.parse(ap, argv)
+    if a.smoke:  # one payload kind at 2 clusters, seed 0, no jitter run, the end model on 2 val batches
+        a.quick, a.kinds, a.jitter, a.end_eval_batches = True, a.kinds or ["sign_flip"], False, 2
     a.kinds = a.kinds or list(QUICK_KINDS if a.quick else KINDS)
     a.clusters = a.clusters or ([2] if a.quick else [2, 3, 4])
     a.seeds = a.seeds if a.seeds is not None else ([0] if a.quick else [0, 1, 2])
@@ -224,6 +222,7 @@ def out_of_step(job: C.Job, a: argparse.Namespace) -> list[int]:
 def run_in_step(label: str, run_dir: Path, overrides: list[str], env: dict[str, str],
                 a: argparse.Namespace, tries: int = 3) -> C.Job:
     """A run in lockstep: one that was not (see `out_of_step`) is deleted and run again, up to `tries` times."""
+    tries = 1 if a.smoke else tries  # a smoke's two steps are never a whole interval
     for attempt in range(tries):
         job = run_with_env(label, run_dir, overrides, env, a)
         bad = out_of_step(job, a)
@@ -322,8 +321,8 @@ def aggregate(runs: list[dict[str, Any]], a: argparse.Namespace) -> list[dict[st
             if oracle:
                 row["ok"] = all(r.get("oracle_window_ok", True) for r in rs) and not row["nan"]
             else:
-                row["ok"] = (row["weight0_min"] >= TARGETS["weight0_share"] and row["clean_ff_max"]
-                             <= TARGETS["false_flags"] and row["vs_clean_worst"] <= TARGETS["vs_clean"]
+                row["ok"] = (row["weight0_min"] is not None and row["weight0_min"] >= TARGETS["weight0_share"]
+                             and row["clean_ff_max"] <= TARGETS["false_flags"] and row["vs_clean_worst"] <= TARGETS["vs_clean"]
                              and row["vs_oracle_worst"] <= TARGETS["vs_oracle"] and not row["nan"])
             rows.append(row)
     return rows

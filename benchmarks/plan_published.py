@@ -12,18 +12,18 @@ tests/plan/test_plan_published.py; the settings and the paper numbers live in `e
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
-from edit_train.plan import published as pub
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+from edit_train.plan import published as pub  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("results/plan_published.json"))
-    a = ap.parse_args()
+    a = C.parse(C.parser(__doc__, out="plan_published.json"))
     t0 = time.perf_counter()
 
     cells = pub.streaming_diloco_table()
@@ -64,19 +64,13 @@ def main() -> None:
            "ling_fig8": {"fit": {"fast_s": fit.fast_s, "p_slow": fit.p_slow, "slow_factor": fit.slow_factor},
                          "rows": ling},
            "halos": {"ring_gbps": pub.halos_ring_gbps(), "rows": halos}}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=1) + "\n")
+    C.write_json(a.out, out)
     plot(cells, ling, a.out.with_suffix(".png"))
     print(f"\nwrote {a.out} and {a.out.with_suffix('.png')} ({out['seconds']} s)")
 
 
 def plot(cells: list[pub.SDCell], ling: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = C.pyplot().subplots(1, 2, figsize=(11, 4.2))
     for method, marker in (("Data-Parallel", "o"), ("Vanilla DiLoCo", "s")):
         pts = [c for c in cells if c.method == method]
         ax1.scatter([c.paper_gbps for c in pts], [c.predicted_gbps for c in pts], marker=marker, label=method)
@@ -99,8 +93,7 @@ def plot(cells: list[pub.SDCell], ling: list[dict], path: Path) -> None:
     ax2.set(xlabel="accelerators (calibrated at 256)", ylabel="step/s", ylim=(0, 0.1),
             title="Ling Figure 8")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    C.save_fig(fig, path)
 
 
 if __name__ == "__main__":

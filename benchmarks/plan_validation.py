@@ -31,7 +31,7 @@ import _common as C
 import _plan_sets as S
 from _hosts_run import run_on_hosts
 
-from edit_train.cli.codec_cost import compile_seconds, time_codecs
+from edit_train.cli.codec_cost import compile_seconds, time_codec, time_codecs
 from edit_train.codec import compiled
 from edit_train.plan import conditions
 from edit_train.plan.calibrate import calibrate, candidate_of_run, codec_of_run, read_run, scenario_of_run
@@ -164,27 +164,32 @@ def codecs_to_time(cal_runs: list[C.Job]) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.parser(__doc__, out="plan_validation.json", timeout=1800.0)
     ap.add_argument("--quick", action="store_true", help="48 steps per run, batch 4 x 64, a subset (_plan_sets.QUICK)")
-    ap.add_argument("--out", type=Path, default=Path("results/plan_validation.json"))
     ap.add_argument("--workdir", type=Path, default=None, help="run directories (default benchmarks/results/runs/"
                     "plan_validation, /quick for --quick)")
     ap.add_argument("--sets", default="fitting,held_out", help="which sets to run and predict (calibration always)")
     ap.add_argument("--only", nargs="*", default=None, help="configurations to do (default: every one of --sets)")
     ap.add_argument("--fresh", nargs="*", default=[], help="configurations to measure again (their run dirs deleted)")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--own-steps", action="store_true", help="diagnostic: predict with each run's own measured "
                     "step times (separates the sync model from the host's load); not the validation")
-    a = ap.parse_args()
-    a.workdir = a.workdir or (C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
+    a = C.parse(ap)
+    a.workdir = a.workdir or (C.smoke_dir("runs") if a.smoke else
+                              C.RUNS_DIR / "plan_validation" / ("quick" if a.quick else ""))
+    if a.smoke:  # the calibration, then one held-out configuration on this host
+        a.quick, a.sets, a.only = True, "held_out", a.only or [n for n in S.HELD_OUT if n not in S.HOSTS][:1]
     a.fresh = set(a.fresh)
     t0 = time.perf_counter()
     start = conditions.measure()
     cal = [run(n, o, a) for n, o in S.CALIBRATION.items()]
     timed = codecs_to_time(cal)
-    codec = time_codecs(timed)
-    compile_s = compile_seconds(next(c for c in timed if c.sparse))
+    if a.smoke:  # the calibration runs' codecs at two small sizes; no top-k format compiled (tens of seconds)
+        codec = {c.label: time_codec(c, sizes=(1024, 4096), reps=2) for c in timed[:len(cal)] if c.lossy}
+        compile_s = 0.0
+    else:
+        codec = time_codecs(timed)
+        compile_s = compile_seconds(next(c for c in timed if c.sparse))
     # the fitting set's calibration runs, nothing else; the host's conditions while they ran
     prof = calibrate([j.run_dir for j in cal], codec=codec, conditions=calibration_conditions(cal),
                      compile_s=compile_s)
@@ -229,12 +234,7 @@ def main() -> None:
 
 
 def _plot(sets: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig, (ax, bx) = C.pyplot().subplots(1, 2, figsize=(11, 4.8))
     style = {"fitting": ("o", "tab:gray"), "held_out": ("^", "tab:red")}
     for set_name, res in sets.items():
         marker, color = style.get(set_name, ("s", "tab:blue"))
@@ -253,9 +253,7 @@ def _plot(sets: dict[str, dict[str, Any]], path: Path) -> None:
         x.set_xlabel(f"measured {label}")
         x.set_ylabel(f"predicted {label}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_fig(fig, path)
 
 
 if __name__ == "__main__":

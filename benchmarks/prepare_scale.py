@@ -16,7 +16,6 @@ Corpora and datasets are deleted after each size (the disk is shared).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -32,12 +31,15 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
 
-def make_corpus(path: Path, size_bytes: int, seed: int = 0) -> int:
+
+def make_corpus(path: Path, size_bytes: int, seed: int = 0, pool_words: int = 4_000_000) -> int:
     """JSONL of random-word documents up to ``size_bytes``; returns the number of documents."""
     rng = np.random.default_rng(seed)
     words = np.array([("w%d" % i).encode() for i in range(5000)] + [b"the", b"of", b"and", b"a", b"to"] * 400)
-    pool = b" ".join(words[rng.integers(0, len(words), 4_000_000)])  # ~20 MB of text to cut documents from
+    pool = b" ".join(words[rng.integers(0, len(words), pool_words)])  # ~20 MB of text to cut documents from
     n = written = 0
     with open(path, "wb") as fh:
         while written < size_bytes:
@@ -121,26 +123,25 @@ def digest(data_dir: Path) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = C.parser(__doc__, out="prepare_scale.json")
     p.add_argument("--sizes-gb", default="0.5,2", help="corpus sizes in GB (default 0.5,2)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--tokenizer", default="byte", help="byte (default) or a tokenizer.json")
     p.add_argument("--dir", default=None, help="where corpora and datasets go (default: the temp dir)")
     p.add_argument("--quick", action="store_true", help="0.1 and 0.4 GB")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    sizes = [0.1, 0.4] if args.quick else [float(x) for x in args.sizes_gb.split(",")]
-    root = Path(tempfile.mkdtemp(prefix="prepare-scale-", dir=args.dir))
+    args = C.parse(p)
+    sizes = [0.002] if args.smoke else [0.1, 0.4] if args.quick else [float(x) for x in args.sizes_gb.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="prepare-scale-", dir=args.dir or C.SMOKE))
     rows = []
     try:
         for i, gb in enumerate(sizes):
             corpus = root / f"corpus-{gb}gb.jsonl"
             t0 = time.perf_counter()
-            docs = make_corpus(corpus, int(gb * 1e9))
+            docs = make_corpus(corpus, int(gb * 1e9), pool_words=100_000 if args.smoke else 4_000_000)
             row: dict[str, Any] = {"size_gb": gb, "corpus_bytes": corpus.stat().st_size, "documents": docs,
                                    "generate_s": round(time.perf_counter() - t0, 1), "loadavg_before": os.getloadavg()}
             row["run"] = run_prepare(corpus, root / "ds", args.workers, args.tokenizer)
-            if i == 0:  # kill midway, run again: resumes, same shards
+            if i == 0 and not args.smoke:  # kill midway, run again: resumes, same shards (a smoke's is one piece)
                 killed = run_prepare(corpus, root / "ds2", args.workers, args.tokenizer,
                                      kill_when_pieces=3)
                 again = run_prepare(corpus, root / "ds2", args.workers, args.tokenizer)
@@ -162,9 +163,7 @@ def main() -> None:
     result = {"benchmark": "prepare_scale", "tokenizer": args.tokenizer, "workers": args.workers, "rows": rows,
               "command": " ".join(["python", "benchmarks/prepare_scale.py", *sys.argv[1:]]),
               "host": {"cpu_count": os.cpu_count(), "loadavg_end": os.getloadavg()}}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    print(f"wrote {C.write_json(args.out, result)}")
 
 
 if __name__ == "__main__":

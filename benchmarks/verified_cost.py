@@ -77,11 +77,7 @@ def compare(runs: dict[str, dict[str, dict[str, Any]]], pair: str, clusters: int
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "verified_cost.json")
-    ap.add_argument("--workdir", type=Path, default=C.RUNS_DIR / "verified_cost")
-    ap.add_argument("--reuse", action="store_true", help="re-read runs that already have a summary.json")
-    a = ap.parse_args()
+    a = C.parse(C.parser(__doc__, out="verified_cost.json", workdir="verified_cost", reuse=True))
     runs: dict[str, dict[str, dict[str, Any]]] = {}
     for pair, overrides in PAIRS.items():
         for rule, extra in RULES.items():

@@ -6,6 +6,7 @@ a message naming the key. `validate(cfg)` checks the cross-field rules Hydra can
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -278,8 +279,10 @@ def outer_step(cfg: Config) -> OuterStep:
     return OuterStep(a.outer.resolved(clusters, interval), clusters, interval, a.outer.unset)
 
 
+@functools.cache
 def register_configs() -> None:
-    """Register the schema in Hydra's ConfigStore (no group options: `algo=schema` etc. is not a choice).
+    """Register the schema in Hydra's ConfigStore (no group options: `algo=schema` etc. is not a choice), once
+    per process (the store hands every compose a deep copy of it).
 
     In the schema `data.source` is mandatory (???): every `data` preset names its source, and `data=text`
     without `data.source` fails in one line instead of silently keeping the stdlib default (a `???` in a

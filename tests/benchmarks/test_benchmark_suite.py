@@ -70,3 +70,44 @@ def test_a_record_carries_its_command_commit_and_box(tmp_path: Path, monkeypatch
     assert record["box"].endswith(" CPUs") and (record["commit"] is None or len(record["commit"]) >= 7)
     record = json.loads(common.write_json(tmp_path / "s.json", {"x": 2}).read_text())
     assert record["command"] == "python -m benchmarks plan_scale --quick"
+
+
+SMOKE_CEILING_S = 120.0  # every member's --smoke together, in this process (issue 70: measured under 30 s)
+
+
+def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m benchmarks NAME --smoke` for every member, in this process (one interpreter start-up, one torch
+    import): each exits 0, writes only under its smoke folder (results/ untouched), and all of them together take
+    under SMOKE_CEILING_S seconds (far above what they take: the smokes stay smokes)."""
+    import time
+
+    import torch
+
+    records = {p.name: p.stat().st_mtime_ns for p in (REPO / "results").iterdir()}
+    monkeypatch.setenv("RUST_LOG", "warn")  # torchft's Lighthouse (loop_overhead's bare side) logs every quorum
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    failed, times = [], {}
+    t0 = time.perf_counter()
+    try:
+        for name in sorted(SUITE.SUITE):
+            monkeypatch.setenv("BENCH_SMOKE_DIR", str(tmp_path / name))
+            monkeypatch.setattr(sys, "path", list(sys.path))
+            monkeypatch.setattr(sys, "argv", list(sys.argv))
+            buf = io.StringIO()
+            t = time.perf_counter()
+            with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+                rc = SUITE.run(name, ["--smoke"])
+            times[name] = round(time.perf_counter() - t, 2)
+            if rc != 0:
+                failed.append(f"{name} (exit {rc}): {buf.getvalue()[-600:]}")
+    finally:
+        torch.set_num_threads(threads)
+    total = time.perf_counter() - t0
+    assert not failed, failed
+    assert all(any((tmp_path / name).iterdir()) for name in SUITE.SUITE), "a member's smoke wrote nothing"
+    assert {p.name: p.stat().st_mtime_ns for p in (REPO / "results").iterdir()} == records  # results/ untouched
+    print(f"suite smoke: {total:.1f} s, slowest {sorted(times.items(), key=lambda kv: -kv[1])[:5]}")
+    # a ceiling far above the measured total (27 s on 2 busy cores, 27 members): a smoke that ran a
+    # member's full measurement would take minutes (timings are measured, not asserted: ground rules)
+    assert total < SMOKE_CEILING_S, f"{total:.1f} s: {sorted(times.items(), key=lambda kv: -kv[1])}"

@@ -138,24 +138,6 @@ def test_heterogeneity_muon_lr_replaces_both_arms_lr_and_nothing_else() -> None:
     assert compose(H.run_overrides("ddp", a)).train.lr == compose([]).train.lr
 
 
-def test_heterogeneity_same_box_reads_each_sides_result_and_links_an_old_config_tree(tmp_path: Path) -> None:
-    import heterogeneity_same_box as S
-
-    d = {"results": {"a_edit": {"final_val_loss": 2.46, "train_tokens_per_s": 7000.0},
-                     "ddp": {"final_val_loss": 2.96}},
-         "standalone": {"standalone_x1": {"train_tokens_per_s": 6400.0}}}
-    r = S.row(d, "this checkout", 1)
-    assert (r["a_edit"], r["ddp"], r["alone_train_tokens_per_s"]) == (2.46, 2.96, 6400.0)
-    assert S.row({**d, "results": {"a_edit": d["results"]["a_edit"]}}, "baseline", 2)["ddp"] is None
-    # a checkout from before the config tree moved into the package: edit_train/conf is linked to conf/
-    old = tmp_path / "old"
-    (old / ".git").mkdir(parents=True)
-    (old / "conf").mkdir()
-    (old / "conf" / "config.yaml").write_text("defaults: []\n")
-    (old / "edit_train").mkdir()
-    assert S.worktree("unused", old) == old and (old / "edit_train" / "conf" / "config.yaml").is_file()
-
-
 def test_the_grouped_pairs_send_at_most_a_hundredth_of_fp32s_bytes_and_are_valid_configs() -> None:
     """Issue 51's grouped top-k family: each format's payloads over the tiny model's units are <= 1/100 of fp32's
     bytes (the codec's own count; the runs measured 0.0097 with the small exchange); each scheme composes and
