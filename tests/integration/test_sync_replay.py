@@ -14,7 +14,7 @@ probe judgement began to subtract the quorum's baseline: every decision as befor
 (the canary differs) the one changed number is the retracted cluster's probe score, 1.0 → 0.9595. Re-recorded 2026-12-02 again
 (issue 65, this box) when the direction test began to judge each cluster against its own history and the probe
 each cluster against its own threshold: every anchor and decision of `sum`, `combine`, `experts` and `gathered` as
-before (in `gathered` the evidence's `probe` is now the score less the cluster's offset, 0.9595 → 0.5595, and
+before (in `gathered` the evidence's `probe` is now the score less the cluster's offset, 0.9595 → 0.4595, beside `probe_raw`, and
 `direction_z` is against the cluster's own history); `sketched` flips c1 in its third sync instead of its second
 (a cluster is judged on direction once its own history holds two values).
 """

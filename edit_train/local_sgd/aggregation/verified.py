@@ -55,9 +55,10 @@ _OWN = ("norm/", "interval/", "probe/")  # the per-cluster statistics this rule 
 # slices every sync (at the federation's fixed point each site's update points toward its own optimum), by tens of
 # percent (benchmarks/false_positives.py: up to +58 % on its four-language sites). A cluster's accepted scores
 # (raw: before this offset) learn at PROBE_RATE; once it has PROBE_WARM of them its update is harmful above
-# max(mean, 0) + max(`probe_tolerance`, PROBE_Z·σ), at most PROBE_LIE + `probe_tolerance` (what an honest site
-# may do; more is harmful whatever its history); before that, above PROBE_LIE.
-PROBE_RATE, PROBE_WARM, PROBE_Z = 0.2, 3, 3.0
+# max(mean, 0) + max(`probe_tolerance`, PROBE_Z·σ), at least PROBE_FLOOR (an honest site's harm grows as training
+# nears the fixed point: +12-30 % above a quiet history was measured) and at most PROBE_LIE + `probe_tolerance`
+# (what an honest site may do; more is harmful whatever its history); before that, above the most.
+PROBE_RATE, PROBE_WARM, PROBE_Z, PROBE_FLOOR = 0.2, 3, 3.0, 0.4
 LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
 EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
 
@@ -190,9 +191,10 @@ class VerifiedRule:
         tol = self.cfg.probe_tolerance
         st, rows = self._rows("probe/all", names)
         sub = st.select(rows)
+        most = PROBE_LIE + tol
         mu = sub.mu.clamp(0.0, PROBE_LIE)
-        own = (mu + torch.maximum(PROBE_Z * sub.sigma, torch.full_like(mu, tol))).clamp_max(PROBE_LIE + tol)
-        return torch.where(sub.count >= PROBE_WARM, own, torch.full_like(mu, max(PROBE_LIE, tol))) - tol
+        own = (mu + torch.maximum(PROBE_Z * sub.sigma, torch.full_like(mu, tol))).clamp(min(PROBE_FLOOR, most), most)
+        return torch.where(sub.count >= PROBE_WARM, own, torch.full_like(mu, most)) - tol
 
     def _learn_probe(self, ev: Evidence, idx: list[int], names: list[str], accepted: Tensor) -> None:
         """Once per sync: the scores as measured of the clusters whose previous update is not judged harmful."""
@@ -328,7 +330,7 @@ class VerifiedRule:
                 e["agreement"] = float(verdict.agreement[j])  # median cosine with the trusted others
             if ref_cos[j] is not None:
                 e["cosine"] = ref_cos[j]  # with the reference direction
-            for key in ("reported", "probe"):
+            for key in ("reported", "probe", "probe_raw"):  # probe: the score less the cluster's offset
                 if key in ev.extra:
                     e[key] = float(ev.extra[key][i])
             e["reasons"] = why
