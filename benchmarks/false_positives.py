@@ -28,11 +28,11 @@ from sync 1), counted as its share of lying syncs in which every unit left it ou
 or for the probe liar the syncs after the first in which its scores were not counted.
 
     python benchmarks/false_positives.py --quick            # 2 and 4 clusters, 1:3 and 1:12, lang, seed 0
-    python benchmarks/false_positives.py --seeds 0 --clusters 2 4 8 --only "n2_|n4_|n8_lang|attack"  # docs/: ~20 min
+    python benchmarks/false_positives.py --seeds 0 --clusters 2 4 8 --only "n2_|n4_|n8_lang|attack"  # docs/: ~8 min
     python benchmarks/false_positives.py                    # 3 seeds, 8 clusters on every setting: ~1.5 h
     python benchmarks/false_positives.py --product --quick  # the default demo, shortened, through edit-train
 
-Measured wall time on 2 shared cores: the docs/ subset (35 honest settings × 3 runs + 11 attacks) 13 + 6 min.
+Measured wall time on 2 cores: the docs/ subset (35 honest settings × 3 runs + 11 attacks) 8 min.
 
 `--product` runs `edit-train` subprocesses (`_common.run_job`, `--reuse`) on the default demo's configuration
 (two clusters, 1:3, A-EDiT, model tiny) and the four-language 4-cluster experiment, shortened, and counts the
