@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,30 @@ def test_a_record_carries_its_command_commit_and_box(tmp_path: Path, monkeypatch
 SMOKE_CEILING_S = 120.0  # every member's --smoke together, in this process (issue 70: measured under 30 s)
 
 
+def _logging_state() -> dict[str, tuple[int, bool, bool, list[logging.Handler]]]:
+    """Every logger's level, propagation, disabled flag and handlers (the root as "")."""
+    names = ["", *logging.root.manager.loggerDict]
+    return {n: (lg.level, lg.propagate, lg.disabled, list(lg.handlers))
+            for n in names if isinstance(lg := logging.getLogger(n), logging.Logger)}
+
+
+def _restore_logging(state: dict[str, tuple[int, bool, bool, list[logging.Handler]]]) -> None:
+    logging.disable(logging.NOTSET)
+    for n in ["", *logging.root.manager.loggerDict]:
+        lg = logging.getLogger(n)
+        if not isinstance(lg, logging.Logger):
+            continue
+        level, propagate, disabled, handlers = state.get(n, (logging.NOTSET, True, False, []))
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
+        for h in list(lg.handlers):
+            if h not in handlers:
+                lg.removeHandler(h)
+        for h in handlers:
+            if h not in lg.handlers:
+                lg.addHandler(h)
+
+
 def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`python -m benchmarks NAME --smoke` for every member, in this process (one interpreter start-up, one torch
     import): each exits 0, writes only under its smoke folder (results/ untouched), and all of them together take
@@ -84,6 +109,7 @@ def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.Monkey
     import torch
 
     records = {p.name: p.stat().st_mtime_ns for p in (REPO / "results").iterdir()}
+    logs = _logging_state()  # a member's in-process edit-train job configures logging: later tests read caplog
     monkeypatch.setenv("RUST_LOG", "warn")  # torchft's Lighthouse (loop_overhead's bare side) logs every quorum
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -103,6 +129,7 @@ def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.Monkey
                 failed.append(f"{name} (exit {rc}): {buf.getvalue()[-600:]}")
     finally:
         torch.set_num_threads(threads)
+        _restore_logging(logs)
     total = time.perf_counter() - t0
     assert not failed, failed
     assert all(any((tmp_path / name).iterdir()) for name in SUITE.SUITE), "a member's smoke wrote nothing"
