@@ -118,9 +118,10 @@ class Capabilities:
     probe_tolerance: float = 0.1  # a probe score this far off is harmful; an evaluator this far from the others' is
     # suspected; a healed anchor this much worse on the cluster's probe slice is refused
     retract: bool = False  # take back, one sync late, an admitted update the probe then shows harmful (retract.py)
-    # (quorum's cluster names) -> each one's typical probe score (its own history; ≥ 0): an update is judged on
-    # how much more it hurts the others than that cluster's updates usually do (None: on its score as measured)
-    probe_typical: Callable[[list[str]], Tensor] | None = None
+    # (quorum's cluster names) -> what to subtract from each one's probe score (its own threshold less
+    # `probe_tolerance`, from its history): an update is judged on how much more it hurts the others than that
+    # cluster's updates usually do (None: on its score as measured)
+    probe_offset: Callable[[list[str]], Tensor] | None = None
     expert_min_tokens: int = 0  # a cluster sends no rows of an expert it routed fewer tokens to (0: every row)
     weighs_experts: bool = True  # the rule may weigh experts (a gathered round measures each expert's Gram matrix)
     # expert subsets per site ("" off): the experts each cluster trains and sends (`experts.owned_experts`'s spec);

@@ -138,7 +138,7 @@ def _probe_sync(rule, sync: int, raw: list[float]) -> Decision:  # type: ignore[
     r = torch.tensor(raw, dtype=torch.float64)
     ev = Evidence("u", tuple(names), torch.ones(len(raw), dtype=torch.float64), torch.full((len(raw),), 8.0,
                   dtype=torch.float64), (True,) * len(raw),
-                  {"probe_raw": r, "probe": r - rule.probe_typical(names), "sync": torch.tensor(sync)})
+                  {"probe_raw": r, "probe": r - rule.probe_offset(names), "sync": torch.tensor(sync)})
     return rule.decide(ev)
 
 

@@ -118,20 +118,22 @@ class DirectionTest:
         bound = torch.full((n,), self.cfg.direction_z if warm else math.inf, dtype=torch.float64)
         return torch.isfinite(x) & (z > bound), z, bound
 
-    def _own(self, key: str, module: str, x: Tensor, rows: Tensor, noise: float = 0.0,
-             floor: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Each contributor against its own history (`rows`): z = (x − μ)/σ_eff (σ_eff at least the measurement's
-        noise), flagged when x − μ > max(`floor` (default `direction_floor`), `direction_z`·σ_eff) — the bound in
-        z units."""
-        floor = self.cfg.direction_floor if floor is None else floor
-        st = self._stat(key, module, int(rows.max()) + 1 if rows.numel() else 0).select(rows)
+    def _rise(self, st: EWMAStats, noise: float = 0.0) -> tuple[Tensor, Tensor]:
+        """(σ_eff, the largest rise above μ a row lets pass): max(`direction_floor`, `direction_z`·σ_eff), σ_eff
+        at least the measurement's noise."""
         sigma = st.sigma_eff(0.0, max(SIGMA, noise))
-        rise = x.to(torch.float64) - st.mu
-        z = torch.where(st.count > 0, rise / sigma, torch.zeros_like(rise))
+        return sigma, torch.clamp(self.cfg.direction_z * sigma, min=self.cfg.direction_floor)
+
+    def _own(self, key: str, module: str, x: Tensor, rows: Tensor, noise: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+        """Each contributor against its own history (`rows`): z = (x − μ)/σ_eff, flagged when x − μ passes its
+        row's rise (`_rise`) — the bound in z units; a row with fewer than `warmup_syncs` (at least 2) values
+        is not judged."""
+        st = self._stat(key, module, int(rows.max()) + 1 if rows.numel() else 0).select(rows)
+        sigma, rise = self._rise(st, noise)
+        diff = x.to(torch.float64) - st.mu
+        z = torch.where(st.count > 0, diff / sigma, torch.zeros_like(diff))
         warm = (st.count >= max(self.cfg.warmup_syncs, 2)) & torch.tensor(bool(self.cfg.anomaly))
-        bound = torch.maximum(torch.full_like(sigma, floor) / sigma,
-                              torch.full_like(sigma, self.cfg.direction_z))
-        bound = torch.where(warm, bound, torch.full_like(bound, math.inf))
+        bound = torch.where(warm, rise / sigma, torch.full_like(sigma, math.inf))
         return torch.isfinite(x) & (z > bound), z, bound
 
     def judge(self, module: str, gram: Tensor, trusted: Tensor, sketches: list[Tensor] | None,
@@ -228,8 +230,7 @@ class DirectionTest:
             return
         st = self._stat(key, module, int(rows.max()) + 1)
         sub = st.select(rows)
-        cap = sub.mu + torch.maximum(self.cfg.direction_z * sub.sigma_eff(0.0, SIGMA),
-                                     torch.full_like(sub.mu, self.cfg.direction_floor))
+        cap = sub.mu + self._rise(sub)[1]
         v = torch.where((sub.count >= 2) & take, torch.minimum(vals.to(torch.float64), cap), vals.to(torch.float64))
         sub.update(torch.where(take, v, torch.zeros_like(v)), take)
         st.assign(rows, sub)

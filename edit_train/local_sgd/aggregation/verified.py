@@ -11,7 +11,7 @@ Per unit, a contributing cluster is left out (weight 0) when any of these holds 
   direction of past accepted updates tells which of a disagreeing pair is off);
 * usefulness: the lower median of at least two other clusters' relative loss change of their probe slice
   under its previous update (θ̄ − Δᵢ against θ̄) was more than `probe_tolerance` above what that cluster's
-  accepted updates usually do (`probe_typical`, at most `PROBE_LIE`) — nobody scores its own update, and no
+  accepted updates usually do (`probe_offset`: its own threshold, at most `PROBE_LIE` + the tolerance) — nobody scores its own update, and no
   evaluator decides alone (`evidence.probe_judgement`); sites with their own data make each other's slices
   worse by tens of percent, every sync alike; a harmful update far more, or suddenly;
 * probation: most of its units were left out of its previous sync as corrupt (direction, non-finite,
@@ -49,7 +49,7 @@ from edit_train.local_sgd.penalty_stats import ClusterRows, EWMAStats
 
 log = logging.getLogger(__name__)
 _TESTS = ("norm", "interval", "probe", *DIRECTION_KEYS)  # "interval": each cluster's reference interval s₀ (its
-# steps); "probe": each cluster's typical probe score (`probe_typical`)
+# steps); "probe": each cluster's accepted probe scores (`probe_offset`)
 _OWN = ("norm/", "interval/", "probe/")  # the per-cluster statistics this rule keeps (the rest are the direction test's)
 # The usefulness test judges a cluster against its own history: sites with their own data hurt each other's probe
 # slices every sync (at the federation's fixed point each site's update points toward its own optimum), by tens of
@@ -145,7 +145,7 @@ class VerifiedRule:
         """Sketches of `sketch_dim`; the probe, its retraction and the expert options as configured."""
         c = self.cfg
         return Capabilities(sketch_dim=c.sketch_dim, probe_tokens=c.probe_tokens, probe_tolerance=c.probe_tolerance,
-                            retract=c.retract, probe_typical=self.probe_typical if c.probe_tokens > 0 else None,
+                            retract=c.retract, probe_offset=self.probe_offset if c.probe_tokens > 0 else None,
                             # under subsets a cluster reports 0 tokens to others' experts: below 1, not sent
                             expert_min_tokens=max(c.expert_min_tokens, int(bool(c.expert_subsets))),
                             weighs_experts=c.expert_weights != "none", expert_subsets=c.expert_subsets,
@@ -177,19 +177,19 @@ class VerifiedRule:
                 return f"{key}.expert_subsets", str(exc)
         return None
 
-    def _rows(self, key: str, names: list[str]) -> tuple[EWMAStats, Tensor]:
+    def _rows(self, key: str, names: list[str], alpha: float | None = None) -> tuple[EWMAStats, Tensor]:
         grown = self.clusters.add(names)
         for st in self.stats.values() if grown else ():
             st.grow(grown)
-        st = self.stats.setdefault(key, EWMAStats(len(self.clusters), self.cfg.ewma_alpha))
+        st = self.stats.setdefault(key, EWMAStats(len(self.clusters), self.cfg.ewma_alpha if alpha is None else alpha))
         return st, self.clusters.rows(names)
 
-    def probe_typical(self, names: list[str]) -> Tensor:
+    def probe_offset(self, names: list[str]) -> Tensor:
         """Each named cluster's offset of its probe score: its threshold (see PROBE_RATE) less `probe_tolerance`,
         so that "the score less the offset is above `probe_tolerance`" is "above the cluster's own threshold"
         (the test here and the retraction, retract.py, both read it so)."""
         tol = self.cfg.probe_tolerance
-        st, rows = self._rows("probe/all", names)
+        st, rows = self._rows("probe/all", names, PROBE_RATE)
         sub = st.select(rows)
         most = PROBE_LIE + tol
         mu = sub.mu.clamp(0.0, PROBE_LIE)
@@ -201,8 +201,7 @@ class VerifiedRule:
         if "probe_raw" not in ev.extra or self.probe_learned == self.sync:
             return
         self.probe_learned = self.sync
-        st, rows = self._rows("probe/all", names)
-        st.alpha = PROBE_RATE
+        st, rows = self._rows("probe/all", names, PROBE_RATE)
         sub = st.select(rows)
         raw = torch.as_tensor(ev.extra["probe_raw"], dtype=torch.float64)[idx]
         sub.update(raw, accepted & torch.isfinite(raw))

@@ -126,7 +126,7 @@ class LocalSGD:
                         experts=experts, scale_bound=pen.scale_bound, suspects=self.suspects,
                         scale_spread=pen.scale_spread, lr_shape=self.cfg.lr_shape,
                         max_tokens_per_step=max(self.cfg.max_tokens_per_step, self.cfg.tokens_per_step, 1),
-                        probe_tolerance=caps.probe_tolerance, probe_typical=caps.probe_typical,
+                        probe_tolerance=caps.probe_tolerance, probe_offset=caps.probe_offset,
                         expert_bias=self.bias)
         if self.bias is not None:
             self.bias.start()  # every cluster holds the same bias here: the anchor's

@@ -88,7 +88,7 @@ class SyncCore:
     not_counted: list[int] = field(default_factory=list)
     suspects: Suspects | None = None  # who this cluster names (suspects.py)
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
-    probe_typical: Callable[[list[str]], Tensor] | None = None  # the rule's typical probe score per cluster
+    probe_offset: Callable[[list[str]], Tensor] | None = None  # the rule's offset of each cluster's probe score
     expert_bias: BiasSync | None = None  # the routers' expert bias across syncs (algo.expert_bias, expert_bias.py)
 
     def __post_init__(self) -> None:

@@ -80,8 +80,8 @@ class Judge:
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
         raw, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
-        typical = self.core.probe_typical
-        probe = raw - typical(list(self.report.quorum)) if typical is not None else raw
+        offset = self.core.probe_offset
+        probe = raw - offset(list(self.report.quorum)) if offset is not None else raw
         said = rows[:, n].clone()
         steps = self._steps(said.clone(), rows[:, n + EXTRA.index("secs_per_step")].clone())
         for i in self.not_counted:  # it rolled back a sync it took part in (membership.py): weight 0
