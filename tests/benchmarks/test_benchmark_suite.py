@@ -73,7 +73,6 @@ def test_a_record_carries_its_command_commit_and_box(tmp_path: Path, monkeypatch
     assert record["command"] == "python -m benchmarks plan_scale --quick"
 
 
-SMOKE_CEILING_S = 120.0  # every member's --smoke together, in this process (issue 70: measured under 30 s)
 
 
 def _logging_state() -> dict[str, tuple[int, bool, bool, list[logging.Handler]]]:
@@ -102,8 +101,8 @@ def _restore_logging(state: dict[str, tuple[int, bool, bool, list[logging.Handle
 
 def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`python -m benchmarks NAME --smoke` for every member, in this process (one interpreter start-up, one torch
-    import): each exits 0, writes only under its smoke folder (results/ untouched), and all of them together take
-    under SMOKE_CEILING_S seconds (far above what they take: the smokes stay smokes)."""
+    import): each exits 0 and writes only under its smoke folder (results/ untouched); the time each took is
+    printed."""
     import time
 
     import torch
@@ -135,6 +134,4 @@ def test_every_member_runs_with_smoke(tmp_path: Path, monkeypatch: pytest.Monkey
     assert all(any((tmp_path / name).iterdir()) for name in SUITE.SUITE), "a member's smoke wrote nothing"
     assert {p.name: p.stat().st_mtime_ns for p in (REPO / "results").iterdir()} == records  # results/ untouched
     print(f"suite smoke: {total:.1f} s, slowest {sorted(times.items(), key=lambda kv: -kv[1])[:5]}")
-    # a ceiling far above the measured total (27 s on 2 busy cores, 27 members): a smoke that ran a
-    # member's full measurement would take minutes (timings are measured, not asserted: ground rules)
-    assert total < SMOKE_CEILING_S, f"{total:.1f} s: {sorted(times.items(), key=lambda kv: -kv[1])}"
+    # timings are measured, not asserted (ground rules): 26.9 s for the 27 members on 2 busy cores (issue 70)
