@@ -38,6 +38,14 @@ def _pids_with(*needles: str) -> list[int]:
     return out
 
 
+def _maps_hold(pid: int, needle: str) -> bool:
+    """Whether process `pid` has a shared object whose path holds `needle` mapped (it imported that extension)."""
+    try:
+        return needle in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _wait_for(cond, timeout: float, proc: subprocess.Popen) -> float:
     t0 = time.time()
     while not cond():
@@ -72,7 +80,10 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path: Path, small_corpus: str, w
                             start_new_session=True)
     try:
         if after_workers_s is None:
-            time.sleep(3.0)  # importing Hydra / composing the config: ~6 s on 2 loaded cores
+            # inside the launcher's own code (its Ctrl-C handler is up once main() runs): Hydra's import maps PyYAML's
+            # C loader. A fixed sleep could land in Python's start-up (`site`) on a loaded box, before any of ours
+            _wait_for(lambda: _maps_hold(proc.pid, "_yaml"), 120, proc)
+            time.sleep(0.5)  # composing the config
         else:
             _wait_for(lambda: _pids_with("edit_train.cli.worker", str(run_dir)), 180, proc)
             time.sleep(after_workers_s)

@@ -1,7 +1,8 @@
 """The direction test on crafted contributions (exact Gram matrices): a cluster that disagrees with the others
 is flagged, whatever it reports; two clusters are told apart by the reference; a cluster that was left out
 for a while is not locked out once it agrees again; each cluster's statistics learn its own accepted values
-only; a site that always disagrees as much is not flagged, one that turns is."""
+only; a site that always disagrees as much is not flagged, one that turns is; a pair's accused stays the
+accused."""
 
 from __future__ import annotations
 
@@ -120,3 +121,24 @@ def test_a_site_that_always_disagrees_is_not_flagged_but_one_that_turns_is() -> 
         verdict = _round(test, v)
         assert verdict.flagged.tolist() == [False, sync == 15, False, False], sync
         assert float(verdict.agreement[3]) < float(verdict.agreement[0])
+
+
+def test_a_pairs_accused_stays_the_only_one_the_pair_test_can_flag() -> None:
+    """Two clusters: once the pair test flagged c1 in a unit, a later anomaly that points at c0 flags nobody
+    there (what c1 sent meanwhile is in the reference at its weight, so c0's distance to it may rise); in another
+    unit, and for c1 itself, nothing changes. The accused is recorded when the flag is learned."""
+    gen = torch.Generator().manual_seed(1)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(10):
+        shared = shared + 0.2 * _shared(gen)
+        _round(test, _honest(2, gen, shared))
+    v = _honest(2, gen, shared)
+    v[1] = -v[1]
+    assert _round(test, v).flagged.tolist() == [False, True] and test.accused == {"m": 1}
+    v = _honest(2, gen, shared)
+    v[0] = -v[0]
+    verdict = test.judge("m", v @ v.T, torch.tensor([True, True]), list(v))
+    assert verdict.flagged.tolist() == [False, False] and verdict.accuse is None
+    test.accused = {"other": 1}
+    assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [True, False]

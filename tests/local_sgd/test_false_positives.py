@@ -64,6 +64,18 @@ def test_the_demos_honest_slow_cluster_late_in_the_run_is_not_clipped() -> None:
     assert _bound(norms, steps, totals, DEMO)[:2] == ({}, {})
 
 
+def test_the_demos_honest_fast_lm_head_is_not_clipped() -> None:
+    """The full-length demo (420 steps, train.lr_warmup_steps=30), the fast cluster's `lm_head` at syncs 9 and 10:
+    6-10 times the slow one's ‖Δ‖ in 3.3 times its steps at half its lr (4.5 and 5.0 times the median per
+    lr-weighted step: clipped, with a warning, before); counted in steps as well it is within the spread."""
+    shape = LrShape(warmup=30, total=420, min_ratio=0.1)
+    for norms, steps, totals in (([3.566, 0.382], [24.0, 7.0], [225.0, 60.0]),
+                                 ([3.0, 0.364], [22.0, 7.0], [247.0, 67.0])):
+        assert _bound(norms, steps, totals, shape)[:2] == ({}, {})
+    # the same fast cluster sending 10 times its Δ is clipped to the median
+    assert list(_bound([35.66, 0.382], [24.0, 7.0], [225.0, 60.0], shape)[0]) == [0]
+
+
 def test_an_honest_noise_dominated_fast_cluster_does_not_put_the_slow_one_over() -> None:
     """‖Δ‖ ∝ √e (noise-dominated, Adam late in a run): 12 times the lr-weighted steps, √12 times the norm."""
     assert _bound([math.sqrt(12.0), 1.0], [24.0, 2.0], [240.0, 20.0], LrShape(0, 10, 1.0))[:2] == ({}, {})
@@ -176,3 +188,18 @@ def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:
     assert probe_judgement(s, 0.1)[1] == {}
     s[3, :3] = 10.0
     assert probe_judgement(s, 0.1)[1] == {3: "disagrees"}
+
+
+@pytest.mark.parametrize("attack", ["sign_flip", "garbage"])
+def test_a_pairs_liar_is_left_out_and_the_honest_cluster_never(attack: str) -> None:
+    """Two clusters (1:3 under A-EDiT, the benchmark's attack column): c1 flips its sign or trains on garbage from
+    sync 7 on. The pair test's anomaly is pinned on the member whose distance to the anchor's path rose (the
+    reference), the accused stays the accused, probation lasts while a unit is still flagged: the liar is out of
+    every unit from its second lying sync on (its first: most units), and the honest cluster is never left out
+    (the last stop: 0 % caught; before that, the honest cluster of the garbage pair left out in 28 of 80)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import false_positives as fp
+
+    got = fp.run({"name": f"attack_{attack}_n2", "schedule": "a_edit", "ratio": 3, "clusters": 2, "data": "iid",
+                  "seed": 0, "attack": attack})
+    assert got["liar_caught"] >= 13 / 14 and got["left_out"] == 0 and got["named"] == [], got

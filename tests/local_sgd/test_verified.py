@@ -230,3 +230,45 @@ def test_the_probe_scores_the_others_and_not_itself() -> None:
     assert len(calls) == 3  # the anchor, a and c
     assert set(probe.scores) == {"a", "c"} and math.isnan(probe.row(["a", "b", "c"])[1])
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # live parameters restored
+
+
+def test_a_cluster_on_probation_stays_on_it_while_any_unit_is_still_flagged() -> None:
+    """Issue 65: at two clusters a garbage-data site stopped standing out in most units after some syncs and was
+    trusted again while one unit was still flagged. Now probation goes on while any unit is corrupt; it starts
+    only after at least half were, and ends after a clean sync."""
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0)))
+    nan = math.nan
+    for module, fin in (("a", [True, False, True]), ("b", [True, False, False]), ("c", [True, True, True])):
+        rule.decide(_ev(module, 5, fin, [nan] * 3))  # c1: 2 of 3 corrupt; c2: 1 of 3
+    for module, fin in (("a", [True, False, True]), ("b", [True, True, False]), ("c", [True, True, True])):
+        rule.decide(_ev(module, 6, fin, [nan] * 3))  # c1 on probation, still 1 of 3 corrupt; c2 again 1 of 3
+    d = rule.decide(_ev("c", 7, [True] * 3, [nan] * 3))
+    assert rule.probation == {"c1"} and d.weights == pytest.approx([1 / 3, 0.0, 1 / 3])
+    for module in ("a", "b"):
+        rule.decide(_ev(module, 7, [True] * 3, [nan] * 3))  # a clean sync: off probation at the next
+    assert rule.decide(_ev("a", 8, [True] * 3, [nan] * 3)).weights == pytest.approx([1 / 3] * 3)
+    assert rule.probation == set()
+
+
+def test_a_state_with_the_retired_own_past_statistics_loads_without_them() -> None:
+    """A checkpoint written before the pair test read the reference (issue 65's first pair test kept each
+    cluster's own past: "self/<unit>" statistics and "ref/<unit>#<row>" sketches) loads; the pair's accused
+    round-trips, and a bad one is one line."""
+    from edit_train.local_sgd.penalty_stats import EWMAStats
+
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=4)))
+    rule.decide(_ev("a", 1, [True] * 3, [math.nan] * 3))
+    meta, tensors = rule.state()
+    old = dict(tensors)
+    for f in EWMAStats.FIELDS:
+        old[f"self/a/{f}"] = torch.zeros(3, dtype=torch.int64 if f in ("count", "streak") else torch.float64)
+    old["ref/a#1"] = torch.ones(4, dtype=torch.float64)
+    other = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=4)))
+    other.load({k: v for k, v in meta.items() if k != "accused"}, old)
+    assert not [k for k in other.direction.stats if k.startswith("self/")] and "a#1" not in other.direction.refs
+    rule.direction.accused = {"a": 2}
+    meta, tensors = rule.state()
+    other.load(meta, tensors)
+    assert other.direction.accused == {"a": 2}
+    with pytest.raises(ValueError, match="accused"):
+        other.load({**meta, "accused": {"a": 7}}, tensors)

@@ -12,10 +12,11 @@ their norm, not harmful on the probe, not on probation):
   excesses in the unit: flagged when eᵢ − μᵢ > max(`direction_floor`, `direction_z`·σᵢ);
 * exactly two contributors, both trusted: x is one number for the pair; when it is anomalous against the
   pooled history of pair distances (z above `direction_z`, σ at least a tenth of the mean distance), the one
-  whose distance to the *reference* (an EWMA of the accepted aggregates' directions, kept as a count sketch)
-  rose further above its own history is flagged — when that rise passes the same bound; otherwise nobody. The
-  reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for a while
-  (whose direction the reference did not follow) is not held against it;
+  whose distance to the *reference* — an EWMA of the accepted aggregates' directions, kept as a count sketch:
+  the anchor's own path, which every member computes from what it accepted — rose further above *its own*
+  history of such distances is flagged, when its rise passes the other's (or 0) by `PAIR_MARGIN`; otherwise
+  nobody. The reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for
+  a while (whose direction the reference did not follow) is not held against it;
 * exactly two contributors, one trusted and one on probation: the pair test, and only the one on probation can
   be flagged (so a cluster that keeps sending a wrong direction stays on probation).
 
@@ -45,10 +46,18 @@ from edit_train.local_sgd.penalty_stats import EWMAStats
 
 SIGMA = 0.02  # cosine units: the spread below which two directions are not told apart
 PAIR_FLOOR = 0.1  # the pair's σ is at least this fraction of its mean distance
-# statistics per module: each cluster's excesses (3+ trusted) and distances to its own past (1 − cosine with the
-# EWMA of its own accepted updates); the pair's distances (2 contributors), pooled
-KEYS = ("direction", "self", "pair")
-OWN_KEYS = ("direction", "self")  # one row per cluster (the pair's: one row)
+# how much further than the other a pair member's distance to the reference must rise above its own history to
+# be the one flagged (cosine units). Measured (benchmarks/false_positives.py, seed 0, every two-cluster setting):
+# in the 9 honest unit-syncs where the pair test fired, the two rises differed by at most 0.14 (both rose
+# together: the pair turned, nobody alone); a sign flip rose 0.5-1.06 above the other, garbage data 0.1-0.43.
+# The distance to a cluster's *own* past updates, tried before, told them apart in none of the flip's syncs:
+# consecutive honest updates in a unit are nearly orthogonal (cosine 0.1-0.3), so a flip hardly moves it
+PAIR_MARGIN = 0.3
+# statistics per module: each cluster's excesses (3+ trusted) and distances to the reference (1 − cosine with
+# the EWMA of the accepted aggregates); the pair's distances (2 contributors), pooled
+KEYS = ("direction", "reference", "pair")
+OWN_KEYS = ("direction", "reference")  # one row per cluster (the pair's: one row)
+RETIRED_KEYS = ("self",)  # statistics of distances to a cluster's own past (issue 65's first pair test): read, dropped
 
 
 @dataclass
@@ -62,8 +71,8 @@ class Verdict:
     agreement: Tensor
     learn: tuple[str, Tensor, list[int]] | None = None
     rows: Tensor | None = None  # the contributors' rows of the per-cluster statistics
-    own: Tensor | None = None  # each contributor's distance to its own past updates (NaN: none yet)
-    sketches: list[Tensor] | None = None  # the contributors' sketches (their own past learns them)
+    ref: Tensor | None = None  # each contributor's distance to the reference (NaN: none yet)
+    accuse: int | None = None  # the row a pair test flagged (it stays the unit's accused: see `accused`)
 
 
 def _lower_median(v: Tensor) -> float:
@@ -97,8 +106,13 @@ class DirectionTest:
     def __init__(self, cfg: DirectionParams) -> None:
         self.cfg = cfg
         self.stats: dict[str, EWMAStats] = {}  # "<key>/<unit>" -> one row per cluster (the pair's: one row)
-        self.refs: dict[str, Tensor] = {}  # unit -> unit-norm reference direction (sketch); "<unit>#<row>": that
-        # cluster's own past (the EWMA of its accepted updates' directions)
+        self.refs: dict[str, Tensor] = {}  # unit -> unit-norm reference direction (sketch)
+        # unit -> the row a two-cluster test flagged there first. From then on a pair test in that unit flags only
+        # that row: once a pair member has turned, what it sent since is in the reference at its weight (a garbage
+        # site accepted again when it stopped standing out drags the reference toward itself), and the other
+        # member's distance to it rises — measured: the honest cluster of a garbage pair flagged in 5 syncs of a
+        # unit. This only ever takes a flag away, so it costs an honest pair nothing
+        self.accused: dict[str, int] = {}
 
     def _stat(self, key: str, module: str, rows: int = 1) -> EWMAStats:
         """The statistics of `key` for `module` (per cluster: at least `rows` rows, grown empty)."""
@@ -145,16 +159,16 @@ class DirectionTest:
         n = gram.shape[0]
         rows = torch.arange(n) if rows is None else rows
         c = cosines(gram)
-        own = [self.refs.get(f"{module}#{int(r)}") for r in rows]
-        dist = torch.tensor([1.0 - cosine(s, p) if p is not None else math.nan for s, p in zip(sketches, own)],
-                            dtype=torch.float64) if sketches is not None else \
-            torch.full((n,), math.nan, dtype=torch.float64)
+        ref = self.refs.get(module)
+        dist = torch.tensor([1.0 - cosine(s, ref) for s in sketches], dtype=torch.float64) \
+            if sketches is not None and ref is not None else torch.full((n,), math.nan, dtype=torch.float64)
         t_idx = [j for j in range(n) if bool(trusted[j]) and math.isfinite(float(c[j, j]))]
         if len(t_idx) == 1 and suspect is not None:
             held = [j for j in range(n) if bool(suspect[j]) and j != t_idx[0] and math.isfinite(float(c[j, j]))]
             if len(held) == 1:
                 v = self._suspect(module, c, t_idx[0], held[0])
-                v.rows, v.own, v.sketches = rows, dist, sketches
+                v.rows, v.ref = rows, dist
+                v.accuse = int(rows[held[0]]) if bool(v.flagged[held[0]]) else None
                 return v
         x = torch.full((n,), math.nan, dtype=torch.float64)
         for i in range(n):
@@ -169,19 +183,33 @@ class DirectionTest:
             flagged, z, bound = self._own("direction", module, e, rows, noise)
             # two trusted share their pair's x: their excesses say nothing of either, nothing is learned
             return Verdict(flagged, z, bound, 1.0 - x, ("direction", e, t_idx) if len(t_idx) >= 3 else None,
-                           rows, dist, sketches)
+                           rows, dist)
         if len(t_idx) == 2:
             a, b = t_idx
             flagged, z, bound = self._test(self._stat("pair", module), x)
-            if bool(flagged[a]):  # the pair disagrees unusually: the one that turned from its own past updates
-                # further than it usually does is off — if past the bound; otherwise neither is flagged
-                off, oz, obound = self._own("self", module, dist, rows)
-                rise = torch.where(torch.isfinite(oz), oz / obound, torch.full_like(oz, -math.inf))
-                far = a if float(rise[a]) >= float(rise[b]) else b
+            if bool(flagged[a]):  # the pair disagrees unusually: the one whose distance to the reference rose
+                # further above its own history, by PAIR_MARGIN more than the other's, is off; otherwise neither
                 flagged[:] = False
-                flagged[far] = bool(off[far])
-            return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist, sketches)
-        return Verdict(none, torch.zeros(n, dtype=torch.float64), inf, 1.0 - x, None, rows, dist, sketches)
+                far = self._turned(module, dist, rows, a, b)
+                if far is not None and self.accused.get(module, int(rows[far])) == int(rows[far]):
+                    flagged[far] = True
+                    return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist, int(rows[far]))
+            return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist)
+        return Verdict(none, torch.zeros(n, dtype=torch.float64), inf, 1.0 - x, None, rows, dist)
+
+    def _turned(self, module: str, dist: Tensor, rows: Tensor, a: int, b: int) -> int | None:
+        """Of a pair whose distance is anomalous, the member that turned away from the anchor's path: its
+        distance to the reference rose above its own mean by `PAIR_MARGIN` more than the other's did (a rise
+        below 0 counts as 0); None when neither did, or a member's history holds fewer than `warmup_syncs`
+        (at least 2) values."""
+        st = self._stat("reference", module, int(rows.max()) + 1).select(rows)
+        if not self.cfg.anomaly or int(st.count[[a, b]].min()) < max(self.cfg.warmup_syncs, 2):
+            return None
+        rise = dist - st.mu
+        if not (math.isfinite(float(rise[a])) and math.isfinite(float(rise[b]))):
+            return None
+        far, near = (a, b) if float(rise[a]) >= float(rise[b]) else (b, a)
+        return far if float(rise[far]) - max(float(rise[near]), 0.0) > PAIR_MARGIN else None
 
     def _suspect(self, module: str, c: Tensor, honest: int, held: int) -> Verdict:
         """Two contributors, one of them on probation: their distance against the pooled pair history flags
@@ -198,15 +226,10 @@ class DirectionTest:
         """Fold the accepted values in: each contributor's excess and distance to the reference into its own row
         (winsorized at its μ + the bound once the row holds two values); the pair's single distance once into
         the pooled pair row, when both were accepted (winsorized at μ + `direction_z`·σ)."""
-        if verdict.rows is not None and verdict.own is not None:
-            self._learn_own("self", module, verdict.own, verdict.rows, accepted)
-            for j, sk in enumerate(verdict.sketches or []):  # each accepted cluster's own past follows it
-                norm = float(sk.norm())
-                if bool(accepted[j]) and norm > 0 and math.isfinite(norm):
-                    key, a = f"{module}#{int(verdict.rows[j])}", self.cfg.direction_rate
-                    past = self.refs.get(key)
-                    past = sk / norm if past is None else (1 - a) * past + a * sk / norm
-                    self.refs[key] = past / max(float(past.norm()), 1e-300)
+        if verdict.rows is not None and verdict.ref is not None:
+            self._learn_own("reference", module, verdict.ref, verdict.rows, accepted)
+        if verdict.accuse is not None:
+            self.accused.setdefault(module, verdict.accuse)
         if verdict.learn is None:
             return
         key, vals, members = verdict.learn

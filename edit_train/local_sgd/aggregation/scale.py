@@ -55,6 +55,13 @@ SCALE_SPREAD = 3.0  # algo.rule.scale_spread's default
 # fast cluster's ‖Δ‖ over 24 steps was about half the slow one's over 8 — per lr-weighted step the slow one sat
 # 3.1 times over under the linear law, 1.8 times under the flat one
 LAWS = (1.0, 0.5, 0.0)
+# The interval e under each law is counted twice: in lr-weighted steps (an Adam step moves ∝ lr) and in steps
+# (what a site travels is set by how far its local optimum sits from the anchor, at whatever lr). Measured
+# in the default demo (two honest clusters 1:3, the product's lr shape, benchmarks/false_positives.py's note): from
+# sync 5 on the fast cluster's `lm_head` moved 6-10 times as far as the slow one's in 3.3 times the steps at half
+# the slow one's lr — per lr-weighted step 4.5-6.7 times the median (clipped at sync 9 with a warning), per step
+# 2.2-2.7 times. Counting steps gives a cluster at most the ratio of the quorum's mean lr over its interval to
+# its own as headroom (a cluster late in its schedule or early in the warm-up), none to one at the peak.
 
 
 @dataclass(frozen=True)
@@ -132,12 +139,13 @@ def scale_ratios(ev: Evidence, multiple: float, shape: LrShape | None = None) ->
     steps, _ = claimed_steps([float(ev.steps[i]) for i in rows], max(multiple, 1.0))
     total = ev.extra.get("total_steps")
     ends = [float(total[i]) for i in rows] if total is not None else None
-    e = lr_steps(steps, ends, shape)
-    if not all(v > 0 for v in e):
-        e = steps
-    e0 = _lower_median(e)
+    weighted = lr_steps(steps, ends, shape)
+    intervals = [steps] if weighted == steps or not all(v > 0 for v in weighted) else [weighted, steps]
     best: dict[int, float] = {}
-    for p in LAWS:  # ‖Δ‖ ∝ eᵖ: drift (1), noise (½), converged (0); a cluster is over only if it is under every law
+    # ‖Δ‖ ∝ eᵖ: drift (1), noise (½), converged (0), e the lr-weighted steps or the steps themselves;
+    # a cluster is over only if it is over under every law
+    for e, p in ((e, p) for e in intervals for p in LAWS):
+        e0 = _lower_median(e)
         x = {i: float(ev.norms[i]) / (ei ** p * e0 ** (1 - p) if ei >= e0 else math.sqrt(ei * e0))
              for i, ei in zip(rows, e)}
         median = _lower_median(list(x.values()))

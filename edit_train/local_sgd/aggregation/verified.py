@@ -14,11 +14,14 @@ Per unit, a contributing cluster is left out (weight 0) when any of these holds 
   accepted updates usually do (`probe_offset`: its own threshold, at most `PROBE_LIE` + the tolerance) — nobody scores its own update, and no
   evaluator decides alone (`evidence.probe_judgement`); sites with their own data make each other's slices
   worse by tens of percent, every sync alike; a harmful update far more, or suddenly;
-* probation: most of its units were left out of its previous sync as corrupt (direction, non-finite,
-  misreported), and that update did not demonstrably help the others (its probe score was not below
-  −`probe_tolerance`/10, a tenth of the tolerance as an improvement): an update that
-  broken is not trusted in any unit of the next sync — small units (norms, biases) whose direction is
-  too noisy to judge included.
+* probation: at least half of its units were left out of its previous sync as corrupt (direction, non-finite,
+  misreported) — or it was on probation then and some unit still was — and that update did not demonstrably
+  help the others (its probe score was not below −`probe_tolerance`/10, a tenth of the tolerance as an
+  improvement): an update that broken is not trusted in any unit of the next sync — small units (norms,
+  biases) whose direction is too noisy to judge included. A cluster on probation stays on it while any of its
+  units is still flagged: measured at two clusters (benchmarks/false_positives.py), a site training on garbage
+  stopped standing out in most units after 6 syncs, was trusted again, and its updates went back into the
+  anchor while its first unit was still flagged every sync.
 
 Norm statistics are per cluster name, direction statistics pooled per unit; both learn accepted values
 only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
@@ -41,6 +44,7 @@ from torch import Tensor
 from edit_train.local_sgd.aggregator import Capabilities, Decision, Evidence, Needs, nobody, spread
 from edit_train.local_sgd.aggregation.direction import KEYS as DIRECTION_KEYS
 from edit_train.local_sgd.aggregation.direction import OWN_KEYS as DIRECTION_OWN
+from edit_train.local_sgd.aggregation.direction import RETIRED_KEYS as DIRECTION_RETIRED
 from edit_train.local_sgd.aggregation.direction import DirectionTest, Verdict, cosines
 from edit_train.local_sgd.evidence import PROBE_LIE
 from edit_train.local_sgd.moe.experts import expert_weights
@@ -213,7 +217,8 @@ class VerifiedRule:
         if sync == self.sync:
             return
         if sync == self.sync + 1:
-            self.probation = {n for n, (judged, corrupt) in self.tally.items() if 2 * corrupt >= judged > 0}
+            self.probation = {n for n, (judged, corrupt) in self.tally.items()
+                              if 2 * corrupt >= judged > 0 or (n in self.probation and corrupt > 0)}
         else:  # a gap (this cluster missed syncs): the others' last sync is not known here
             self.probation = set()
         self.sync, self.tally = sync, {}
@@ -346,7 +351,7 @@ class VerifiedRule:
                    for f in EWMAStats.FIELDS}
         tensors.update({f"ref/{m}": r.clone().contiguous() for m, r in self.direction.refs.items()})
         return {"roster": list(self.clusters.names), "sync": self.sync, "probation": sorted(self.probation),
-                "tally": {n: list(t) for n, t in self.tally.items()}}, tensors
+                "tally": {n: list(t) for n, t in self.tally.items()}, "accused": dict(self.direction.accused)}, tensors
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         roster = [str(n) for n in meta.get("roster", [])]
@@ -356,9 +361,12 @@ class VerifiedRule:
             if key.startswith("ref/"):
                 if val.dim() != 1 or val.numel() != self.sketch_dim:
                     raise ValueError(f"penalty state: {key!r} is not a {self.sketch_dim}-bucket sketch")
-                refs[key[4:]] = val.detach().cpu().to(torch.float64).clone()
+                if "#" not in key:  # "<unit>#<row>": a cluster's own past (retired with DIRECTION_RETIRED)
+                    refs[key[4:]] = val.detach().cpu().to(torch.float64).clone()
                 continue
             test, _, rest = key.partition("/")
+            if test in DIRECTION_RETIRED:
+                continue
             module, _, fname = rest.rpartition("/")
             rows = 1 if test == "pair" else len(roster)  # the pair's statistics are pooled per unit
             if test == "direction" and val.dim() == 1 and val.shape[0] == 1 < rows:
@@ -370,14 +378,18 @@ class VerifiedRule:
             st = stats.setdefault(f"{test}/{module}", EWMAStats(rows, alpha))
             setattr(st, fname, val.detach().cpu().to(torch.int64 if fname in ("count", "streak") else torch.float64))
         sync, probation, tally = meta.get("sync", -1), meta.get("probation", []), meta.get("tally", {})
+        accused = meta.get("accused", {})  # absent in a state written before the pair's accused (issue 65)
         if not (isinstance(sync, int) and isinstance(probation, list) and isinstance(tally, dict)
                 and all(isinstance(t, list) and len(t) == 2 and all(isinstance(v, int) for v in t)
                         for t in tally.values())):
             raise ValueError("penalty state: unreadable probation record")
+        if not (isinstance(accused, dict) and all(isinstance(v, int) and 0 <= v < len(roster) for v in accused.values())):
+            raise ValueError("penalty state: unreadable record of the pairs' accused clusters")
         self.clusters = ClusterRows(roster)
         self.stats = {k: v for k, v in stats.items() if k.startswith(_OWN)}
         self.direction.stats = {k: v for k, v in stats.items() if not k.startswith(_OWN)}
         self.direction.refs = refs
+        self.direction.accused = {str(k): int(v) for k, v in accused.items()}
         self.sync, self.probation = sync, {str(n) for n in probation}
         self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}
 
