@@ -9,7 +9,12 @@ operator names, that forwards a heartbeat or a quorum request only when it is si
 key, fresh, and not a replay; and signs its answers, bound to the request they answer. A record that does
 not verify never reaches the Lighthouse, and a heartbeat reaches it only for a name whose signed quorum
 request is recent (`ASK_WINDOW_S`: a member that never asks is not waited for): it is absent (logged once per name and address), never a reason to
-refuse, stop, heal or send state, never counted in a quorum, never waited for. torchft's dashboard and its
+refuse, stop, heal or send state, never counted in a quorum, never waited for. Of a name that asked, heartbeats
+are forwarded only while its request is pending or it is a member of the latest quorum the gate answered (it is
+training between two syncs): one that asked once and then only heartbeats is waited for at most once — by the
+next quorum to form, as torchft waits for a member of the previous quorum — and one whose request was never
+answered with a quorum (it asked before anyone else came, with a short timeout) not at all (issue 69 item 7:
+it held the honest clusters' first quorum the whole grace window). torchft's dashboard and its
 `POST /replica/:id/kill` are on the loopback interface with the Lighthouse.
 
 With a roster (`signed.py`) the gate also knows who is speaking: a request is forwarded only when the name
@@ -102,6 +107,9 @@ class Gate:
         self._seen: dict[tuple[str, str], float] = {}  # (name, nonce) -> when (replays inside the skew window)
         self._warned: set[tuple[str, str]] = set()
         self._signed: dict[str, tuple[str, float]] = {}  # name -> (store address, when) of signed quorum requests
+        self._pending: dict[str, int] = {}  # name -> its quorum requests in flight
+        self._member_of: dict[str, int] = {}  # name -> the id of the latest quorum it was answered as a member of
+        self._latest = -1  # the latest quorum id answered
         self._lock = threading.Lock()
         # roster names that said (each in its own signed request) they finished the run, keyed by the run's
         # configuration fingerprint (the request's `fp`): told to a cluster of that run that starts, so one
@@ -193,6 +201,12 @@ class Gate:
             signed = self._signed.get(name)
         return signed is not None and signed[1] > time.time() - self.ask_window_s
 
+    def taking_part(self, name: str) -> bool:
+        """Is `name` asking for a quorum now, or a member of the latest quorum answered (training toward the next
+        sync)? Only then are its heartbeats forwarded: torchft waits the grace window for a heartbeating name."""
+        with self._lock:
+            return self._pending.get(name, 0) > 0 or self._member_of.get(name, -2) == self._latest
+
     def unasked(self, name: str) -> None:
         """A signed heartbeat from a name without a recent quorum request: not forwarded, said once per name."""
         with self._lock:
@@ -211,10 +225,10 @@ class Gate:
         if not (isinstance(name, str) and valid_name(name)):
             raise FrameError("bad cluster name")
         if kind == "heartbeat":
-            if self.asked(name):  # a name that never asks must not count as alive: it would hold back quorums
-                self._inner.heartbeat(name)
-            else:
+            if not self.asked(name):  # a name that never asks must not count as alive: it would hold back quorums
                 self.unasked(name)
+            elif self.taking_part(name):  # else: it asked, and since then a quorum formed without it (silently:
+                self._inner.heartbeat(name)  # an honest cluster that missed one is in this state until it asks)
             return {"kind": "ok", "re": body["nonce"]}
         if kind == "hello":  # a key check before a cluster starts: answered here, the Lighthouse never sees it
             fp = _run_fp(body.get("fp", ""))
@@ -252,10 +266,15 @@ class Gate:
             raise FrameError("bad timeout")
         with self._lock:
             self._signed[name] = (me["store"], time.time() + timeout)
+            self._pending[name] = self._pending.get(name, 0) + 1
         try:
             q = self._inner.quorum(name, me["store"], me["sync"], me["size"], me["data"], timeout)
-        except InnerError as exc:  # torchft reports a timeout as a RuntimeError
-            return {"kind": "error", "re": body["nonce"], "error": str(exc)[:300]}
+        except BaseException as exc:
+            with self._lock:
+                self._pending[name] -= 1
+            if isinstance(exc, InnerError):  # torchft reports a timeout as a RuntimeError
+                return {"kind": "error", "re": body["nonce"], "error": str(exc)[:300]}
+            raise
         members = []
         for m in q["participants"]:  # only members whose own signed request is pending (where torchft's
             with self._lock:            # Lighthouse is not isolated, a process on this host could reach it)
@@ -266,6 +285,12 @@ class Gate:
                 continue
             members.append({"name": m["replica_id"], "sync": int(m["step"]), "size": int(m["world_size"]),
                             "store": m["store_address"], "data": dict(m["data"] or {})})
+        with self._lock:  # a member of this quorum before this request stops being pending (its beats go on)
+            qid = int(q["quorum_id"])
+            self._latest = max(self._latest, qid)
+            for m in members:
+                self._member_of[m["name"]] = max(self._member_of.get(m["name"], -2), qid)
+            self._pending[name] -= 1
         stamp = f"{q['created'][0]}.{q['created'][1]}"
         # the same for every member of this quorum, and unguessable without the key: it namespaces the
         # quorum's lanes and binds every tag of its messages (auth.tag contexts)

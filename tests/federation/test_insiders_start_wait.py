@@ -16,7 +16,8 @@ from edit_train.cluster.group import RankGroup
 from edit_train.federation.inproc import InProcessFederation, ThreadGroup
 from edit_train.federation.lanes import Lanes
 from edit_train.federation.transport import LaneTransport
-from liar_utils import KEY, GateRun, run_threads
+from edit_train.federation.quorum import Quorum
+from liar_utils import KEY, GateRun, claims, run_threads
 from test_insiders_claimed_steps_a_edit import STEP_S, _config
 from toy_federation import Outcome, max_diff, train_cluster
 
@@ -86,3 +87,37 @@ def test_a_configured_cluster_that_comes_late_meets_the_first_anchor(tmp_path: P
         assert o.algo is not None and not o.algo.membership.healed_from  # nobody healed
         assert not [s for e in syncs for s in e["suspects"]]
     assert max_diff(c0.anchors, c1.anchors) == 0.0  # one anchor
+
+
+def test_a_member_that_asked_once_and_then_only_heartbeats_is_waited_for_at_most_once(tmp_path: Path) -> None:
+    """Item 7: a roster member asks for one quorum (alone, before anyone else came: a quorum of one), then only
+    heartbeats. Before, the gate forwarded its heartbeats for `ASK_WINDOW_S` (600 s) after that request, and torchft
+    waits the grace window for a heartbeating member of the previous quorum: it held the honest clusters' quorums
+    (31 s measured). Now heartbeats are forwarded only while a name asks or belongs to the latest quorum answered:
+    the honest pair's first quorum is the one it can hold (one join wait); after it, nothing — a later quorum whose
+    membership changed (torchft's fast path does not apply) forms without waiting for it."""
+    names = ["c0", "c1", "c2"]
+    join = 6.0
+    run = GateRun(tmp_path, names, honest=2, join_timeout_s=join).start()
+    try:
+        g = run.gate
+        assert g is not None
+        liar = run.client("c2")
+        alone = liar.request(0, 1, "inproc:c2", claims()[1], 5.0)
+        assert isinstance(alone, Quorum) and [m.name for m in alone.members] == ["c2"]
+        assert g.taking_part("c2")  # a member of the latest quorum: its beats are forwarded (torchft's grace)
+        liar.start_heartbeat()  # and it never asks again
+        outs = run.train()
+        assert not g.taking_part("c2") and g.asked("c2")  # asked within the window, beats no longer forwarded
+        for n in ("c0", "c1"):
+            syncs = [e for e in outs[n].events if e["event"] == "sync"]
+            assert syncs and all(e["quorum"] == ["c0", "c1"] for e in syncs), syncs
+        time.sleep(5.5)  # the honest clients stopped with their runs: torchft forgets them (heartbeat timeout 5 s)
+        t0 = time.monotonic()
+        late = run.client("c0").request(99, 1, "inproc:c0", claims()[1], 30.0)  # c1 gone: membership changes
+        waited = time.monotonic() - t0
+        assert isinstance(late, Quorum) and [m.name for m in late.members] == ["c0"]
+        assert waited < join / 2, waited  # before: the join wait, for the liar's forwarded heartbeats
+        liar.close()
+    finally:
+        run.close()
