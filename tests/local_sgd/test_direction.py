@@ -23,6 +23,7 @@ def _honest(n: int, gen: torch.Generator, shared: torch.Tensor, noise: float = 0
 
 def _round(test: DirectionTest, v: torch.Tensor, trusted: list[bool] | None = None):  # type: ignore[no-untyped-def]
     trusted_t = torch.tensor(trusted if trusted is not None else [True] * v.shape[0])
+    test.new_sync()  # one unit per sync here
     verdict = test.judge("m", v @ v.T, trusted_t, list(v))
     accepted = ~verdict.flagged & trusted_t
     test.learn("m", verdict, accepted)
@@ -142,3 +143,37 @@ def test_a_pairs_accused_stays_the_only_one_the_pair_test_can_flag() -> None:
     assert verdict.flagged.tolist() == [False, False] and verdict.accuse is None
     test.accused = {"other": 1}
     assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [True, False]
+
+
+def test_a_spike_in_one_small_unit_alone_is_not_flagged_but_a_turn_in_every_unit_is() -> None:
+    """Four clusters, four units judged in order each sync. Measured on honest sites with shifted inputs: the
+    132-parameter output layer rose 0.53-0.58 over a quiet history while the site's other units rose -0.04 to
+    0.33 — not flagged now (its rises this sync have a lower median under CORROBORATE x the floor); a sign flip in
+    every unit is flagged in every unit, and one in a single unit too (its rise alone is over ALONE x the floor)."""
+    from edit_train.local_sgd.aggregation.direction import ALONE
+
+    gen = torch.Generator().manual_seed(5)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    units = ["u0", "u1", "u2", "u3"]
+    shared = {u: _shared(gen) for u in units}
+
+    def sync(turn: dict[str, float], who: int = 2) -> list[bool]:
+        test.new_sync()
+        out = []
+        for u in units:
+            shared[u] = shared[u] + 0.2 * _shared(gen)
+            v = _honest(4, gen, shared[u], noise=0.3)
+            if u in turn:  # cluster `who` leans away from the others by `turn[u]` (a mix toward a fresh direction)
+                v[who] = (1 - turn[u]) * v[who] + turn[u] * _shared(gen) * v[who].norm() / math.sqrt(D)
+            verdict = test.judge(u, v @ v.T, torch.tensor([True] * 4), list(v))
+            test.learn(u, verdict, ~verdict.flagged)
+            test.follow(u, list(v), (~verdict.flagged).double() / 4)
+            out.append(bool(verdict.flagged[who]))
+        return out
+
+    for _ in range(12):
+        assert sync({}) == [False] * 4
+    assert sync({"u3": 0.8}) == [False] * 4  # a lone spike in the last unit
+    v_rise = test.sync_rises[2][-1]
+    assert 0.5 < v_rise < ALONE * 0.5, v_rise  # past the floor, as measured: flagged before this rule
+    assert sync({"u0": 1.0, "u1": 1.0, "u2": 1.0, "u3": 1.0}) == [True] * 4

@@ -156,8 +156,9 @@ def _probe_sync(rule, sync: int, raw: list[float]) -> Decision:  # type: ignore[
 
 def test_the_probe_judges_a_site_against_its_own_harm() -> None:
     """A site whose updates always raise the others' probe loss by ~30 % (its own data) is not useless once its
-    history holds 3 scores; before that a score counts as harmful above 60 % (`PROBE_LIE` + the tolerance), and
-    after, one that jumps far above its own (+90 %) is, as is anything above 60 % whatever its history; a site whose
+    history holds 3 scores; before that a score counts as harmful above 90 % (`PROBE_LIE` + the tolerance: an honest
+    four-language site's second score was +77 %), and after, one that jumps far above its own (+90 %) is, as is
+    anything above 90 % whatever its history; a site whose
     history is quiet is judged harmful from 40 % (`PROBE_FLOOR`), not from its mean + 10 %."""
     from edit_train.local_sgd.aggregation.rules import RuleConfig, make_rule
     from edit_train.local_sgd.aggregation.verified import VerifiedConfig
@@ -168,15 +169,15 @@ def test_the_probe_judges_a_site_against_its_own_harm() -> None:
         assert d.left_out == [False] * 4, (sync, d.evidence)
     assert _probe_sync(rule, 7, [0.9, -0.1, -0.05, 0.3]).left_out == [True, False, False, False]
     fresh = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
-    assert _probe_sync(fresh, 1, [0.55, 0.65, 0.0, 0.0]).left_out == [False, True, False, False]
+    assert _probe_sync(fresh, 1, [0.8, 0.95, 0.0, 0.0]).left_out == [False, True, False, False]
     quiet = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
     for sync in range(1, 7):
         _probe_sync(quiet, sync, [0.0, 0.01, 0.0, 0.0])
     assert _probe_sync(quiet, 7, [0.35, 0.45, 0.0, 0.0]).left_out == [False, True, False, False]
     drift = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
-    for sync in range(1, 30):  # creeping up in steps its own threshold lets through: held at 60 %
+    for sync in range(1, 30):  # creeping up in steps its own threshold lets through: held at 90 %
         d = _probe_sync(drift, sync, [min(0.05 * sync, 1.0), 0.0, 0.0, 0.0])
-    assert d.left_out[0] and 0.05 * 29 > 0.6
+    assert d.left_out[0] and 0.05 * 29 > 0.9
 
 
 def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:

@@ -53,6 +53,15 @@ PAIR_FLOOR = 0.1  # the pair's σ is at least this fraction of its mean distance
 # The distance to a cluster's *own* past updates, tried before, told them apart in none of the flip's syncs:
 # consecutive honest updates in a unit are nearly orthogonal (cosine 0.1-0.3), so a flip hardly moves it
 PAIR_MARGIN = 0.3
+# A cluster that turned, turned in most of its units: a sign flip rose 1.2-1.7 above its own history in every
+# unit, garbage data 1.0-1.1 in every unit at its first lying sync. An honest site with its own data spikes in one
+# small unit: measured (benchmarks/false_positives.py, 3 seeds, four and eight sites with shifted inputs) a 132-
+# parameter output layer rose 0.53-0.58 over a quiet history (σ 0.03-0.09) while the site's other units rose
+# −0.04 to 0.33. So at three or more clusters a rise past the bound flags a unit only when the lower median of the
+# cluster's rises in the units judged so far this sync (this one included) is above CORROBORATE × the floor, or
+# the rise alone is above ALONE × the floor (no honest rise above 0.70 was measured: a one-unit sign flip is
+# still flagged wherever it sits)
+CORROBORATE, ALONE = 0.5, 2.0
 # statistics per module: each cluster's excesses (3+ trusted) and distances to the reference (1 − cosine with
 # the EWMA of the accepted aggregates); the pair's distances (2 contributors), pooled
 KEYS = ("direction", "reference", "pair")
@@ -113,6 +122,8 @@ class DirectionTest:
         # member's distance to it rises — measured: the honest cluster of a garbage pair flagged in 5 syncs of a
         # unit. This only ever takes a flag away, so it costs an honest pair nothing
         self.accused: dict[str, int] = {}
+        self.sync_rises: dict[int, list[float]] = {}  # row -> its rises above its own history in this sync's units
+        # judged so far (`new_sync` clears them; every member judges the units in the same order)
 
     def _stat(self, key: str, module: str, rows: int = 1) -> EWMAStats:
         """The statistics of `key` for `module` (per cluster: at least `rows` rows, grown empty)."""
@@ -181,6 +192,7 @@ class DirectionTest:
         if len(t_idx) >= 3 or (len(t_idx) == 2 and judged >= 3):  # a majority to measure against
             e = x - _lower_median(x[t_idx])
             flagged, z, bound = self._own("direction", module, e, rows, noise)
+            flagged &= self._corroborated(module, e, rows)
             # two trusted share their pair's x: their excesses say nothing of either, nothing is learned
             return Verdict(flagged, z, bound, 1.0 - x, ("direction", e, t_idx) if len(t_idx) >= 3 else None,
                            rows, dist)
@@ -196,6 +208,28 @@ class DirectionTest:
                     return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist, int(rows[far]))
             return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist)
         return Verdict(none, torch.zeros(n, dtype=torch.float64), inf, 1.0 - x, None, rows, dist)
+
+    def new_sync(self) -> None:
+        """A new sync's units are about to be judged: the rises of the last one's are forgotten."""
+        self.sync_rises = {}
+
+    def _corroborated(self, module: str, e: Tensor, rows: Tensor) -> Tensor:
+        """Per contributor: is a rise past the bound here backed by the cluster's other units this sync (the lower
+        median of its rises so far, this one included, above CORROBORATE × `direction_floor`) or large enough
+        alone (above ALONE × the floor)? Records this unit's rises of warm rows."""
+        st = self._stat("direction", module, int(rows.max()) + 1 if rows.numel() else 0).select(rows)
+        warm = st.count >= max(self.cfg.warmup_syncs, 2)
+        rise = e.to(torch.float64) - st.mu
+        floor = self.cfg.direction_floor
+        out = torch.ones(e.numel(), dtype=torch.bool)
+        for j in range(e.numel()):
+            r = float(rise[j])
+            if not (bool(warm[j]) and math.isfinite(r)):
+                continue
+            seen = self.sync_rises.setdefault(int(rows[j]), [])
+            seen.append(r)
+            out[j] = r > ALONE * floor or _lower_median(torch.tensor(seen, dtype=torch.float64)) > CORROBORATE * floor
+        return out
 
     def _turned(self, module: str, dist: Tensor, rows: Tensor, a: int, b: int) -> int | None:
         """Of a pair whose distance is anomalous, the member that turned away from the anchor's path: its

@@ -216,6 +216,7 @@ class VerifiedRule:
         sync = int(ev.extra["sync"]) if "sync" in ev.extra else self.sync
         if sync == self.sync:
             return
+        self.direction.new_sync()
         if sync == self.sync + 1:
             self.probation = {n for n, (judged, corrupt) in self.tally.items()
                               if 2 * corrupt >= judged > 0 or (n in self.probation and corrupt > 0)}
