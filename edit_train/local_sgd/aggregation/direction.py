@@ -47,9 +47,9 @@ from edit_train.local_sgd.penalty_stats import EWMAStats
 SIGMA = 0.02  # cosine units: the spread below which two directions are not told apart
 PAIR_FLOOR = 0.1  # the pair's σ is at least this fraction of its mean distance
 # how much further than the other a pair member's distance to the reference must rise above its own history to
-# be the one flagged (cosine units). Measured (benchmarks/false_positives.py, seed 0, every two-cluster setting):
-# in the 9 honest unit-syncs where the pair test fired, the two rises differed by at most 0.14 (both rose
-# together: the pair turned, nobody alone); a sign flip rose 0.5-1.06 above the other, garbage data 0.1-0.43.
+# be the one flagged (cosine units). Measured (benchmarks/false_positives.py, seeds 0-2, every two-cluster
+# setting): in the 49 honest unit-syncs where the pair test fired, the two rises differed by at most 0.22 (mostly
+# both rose together: the pair turned, nobody alone); a sign flip rose 0.5-1.06 above the other, garbage 0.1-0.43.
 # The distance to a cluster's *own* past updates, tried before, told them apart in none of the flip's syncs:
 # consecutive honest updates in a unit are nearly orthogonal (cosine 0.1-0.3), so a flip hardly moves it
 PAIR_MARGIN = 0.3
