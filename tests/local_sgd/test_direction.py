@@ -177,3 +177,22 @@ def test_a_spike_in_one_small_unit_alone_is_not_flagged_but_a_turn_in_every_unit
     v_rise = test.sync_rises[2][-1]
     assert 0.5 < v_rise < ALONE * 0.5, v_rise  # past the floor, as measured: flagged before this rule
     assert sync({"u0": 1.0, "u1": 1.0, "u2": 1.0, "u3": 1.0}) == [True] * 4
+
+
+def test_a_pair_anomaly_that_the_reference_cannot_place_goes_to_the_member_flagged_earlier_this_sync() -> None:
+    """Two clusters, both turned in a unit (their distances to the reference rose alike: not told apart). Flagged:
+    nobody — unless the pair test flagged one of them in an earlier unit of this sync (a liar's first lying sync:
+    the units where it stands out decide for the ones where it does not); a new sync forgets it."""
+    gen = torch.Generator().manual_seed(1)
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(10):
+        shared = shared + 0.2 * _shared(gen)
+        _round(test, _honest(2, gen, shared))
+    v = torch.randn(2, D, generator=gen, dtype=torch.float64) * shared.norm() / math.sqrt(D)  # both turned away
+    alike = test.judge("m", v @ v.T, torch.tensor([True, True]), list(v))
+    assert alike.flagged.tolist() == [False, False] and bool(alike.z[0] > alike.bound[0])  # anomalous, unplaced
+    test.sync_accused = {1}
+    assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [False, True]
+    test.new_sync()
+    assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [False, False]

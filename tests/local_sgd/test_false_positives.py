@@ -195,12 +195,13 @@ def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:
 def test_a_pairs_liar_is_left_out_and_the_honest_cluster_never(attack: str) -> None:
     """Two clusters (1:3 under A-EDiT, the benchmark's attack column): c1 flips its sign or trains on garbage from
     sync 7 on. The pair test's anomaly is pinned on the member whose distance to the anchor's path rose (the
-    reference), the accused stays the accused, probation lasts while a unit is still flagged: the liar is out of
-    every unit from its second lying sync on (its first: most units), and the honest cluster is never left out
-    (the last stop: 0 % caught; before that, the honest cluster of the garbage pair left out in 28 of 80)."""
+    reference) — or, where that does not place it, on the member flagged in an earlier unit of the sync — the
+    accused stays the accused, probation lasts while a unit is still flagged: the liar is out of every unit of
+    every lying sync, and the honest cluster is never left out (the last stop: 0 % caught; before that, the
+    honest cluster of the garbage pair left out in 28 of 80)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import false_positives as fp
 
     got = fp.run({"name": f"attack_{attack}_n2", "schedule": "a_edit", "ratio": 3, "clusters": 2, "data": "iid",
                   "seed": 0, "attack": attack})
-    assert got["liar_caught"] >= 13 / 14 and got["left_out"] == 0 and got["named"] == [], got
+    assert got["liar_caught"] == 1.0 and got["left_out"] == 0 and got["named"] == [], got

@@ -14,8 +14,9 @@ their norm, not harmful on the probe, not on probation):
   pooled history of pair distances (z above `direction_z`, σ at least a tenth of the mean distance), the one
   whose distance to the *reference* — an EWMA of the accepted aggregates' directions, kept as a count sketch:
   the anchor's own path, which every member computes from what it accepted — rose further above *its own*
-  history of such distances is flagged, when its rise passes the other's (or 0) by `PAIR_MARGIN`; otherwise
-  nobody. The reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for
+  history of such distances is flagged, when its rise passes the other's (or 0) by `PAIR_MARGIN`, or, when
+  that does not tell them apart, the member the pair test flagged in an earlier unit of the same sync (it
+  turned there: a liar's first lying sync is then left out in every unit); otherwise nobody. The reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for
   a while (whose direction the reference did not follow) is not held against it;
 * exactly two contributors, one trusted and one on probation: the pair test, and only the one on probation can
   be flagged (so a cluster that keeps sending a wrong direction stays on probation).
@@ -124,6 +125,7 @@ class DirectionTest:
         self.accused: dict[str, int] = {}
         self.sync_rises: dict[int, list[float]] = {}  # row -> its rises above its own history in this sync's units
         # judged so far (`new_sync` clears them; every member judges the units in the same order)
+        self.sync_accused: set[int] = set()  # rows a two-cluster test flagged in a unit of this sync
 
     def _stat(self, key: str, module: str, rows: int = 1) -> EWMAStats:
         """The statistics of `key` for `module` (per cluster: at least `rows` rows, grown empty)."""
@@ -180,6 +182,8 @@ class DirectionTest:
                 v = self._suspect(module, c, t_idx[0], held[0])
                 v.rows, v.ref = rows, dist
                 v.accuse = int(rows[held[0]]) if bool(v.flagged[held[0]]) else None
+                if v.accuse is not None:
+                    self.sync_accused.add(v.accuse)
                 return v
         x = torch.full((n,), math.nan, dtype=torch.float64)
         for i in range(n):
@@ -203,15 +207,19 @@ class DirectionTest:
                 # further above its own history, by PAIR_MARGIN more than the other's, is off; otherwise neither
                 flagged[:] = False
                 far = self._turned(module, dist, rows, a, b)
+                if far is None:  # not told apart here: the one flagged in an earlier unit of this sync turned there
+                    seen = [j for j in (a, b) if int(rows[j]) in self.sync_accused]
+                    far = seen[0] if len(seen) == 1 else None
                 if far is not None and self.accused.get(module, int(rows[far])) == int(rows[far]):
                     flagged[far] = True
+                    self.sync_accused.add(int(rows[far]))
                     return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist, int(rows[far]))
             return Verdict(flagged, z, bound, 1.0 - x, ("pair", x, t_idx), rows, dist)
         return Verdict(none, torch.zeros(n, dtype=torch.float64), inf, 1.0 - x, None, rows, dist)
 
     def new_sync(self) -> None:
-        """A new sync's units are about to be judged: the rises of the last one's are forgotten."""
-        self.sync_rises = {}
+        """A new sync's units are about to be judged: the rises and accusations of the last one's are forgotten."""
+        self.sync_rises, self.sync_accused = {}, set()
 
     def _corroborated(self, module: str, e: Tensor, rows: Tensor) -> Tensor:
         """Per contributor: is a rise past the bound here backed by the cluster's other units this sync (the lower
