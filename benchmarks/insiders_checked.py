@@ -1,7 +1,9 @@
 """Issue 69, "believe only what you can check": the honest clusters' loss with and without each liar of items 1, 2,
 5 and 7, on the toy federation over a real gate with a roster — the runs of `tests/federation/test_insiders_first_heal.py`,
 `tests/federation/test_insiders_claimed_steps.py` (and `_a_edit.py`: a time schedule), `tests/federation/test_insiders_stalled.py` and
-`tests/federation/test_insiders_rollback.py` (4 syncs of 4 steps, the same seed). Prints one line per item and cluster count:
+`tests/federation/test_insiders_rollback.py` (4 syncs of 4 steps, the same seed); and what is left of item 2 under
+A-EDiT, a member that claims 4x its speed with 4x its steps (consistent: the time caps hold) and sends 15x its Δ,
+bounded by the token cap and the scale bound only. Prints one line per item and cluster count:
 (cluster, loss without the lie, loss with it, change); item 5 against the honest clusters' run without the staller,
 with the syncs they lost. docs/security.md quotes it. ~4 min."""
 
@@ -11,6 +13,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path[:0] = [str(TESTS / d) for d in ("helpers", "federation", "local_sgd")]  # the tests it reruns (and theirs)
@@ -23,6 +26,17 @@ import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
 import test_insiders_first_heal as first  # noqa: E402
 import test_insiders_rollback as rollback  # noqa: E402
 import test_insiders_stalled as stalled  # noqa: E402
+from edit_train.local_sgd.sync.judge import EXTRA  # noqa: E402
+
+
+class ClaimsFaster(claimed.ClaimsMore):
+    """ClaimsMore, and seconds per step divided by the same factor: steps x s/step is the interval's duration."""
+
+    def all_gather(self, vec: Any, what: str = "") -> Any:
+        if what == "norm exchange":
+            vec = vec.clone()
+            vec[self.units + 1 + EXTRA.index("secs_per_step")] /= claimed.CLAIM
+        return super().all_gather(vec, what)
 
 
 def _line(item: str, n: int, honest: list[str], base: dict, lied: dict) -> None:
@@ -49,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
                   claimed._run(root / f"2l{n}", names, True)[0])
             _line("2 claimed steps, A-EDiT", n, honest, claimed_a._run(root / f"2ac{n}", [1] * n, False)[0],
                   claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
+            _line("2 claimed speed and steps, A-EDiT", n, honest, claimed_a._run(root / f"2sc{n}", [1] * n, False)[0],
+                  claimed_a._run(root / f"2sl{n}", [1] * n, True, ClaimsFaster)[0])
         _line("7 commit-then-rollback", n, honest, rollback._run(root / f"7c{n}", names, False)[0],
               rollback._run(root / f"7l{n}", names, True)[0])
         if not a.smoke:

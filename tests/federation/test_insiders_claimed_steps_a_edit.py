@@ -38,7 +38,7 @@ def _config(names: tuple[str, ...]) -> Any:
     return replace(cfg, schedule=ScheduleConfig(kind="time", sync_time_s=TAU, interval=H), total_steps=TOTAL)
 
 
-def _run(root: Path, ratios: list[int], liar: bool) -> tuple[dict[str, Outcome], dict[str, str]]:
+def _run(root: Path, ratios: list[int], liar: bool, how: Any = ClaimsMore) -> tuple[dict[str, Outcome], dict[str, str]]:
     names = [f"c{i}" for i in range(len(ratios))]
     run = GateRun(root, names, honest=len(names)).start()
     keys = {n: run.creds[n].key_id(n) for n in names}
@@ -48,7 +48,7 @@ def _run(root: Path, ratios: list[int], liar: bool) -> tuple[dict[str, Outcome],
         transports: dict[str, Any] = {
             n: LaneTransport(n, RankGroup(), Lanes(lambda n=n: ThreadGroup(hub, n)), True, run.client(n),
                              f"inproc:{n}", key=KEY, quorum_timeout_s=30.0, connect_timeout_s=10.0) for n in names}
-        wraps = {names[-1]: ClaimsMore} if liar else {}
+        wraps = {names[-1]: how} if liar else {}
         return run_threads({n: (lambda i=i, n=n: train_cluster(i, transports[n], cfg, wrap=wraps.get(n),
                                                                step_s=STEP_S * ratios[i]))
                             for i, n in enumerate(names)}, timeout=240.0), keys
