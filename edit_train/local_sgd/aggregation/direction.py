@@ -16,8 +16,10 @@ their norm, not harmful on the probe, not on probation):
   the anchor's own path, which every member computes from what it accepted — rose further above *its own*
   history of such distances is flagged, when its rise passes the other's (or 0) by `PAIR_MARGIN`, or, when
   that does not tell them apart, the member the pair test flagged in an earlier unit of the same sync (it
-  turned there: a liar's first lying sync is then left out in every unit); otherwise nobody. The reference only breaks such ties: when the pair agrees as usual, a cluster that was left out for
-  a while (whose direction the reference did not follow) is not held against it;
+  turned there: a liar's first lying sync is then left out in every unit); otherwise nobody. The reference
+  only breaks such ties: when the pair agrees as usual, a cluster that was left out for a while (whose
+  direction the reference did not follow) is not held against it. A member once flagged stays the unit's
+  accused (`DirectionTest.accused`);
 * exactly two contributors, one trusted and one on probation: the pair test, and only the one on probation can
   be flagged (so a cluster that keeps sending a wrong direction stays on probation).
 

@@ -7,8 +7,10 @@ drift, or stays put once a site's local model has converged to its own data): it
 p = 1, ½ and 0, whichever is smallest (`LAWS`; at equal intervals they agree),
 where `eᵢ` is the interval's **learning-rate-weighted steps** — Σ lr(t)/lr_peak over the steps the cluster took
 since its last sync, from the schedule every cluster shares (`LrShape`, the run's `train.lr_warmup_steps`,
-`train.steps`, `train.min_lr_ratio`; a constant lr: its local steps) and its claimed step count — and `e₀` the
-quorum's lower median. Measured on honest federations (benchmarks/false_positives.py, docs/security.md): the
+`train.steps`, `train.min_lr_ratio`; a constant lr: its local steps) and its claimed step count — or its steps
+themselves, whichever gives the smaller ratio (a cluster whose local optimum sits off the anchor travels there at
+whatever lr: the full-length demo's fast `lm_head`, below) — and `e₀` the quorum's lower median. Measured on
+honest federations (benchmarks/false_positives.py, docs/security.md): the
 √steps law of before clipped the honest fast cluster of the default demo at sync 1 (17 steps of the lr warm-up
 against 2: ‖Δ‖ 20× as large, Σ lr 51× as large) and its slow cluster from sync 5 on (still near the peak lr
 while the fast one trained on at the schedule's floor: the same steps moved it 7× as far).
