@@ -148,7 +148,7 @@ def _lower_median(values: Tensor) -> float:
     return float(values.sort().values[(values.numel() - 1) // 2])
 
 
-def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int, str]]:
+def probe_judgement(scores: Tensor, tolerance: float, backed: set[int] | None = None) -> tuple[Tensor, dict[int, str]]:
     """[evaluators, candidates] relative loss changes -> (per candidate the lower median of the bounded scores
     the *other*, unsuspected evaluators gave it, NaN unless at least two of them measured it, less the quorum's
     `baseline` — what a typical update does to the others' probe loss; the suspected
@@ -157,7 +157,9 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
     majority of the updates it can be compared on, its score is more than `tolerance` (at least `PROBE_DISAGREE`)
     from the lower median of the other evaluators of that update; its scores are then not counted ("disagrees").
     An evaluator whose score above `PROBE_BOUND` + `PROBE_DISAGREE` is the only one an update got is named too
-    ("alone"): it decided nothing. Honest sites with other data disagree by less (`PROBE_DISAGREE`)."""
+    ("alone"): it decided nothing — unless that update is in `backed` (the receivers' own tests left it out or
+    clipped it: a two-cluster garbage or 10x payload raises an honest evaluator's probe loss by more than that, and
+    the evaluator told the truth). Honest sites with other data disagree by less (`PROBE_DISAGREE`)."""
     wild = scores.to(torch.float64).clamp(-PROBE_WILD, PROBE_WILD)  # NaN (not measured) stays NaN
     s = wild.clamp(-PROBE_BOUND, PROBE_BOUND)
     n_eval, n_cand = s.shape
@@ -179,7 +181,7 @@ def probe_judgement(scores: Tensor, tolerance: float) -> tuple[Tensor, dict[int,
         who = [e for e in range(n_eval) if e != c and e not in suspects and math.isfinite(float(s[e, c]))]
         col = torch.tensor([float(s[e, c]) for e in who], dtype=torch.float64)
         out.append(_lower_median(col) if col.numel() >= 2 else math.nan)
-        if len(who) == 1 and float(wild[who[0], c]) > PROBE_BOUND + PROBE_DISAGREE:
+        if len(who) == 1 and float(wild[who[0], c]) > PROBE_BOUND + PROBE_DISAGREE and c not in (backed or set()):
             suspects.setdefault(who[0], "alone")
     judged = torch.tensor(out, dtype=torch.float64)
     return judged - baseline(judged), suspects

@@ -223,9 +223,12 @@ def test_the_probe_judgement_needs_a_majority_of_two_other_evaluators() -> None:
     s = torch.tensor([[nan, 0.5, 0.02], [0.0, nan, 0.01], [0.01, 0.6, nan]], dtype=torch.float64)
     m, who = probe_judgement(s, 0.1)
     assert m[1].item() == pytest.approx(0.5 - 0.01) and who == {}  # less the baseline: the typical update's 0.01
-    # 2 clusters: one evaluator per update decides nothing, and a lone high score is named
+    # 2 clusters: one evaluator per update decides nothing, and a lone high score is named — unless the receivers'
+    # own tests left that update out or clipped it (issue 65: an honest evaluator of a garbage or 10x payload)
     m, who = probe_judgement(torch.tensor([[nan, 0.01], [10.0, nan]], dtype=torch.float64), 0.1)
     assert bool(m.isnan().all()) and who == {1: "alone"}
+    m, who = probe_judgement(torch.tensor([[nan, 0.01], [10.0, nan]], dtype=torch.float64), 0.1, backed={0})
+    assert bool(m.isnan().all()) and who == {}
 
 
 # ----------------------------------------------------------------------------------- heal ties

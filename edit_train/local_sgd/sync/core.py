@@ -90,6 +90,9 @@ class SyncCore:
     probe_tolerance: float = 0.1  # an evaluator this far from the others' probe scores is suspected (evidence.py)
     probe_offset: Callable[[list[str]], Tensor] | None = None  # the rule's offset of each cluster's probe score
     expert_bias: BiasSync | None = None  # the routers' expert bias across syncs (algo.expert_bias, expert_bias.py)
+    # sync -> the clusters this cluster's rule left out or clipped to the median in some unit of it (the last two
+    # syncs): what backs a lone evaluator's high probe score of their update (judge.py, evidence.probe_judgement)
+    refused: dict[int, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}

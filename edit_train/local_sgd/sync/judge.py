@@ -79,7 +79,9 @@ class Judge:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
-        raw, probe_suspects = probe_judgement(scores, self.core.probe_tolerance)
+        refused = self.core.refused.get(self.report.sync - 1, set())  # the scores are of the last sync's updates
+        backed = {i for i, name in enumerate(self.report.quorum) if name in refused}
+        raw, probe_suspects = probe_judgement(scores, self.core.probe_tolerance, backed)
         offset = self.core.probe_offset
         probe = raw - offset(list(self.report.quorum)) if offset is not None else raw
         said = rows[:, n].clone()
@@ -199,6 +201,10 @@ class Judge:
             for i, f in factors.items():
                 if len(d.evidence) == len(ev.names):
                     d.evidence[i] = {**d.evidence[i], key: f}
+        out = self.core.refused.setdefault(self.report.sync, set())
+        out.update(ev.names[i] for i in [*clipped, *(j for j, w in enumerate(d.weights) if w == 0.0 and ev.contributes[j])])
+        for old in [k for k in self.core.refused if k < self.report.sync - 1]:
+            del self.core.refused[old]
         for i, f in clipped.items():
             self.name(i, f"sent a pseudo-gradient {1 / f:.3g} times the quorum's median norm per lr-weighted step "
                          f"at sync {self.report.sync}, over algo.rule.scale_bound={self.core.scale_bound:g} (its "
