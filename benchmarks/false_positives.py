@@ -84,7 +84,7 @@ MECHANISMS = {"pseudo-gradient": "scale", "probe scores": "probe", "voted to sto
 
 # ------------------------------------------------------------------------------------------- the observer
 _DECISIONS: dict[str, list[dict[str, Any]]] = {}  # run key -> the observer's decisions
-_CURRENT: dict[str, Any] = {"key": "", "observer": "c0", "spread": 3.0}
+_CURRENT: dict[str, Any] = {"key": "", "observer": "c0", "spread": 3.0, "token_cap": 16.0}
 _LOCK = threading.Lock()
 _decide = judge_mod.Judge.decide
 
@@ -158,7 +158,8 @@ def config(rule: str, schedule: str, n: int, probe: bool) -> LocalSGDConfig:
     steps = SYNCS * NOMINAL
     sched = ScheduleConfig(kind="time", interval=NOMINAL, sync_time_s=1.0) if schedule == "a_edit" else \
         ScheduleConfig(kind="step", interval=NOMINAL)
-    verified = VerifiedConfig(warmup_syncs=5, sketch_dim=256, probe_tokens=16 if probe else 0)
+    verified = VerifiedConfig(warmup_syncs=5, sketch_dim=256, probe_tokens=16 if probe else 0,
+                              max_token_ratio=float(_CURRENT["token_cap"]))
     if rule == "tokens":  # the verified rule's token weights with nothing tested: what it does when nothing fires
         verified = dataclasses.replace(verified, anomaly=False, probe_tokens=0)
     r = RuleConfig(name="verified" if rule == "tokens" else rule, clip_threshold=10.0, verified=verified)
@@ -442,6 +443,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--clusters", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--spread", type=float, default=3.0, help="algo.rule.scale_spread of the verified runs")
+    ap.add_argument("--token-cap", type=float, default=16.0,
+                    help="algo.rule.verified.max_token_ratio of the verified runs (1: equal weights, tests kept)")
     ap.add_argument("--only", default="", help="a regex: run only the settings whose name matches")
     ap.add_argument("--product", action="store_true", help="edit-train subprocesses (see the docstring)")
     ap.add_argument("--merge", action="store_true", help="keep the --out file's other runs (replace those run now)")
@@ -452,6 +455,7 @@ def main() -> None:
     if args.product:
         return product(args)
     _CURRENT["spread"] = args.spread
+    _CURRENT["token_cap"] = args.token_cap
     rows = []
     todo = [s for s in settings(args.quick or args.smoke, args.seeds[:1] if args.quick or args.smoke else args.seeds,
                                 [2] if args.smoke else [2, 4] if args.quick else args.clusters)
