@@ -92,7 +92,7 @@ class SyncCore:
     expert_bias: BiasSync | None = None  # the routers' expert bias across syncs (algo.expert_bias, expert_bias.py)
     # sync -> the clusters this cluster's rule left out or clipped to the median in some unit of it (the last two
     # syncs): what backs a lone evaluator's high probe score of their update (judge.py, evidence.probe_judgement)
-    refused: dict[int, set[str]] = field(default_factory=dict)
+    left_out_or_clipped: dict[int, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.index = {u.name: i for i, u in enumerate(self.units)}

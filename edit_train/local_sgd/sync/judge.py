@@ -79,8 +79,8 @@ class Judge:
         scores = rows[:, n + k:]
         if scores.shape[1] != rows.shape[0]:  # nobody sent probe scores for this quorum
             scores = torch.full((rows.shape[0], rows.shape[0]), math.nan, dtype=torch.float64)
-        refused = self.core.refused.get(self.report.sync - 1, set())  # the scores are of the last sync's updates
-        backed = {i for i, name in enumerate(self.report.quorum) if name in refused}
+        bad = self.core.left_out_or_clipped.get(self.report.sync - 1, set())  # the scores rate the last sync's updates
+        backed = {i for i, name in enumerate(self.report.quorum) if name in bad}
         raw, probe_suspects = probe_judgement(scores, self.core.probe_tolerance, backed)
         offset = self.core.probe_offset
         probe = raw - offset(list(self.report.quorum)) if offset is not None else raw
@@ -201,16 +201,23 @@ class Judge:
             for i, f in factors.items():
                 if len(d.evidence) == len(ev.names):
                     d.evidence[i] = {**d.evidence[i], key: f}
-        out = self.core.refused.setdefault(self.report.sync, set())
-        out.update(ev.names[i] for i in [*clipped, *(j for j, w in enumerate(d.weights) if w == 0.0 and ev.contributes[j])])
-        for old in [k for k in self.core.refused if k < self.report.sync - 1]:
-            del self.core.refused[old]
+        self._remember(ev, d, clipped)
         for i, f in clipped.items():
             self.name(i, f"sent a pseudo-gradient {1 / f:.3g} times the quorum's median norm per lr-weighted step "
                          f"at sync {self.report.sync}, over algo.rule.scale_bound={self.core.scale_bound:g} (its "
                          f"weight in unit {ev.module} scaled by {f:.3g}: it counts as the median's size; check its "
                          f"data, its optimizer and the local steps it claims)", "scale")
         return d
+
+    def _remember(self, ev: Evidence, d: Decision, clipped: dict[int, float]) -> None:
+        """Which clusters this sync's decisions left out or clipped in some unit (the last two syncs kept): what
+        backs a lone evaluator's extreme probe score of their update at the next sync (`read`)."""
+        seen = self.core.left_out_or_clipped
+        out = seen.setdefault(self.report.sync, set())
+        out.update(ev.names[i] for i in clipped)
+        out.update(ev.names[j] for j, w in enumerate(d.weights) if w == 0.0 and ev.contributes[j])
+        for old in [k for k in seen if k < self.report.sync - 1]:
+            del seen[old]
 
     def reported(self, name: str) -> Decision:
         """Unit `name` decided on what every cluster reported (a SUM, or a sketched SUM's provisional decision)."""
