@@ -44,6 +44,7 @@ def training_processes(exclude: set[int] | None = None, proc: Path = Path("/proc
     skip = exclude or set()
     uid = os.getuid() if uid is None else uid
     ranks, commands, parents = set(), set(), set()
+    helpers: dict[int, int] = {}  # marked processes that run no Python: pid -> parent
     try:
         entries = [e for e in proc.iterdir() if e.name.isdigit()]
     except OSError:
@@ -60,10 +61,17 @@ def training_processes(exclude: set[int] | None = None, proc: Path = Path("/proc
             if MARK in (entry / "environ").read_bytes():
                 ranks.add(pid)
                 parents.add(int(fields[1]))
+                argv = (entry / "cmdline").read_bytes()
+                program = argv.split(b"\x00", 1)[0].rsplit(b"/", 1)[-1]
+                if b"python" not in program and not any(k in argv for k in COMMANDS):
+                    helpers[pid] = int(fields[1])  # not Python, not ours: a program the rank started
             elif any(k in (entry / "cmdline").read_bytes() for k in COMMANDS):
                 commands.add(pid)
         except (OSError, ValueError, IndexError):
             continue
+    # a rank's own helpers inherit its environment and train nothing (W&B's service, `wandb-core`: the default demo
+    # counted 4 training processes for its 2 ranks and said the host was oversubscribed)
+    ranks -= {pid for pid, parent in helpers.items() if parent in ranks}
     return len((ranks | (commands - parents)) - skip)
 
 

@@ -38,7 +38,9 @@ def test_training_processes_counts_ranks_and_lone_runs_not_launchers(tmp_path: P
     _proc(tmp_path, 200, 1, cmdline=b"python\x00-m\x00edit_train.cli.train\x00experiment=single\x00")  # a lone run
     _proc(tmp_path, 300, 1)  # something else
     _proc(tmp_path, 400, 1, state="Z", env=mark)  # a dead rank
-    (tmp_path / "self").mkdir()
+    _proc(tmp_path, 500, 101, env=mark,
+          cmdline=b"/usr/lib/python3.11/site-packages/wandb/bin/wandb-core\x00--port-filename\x00f\x00")
+    (tmp_path / "self").mkdir()  # 500: W&B's service, started by rank 101 with its environment: not a rank
     assert training_processes(proc=tmp_path) == 3
     assert training_processes({101}, proc=tmp_path) == 2
     assert training_processes(proc=tmp_path / "missing") == 0
