@@ -113,11 +113,10 @@ def test_a_member_that_asked_once_and_then_only_heartbeats_is_waited_for_at_most
             syncs = [e for e in outs[n].events if e["event"] == "sync"]
             assert syncs and all(e["quorum"] == ["c0", "c1"] for e in syncs), syncs
         time.sleep(5.5)  # the honest clients stopped with their runs: torchft forgets them (heartbeat timeout 5 s)
-        t0 = time.monotonic()
-        late = run.client("c0").request(99, 1, "inproc:c0", claims()[1], 30.0)  # c1 gone: membership changes
-        waited = time.monotonic() - t0
+        # c1 gone, membership changes: before, the liar's forwarded heartbeats outnumbered the lone asker and torchft
+        # formed no quorum at all within the request's 30 s (FederationError)
+        late = run.client("c0").request(99, 1, "inproc:c0", claims()[1], 30.0)
         assert isinstance(late, Quorum) and [m.name for m in late.members] == ["c0"]
-        assert waited < join / 2, waited  # before: the join wait, for the liar's forwarded heartbeats
         liar.close()
     finally:
         run.close()

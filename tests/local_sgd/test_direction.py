@@ -36,6 +36,16 @@ def _shared(gen: torch.Generator) -> torch.Tensor:
     return torch.randn(D, generator=gen, dtype=torch.float64)
 
 
+def _warm_pair(gen: torch.Generator, syncs: int) -> tuple[DirectionTest, torch.Tensor]:
+    """A two-cluster test after `syncs` honest rounds (the shared direction slowly turning), and that direction."""
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    shared = _shared(gen)
+    for _ in range(syncs):
+        shared = shared + 0.2 * _shared(gen)
+        _round(test, _honest(2, gen, shared))
+    return test, shared
+
+
 def test_cosines_from_a_gram_matrix_are_exact_and_nan_for_bad_rows() -> None:
     v = torch.tensor([[1.0, 0.0], [1.0, 1.0], [math.nan, 0.0], [0.0, 0.0]], dtype=torch.float64)
     c = cosines(v @ v.T)
@@ -129,11 +139,7 @@ def test_a_pairs_accused_stays_the_only_one_the_pair_test_can_flag() -> None:
     there (what c1 sent meanwhile is in the reference at its weight, so c0's distance to it may rise); in another
     unit, and for c1 itself, nothing changes. The accused is recorded when the flag is learned."""
     gen = torch.Generator().manual_seed(1)
-    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
-    shared = _shared(gen)
-    for _ in range(10):
-        shared = shared + 0.2 * _shared(gen)
-        _round(test, _honest(2, gen, shared))
+    test, shared = _warm_pair(gen, 10)
     v = _honest(2, gen, shared)
     v[1] = -v[1]
     assert _round(test, v).flagged.tolist() == [False, True] and test.accused == {"m": 1}
@@ -174,7 +180,7 @@ def test_a_spike_in_one_small_unit_alone_is_not_flagged_but_a_turn_in_every_unit
     for _ in range(12):
         assert sync({}) == [False] * 4
     assert sync({"u3": 0.8}) == [False] * 4  # a lone spike in the last unit
-    v_rise = test.sync_rises[2][-1]
+    v_rise = test.sync_rises[2]["u3"]
     assert 0.5 < v_rise < ALONE * 0.5, v_rise  # past the floor, as measured: flagged before this rule
     assert sync({"u0": 1.0, "u1": 1.0, "u2": 1.0, "u3": 1.0}) == [True] * 4
 
@@ -184,11 +190,7 @@ def test_a_pair_anomaly_that_the_reference_cannot_place_goes_to_the_member_flagg
     nobody — unless the pair test flagged one of them in an earlier unit of this sync (a liar's first lying sync:
     the units where it stands out decide for the ones where it does not); a new sync forgets it."""
     gen = torch.Generator().manual_seed(1)
-    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
-    shared = _shared(gen)
-    for _ in range(10):
-        shared = shared + 0.2 * _shared(gen)
-        _round(test, _honest(2, gen, shared))
+    test, shared = _warm_pair(gen, 10)
     v = torch.randn(2, D, generator=gen, dtype=torch.float64) * shared.norm() / math.sqrt(D)  # both turned away
     alike = test.judge("m", v @ v.T, torch.tensor([True, True]), list(v))
     assert alike.flagged.tolist() == [False, False] and bool(alike.z[0] > alike.bound[0])  # anomalous, unplaced

@@ -125,8 +125,9 @@ class DirectionTest:
         # member's distance to it rises — measured: the honest cluster of a garbage pair flagged in 5 syncs of a
         # unit. This only ever takes a flag away, so it costs an honest pair nothing
         self.accused: dict[str, int] = {}
-        self.sync_rises: dict[int, list[float]] = {}  # row -> its rises above its own history in this sync's units
-        # judged so far (`new_sync` clears them; every member judges the units in the same order)
+        self.sync_rises: dict[int, dict[str, float]] = {}  # row -> unit -> its rise above its own history in this
+        # sync's units judged so far (`new_sync` clears them; every member judges the units in the same order; a
+        # unit decided twice — a sketched SUM's provisional and final decision — counts once)
         self.sync_accused: set[int] = set()  # rows a two-cluster test flagged in a unit of this sync
 
     def _stat(self, key: str, module: str, rows: int = 1) -> EWMAStats:
@@ -236,9 +237,10 @@ class DirectionTest:
             r = float(rise[j])
             if not (bool(warm[j]) and math.isfinite(r)):
                 continue
-            seen = self.sync_rises.setdefault(int(rows[j]), [])
-            seen.append(r)
-            out[j] = r > ALONE * floor or _lower_median(torch.tensor(seen, dtype=torch.float64)) > CORROBORATE * floor
+            seen = self.sync_rises.setdefault(int(rows[j]), {})
+            seen[module] = r
+            out[j] = r > ALONE * floor or \
+                _lower_median(torch.tensor(list(seen.values()), dtype=torch.float64)) > CORROBORATE * floor
         return out
 
     def _turned(self, module: str, dist: Tensor, rows: Tensor, a: int, b: int) -> int | None:
