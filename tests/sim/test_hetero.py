@@ -319,24 +319,24 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def slowing_run(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
-    """a_edit on two one-rank clusters; group 1 becomes 8x slower at its step 100."""
+    """a_edit on two one-rank clusters; group 1 becomes 8x slower at its step 50."""
     run_dir = tmp_path_factory.mktemp("slowing") / "run"
     cmd = [sys.executable, "-m", "edit_train.cli.train", "cluster=local_2x1", "algo=a_edit", "logger=none",
            "train.progress=false", f"data.source={corpus}", f"run.dir={run_dir}", "train.seq_len=32",
-           "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=300",
+           "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=160",
            "algo.interval=4", "algo.sync_time_s=0.3", "model.num_hidden_layers=2", "train.log_every=10",
-           "cluster.slowdown_schedule=[{cluster:1,step:100,factor:8.0}]"]
+           "cluster.slowdown_schedule=[{cluster:1,step:50,factor:8.0}]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
 
 def test_a_edit_follows_a_group_that_slows_down(slowing_run: Path) -> None:
-    """Group 1 becomes 8x slower at its step 100: its planned local steps drop at the next sync."""
+    """Group 1 becomes 8x slower at its step 50: its planned local steps drop at the next sync."""
     syncs = [e for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
              if e["event"] == "sync" and e["cluster_index"] == 1]
-    before = [e["local_steps"] for e in syncs if e["step"] <= 100][1:]  # the first interval is timed locally
-    after = [e["local_steps"] for e in syncs if e["step"] > 100][2:]  # from the plan made after the change
+    before = [e["local_steps"] for e in syncs if e["step"] <= 50][1:]  # the first interval is timed locally
+    after = [e["local_steps"] for e in syncs if e["step"] > 50][2:]  # from the plan made after the change
     assert before and after, syncs
     assert max(after) < max(before) and sorted(after)[len(after) // 2] < sorted(before)[len(before) // 2], \
         (before, after)
@@ -358,7 +358,7 @@ def test_every_cluster_accounts_its_wall_time(slowing_run: Path) -> None:
         assert t["slowdown"] == pytest.approx(c["slowdown_slept_s"], rel=0.1, abs=0.2), (name, t)
         assert t["blocked"] <= c["blocked_s"] + 1e-6  # start-up's wait for the federation is start-up
     slow = summary["per_cluster"]["c1"]["time"]
-    assert slow["slowdown"] > slow["compute"]  # 8x from step 100 on (7 s of sleep per s of compute)
+    assert slow["slowdown"] > slow["compute"]  # 8x from step 50 on (7 s of sleep per s of compute)
     fast = summary["per_cluster"]["c0"]["time"]  # not slowed: the hook's own cost, under 1 % of its compute (it
     assert fast["slowdown"] < 0.01 * fast["compute"]  # trains on until most clusters reached train.steps)
     windows = [e["time_s"] for e in map(json.loads, (slowing_run / "metrics.jsonl").read_text().splitlines())
