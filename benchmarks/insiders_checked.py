@@ -23,20 +23,11 @@ import _common as C  # noqa: E402
 from liar_utils import final_loss  # noqa: E402
 import test_insiders_claimed_steps as claimed  # noqa: E402
 import test_insiders_claimed_steps_a_edit as claimed_a  # noqa: E402
+from test_insiders_claimed_steps_a_edit import ClaimsFaster  # noqa: E402
 import test_insiders_first_heal as first  # noqa: E402
 import test_insiders_rollback as rollback  # noqa: E402
 import test_insiders_stalled as stalled  # noqa: E402
 from edit_train.local_sgd.sync.judge import EXTRA  # noqa: E402
-
-
-class ClaimsFaster(claimed.ClaimsMore):
-    """ClaimsMore, and seconds per step divided by the same factor: steps x s/step is the interval's duration."""
-
-    def all_gather(self, vec: Any, what: str = "") -> Any:
-        if what == "norm exchange":
-            vec = vec.clone()
-            vec[self.units + 1 + EXTRA.index("secs_per_step")] /= claimed.CLAIM
-        return super().all_gather(vec, what)
 
 
 def _line(item: str, n: int, honest: list[str], base: dict, lied: dict) -> None:
@@ -65,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
                   claimed_a._run(root / f"2al{n}", [1] * n, True)[0])
             _line("2 claimed speed and steps, A-EDiT", n, honest, claimed_a._run(root / f"2sc{n}", [1] * n, False)[0],
                   claimed_a._run(root / f"2sl{n}", [1] * n, True, ClaimsFaster)[0])
+            declared = {x: 1.0 for x in names}  # the roster declares every cluster's speed (equal hardware)
+            _line("2 claimed speed and steps, A-EDiT, speeds in the roster", n, honest,
+                  claimed_a._run(root / f"2dc{n}", [1] * n, False, speeds=declared)[0],
+                  claimed_a._run(root / f"2dl{n}", [1] * n, True, ClaimsFaster, speeds=declared)[0])
         _line("7 commit-then-rollback", n, honest, rollback._run(root / f"7c{n}", names, False)[0],
               rollback._run(root / f"7l{n}", names, True)[0])
         if not a.smoke:

@@ -5,7 +5,10 @@
                                                    gate's and every cluster's identity, and the roster the
                                                    operator signs (what the federation runs comes from the
                                                    edit-train config the OVERRIDES compose, as for edit-train)
-    edit-train-keygen add DIR NAME                 cluster NAME joins: its identity and the next roster version
+                      [--speeds c0=3,c1=1]         and each cluster's hardware speed, declared (any unit: only
+                                                   ratios count; under A-EDiT a member's claimed speed counts at
+                                                   most its declared share, docs/security.md)
+    edit-train-keygen add DIR NAME [--speed S]     cluster NAME joins: its identity and the next roster version
     edit-train-keygen remove DIR NAME              cluster NAME leaves: the next roster version without it
 
 Where the files go (docs/architecture.md, "Security model"): `federation.key` and `roster.json` to the
@@ -20,6 +23,7 @@ the Lighthouse's host (its gate rereads the file and hands the new version to ev
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -58,7 +62,11 @@ def federation(argv: list[str]) -> None:
                                 description="Make a federation's key, identities and signed roster in DIR.")
     p.add_argument("dir", help="a new (or empty) directory")
     p.add_argument("--clusters", default="", help="comma-separated cluster names (default: the config's clusters)")
+    p.add_argument("--speeds", default="", help="each cluster's declared hardware speed, NAME=S comma-separated "
+                   "(relative: only ratios count), e.g. c0=3,c1=1; under A-EDiT a member's claimed speed counts at "
+                   "most its declared share")
     args, overrides = p.parse_known_args(argv)
+    speeds = _speeds(args.speeds)
     from edit_train.cli.common import compose
     from edit_train.config import cluster_specs
     from edit_train.federation import enrol
@@ -75,13 +83,29 @@ def federation(argv: list[str]) -> None:
         fail(f"{d} is not empty: a federation is made in a new directory (nothing is ever overwritten)")
     key = _key(d / "federation.key")
     try:
-        roster = enrol.make(d, names, (fingerprint(cfg), cfg.train.steps, cfg.algo.name))
-    except (IdentityError, OSError) as exc:
+        roster = enrol.make(d, names, (fingerprint(cfg), cfg.train.steps, cfg.algo.name), speeds or None)
+    except (IdentityError, OSError, ValueError) as exc:
         fail(one_line(exc))
     print(f"edit-train-keygen: a federation of {names} in {d}: {key.name} and {roster.name} to the Lighthouse and "
           f"every cluster, gate.identity to the Lighthouse's host, <cluster>.identity to that cluster only, "
           f"operator.key to no one (it signs rosters); the roster says: {cfg.algo.name}, train.steps="
-          f"{cfg.train.steps}, configuration {fingerprint(cfg)}")
+          f"{cfg.train.steps}, configuration {fingerprint(cfg)}"
+          + (f", declared speeds {speeds}" if speeds else ""))
+
+
+def _speeds(text: str) -> dict[str, float]:
+    """`c0=3,c1=1` -> {"c0": 3.0, "c1": 1.0} (one line for anything else)."""
+    out: dict[str, float] = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        name, eq, value = part.partition("=")
+        try:
+            speed = float(value) if eq and name.strip() else math.nan
+        except ValueError:
+            speed = math.nan
+        if not (math.isfinite(speed) and speed > 0):
+            fail(f"--speeds: {part!r} is not NAME=S with S a positive number (e.g. c0=3,c1=1)")
+        out[name.strip()] = speed
+    return out
 
 
 def change(act: str, argv: list[str]) -> None:
@@ -89,6 +113,9 @@ def change(act: str, argv: list[str]) -> None:
                                 "to/from the roster in DIR (the next version, signed with DIR/operator.key).")
     p.add_argument("dir")
     p.add_argument("name")
+    if act == "add":
+        p.add_argument("--speed", type=float, default=None, help="its declared hardware speed (needed when the "
+                       "roster declares speeds)")
     args = p.parse_args(argv)
     from edit_train.federation import enrol
     from edit_train.federation.frames import valid_name
@@ -96,7 +123,9 @@ def change(act: str, argv: list[str]) -> None:
     if not valid_name(args.name):
         fail(f"{args.name!r} is not a cluster name (letters, digits, '-', '_', '.'; at most 64)")
     try:
-        path = enrol.add(args.dir, args.name) if act == "add" else enrol.remove(args.dir, args.name)
+        if act == "add" and args.speed is not None and not (math.isfinite(args.speed) and args.speed > 0):
+            fail(f"--speed: {args.speed} is not a positive number")
+        path = enrol.add(args.dir, args.name, args.speed) if act == "add" else enrol.remove(args.dir, args.name)
     except (ValueError, OSError) as exc:
         fail(one_line(exc))
     done = f"added ({path}, to its nodes only)" if act == "add" else "removed"

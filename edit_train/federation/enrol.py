@@ -28,15 +28,18 @@ def identity_path(directory: str | Path, name: str) -> Path:
     return Path(directory) / f"{name}.identity"
 
 
-def make(directory: str | Path, names: list[str], terms: tuple[str, int, str]) -> Path:
+def make(directory: str | Path, names: list[str], terms: tuple[str, int, str],
+         speeds: dict[str, float] | None = None) -> Path:
     """A new federation in `directory` running `terms` (configuration fingerprint, total steps, algorithm):
-    the operator's, the gate's and each cluster's identity and the roster (refuses to overwrite any of them).
-    Returns the roster's path."""
+    the operator's, the gate's and each cluster's identity and the roster (refuses to overwrite any of them);
+    `speeds`: each cluster's declared hardware speed (roster.py). Returns the roster's path."""
     d = Path(directory)
+    if speeds and set(speeds) != set(names):
+        raise ValueError(f"--speeds must name every cluster of {names} and only those (got {sorted(speeds)})")
     operator = new_identity(d / OPERATOR, "operator", "operator")
     gate = new_identity(d / GATE, "gate", "gate", operator.public)
     clusters = {n: new_identity(identity_path(d, n), n, "cluster", operator.public).public for n in names}
-    roster = Roster.make(operator, clusters, gate.public, *terms)
+    roster = Roster.make(operator, clusters, gate.public, *terms, speeds=speeds)
     return save_roster(d / ROSTER, roster)
 
 
@@ -45,14 +48,19 @@ def _operator(d: Path) -> tuple[Identity, Roster]:
     return operator, load_roster(d / ROSTER, operator.public, field=f"the roster {d / ROSTER}")
 
 
-def add(directory: str | Path, name: str) -> Path:
-    """Cluster `name` joins: its identity, and the next roster version with it. Returns its identity's path."""
+def add(directory: str | Path, name: str, speed: float | None = None) -> Path:
+    """Cluster `name` joins: its identity, and the next roster version with it (`speed`: its declared speed,
+    needed when the roster declares speeds). Returns its identity's path."""
     d = Path(directory)
     operator, roster = _operator(d)
     if roster.key(name) is not None:
         raise ValueError(f"cluster {name!r} is already on the roster {d / ROSTER} (version {roster.version})")
+    if bool(roster.speeds) != (speed is not None):
+        raise ValueError(f"the roster {d / ROSTER} declares every cluster's speed: add {name} with --speed S"
+                         if roster.speeds else f"the roster {d / ROSTER} declares no speeds: add {name} without "
+                         "--speed")
     ident = new_identity(identity_path(d, name), name, "cluster", operator.public)
-    save_roster(d / ROSTER, roster.add(operator, name, ident.public))
+    save_roster(d / ROSTER, roster.add(operator, name, ident.public, speed))
     return identity_path(d, name)
 
 
@@ -64,10 +72,7 @@ def remove(directory: str | Path, name: str) -> Path:
     operator, roster = _operator(d)
     if roster.key(name) is None:
         raise ValueError(f"cluster {name!r} is not on the roster {d / ROSTER} (version {roster.version})")
-    clusters = {n: k for n, k in roster.clusters.items() if n != name}
-    return save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, roster.fingerprint,
-                                               roster.total_steps, roster.algorithm, roster.version + 1,
-                                               roster.added))  # its place is kept: nobody else takes its index
+    return save_roster(d / ROSTER, roster.without(operator, name))
 
 
 def ensure(directory: str | Path, names: list[str], terms: tuple[str, int, str]) -> Path:
@@ -82,8 +87,11 @@ def ensure(directory: str | Path, names: list[str], terms: tuple[str, int, str])
         if n not in clusters:
             clusters[n] = new_identity(identity_path(d, n), n, "cluster", operator.public).public
             added.append(n)  # a cluster joining the running federation (cluster.only=<a name not configured>)
+    if roster.speeds and set(clusters) != set(roster.speeds):
+        raise ValueError(f"the roster {d / ROSTER} declares every cluster's speed: add "
+                         f"{sorted(set(clusters) - set(roster.speeds))} with `edit-train-keygen add DIR NAME --speed S`")
     if clusters != roster.clusters or terms != (roster.fingerprint, roster.total_steps, roster.algorithm):
         save_roster(d / ROSTER, Roster.make(operator, clusters, roster.gate, *terms, version=roster.version + 1,
-                                            added=tuple(added)))
+                                            added=tuple(added), speeds=roster.speeds))
         log.info("roster %s: version %d (clusters %s)", d / ROSTER, roster.version + 1, sorted(clusters))
     return d / ROSTER

@@ -118,9 +118,11 @@ class QuorumClient:
             raise FederationError(f"cluster {self.name}: a malformed quorum from {self.lighthouse}: {exc}") from None
         left_out = [r["name"] for r in records if self._left_out(r)]
         members = [Member.from_json(r) for r in records if r["name"] not in left_out]
-        # each record was checked against its roster key: that key names it (never the record's own say)
-        members = [replace(m, signer=self.credentials.key_id(m.name) if self.credentials is not None else "")
-                   for m in members]
+        # each record was checked against its roster key: that key names it, and the roster says its declared speed
+        # (never the record's own say)
+        roster = self.credentials.roster if self.credentials is not None else None
+        members = [replace(m, signer=self.credentials.key_id(m.name) if self.credentials is not None else "",
+                           speed=roster.speeds.get(m.name, 0.0) if roster is not None else 0.0) for m in members]
         members.sort(key=lambda m: m.name)
         me = next((i for i, m in enumerate(members) if m.name == self.name), -1)
         if me < 0:

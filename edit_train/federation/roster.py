@@ -4,7 +4,7 @@ federation is (configuration fingerprint, total steps, algorithm) — signed by 
     {"kind": "edit-train-roster",
      "body": {"version": 1, "operator": "<hex>", "gate": "<hex>",
               "federation": {"fingerprint": "...", "total_steps": 1000, "algorithm": "a_edit"},
-              "clusters": {"c0": "<hex>", "c1": "<hex>"}, "added": ["c2"]},
+              "clusters": {"c0": "<hex>", "c1": "<hex>"}, "added": ["c2"], "speeds": {"c0": 3.0, "c1": 1.0}},
      "sig": "<hex: the operator's signature of body>"}
 
 A roster is accepted only when its body names the operator whose public key the reader holds (the pin in the
@@ -15,14 +15,19 @@ key (`edit-train-keygen add`); the gate rereads its roster file when it changes 
 every cluster in its answers (each checks the operator's signature before adopting it). `added` lists the
 clusters added after the roster was made, in the order the operator added them (a removed one keeps its place):
 a cluster that joins a running federation takes its index and data part from that order (train/build.py).
+`speeds` (optional; when present, one per cluster) is each cluster's hardware speed as the operator declares it,
+in any unit the operator likes (relative: only ratios count): under A-EDiT a member's claimed speed counts at
+most `DECLARED_SPAN` times its declared share of the quorum's (judge.time_caps), so a member's word about its
+own speed buys at most that much weight (issue 69). Without it the claim is bounded by `SPEED_SPAN` only.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +52,15 @@ class Roster:
     operator: bytes
     doc: dict[str, Any]  # the signed document, as it travels
     added: tuple[str, ...] = ()  # clusters added to a running federation, in order (a removed one keeps its place)
+    speeds: dict[str, float] = field(default_factory=dict)  # declared hardware speed per cluster ({}: none)
 
     def key(self, name: str) -> bytes | None:
         return self.clusters.get(name)
 
     @staticmethod
     def make(operator: Identity, clusters: dict[str, bytes], gate: bytes | None, fingerprint: str,
-             total_steps: int, algorithm: str, version: int = 1, added: tuple[str, ...] = ()) -> Roster:
+             total_steps: int, algorithm: str, version: int = 1, added: tuple[str, ...] = (),
+             speeds: dict[str, float] | None = None) -> Roster:
         assert operator.role == "operator"
         body: dict[str, Any] = {
             "version": version, "operator": operator.public.hex(), "gate": gate.hex() if gate else "",
@@ -61,12 +68,25 @@ class Roster:
             "clusters": {n: k.hex() for n, k in sorted(clusters.items())}}
         if added:  # absent from a roster nobody was added to (its signed body is what it always was)
             body["added"] = list(added)
+        if speeds:  # likewise absent when the operator declares none
+            body["speeds"] = {n: float(v) for n, v in sorted(speeds.items())}
         return parse({"kind": KIND, "body": body, "sig": operator.sign(CONTEXT, body)}, operator.public)
 
-    def add(self, operator: Identity, name: str, public: bytes) -> Roster:
-        """The next version, with cluster `name` (signed by the operator), last in `added`."""
+    def add(self, operator: Identity, name: str, public: bytes, speed: float | None = None) -> Roster:
+        """The next version, with cluster `name` (signed by the operator), last in `added`; `speed`: its declared
+        speed (required when the roster declares speeds, refused when it does not)."""
+        if bool(self.speeds) != (speed is not None):
+            raise ValueError(f"the roster declares every cluster's speed: give {name}'s (--speed)" if self.speeds
+                             else f"the roster declares no speeds: {name}'s cannot be the only one")
+        speeds = {**self.speeds, name: speed} if speed is not None else None
         return Roster.make(operator, {**self.clusters, name: public}, self.gate, self.fingerprint, self.total_steps,
-                           self.algorithm, self.version + 1, (*[n for n in self.added if n != name], name))
+                           self.algorithm, self.version + 1, (*[n for n in self.added if n != name], name), speeds)
+
+    def without(self, operator: Identity, name: str) -> Roster:
+        """The next version without cluster `name` (its place in `added` kept: nobody else takes its index)."""
+        return Roster.make(operator, {n: k for n, k in self.clusters.items() if n != name}, self.gate,
+                           self.fingerprint, self.total_steps, self.algorithm, self.version + 1, self.added,
+                           {n: v for n, v in self.speeds.items() if n != name})
 
 
 def parse(doc: Any, pin: bytes, where: str = "the roster") -> Roster:
@@ -85,9 +105,20 @@ def parse(doc: Any, pin: bytes, where: str = "the roster") -> Roster:
     try:
         out = Roster(int(body["version"]), str(fed["fingerprint"]), int(fed["total_steps"]), str(fed["algorithm"]),
                      {str(n): _key(k) for n, k in clusters.items()}, _key(body["gate"]) if body["gate"] else None,
-                     pin, doc, tuple(str(n) for n in body.get("added", [])))
+                     pin, doc, tuple(str(n) for n in body.get("added", [])), _speeds(body.get("speeds", {})))
+        if out.speeds and set(out.speeds) != set(out.clusters):
+            raise ValueError(f"speeds must name every cluster and only those (missing "
+                             f"{sorted(set(out.clusters) - set(out.speeds))}, not on it "
+                             f"{sorted(set(out.speeds) - set(out.clusters))})")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise bad(f"malformed ({exc})") from None
+    return out
+
+
+def _speeds(d: Any) -> dict[str, float]:
+    out = {str(n): float(v) for n, v in dict(d).items()}
+    if not all(math.isfinite(v) and v > 0 for v in out.values()):
+        raise ValueError("a declared speed is a positive finite number")
     return out
 
 

@@ -41,6 +41,7 @@ class Member:
     store: str  # host:port of the member leader's store (lanes rendezvous there)
     data: dict[str, Any] = field(default_factory=dict)  # local_steps, incarnation, fp, total_steps, anchor (digest)
     signer: str = ""  # the id of the roster key that signed this record, as the receiver checked it ("": no roster)
+    speed: float = 0.0  # its hardware speed as the receiver's roster declares it (0: none declared; judge.time_caps)
 
     @property
     def contributes(self) -> bool:
@@ -50,12 +51,12 @@ class Member:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "sync": self.sync, "size": self.size, "store": self.store, "data": self.data,
-                "signer": self.signer}
+                "signer": self.signer, "speed": self.speed}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Member:
         return Member(str(d["name"]), int(d["sync"]), int(d["size"]), str(d["store"]), dict(d.get("data") or {}),
-                      str(d.get("signer", "")))
+                      str(d.get("signer", "")), float(d.get("speed", 0.0)))
 
 
 @dataclass

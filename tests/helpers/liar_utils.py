@@ -61,10 +61,11 @@ class GateRun:
     gate: Lighthouse | None = None
     creds: dict[str, Credentials] = field(default_factory=dict)
     roster: Path | None = None
+    speeds: dict[str, float] | None = None  # the roster's declared speeds (None: none declared)
 
     def start(self) -> GateRun:
         if self.roster is None:
-            self.roster = enrol.make(self.root, self.names, (FP, TOTAL, "edit"))
+            self.roster = enrol.make(self.root, self.names, (FP, TOTAL, "edit"), self.speeds)
             self.creds = {n: load_credentials(str(enrol.identity_path(self.root, n)), str(self.roster), n)
                           for n in self.names}
         gate_creds = load_credentials(str(self.root / enrol.GATE), str(self.roster), "gate", role="gate")

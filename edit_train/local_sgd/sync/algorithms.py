@@ -304,6 +304,7 @@ class LocalSGD:
                 self.cfg.schedule.min_steps
             self.driver.core.missed = [bool(m.data.get("missed", 0)) for m in q.members]
             self.driver.core.first_sync = q.agreed_sync == 0
+            self.driver.core.declared = [m.speed for m in q.members]
             self.driver.core.intervals_bound = [max(q.agreed_sync + 1 - min(m.sync, q.agreed_sync), 1)
                                                 for m in q.members]
         self.driver.core.not_counted = [i for i, m in enumerate(q.members) if m.name in self.membership.rolled_back]

@@ -83,6 +83,9 @@ class SyncCore:
     min_steps: int = 1  # algo.min_steps: the fewest local steps a cluster takes in an interval
     missed: list[bool] = field(default_factory=list)  # per member: says it missed intervals since its last sync
     first_sync: bool = False  # the federation's first sync (its intervals timed by each cluster's clock)
+    # per member, its hardware speed as the roster declares it (judge.time_caps: a claimed speed counts at most
+    # DECLARED_SPAN x its declared share); empty or any 0: none declared (bounded by SPEED_SPAN only). Per round.
+    declared: list[float] = field(default_factory=list)
     # positions in the round's quorum whose update counts for nothing (a member that rolled back a sync it took
     # part in: its Δ is from another anchor; membership.py). Set for each round.
     not_counted: list[int] = field(default_factory=list)

@@ -22,6 +22,13 @@ EXTRA = ("local_steps", "secs_per_step", "total_steps", "stop_vote", "tokens")  
 # counts at most SPEED_SPAN times the quorum's lower-median speed (an honest federation up to 1:SPEED_SPAN pays
 # nothing; it bounds a member only where it is not the lower median: three members or more).
 NAMED_OVER, SPEED_SPAN = 2.0, 16.0
+# Where the roster declares each cluster's hardware speed (roster.py), a member's claimed speed counts at most
+# DECLARED_SPAN times its declared share of the quorum's reference (`declared_floor`), and one over NAMED_OVER times
+# that is named with what to check. Measured (benchmarks/insiders_checked.py: a member claiming 4x its speed and
+# steps, consistently, and sending 15x its Δ; honest loss change at 2 / 3 clusters): a span of 1.0 -1.7 % / -1.1 %,
+# 1.25 +1.3 % / +4.2 %, 1.5 +4.2 % / +8.4 %, none (SPEED_SPAN only) +14.7 % / +19.7 %. So the roster's speeds are
+# the ceiling: an honest cluster faster than declared counts as declared (its weight, never its update, bounded).
+DECLARED_SPAN = 1.0
 
 
 def lower_median(x: Tensor) -> Tensor:
@@ -29,8 +36,24 @@ def lower_median(x: Tensor) -> Tensor:
     return x.sort().values[(x.numel() - 1) // 2]
 
 
+def upper_median(x: Tensor) -> Tensor:
+    """The upper median of a 1-D tensor: of two, the larger (one member of two cannot raise the other's bound
+    by claiming more; of three or more, one member cannot move it outside the others' range)."""
+    return x.sort().values[x.numel() // 2]
+
+
+def declared_floor(secs: Tensor, declared: Tensor) -> Tensor:
+    """The fewest seconds per step each member's claim counts as where the roster declares every member's speed:
+    seconds per step x declared speed is the same for every honest member (its hardware's share of the work);
+    the reference is the upper median of those (of two members the slower, relative to what the roster says),
+    and a member counts at most `DECLARED_SPAN` times as fast as it. A member claiming to be slower than that
+    lowers its own cap: bounding the others to `DECLARED_SPAN` x it leaves them that much more weight than it."""
+    sigma = secs * declared
+    return upper_median(sigma) / (DECLARED_SPAN * declared)
+
+
 def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min_steps: int = 1,
-              first: bool = False) -> Tensor:
+              first: bool = False, declared: Tensor | None = None) -> Tensor:
     """A-EDiT: the most local steps each member's claims let it have taken (docs/security.md, issue 69), computed
     from the exchange and the quorum's records only, so every member caps the same claims the same way.
 
@@ -42,12 +65,15 @@ def time_caps(steps: Tensor, secs: Tensor, intervals: list[int], tau: float, min
     per interval (a cluster slower than τ per step takes one), plus one step (an overlapped cluster steps on while
     the quorum forms: the step in progress when it is issued), at the `first` sync two (a first interval is timed
     by the cluster's clock, and a step spent waiting for the others is not timed). Its seconds per step count at least the quorum's
-    lower-median seconds per step / `SPEED_SPAN`; a non-finite or non-positive claim counts as the lower median."""
+    lower-median seconds per step / `SPEED_SPAN`; a non-finite or non-positive claim counts as the lower median;
+    `declared` (the roster's speed of every member): at least `declared_floor` too."""
     k = torch.tensor(intervals, dtype=torch.float64)
     steps, secs = steps.to(torch.float64), secs.to(torch.float64)
     sane = torch.isfinite(secs) & (secs > 0)
     typical = lower_median(secs[sane]) if bool(sane.any()) else torch.tensor(math.inf, dtype=torch.float64)
     s = torch.where(sane, secs, typical).clamp_min(typical / SPEED_SPAN)
+    if declared is not None and bool(torch.isfinite(s).all()):
+        s = torch.maximum(s, declared_floor(s, declared.to(torch.float64)))
     work = torch.where(torch.isfinite(steps) & (steps >= 0), steps, torch.zeros_like(steps)) * s / k
     duration = max(float(lower_median(work)), tau)
     caps = torch.ceil(duration * k / s * (1 - 1e-6))  # rounding of the claims (float32 rows) gives no step
@@ -67,6 +93,7 @@ class Judge:
         self.time_bound = (list(core.intervals_bound), core.sync_time_s, core.min_steps, core.first_sync) \
             if core.intervals_bound else None
         self.missed = list(core.missed)
+        self.declared = list(core.declared)
 
     def read(self, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The exchange ([‖Δ‖² per unit ‖ last committed round ‖ routed tokens ‖ EXTRA ‖ probe score of every
@@ -105,8 +132,7 @@ class Judge:
         shows; they are bounded all the same, so saying so buys nothing)."""
         intervals, tau, least, first = self.time_bound
         caps = time_caps(claimed, secs, intervals, tau, least, first)
-        over = ~(claimed.to(torch.float64) <= caps)  # NaN is over too
-        named = ~(claimed.to(torch.float64) <= NAMED_OVER * caps)
+        named = ~(claimed.to(torch.float64) <= NAMED_OVER * caps)  # NaN is over too
         if len(self.missed) == claimed.numel():  # intervals missed that no sync count shows: bounded, not named
             named &= ~torch.tensor(self.missed, dtype=torch.bool)
         me = self.report.position
@@ -115,7 +141,35 @@ class Judge:
                 self.name(i, f"claims {float(claimed[i]):.4g} local steps at {float(secs[i]):.4g} s per step at sync "
                              f"{self.report.sync}, more than the {float(caps[i]):.0f} the interval's agreed duration "
                              "lets it have taken (bounded to it)", "local steps")
+        declared = self._declared(claimed.numel())
+        if declared is not None:
+            caps = torch.minimum(caps, time_caps(claimed, secs, intervals, tau, least, first, declared))
+            self._name_speed(secs, declared, named)
+        over = ~(claimed.to(torch.float64) <= caps)  # NaN is over too
         return torch.where(over, caps.to(claimed.dtype), claimed)
+
+    def _declared(self, n: int) -> Tensor | None:
+        """The roster's declared speed of every member of this round (None where any is not declared)."""
+        d = self.declared
+        return torch.tensor(d, dtype=torch.float64) if len(d) == n and all(x > 0 for x in d) else None
+
+    def _name_speed(self, secs: Tensor, declared: Tensor, named: Tensor) -> None:
+        """Name a member that claims to run over NAMED_OVER x DECLARED_SPAN times as fast, relative to the others,
+        as the roster declares — unless this cluster is itself the fast one by that measure (of two members, either
+        may be the one who lies about its speed: the one who knows its own claim is true names the other)."""
+        s = secs.to(torch.float64)
+        if not bool((torch.isfinite(s) & (s > 0)).all()):
+            return  # a claim that is no speed is bounded as the typical one (time_caps), not a speed to compare
+        fast = declared_floor(s, declared) * DECLARED_SPAN / s  # > 1: faster than the reference, declared share
+        me = self.report.position
+        if float(fast[me]) > NAMED_OVER * DECLARED_SPAN:
+            return
+        for i in (fast > NAMED_OVER * DECLARED_SPAN).nonzero().flatten().tolist():
+            if not bool(named[i]):
+                self.name(i, f"claims {float(secs[i]):.4g} s per step at sync {self.report.sync}, "
+                             f"{float(fast[i]):.3g}x as fast, relative to the quorum, as the roster declares its "
+                             f"hardware ({float(declared[i]):.4g}); counted as declared (if it is honest, its speed "
+                             "in the roster is wrong: the operator corrects it)", "speed")
 
     def _steps(self, claimed: Tensor, secs: Tensor) -> Tensor:
         """The claimed local steps, each bounded under a step schedule by what the sync count lets that member have
