@@ -27,10 +27,13 @@ Two levels (issue 69 item 3: a liar at 3.9× its Δ, under a bound of 4, cost +1
   it counts as a contribution of the median's size in its own direction — and named (judge.py). To the median,
   not to the bound, because a size over the bound is the one thing about it the quorum does not vouch for;
 * between `spread` (algo.rule.scale_spread) and `multiple` times the median, every claimed step counted: **held to
-  the spread** — its weight
-  scaled so that it counts as `spread` times the median — silently: the honest federations of the benchmark
-  never went there, so a member that sends just under the bound pulls no harder than the most an honest one
-  does. Not named: nothing but its size is wrong, and that is now bounded.
+  the spread** — its weight scaled so that it counts as `spread` times the median — silently, so a member that
+  sends just under the bound pulls no harder than the most an honest one does. Not named: nothing but its size is
+  wrong, and that is now bounded. What is held is the member's **pull** on the merged update: its ratio times its
+  weight over the equal share (at most 1). Measured (benchmarks/false_positives.py): an honest slow site with its
+  own data under token weights (two sites, 1:8) weighs 1/9 and, far from its own optimum, sends 3-5.8 times the
+  fast one's ‖Δ‖; held by size it cost +0.3 to +1.4 % final loss (13-22 unit-decisions of 160); its pull is under
+  the spread's. A member at or over its equal share (the liar of item 3) is held as by size.
 
 With two clusters the lower medians are the smaller interval and the smaller x: the larger of two is what is
 bounded (ties keep what you have). docs/sync_math.md has the arithmetic.
@@ -162,7 +165,9 @@ def bound_scale(d: Decision, ev: Evidence, multiple: float, spread: float = 0.0,
                 shape: LrShape | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Bound `d` in place: every contributor whose ratio (`scale_ratios`) is over `multiple` has its weight (and
     expert weights) scaled by 1 / its ratio (to the median's size); one between `spread` and `multiple` by
-    spread / its ratio (to the spread). Returns ({row: factor} of the clipped, {row: factor} of those held to
+    spread / its pull (to the spread's pull: a member weighed below the equal share of the quorum's weight is
+    held by its ratio times its weight over that share, so it pulls at most what an equal-share member held at
+    the spread does, whatever weight it claims). Returns ({row: factor} of the clipped, {row: factor} of those held to
     the spread); nothing when `multiple` is 0 (off) or fewer than two clusters contribute (`spread` 0: no hold).
     The hold counts every claimed step (an honest cluster 12 times as fast as the median is not held; its steps
     are what claims.py checks), the clip only up to `multiple` × the median's (a claim buys bounded headroom)."""
@@ -171,13 +176,19 @@ def bound_scale(d: Decision, ev: Evidence, multiple: float, spread: float = 0.0,
     clipped: dict[int, float] = {}
     held: dict[int, float] = {}
     claimed = scale_ratios(ev, math.inf, shape) if spread > 0 else {}  # every claimed step counted
-    for i, r in scale_ratios(ev, multiple, shape).items():
+    ratios = scale_ratios(ev, multiple, shape)
+    weighed = [d.weights[i] for i in ratios if d.weights[i] > 0.0]
+    equal = sum(weighed) / len(weighed) if weighed else 0.0  # the equal share of the weight they carry
+    for i, r in ratios.items():
         if d.weights[i] == 0.0:
             continue
+        # its pull on the merged update in units of an equal-share member's: a member weighed below its equal share
+        # (a slow site under token weights) pulls that much less for its size
+        pull = min(d.weights[i] / equal, 1.0) * claimed.get(i, 0.0) if equal > 0 else claimed.get(i, 0.0)
         if r > multiple:
             clipped[i] = 1.0 / r
-        elif 0 < spread < claimed.get(i, 0.0):
-            held[i] = spread / claimed[i]
+        elif 0 < spread < pull:
+            held[i] = spread / pull
     for i, f in (*clipped.items(), *held.items()):
         d.weights[i] *= f
         if d.expert_weights is not None:
