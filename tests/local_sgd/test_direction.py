@@ -182,6 +182,20 @@ def test_a_spike_in_one_small_unit_alone_is_not_flagged_but_a_turn_in_every_unit
     assert sync({"u3": 0.8}) == [False] * 4  # a lone spike in the last unit
     v_rise = test.sync_rises[2]["u3"]
     assert 0.5 < v_rise < ALONE * 0.5, v_rise  # past the floor, as measured: flagged before this rule
+
+    def spike_after(rises: list[float]) -> bool:
+        """The same spike in u3, after the cluster rose by `rises` in u0-u2 this sync."""
+        test.new_sync()
+        test.sync_rises[2] = dict(zip(units[:3], rises))
+        shared["u3"] = shared["u3"] + 0.2 * _shared(gen)
+        v = _honest(4, gen, shared["u3"], noise=0.3)
+        v[2] = 0.2 * v[2] + 0.8 * _shared(gen) * v[2].norm() / math.sqrt(D)
+        return bool(test.judge("u3", v @ v.T, torch.tensor([True] * 4), list(v)).flagged[2])
+
+    # measured: the slowest of eight IID sites at 1:12 rose 0.28, 0.21, 0.27 in its other units (left out at a
+    # corroboration threshold of 0.25); a liar's other units rise 1.0 or more
+    assert not spike_after([0.28, 0.21, 0.27])
+    assert spike_after([1.0, 1.1, 1.2])
     assert sync({"u0": 1.0, "u1": 1.0, "u2": 1.0, "u3": 1.0}) == [True] * 4
 
 

@@ -152,6 +152,18 @@ def test_the_demos_shape_in_process_fires_no_rule() -> None:
     assert {k: v for k, v in got["warnings_by"].items() if k != "stop"} == {}, got["warning_lines"]
 
 
+def test_two_sites_with_their_own_data_at_1_to_8_hold_nothing() -> None:
+    """The benchmark's worst honest row (`a_edit_1to8_n2_lang_s0`): held by size, the slow site's 22 unit-decisions
+    of 160 were held to the spread (+1.4 % final loss); held by pull, none — and nothing else fires."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import false_positives as fp
+
+    got = fp.run({"name": "lang2", "schedule": "a_edit", "ratio": 8, "clusters": 2, "data": "lang", "seed": 0})
+    assert got["unit_decisions"] > 0
+    assert (got["clipped"], got["held"], got["left_out"], got["retracted"], got["named"]) == (0, 0, 0, 0, []), got
+    assert {k: v for k, v in got["warnings_by"].items() if k != "stop"} == {}, got["warning_lines"]
+
+
 def test_four_unlike_sites_at_1_to_8_lose_nothing_to_the_rule() -> None:
     """Four sites each with its own data, A-EDiT 1:8 (benchmarks/false_positives.py's `lang`): before, 40 of
     their 320 unit-decisions were left out (26 by the direction test's pooled history, 16 on probation after it,

@@ -63,8 +63,10 @@ PAIR_MARGIN = 0.3
 # −0.04 to 0.33. So at three or more clusters a rise past the bound flags a unit only when the lower median of the
 # cluster's rises in the units judged so far this sync (this one included) is above CORROBORATE × the floor, or
 # the rise alone is above ALONE × the floor (no honest rise above 0.70 was measured: a one-unit sign flip is
-# still flagged wherever it sits)
-CORROBORATE, ALONE = 0.5, 2.0
+# still flagged wherever it sits). The lower median of an honest cluster's rises reached 0.27 (eight IID sites at
+# 1:12, seed 1: the slowest, 1 step an interval, rose 0.54 in the output layer and 0.21-0.28 in the others — left
+# out at a threshold of 0.25); a liar's sits at 1.0 or more, so the threshold is 0.4 (CORROBORATE 0.8 × the floor)
+CORROBORATE, ALONE = 0.8, 2.0
 # statistics per module: each cluster's excesses (3+ trusted) and distances to the reference (1 − cosine with
 # the EWMA of the accepted aggregates); the pair's distances (2 contributors), pooled
 KEYS = ("direction", "reference", "pair")
