@@ -382,6 +382,10 @@ def settings(quick: bool, seeds: list[int], clusters: list[int]) -> list[dict[st
     return out
 
 
+def _acted(r: dict[str, Any]) -> bool:
+    return r["clipped"] + r["held"] + r["below_token_share"] + r["left_out"] + r["retracted"] > 0
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     honest = [r for r in rows if not r.get("attack")]
     attacks = [r for r in rows if r.get("attack")]
@@ -396,6 +400,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                       if mechanism(w) != "stop"})[:20],
         "down_weighted_share": (sum(r["held"] + r["below_token_share"] for r in honest) / max(decisions, 1)),
         "worst_loss_ratio": max((r["loss_ratio"] for r in honest), default=None),
+        # the runs in which the rule did anything to an honest unit-decision; where it did nothing its weights are the
+        # nothing-tested run's, and the two differ only by the threads' timing (8 clusters on 2 cores: which member
+        # makes which quorum; two `tokens` runs differ as much, docs/security.md)
+        "worst_loss_ratio_acted": max((r["loss_ratio"] for r in honest if _acted(r)), default=None),
         "attacks_min_caught": min((r["liar_caught"] for r in attacks), default=None),
     }
 
@@ -411,7 +419,8 @@ def targets(s: dict[str, Any]) -> dict[str, Any]:
            "warnings (stop votes: the lead's A-EDiT stop, apart)": t(s["warnings"] - s["stop_warnings"], 0,
                                                                      s["warnings"] == s["stop_warnings"]),
            "down-weighted below the token share": t(s["down_weighted_share"], 0.01, s["down_weighted_share"] <= 0.01),
-           "final loss / nothing tested": t(s["worst_loss_ratio"], 1.002, (s["worst_loss_ratio"] or 0) <= 1.002)}
+           "final loss / nothing tested, where the rule acted": t(s["worst_loss_ratio_acted"], 1.002,
+                                                                 (s["worst_loss_ratio_acted"] or 0) <= 1.002)}
     if s["attacks_min_caught"] is not None:
         out["liar caught in its lying syncs"] = t(s["attacks_min_caught"], 0.95, s["attacks_min_caught"] >= 0.95)
     return out
