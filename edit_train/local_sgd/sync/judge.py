@@ -25,7 +25,7 @@ NAMED_OVER, SPEED_SPAN = 2.0, 16.0
 # Where the roster declares each cluster's hardware speed (roster.py), a member's claimed speed counts at most
 # DECLARED_SPAN times its declared share of the quorum's reference (`declared_floor`), and one over NAMED_OVER times
 # that is named with what to check. Measured (benchmarks/insiders_checked.py: a member claiming 4x its speed and
-# steps, consistently, and sending 15x its Δ; honest loss change at 2 / 3 clusters): a span of 1.0 -1.7 % / -1.1 %,
+# steps, consistently, and sending 15x its Δ; honest loss change at 2 / 3 clusters): a span of 1.0 -1.6 % / -1.1 %,
 # 1.25 +1.3 % / +4.2 %, 1.5 +4.2 % / +8.4 %, none (SPEED_SPAN only) +14.7 % / +19.7 %. So the roster's speeds are
 # the ceiling: an honest cluster faster than declared counts as declared (its weight, never its update, bounded).
 DECLARED_SPAN = 1.0
