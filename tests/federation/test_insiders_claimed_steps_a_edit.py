@@ -187,7 +187,7 @@ def test_a_consistent_speed_claim_buys_no_weight_where_the_roster_declares_speed
         tmp_path: Path, caplog: pytest.LogCaptureFixture, n: int) -> None:
     """A member claiming 4x its speed and 4x its steps (the time caps hold) and sending 15x its Δ: without declared
     speeds it costs the honest +14.7 % (2 clusters) / +19.7 % (3) (benchmarks/insiders_checked.py); with them
-    within 2 % of the clean run, and the liar is named for its speed, no honest cluster."""
+    at most 2 % worse than the clean run, and the liar is named for its speed, no honest cluster."""
     names = [f"c{i}" for i in range(n)]
     liar, honest, speeds = names[-1], names[:-1], {x: 1.0 for x in names}
     clean, _ = _run(tmp_path / "clean", [1] * n, False, speeds=speeds)
@@ -200,7 +200,9 @@ def test_a_consistent_speed_claim_buys_no_weight_where_the_roster_declares_speed
         named = {s["key"] for e in syncs for s in e.get("suspects", [])}
         assert named == {keys[liar]}, (name, named)
         loss, base = final_loss(o, 0), final_loss(clean[name], 0)
-        assert abs(loss - base) <= TOLERANCE * base, (name, loss, base)
+        # the price is what it costs: at most 2 % worse (the liar's data may help — CI measured -2.0 %: the clean
+        # A-EDiT run's quorums follow the threads' timing on a loaded box)
+        assert loss <= (1 + TOLERANCE) * base, (name, loss, base)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(tuple(f"cluster {h}:" for h in honest))]
     assert any(f"cluster {liar} claims" in x and "as the roster declares its hardware" in x
                and f"roster key {keys[liar]}" in x for x in said), said[-20:]
