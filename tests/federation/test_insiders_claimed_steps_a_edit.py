@@ -101,20 +101,25 @@ def test_time_caps_bound_a_claim_by_the_agreed_duration_and_keep_honest_claims()
     assert caps[0] == 9.0 and caps[1] == 5.0
 
 
-@pytest.mark.parametrize("ratio", [1, 3, 12])
+@pytest.mark.parametrize("ratio,declared", [(1, False), (3, False), (12, False), (3, True), (12, True)],
+                         ids=["1:1", "1:3", "1:12", "1:3 declared", "1:12 declared"])
 def test_an_honest_a_edit_federation_keeps_its_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      ratio: int) -> None:
-    seen: list[tuple[list[float], list[float]]] = []
+                                                      ratio: int, declared: bool) -> None:
+    """Every claim kept exactly and nobody named, with or without the roster declaring the speeds it runs at."""
+    seen: list[tuple[list[float], list[float], list[float]]] = []
     real = judge.Judge._time_steps
 
     def spy(self: judge.Judge, claimed: torch.Tensor, secs: torch.Tensor) -> torch.Tensor:
         out = real(self, claimed, secs)
-        seen.append((claimed.tolist(), out.tolist()))
+        seen.append((claimed.tolist(), out.tolist(), list(self.declared)))
         return out
 
     monkeypatch.setattr(judge.Judge, "_time_steps", spy)
-    outs, _ = _run(tmp_path, [1, ratio], liar=False)
-    assert seen and all(a == b for a, b in seen), seen  # every claim kept exactly
+    speeds = {"c0": float(ratio), "c1": 1.0} if declared else None
+    outs, _ = _run(tmp_path, [1, ratio], liar=False, speeds=speeds)
+    assert seen and all(a == b for a, b, _ in seen), seen  # every claim kept exactly
+    want = [float(ratio), 1.0] if declared else [0.0, 0.0]  # the roster's speeds reach the rule (0: none declared)
+    assert all(d == want for _, _, d in seen), seen
     for o in outs.values():
         syncs = _syncs(o)
         assert syncs and not [s for e in syncs for s in e["suspects"]], syncs
@@ -161,25 +166,6 @@ def test_declared_speeds_bound_a_consistent_speed_claim_and_keep_honest_ones() -
     steps = t(4.0, 1.0)
     counted = torch.minimum(steps, time_caps(steps, t(0.01, 0.04), [1, 1], tau, declared=t(1, 1)))
     assert counted[1] / counted.sum() <= 0.5 and counted[0] >= counted[1], counted
-
-
-@pytest.mark.parametrize("ratio", [3, 12])
-def test_an_honest_federation_as_its_roster_declares_keeps_its_claims(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      ratio: int) -> None:
-    seen: list[tuple[list[float], list[float]]] = []
-    real = judge.Judge._time_steps
-
-    def spy(self: judge.Judge, claimed: torch.Tensor, secs: torch.Tensor) -> torch.Tensor:
-        out = real(self, claimed, secs)
-        assert self.declared == [float(ratio), 1.0]  # the roster's speeds reach the rule
-        seen.append((claimed.tolist(), out.tolist()))
-        return out
-
-    monkeypatch.setattr(judge.Judge, "_time_steps", spy)
-    outs, _ = _run(tmp_path, [1, ratio], liar=False, speeds={"c0": float(ratio), "c1": 1.0})
-    assert seen and all(a == b for a, b in seen), seen
-    for o in outs.values():
-        assert not [s for e in _syncs(o) for s in e["suspects"]]
 
 
 @pytest.mark.parametrize("n", [2, 3], ids=["2 clusters", "3 clusters"])
