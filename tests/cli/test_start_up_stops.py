@@ -177,6 +177,7 @@ def test_a_workers_configuration_error_is_not_restarted_by_torchrun(tmp_path: Pa
     _reusable(run_dir)
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: the SIGINT/SIGTERM start-up stops above stay in it
 def test_kill_9_of_a_cluster_job_while_its_worker_starts_leaves_no_worker(tmp_path: Path, small_corpus: str) -> None:
     """Issue 64: `kill -9` of a cluster's torchrun process group while its worker was still starting left the worker
     alive (it set its parent-death signal only once running, and took a dead parent for pid 1, which a container's

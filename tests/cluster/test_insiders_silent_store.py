@@ -55,7 +55,9 @@ def test_the_store_probe_tells_a_silent_listener_from_a_store(silent: str) -> No
     assert time.monotonic() - t0 < 3.0
 
 
-@pytest.mark.parametrize("n", [2, 3], ids=["2 clusters", "3 clusters"])
+# the default suite's 20-minute budget (CI: 1,246 s at the last stop): the 3-cluster case, which has a majority to
+# judge by, stays in it
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3], ids=["2 clusters", "3 clusters"])
 def test_a_member_naming_a_silent_store_is_left_out_and_named(tmp_path: Path, silent: str, n: int,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     names = [f"c{i}" for i in range(n)]  # c0 lies

@@ -59,7 +59,9 @@ def _run(root: Path, names: list[str], staller: str | None) -> tuple[dict[str, O
         run.close()
 
 
-@pytest.mark.parametrize("n", [2, 3], ids=["2 clusters", "3 clusters"])
+# the default suite's 20-minute budget (CI: 1,246 s at the last stop): the 3-cluster case, which has a majority to
+# judge by, stays in it
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3], ids=["2 clusters", "3 clusters"])
 def test_a_member_that_stalls_the_norm_exchange_is_named_and_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                                       n: int) -> None:
     names = [f"c{i}" for i in range(n)]

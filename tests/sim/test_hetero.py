@@ -323,7 +323,7 @@ def slowing_run(tmp_path_factory: pytest.TempPathFactory, corpus: str) -> Path:
     run_dir = tmp_path_factory.mktemp("slowing") / "run"
     cmd = [sys.executable, "-m", "edit_train.cli.train", "cluster=local_2x1", "algo=a_edit", "logger=none",
            "train.progress=false", f"data.source={corpus}", f"run.dir={run_dir}", "train.seq_len=32",
-           "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=160",
+           "train.batch_size=2", "train.eval_every=0", "train.eval_batches=1", "train.steps=120",
            "algo.interval=4", "algo.sync_time_s=0.3", "model.num_hidden_layers=2", "train.log_every=10",
            "cluster.slowdown_schedule=[{cluster:1,step:50,factor:8.0}]"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -137,6 +137,7 @@ def test_the_same_stop_passed_on_is_not_a_second_stop(monkeypatch) -> None:  # t
         raise AssertionError("a second stop must give up at once")
 
 
+@pytest.mark.slow  # the default suite's 20-minute budget: one cluster's Ctrl-C save and resume stays in it
 def test_ctrl_c_of_a_local_federation_saves_every_cluster(tmp_path: Path, small_corpus: str) -> None:
     """The demo's case: Ctrl-C (SIGINT to the process group: the local launcher and both clusters) under the
     default checkpoint.every=0 leaves a checkpoint of each cluster, and the last line says resume=auto
