@@ -12,7 +12,11 @@ after it; `LrShape` given to the core). What differs between clusters is what di
 * data: `iid` (one task, each cluster its own samples), `lang` (each site its own task: a shared map plus a
   site-specific one of the same size, like the four-language sites of `experiment=noniid_lang_4`) and
   `families` (one task, each site's inputs shifted: like the stdlib families);
-* the cluster count (2, 4, 8) and the seed.
+* the cluster count (2, 4, 8) and the seed;
+* the weighting (`algo.rule.verified.weighting`): every A-EDiT setting of unequal speeds runs under `tokens` (the
+  default) and `uniform` (equal weights). The targets read each setting at the weighting its federation should
+  declare (README): `uniform` for sites with their own task (`lang`), `tokens` where the task is shared; the other
+  is measured beside it (`not_as_declared`).
 
 Per run, from the observer's (c0's) decisions — every cluster decides the same — each honest unit-decision is
 counted as clipped (`scale_clip`), held to the spread (`scale_hold`), down-weighted below its token share
@@ -29,7 +33,7 @@ or for the probe liar the syncs after the first in which its scores were not cou
 
     python benchmarks/false_positives.py --quick            # 2 and 4 clusters, 1:3 and 1:12, lang, seed 0
     python benchmarks/false_positives.py --seeds 0 --clusters 2 4 8 --only "n2_|n4_|n8_lang|attack"  # docs/: ~8 min
-    python benchmarks/false_positives.py                    # 3 seeds, 8 clusters on every setting: ~1.5 h
+    python benchmarks/false_positives.py                    # 3 seeds, 8 clusters, both weightings: ~1.2 h
     python benchmarks/false_positives.py --product --quick  # the default demo, shortened, through edit-train
 
 Measured wall time on 2 cores: the docs/ subset (35 honest settings × 3 runs + 11 attacks) 8 min.
@@ -154,12 +158,12 @@ def batch(task: tuple[Tensor, Tensor, Tensor], stream: int, step: int, garbage: 
     return x, y
 
 
-def config(rule: str, schedule: str, n: int, probe: bool) -> LocalSGDConfig:
+def config(rule: str, schedule: str, n: int, probe: bool, weighting: str = "tokens") -> LocalSGDConfig:
     steps = SYNCS * NOMINAL
     sched = ScheduleConfig(kind="time", interval=NOMINAL, sync_time_s=1.0) if schedule == "a_edit" else \
         ScheduleConfig(kind="step", interval=NOMINAL)
     verified = VerifiedConfig(warmup_syncs=5, sketch_dim=256, probe_tokens=16 if probe else 0,
-                              max_token_ratio=float(_CURRENT["token_cap"]))
+                              max_token_ratio=float(_CURRENT["token_cap"]), weighting=weighting)
     if rule == "tokens":  # the verified rule's token weights with nothing tested: what it does when nothing fires
         verified = dataclasses.replace(verified, anomaly=False, probe_tokens=0)
     r = RuleConfig(name="verified" if rule == "tokens" else rule, clip_threshold=10.0, verified=verified)
@@ -275,7 +279,7 @@ def run(s: dict[str, Any], rule: str = "verified") -> dict[str, Any]:
     names = [f"c{i}" for i in range(n)]
     tasks = [site_task(s["data"], i, s["seed"]) for i in range(n)]
     probe = rule == "verified"
-    cfg = config(rule, s["schedule"], n, probe)
+    cfg = config(rule, s["schedule"], n, probe, s.get("weighting", "tokens"))
     hub = InProcessFederation(min_clusters=n, join_timeout_s=60.0, timeout_s=60.0)
     liar, attack = ("c1", s["attack"]) if s.get("attack") else (None, None)
     events: list[dict[str, Any]] = []
@@ -310,13 +314,14 @@ def run(s: dict[str, Any], rule: str = "verified") -> dict[str, Any]:
     out = {"rule": rule, "wall_s": time.perf_counter() - t0,
            "final_loss": final_loss(anchors["c0"], [tk for nm, tk in zip(names, tasks) if nm != liar])}
     if rule == "verified":
-        out.update(count(_DECISIONS.get(key, []), events, warn.lines, liar, attack))
+        out.update(count(_DECISIONS.get(key, []), events, warn.lines, liar, attack, s.get("weighting", "tokens")))
     return out
 
 
 def count(decisions: list[dict[str, Any]], events: list[dict[str, Any]], warnings: list[str], liar: str | None,
-          attack: str | None) -> dict[str, Any]:
-    """The honest unit-decisions by what was done to them, the warnings by mechanism, and the liar's record."""
+          attack: str | None, weighting: str = "tokens") -> dict[str, Any]:
+    """The honest unit-decisions by what was done to them (below its share: its claimed tokens' share, or under
+    `weighting=uniform` the equal share), the warnings by mechanism, and the liar's record."""
     c: dict[str, int] = {"unit_decisions": 0, "clipped": 0, "held": 0, "below_token_share": 0, "left_out": 0}
     left: dict[str, int] = {}
     ratios = [r for d in decisions for j, r in d["ratios"].items() if d["names"][j] != liar]
@@ -340,7 +345,8 @@ def count(decisions: list[dict[str, Any]], events: list[dict[str, Any]], warning
                 c["clipped"] += 1
             elif "scale_hold" in e:
                 c["held"] += 1
-            elif total > 0 and w < (1 - 1e-6) * d["tokens"][j] / total:
+            elif total > 0 and w < (1 - 1e-6) * (1 / len(contributors) if weighting == "uniform" else
+                                                 d["tokens"][j] / total):
                 c["below_token_share"] += 1
     syncs = [e for e in events if e["event"] == "sync" and e["cluster"] != liar]
     retracted = sum(len([k for k in e.get("retracted", {}) if k != liar]) for e in syncs)
@@ -372,8 +378,14 @@ def settings(quick: bool, seeds: list[int], clusters: list[int]) -> list[dict[st
     if quick:
         speeds, datas = [("a_edit", 3), ("a_edit", 12)], ["lang"]
     for (schedule, ratio), n, data, seed in itertools.product(speeds, clusters, datas, seeds):
-        out.append({"name": f"{schedule}_1to{ratio}_n{n}_{data}_s{seed}", "schedule": schedule, "ratio": ratio,
-                    "clusters": n, "data": data, "seed": seed})
+        # both weightings where speeds differ (at 1:1 the claims are equal and so are the weights); the one a
+        # federation should declare (README): `uniform` for sites with their own task (lang), `tokens` elsewhere
+        weightings = ["tokens", "uniform"] if ratio > 1 else ["tokens"]
+        for weighting in weightings:
+            tag = "_uniform" if weighting == "uniform" else ""
+            out.append({"name": f"{schedule}_1to{ratio}_n{n}_{data}{tag}_s{seed}", "schedule": schedule,
+                        "ratio": ratio, "clusters": n, "data": data, "seed": seed, "weighting": weighting,
+                        "declared": (weighting == "uniform") == (data == "lang") or ratio == 1})
     for attack, n in itertools.product(ATTACKS, [2, 4, 8] if not quick else [4]):
         if attack == "probe" and n == 2:
             continue  # one evaluator per update decides nothing (evidence.probe_judgement)
@@ -386,11 +398,31 @@ def _acted(r: dict[str, Any]) -> bool:
     return r["clipped"] + r["held"] + r["below_token_share"] + r["left_out"] + r["retracted"] > 0
 
 
+def declared(r: dict[str, Any]) -> bool:
+    """Is run `r` at the weighting its federation should declare (README): `uniform` for sites with their own task,
+    `tokens` where the task is shared; at equal speeds the two are one."""
+    return r.get("declared", (r.get("weighting", "tokens") == "uniform") == (r["data"] == "lang") or r["ratio"] == 1)
+
+
+def fp_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
+    """What the rule did to honest unit-decisions over `rows` (the targets' counts)."""
+    return {"runs": len(rows), "unit_decisions": sum(r["unit_decisions"] for r in rows),
+            **{k: sum(r[k] for r in rows) for k in ("clipped", "held", "left_out", "retracted", "warnings")},
+            "named": sum(len(r["named"]) for r in rows)}
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    honest = [r for r in rows if not r.get("attack")]
+    everyone = [r for r in rows if not r.get("attack")]
+    honest = [r for r in everyone if declared(r)]  # the targets: each federation at the weighting it should declare
     attacks = [r for r in rows if r.get("attack")]
     decisions = sum(r["unit_decisions"] for r in honest)
     return {
+        # the same honest settings at the other weighting (reported, not a target: e.g. equal weights on one task)
+        "not_as_declared": {**fp_counts([r for r in everyone if not declared(r)]),
+                            "lines": sorted({f"{r['name']}: {w}" for r in everyone if not declared(r)
+                                             for w in r["warning_lines"]})[:6],
+                            "worst_loss_ratio": max((r["loss_ratio"] for r in everyone if not declared(r)),
+                                                    default=None)},
         "runs": len(honest), "unit_decisions": decisions,
         "clipped": sum(r["clipped"] for r in honest), "left_out": sum(r["left_out"] for r in honest),
         "retracted": sum(r["retracted"] for r in honest), "named": sum(len(r["named"]) for r in honest),
@@ -405,6 +437,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # makes which quorum; two `tokens` runs differ as much, docs/security.md)
         "worst_loss_ratio_acted": max((r["loss_ratio"] for r in honest if _acted(r)), default=None),
         "attacks_min_caught": min((r["liar_caught"] for r in attacks), default=None),
+        # weighting=uniform: the rule against equal weights with nothing tested, on every setting where the run is
+        # deterministic (2 and 4 clusters) or the rule acted; at 8 clusters on 2 cores the threads' timing alone
+        # (which member makes which quorum) moves the final loss both ways — reported beside it
+        "worst_uniform_ratio_uniform_weighting": max((r["uniform_ratio"] for r in honest
+                                                      if r.get("weighting") == "uniform"
+                                                      and (r["clusters"] <= 4 or _acted(r))), default=None),
+        "uniform_ratio_uniform_weighting_8": [f(r["uniform_ratio"] for r in honest if r.get("weighting") == "uniform"
+                                                and r["clusters"] > 4) for f in (min, max)]
+        if any(r.get("weighting") == "uniform" and r["clusters"] > 4 for r in honest) else None,
+        # what the weighting chooses (not a defence): the token weights' final loss over equal weights', per data
+        "tokens_over_uniform": {d: [min(v), max(v)] for d in ("iid", "lang", "families")
+                                if (v := [r["uniform_ratio"] for r in everyone if r["data"] == d
+                                          and r.get("weighting", "tokens") == "tokens" and r["ratio"] > 1])},
     }
 
 
@@ -421,6 +466,9 @@ def targets(s: dict[str, Any]) -> dict[str, Any]:
            "down-weighted below the token share": t(s["down_weighted_share"], 0.01, s["down_weighted_share"] <= 0.01),
            "final loss / nothing tested, where the rule acted": t(s["worst_loss_ratio_acted"], 1.002,
                                                                  (s["worst_loss_ratio_acted"] or 0) <= 1.002)}
+    u = s.get("worst_uniform_ratio_uniform_weighting")
+    if u is not None:
+        out["final loss / uniform at weighting=uniform (2-4 clusters, or where the rule acted)"] = t(u, 1.002, u <= 1.002)
     if s["attacks_min_caught"] is not None:
         out["liar caught in its lying syncs"] = t(s["attacks_min_caught"], 0.95, s["attacks_min_caught"] >= 0.95)
     return out
@@ -430,14 +478,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt = C.pyplot()
     honest = [r for r in rows if not r.get("attack")]
     attacks = [r for r in rows if r.get("attack")]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    a.bar(range(len(honest)), [100 * (r["loss_ratio"] - 1) for r in honest],
-          color=["tab:red" if r["clipped"] + r["left_out"] + r["retracted"] else "tab:orange" if r["held"] or
-                 r["warnings"] > r["warnings_by"].get("stop", 0) else "tab:green" for r in honest])
+    fig, (a, c, b) = plt.subplots(1, 3, figsize=(18, 4.5))
+    colors = {"iid": "tab:blue", "lang": "tab:red", "families": "tab:green"}
+    chosen = [r for r in honest if r.get("weighting", "tokens") == "tokens" and r["ratio"] > 1]
+    for d, col in colors.items():
+        pts = [(math.log(r["ratio"]) + 0.08 * math.log2(r["clusters"]), r["uniform_ratio"]) for r in chosen
+               if r["data"] == d]
+        if pts:
+            c.scatter(*zip(*pts), color=col, label=d, s=14)
+    c.axhline(1.0, color="k", lw=0.8)
+    c.set_yscale("log")
+    c.set_xticks([math.log(x) for x in (3, 8, 12)], ["1:3", "1:8", "1:12"])
+    c.set_ylabel("final loss, tokens / uniform weighting")
+    c.set_title("the weighting's choice (A-EDiT; per ratio 2-4-8 clusters)")
+    c.legend(fontsize=8)
+    def color(r: dict[str, Any]) -> str:
+        fired = r["clipped"] + r["left_out"] + r["retracted"]
+        warned = r["held"] or r["warnings"] > r["warnings_by"].get("stop", 0)
+        if not declared(r):  # the setting at the other weighting: measured, not a target
+            return "salmon" if fired else "navajowhite" if warned else "lightgray"
+        return "tab:red" if fired else "tab:orange" if warned else "tab:green"
+
+    a.bar(range(len(honest)), [100 * (r["loss_ratio"] - 1) for r in honest], color=[color(r) for r in honest])
     a.axhline(0.2, color="k", lw=0.8, ls="--")
     a.set_xticks(range(len(honest)), [r["name"] for r in honest], rotation=90, fontsize=5)
     a.set_ylabel("final loss vs nothing tested (%)")
-    a.set_title("honest runs (red: left out / clipped; orange: held or warned)")
+    a.set_title("honest runs (red: left out / clipped; orange: held or warned;\npale: at the weighting not to declare)",
+                fontsize=9)
     b.bar(range(len(attacks)), [100 * r["liar_caught"] for r in attacks], color="tab:blue")
     b.axhline(95, color="k", lw=0.8, ls="--")
     b.set_xticks(range(len(attacks)), [r["name"] for r in attacks], rotation=60, fontsize=7)

@@ -46,6 +46,8 @@ STATUS: dict[str, dict[str, str]] = {
     "convergence_2026": {"measures": "issue 51's outer-loop options on convergence's grid"},
     "convergence_small": {"measures": "the tuned points confirmed on model=small"},
     "convergence_tuned": {"measures": "each algorithm tuned on the same budget (the grid)"},
+    "false_positives_cap1": {"measures": "the verified rule at max_token_ratio=1 on own-task sites (the last stop's "
+                                         "stand-in for equal weights)", "superseded_by": "false_positives"},
     "heterogeneity_same_box": {"measures": "A-EDiT at equal wall time against an earlier commit's code, on this box "
                                            "(issue 51; its harness retired)"},
     "moe_sync_quick": {"measures": "moe_sync's --quick run", "superseded_by": "moe_sync"},

@@ -212,3 +212,40 @@ def test_a_pair_anomaly_that_the_reference_cannot_place_goes_to_the_member_flagg
     assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [False, True]
     test.new_sync()
     assert test.judge("m", v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [False, False]
+
+
+def test_a_pair_anomaly_in_one_unit_flags_only_when_the_pairs_other_units_back_it() -> None:
+    """Two clusters: a pair's distance anomalous in one unit (measured: four-language sites at 1:8 under equal
+    weights, one hidden layer at 1.37x the bound while the units judged before it stood at 0.43x and 0.67x) flags
+    nobody; the same after units that were anomalous too, or in the sync's first unit, or past PAIR_ALONE x the
+    bound alone, flags as before. A sign flip in every unit is flagged in every unit."""
+    from edit_train.local_sgd.aggregation.direction import PAIR_ALONE
+
+    gen = torch.Generator().manual_seed(1)
+    test, shared = _warm_pair(gen, 10)
+    test.new_sync()
+    assert test._pair_corroborated("u0", 0.43) is False and test._pair_corroborated("u1", 0.67) is False
+    assert test._pair_corroborated("u2", 1.37) is False  # the lone spike
+    assert test._pair_corroborated("u3", 1.05 * PAIR_ALONE) is True  # large enough alone
+    test.new_sync()
+    test.sync_pair = {"u0": 1.5, "u1": 1.2}
+    assert test._pair_corroborated("u2", 1.37) is True
+    test.new_sync()
+    assert test._pair_corroborated("u0", 1.37) is True  # the first unit: nothing else to go by
+    assert test._pair_corroborated("u1", math.inf) is False  # a bound still warming up judges nothing
+    units = ["u0", "u1", "u2"]
+    test = DirectionTest(VerifiedConfig(warmup_syncs=3))
+    dirs = {u: _shared(gen) for u in units}
+    for _ in range(10):
+        test.new_sync()
+        for u in units:
+            dirs[u] = dirs[u] + 0.2 * _shared(gen)
+            v = _honest(2, gen, dirs[u])
+            verdict = test.judge(u, v @ v.T, torch.tensor([True, True]), list(v))
+            test.learn(u, verdict, ~verdict.flagged)
+            test.follow(u, list(v), torch.tensor([0.5, 0.5], dtype=torch.float64))
+    test.new_sync()
+    for u in units:
+        v = _honest(2, gen, dirs[u])
+        v[1] = -v[1]
+        assert test.judge(u, v @ v.T, torch.tensor([True, True]), list(v)).flagged.tolist() == [False, True]

@@ -190,7 +190,7 @@ def _probe_sync(rule, sync: int, raw: list[float]) -> Decision:  # type: ignore[
 
 def test_the_probe_judges_a_site_against_its_own_harm() -> None:
     """A site whose updates always raise the others' probe loss by ~30 % (its own data) is not useless once its
-    history holds 3 scores; before that a score counts as harmful above 90 % (`PROBE_LIE` + the tolerance: an honest
+    history holds 6 scores (`PROBE_WARM`); before that a score counts as harmful above 90 % (`PROBE_LIE` + the tolerance: an honest
     four-language site's second score was +77 %), and after, one that jumps far above its own (+90 %) is, as is
     anything above 90 % whatever its history; a site whose
     history is quiet is judged harmful from 40 % (`PROBE_FLOOR`), not from its mean + 10 %."""
@@ -212,6 +212,40 @@ def test_the_probe_judges_a_site_against_its_own_harm() -> None:
     for sync in range(1, 30):  # creeping up in steps its own threshold lets through: held at 90 %
         d = _probe_sync(drift, sync, [min(0.05 * sync, 1.0), 0.0, 0.0, 0.0])
     assert d.left_out[0] and 0.05 * 29 > 0.9
+
+
+def test_a_site_is_judged_on_its_own_probe_history_only_once_it_holds_six_scores() -> None:
+    """Measured under `weighting=uniform` (four-language sites, 1:3-1:8): honest sites scored +0.41 to +0.75 at
+    syncs 5-7 after 3-5 quiet scores (left out at PROBE_WARM 3, whose floor of 40 % applied). Until a site holds
+    PROBE_WARM (6) scores an update is harmful above 90 % only; after, as before."""
+    from edit_train.local_sgd.aggregation.rules import RuleConfig, make_rule
+    from edit_train.local_sgd.aggregation.verified import PROBE_WARM, VerifiedConfig
+
+    assert PROBE_WARM == 6
+    rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
+    for sync, score in enumerate([0.03, -0.02, 0.0], start=1):
+        assert not any(_probe_sync(rule, sync, [0.0, -0.1, score, 0.02]).left_out)
+    assert _probe_sync(rule, 4, [0.0, -0.1, 0.75, 0.02]).left_out == [False] * 4  # the measured +0.75
+    assert _probe_sync(rule, 5, [0.0, -0.1, 0.95, 0.02]).left_out == [False, False, True, False]
+    for quiet in (5, 6):  # the boundary: a quiet history of 5 scores does not judge +45 %, one of 6 does (40 %)
+        fresh = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, probe_tokens=16)))
+        for sync in range(1, quiet + 1):
+            _probe_sync(fresh, sync, [0.0, -0.1, 0.01 * (sync % 2), 0.02])
+        assert _probe_sync(fresh, quiet + 1, [0.0, -0.1, 0.45, 0.02]).left_out[2] is (quiet == 6)
+
+
+def test_two_own_task_sites_with_uniform_weighting_leave_nobody_out() -> None:
+    """Four-language sites at 1:8 under `weighting=uniform`, seed 1: before the pair test corroborated across units
+    (direction.PAIR_ALONE), one hidden layer's anomaly left the fast site out, and the pair's history, learning
+    nothing while a member was out, kept it out for 14 syncs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import false_positives as fp
+
+    got = fp.run({"name": "lang2u", "schedule": "a_edit", "ratio": 8, "clusters": 2, "data": "lang", "seed": 1,
+                  "weighting": "uniform"})
+    assert got["unit_decisions"] > 0
+    assert (got["clipped"], got["held"], got["left_out"], got["retracted"], got["named"]) == (0, 0, 0, 0, []), got
+    assert got["below_token_share"] == 0 and got["warnings"] == 0, got
 
 
 def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:

@@ -102,6 +102,52 @@ def test_tokens_claims_are_capped() -> None:
     assert rule.decide(ev).weights == [0.25, 0.25, 0.5]  # 1e9 counts as 2 x the median (100)
 
 
+def test_uniform_weighting_gives_every_accepted_cluster_the_same_share_whatever_it_claims() -> None:
+    """`weighting=uniform` (sites whose data is their own): the accepted clusters weigh alike, a claim of 1e9 tokens
+    buys nothing, a left-out cluster's share is still a zero update (`left_out=zero`) or the others' (`others`);
+    a weighting the rule does not know is one line."""
+    tokens = torch.tensor([100.0, 10.0, 1e9, 300.0], dtype=torch.float64)
+
+    def weights(left_out: str, probe: list[float]) -> list[float]:
+        rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, weighting="uniform",
+                                                                             left_out=left_out)))
+        ev = Evidence("m", ("a", "b", "c", "d"), torch.ones(4, dtype=torch.float64),
+                      torch.full((4,), 4.0, dtype=torch.float64), (True,) * 4,
+                      {"tokens": tokens, "probe": torch.tensor(probe, dtype=torch.float64)})
+        return rule.decide(ev).weights
+
+    assert weights("zero", [0.0] * 4) == [0.25] * 4
+    assert weights("zero", [0.0, 0.0, 0.0, 0.5]) == [0.25, 0.25, 0.25, 0.0]  # d left out: its quarter is no update
+    assert weights("others", [0.0, 0.0, 0.0, 0.5]) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 0.0])
+    with pytest.raises(ValueError, match=r"weighting must be one of \('tokens', 'uniform'\), got 'speed'"):
+        VerifiedConfig(weighting="speed").validate()
+
+
+def test_a_cluster_corrupt_in_most_units_judged_so_far_is_held_in_the_rest_of_the_sync() -> None:
+    """Within a sync: once most of the units judged so far (at least two) left a cluster out as corrupt (here: it
+    misreported its norm), the rest of the sync holds it (`probation`) even where its unit looks clean; one corrupt
+    unit holds nothing; the next sync starts on probation (half of the last one's units)."""
+    norms = torch.ones(3, dtype=torch.float64)
+
+    def unit(rule, name: str, sync: int, lie: bool):  # type: ignore[no-untyped-def]
+        reported = torch.tensor([1.0, 0.2 if lie else 1.0, 1.0], dtype=torch.float64)
+        ev = Evidence(name, ("a", "b", "c"), norms, torch.full((3,), 4.0, dtype=torch.float64), (True,) * 3,
+                      {"finite": torch.ones(3, dtype=torch.bool), "exact": torch.tensor(True), "reported": reported,
+                       "sync": torch.tensor(sync)})
+        return rule.decide(ev)
+
+    once = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, warmup_syncs=10)))
+    assert unit(once, "u0", 1, True).left_out == [False, True, False]
+    assert [unit(once, u, 1, False).left_out for u in ("u1", "u2", "u3")] == [[False] * 3] * 3
+    twice = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, warmup_syncs=10)))
+    assert unit(twice, "u0", 1, True).left_out == unit(twice, "u1", 1, True).left_out == [False, True, False]
+    for u in ("u2", "u3"):  # clean units: held, "probation"
+        d = unit(twice, u, 1, False)
+        assert d.left_out == [False, True, False] and d.evidence[1]["reasons"] == ["probation"], d.evidence
+    held = unit(twice, "u0", 2, False)
+    assert held.left_out == [False, True, False] and held.evidence[1]["reasons"] == ["probation"]
+
+
 def test_probe_medians_exclude_the_judged_cluster() -> None:
     scores = torch.tensor([[-9.0, 0.3, -0.1], [-0.2, 9.0, math.nan], [-0.4, 0.5, 9.0]], dtype=torch.float64)
     m, suspects = probe_judgement(scores, 1.0)  # rows: evaluators; columns: judged; the diagonal never counts
@@ -177,7 +223,8 @@ def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
     """Two clusters. c1 turns its direction around (cosine −0.9 with c0 instead of 0.9) in modules a and b from
     sync 7 on: flagged (the reference breaks the pair's tie), then on probation — and while on probation it is
     still judged against c0, so at sync 9 it is held again and its small module c, which looks fine, is not
-    let in. Once everything it sends looks right again (sync 10), it is back at sync 11."""
+    let in. Once everything it sends looks right again (sync 10), it is back at sync 11. Within sync 7 already, c
+    is held: both units judged before it left c1 out as corrupt (`VerifiedRule._turned`)."""
     rule = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=4, warmup_syncs=2)))
     u = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
 
@@ -195,7 +242,7 @@ def test_a_pair_keeps_a_cluster_that_stays_wrong_on_probation() -> None:
         assert all(d.weights == [0.5, 0.5] for d in sync(k, ()).values())
     d7 = sync(7, ("a", "b"))
     assert d7["a"].weights == [0.5, 0.0] and "direction" in d7["a"].evidence[1]["reasons"]
-    assert d7["c"].weights == [0.5, 0.5]
+    assert d7["c"].weights == [0.5, 0.0] and d7["c"].evidence[1]["reasons"] == ["probation"]
     for k in (8, 9):  # held out of every module, small module c included
         d = sync(k, ("a", "b"))
         assert all(x.weights == [0.5, 0.0] for x in d.values()), k

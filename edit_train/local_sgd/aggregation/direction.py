@@ -67,6 +67,15 @@ PAIR_MARGIN = 0.3
 # 1:12, seed 1: the slowest, 1 step an interval, rose 0.54 in the output layer and 0.21-0.28 in the others — left
 # out at a threshold of 0.25); a liar's sits at 1.0 or more, so the threshold is 0.4 (CORROBORATE 0.8 × the floor)
 CORROBORATE, ALONE = 0.8, 2.0
+# The pair test (two clusters) corroborates the same way, in units of its bound: two honest sites with their own
+# data and equal weights (`weighting=uniform`) drift toward opposite directions as the anchor nears the point
+# where their pulls cancel, one unit at a time — measured (benchmarks/false_positives.py, four-language sites at
+# 1:8, seed 1): one hidden layer's pair distance jumped to 1.37x the bound while the other units stood at
+# 0.3-0.7x, and once its faster site was left out, the pair's frozen history kept it out for 14 syncs. A
+# payload that turned (a sign flip, garbage) moves the pair's distance in every unit. So a unit's pair
+# anomaly flags only when the lower median of the pair's ratios this sync (this unit's included) is above 1, or
+# the ratio alone is above PAIR_ALONE
+PAIR_ALONE = 2.0
 # statistics per module: each cluster's excesses (3+ trusted) and distances to the reference (1 − cosine with
 # the EWMA of the accepted aggregates); the pair's distances (2 contributors), pooled
 KEYS = ("direction", "reference", "pair")
@@ -131,6 +140,7 @@ class DirectionTest:
         # sync's units judged so far (`new_sync` clears them; every member judges the units in the same order; a
         # unit decided twice — a sketched SUM's provisional and final decision — counts once)
         self.sync_accused: set[int] = set()  # rows a two-cluster test flagged in a unit of this sync
+        self.sync_pair: dict[str, float] = {}  # unit -> the pair test's z over its bound there, this sync
 
     def _stat(self, key: str, module: str, rows: int = 1) -> EWMAStats:
         """The statistics of `key` for `module` (per cluster: at least `rows` rows, grown empty)."""
@@ -208,6 +218,8 @@ class DirectionTest:
         if len(t_idx) == 2:
             a, b = t_idx
             flagged, z, bound = self._test(self._stat("pair", module), x)
+            if not self._pair_corroborated(module, float(z[a] / bound[a])):
+                flagged[:] = False
             if bool(flagged[a]):  # the pair disagrees unusually: the one whose distance to the reference rose
                 # further above its own history, by PAIR_MARGIN more than the other's, is off; otherwise neither
                 flagged[:] = False
@@ -224,7 +236,17 @@ class DirectionTest:
 
     def new_sync(self) -> None:
         """A new sync's units are about to be judged: the rises and accusations of the last one's are forgotten."""
-        self.sync_rises, self.sync_accused = {}, set()
+        self.sync_rises, self.sync_accused, self.sync_pair = {}, set(), {}
+
+    def _pair_corroborated(self, module: str, ratio: float) -> bool:
+        """Is a pair's distance in this unit (`ratio`: its z over the bound, 0 while the test warms up) anomalous and
+        backed by the pair's other units this sync — the lower median of the ratios so far, this one included, above 1 — or large enough
+        alone (above ALONE)? A pair whose members turned apart turned in most units; two honest sites with their
+        own data drift apart one unit at a time (see PAIR_ALONE). Records this unit's ratio."""
+        ratio = ratio if math.isfinite(ratio) else 0.0
+        self.sync_pair[module] = ratio
+        seen = torch.tensor(list(self.sync_pair.values()), dtype=torch.float64)
+        return ratio > 1.0 and (ratio > PAIR_ALONE or _lower_median(seen) > 1.0)
 
     def _corroborated(self, module: str, e: Tensor, rows: Tensor) -> Tensor:
         """Per contributor: is a rise past the bound here backed by the cluster's other units this sync (the lower

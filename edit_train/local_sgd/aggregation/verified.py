@@ -15,7 +15,8 @@ Per unit, a contributing cluster is left out (weight 0) when any of these holds 
   evaluator decides alone (`evidence.probe_judgement`); sites with their own data make each other's slices
   worse by tens of percent, every sync alike; a harmful update far more, or suddenly;
 * probation: at least half of its units were left out of its previous sync as corrupt (direction, non-finite,
-  misreported) — or it was on probation then and some unit still was — and that update did not demonstrably
+  misreported) — or it was on probation then and some unit still was, or most of the units judged so far in this
+  sync (at least two) left it out as corrupt — and that update did not demonstrably
   help the others (its probe score was not below −`probe_tolerance`/10, a tenth of the tolerance as an
   improvement): an update that broken is not trusted in any unit of the next sync — small units (norms,
   biases) whose direction is too noisy to judge included. A cluster on probation stays on it while any of its
@@ -24,9 +25,10 @@ Per unit, a contributing cluster is left out (weight 0) when any of these holds 
   anchor while its first unit was still flagged every sync.
 
 Norm statistics are per cluster name, direction statistics pooled per unit; both learn accepted values
-only. Weights: the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the median claim (a
-cluster cannot buy weight by exaggerating); a left-out cluster's share is a zero update (`left_out`,
-`token_weights`). With `expert_weights=tokens`, each expert's rows weigh every cluster by that backing spread
+only. Weights (`weighting`): by default the accepted clusters' claimed tokens, each capped at `max_token_ratio` × the
+median claim (a cluster cannot buy weight by exaggerating); with `weighting=uniform` every accepted cluster the
+same share, whatever it claims (sites whose data is their own: a fast site's tokens would make the anchor its
+task's); a left-out cluster's share is a zero update (`left_out`, `token_weights`). With `expert_weights=tokens`, each expert's rows weigh every cluster by that backing spread
 over the experts as the cluster routed its tokens (`experts.expert_weights`; the same judgements: a cluster left
 out of the unit is left out of every expert).
 """
@@ -61,10 +63,15 @@ _OWN = ("norm/", "interval/", "probe/")  # the per-cluster statistics this rule 
 # (raw: before this offset) learn at PROBE_RATE; once it has PROBE_WARM of them its update is harmful above
 # max(mean, 0) + max(`probe_tolerance`, PROBE_Z·σ), at least PROBE_FLOOR (an honest site's harm grows as training
 # nears the fixed point: +12-30 % above a quiet history was measured) and at most PROBE_LIE + `probe_tolerance`
-# (what an honest site may do; more is harmful whatever its history); before that, above the most.
-PROBE_RATE, PROBE_WARM, PROBE_Z, PROBE_FLOOR = 0.2, 3, 3.0, 0.4
+# (what an honest site may do; more is harmful whatever its history); before that, above the most. PROBE_WARM was 3:
+# under `weighting=uniform` honest four-language sites at 1:3-1:8 scored +0.41 to +0.75 at syncs 5-7 with 3-5
+# scores of history (mean ~0, sigma 0.02-0.15: the scores of the first syncs, before the anchor served every
+# site, say little of what comes after) and were left out (benchmarks/false_positives.py, 16 decisions in 3 of
+# 27 runs); with 6 nothing was. A harmful update above PROBE_LIE + the tolerance is caught from the first score.
+PROBE_RATE, PROBE_WARM, PROBE_Z, PROBE_FLOOR = 0.2, 6, 3.0, 0.4
 LEFT_OUT = ("zero", "others")  # `left_out`: see VerifiedConfig
 EXPERT_WEIGHTS = ("none", "tokens")  # `expert_weights`: see VerifiedConfig
+WEIGHTINGS = ("tokens", "uniform")  # `weighting`: see VerifiedConfig
 
 
 @dataclass
@@ -86,6 +93,14 @@ class VerifiedConfig(NormTestConfig):
     # a cluster's claimed tokens count up to this many times the median claim: an honest A-EDiT cluster 12 times
     # as fast as the median is not capped (benchmarks/false_positives.py: 8 capped every decision of a 1:12 pair)
     max_token_ratio: float = 16.0
+    # what an accepted cluster's share of a step is: "tokens" (its claimed tokens, capped as above: clusters that
+    # train one task, where a fast cluster's steps are more of the same progress) or "uniform" (every accepted
+    # cluster alike: sites whose data is their own, where the anchor should serve every site's task and not the
+    # fastest one's; benchmarks/false_positives.py measured tokens 1.03-1.54x uniform's loss on own-task sites at
+    # 1:3-1:12 and 0.28-0.96x where the task is shared). The rule cannot tell the two from the updates (the same
+    # benchmark: the pairs' cosines and probe scores overlap at 1:8-1:12): the operator declares it, and it is part
+    # of the configuration fingerprint the roster signs.
+    weighting: str = "tokens"
     # what a left-out cluster's token share of a unit's step becomes: "zero" (the step is backed by the
     # accepted tokens only and shrinks with them) or "others" (shared among the accepted, as EDiT renormalises)
     left_out: str = "zero"
@@ -116,6 +131,8 @@ class VerifiedConfig(NormTestConfig):
         check_fields(0.0 < self.direction_rate <= 1.0, f"{rule}.direction_rate",
                      f"must be in (0, 1], got {self.direction_rate}")
         check_fields(self.left_out in LEFT_OUT, f"{rule}.left_out", f"must be one of {LEFT_OUT}, got {self.left_out!r}")
+        check_fields(self.weighting in WEIGHTINGS, f"{rule}.weighting",
+                     f"must be one of {WEIGHTINGS}, got {self.weighting!r}")
         check_fields(self.expert_weights in EXPERT_WEIGHTS, f"{rule}.expert_weights",
                      f"must be one of {EXPERT_WEIGHTS}, got {self.expert_weights!r}")
         check_fields(self.expert_min_tokens >= 0 and (self.expert_min_tokens == 0 or self.expert_weights == "tokens"),
@@ -244,7 +261,8 @@ class VerifiedRule:
         key = "probe_raw" if "probe_raw" in ev.extra else "probe"  # what its update did, whatever its history
         probe = torch.as_tensor(ev.extra[key], dtype=torch.float64)[idx] if key in ev.extra else None
         helped = -0.1 * cfg.probe_tolerance  # "demonstrably helped": lowered the others' probe loss this much
-        held = torch.tensor([n in self.probation and not (probe is not None and float(probe[j]) < helped)
+        held = torch.tensor([(n in self.probation or self._turned(n))
+                             and not (probe is not None and float(probe[j]) < helped)
                              for j, n in enumerate(names)], dtype=torch.bool)
         flags: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # test -> (flagged, z, bound, readmitted)
         st, rows = self._rows(f"norm/{ev.module}", names)
@@ -285,6 +303,15 @@ class VerifiedRule:
                 for j, n in enumerate(names)})
         return spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
 
+    def _turned(self, name: str) -> bool:
+        """Within a sync: most of the units judged so far (at least two) left `name` out as corrupt — the rest of
+        the sync holds it as probation would. A payload that turned, turned in most units; measured
+        (benchmarks/false_positives.py, garbage at eight clusters): a liar let off probation was flagged in the
+        three large units of a sync and accepted in the small output layer, where garbage looked like an honest
+        site's spike (1 of 14 lying syncs, in about half the runs, by the threads' timing)."""
+        judged, corrupt = self.tally.get(name, (0, 0))
+        return judged >= 2 and 2 * corrupt > judged
+
     # ------------------------------------------------------------------ the tests
     def _misreported(self, ev: Evidence, g: Tensor, idx: list[int]) -> Tensor:
         """The reported norm against the measured one: gathered, the norm of what was sent (lossless links:
@@ -309,7 +336,8 @@ class VerifiedRule:
 
     def _weights(self, ev: Evidence, idx: list[int], anomalous: Tensor) -> tuple[Tensor, list[list[float]] | None]:
         """The unit's weights, and (expert_weights=tokens, a unit with experts) each expert's [E][len(idx)]."""
-        claims, cfg = claimed_tokens(ev, idx), self.cfg
+        cfg = self.cfg
+        claims = claimed_tokens(ev, idx) if cfg.weighting == "tokens" else torch.ones(len(idx), dtype=torch.float64)
         w = token_weights(claims, ~anomalous, cfg.max_token_ratio, cfg.left_out)
         if cfg.expert_weights != "tokens" or "expert_tokens" not in ev.extra:
             return w, None
