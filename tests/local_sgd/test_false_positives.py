@@ -248,6 +248,22 @@ def test_two_own_task_sites_with_uniform_weighting_leave_nobody_out() -> None:
     assert got["below_token_share"] == 0 and got["warnings"] == 0, got
 
 
+def test_the_weighting_is_the_federations_declaration() -> None:
+    """`algo.rule.verified.weighting`: `tokens` by default, `uniform` where the four-language experiment declares
+    sites with their own task; part of the configuration fingerprint, so a cluster declaring the other refuses
+    itself (the roster signs the fingerprint), and the difference is named."""
+    from edit_train.cli.common import compose
+    from edit_train.local_sgd.aggregation.claims import differences
+    from edit_train.train.build import fingerprint
+
+    tokens = compose(["cluster=local_2x1"])
+    assert tokens.algo.rule.verified.weighting == "tokens"
+    assert compose(["experiment=noniid_lang_4"]).algo.rule.verified.weighting == "uniform"
+    uniform = compose(["cluster=local_2x1", "algo.rule.verified.weighting=uniform"])
+    assert fingerprint(uniform) != fingerprint(tokens)
+    assert "model/algo/sync" in differences(fingerprint(uniform), fingerprint(tokens))
+
+
 def test_an_honest_evaluator_with_other_data_is_not_suspected() -> None:
     """Four-language sites' evaluators disagreed with the others by up to 0.87 (median over the updates they
     scored, false_positives.py seed 0): not suspected; a liar scoring +1000 % is, whatever the others' data."""
