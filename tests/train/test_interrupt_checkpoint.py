@@ -14,6 +14,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY, cli_env, read_events, script_cmd
 
 LONE = ["experiment=single", "model=tiny", "logger=none", "train.progress=false", "train.seq_len=32",
