@@ -141,8 +141,8 @@ def test_a_cluster_corrupt_in_most_units_judged_so_far_is_held_in_the_rest_of_th
     assert [unit(once, u, 1, False).left_out for u in ("u1", "u2", "u3")] == [[False] * 3] * 3
     twice = make_rule(RuleConfig(name="verified", verified=VerifiedConfig(sketch_dim=0, warmup_syncs=10)))
     assert unit(twice, "u0", 1, True).left_out == unit(twice, "u1", 1, True).left_out == [False, True, False]
-    for u in ("u2", "u3"):  # clean units: held, "probation"
-        d = unit(twice, u, 1, False)
+    for u in ("u2", "u3", "u4", "u5", "u2"):  # clean units: held, "probation" — to the sync's end, and a unit
+        d = unit(twice, u, 1, False)  # decided twice (a sketched SUM's provisional and final decision) counts once
         assert d.left_out == [False, True, False] and d.evidence[1]["reasons"] == ["probation"], d.evidence
     held = unit(twice, "u0", 2, False)
     assert held.left_out == [False, True, False] and held.evidence[1]["reasons"] == ["probation"]

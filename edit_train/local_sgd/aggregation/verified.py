@@ -159,6 +159,10 @@ class VerifiedRule:
         self.direction = DirectionTest(cfg)
         self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
         self.tally: dict[str, list[int]] = {}  # name -> [units judged, units left out as corrupt]
+        # name -> unit -> left out as corrupt, this sync's units so far (a unit decided twice — a sketched SUM's
+        # provisional and final decision — counts once: its last); every unit of a sync is decided within one
+        # step, so no checkpoint falls between them
+        self.units_corrupt: dict[str, dict[str, bool]] = {}
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
         self.probe_learned = -1  # the sync whose probe scores the typical scores last learned
 
@@ -239,7 +243,7 @@ class VerifiedRule:
                               if 2 * corrupt >= judged > 0 or (n in self.probation and corrupt > 0)}
         else:  # a gap (this cluster missed syncs): the others' last sync is not known here
             self.probation = set()
-        self.sync, self.tally = sync, {}
+        self.sync, self.tally, self.units_corrupt = sync, {}, {}
 
     def decide(self, ev: Evidence) -> Decision:
         self._new_sync(ev)
@@ -261,8 +265,8 @@ class VerifiedRule:
         key = "probe_raw" if "probe_raw" in ev.extra else "probe"  # what its update did, whatever its history
         probe = torch.as_tensor(ev.extra[key], dtype=torch.float64)[idx] if key in ev.extra else None
         helped = -0.1 * cfg.probe_tolerance  # "demonstrably helped": lowered the others' probe loss this much
-        held = torch.tensor([(n in self.probation or self._turned(n))
-                             and not (probe is not None and float(probe[j]) < helped)
+        turned = [self._turned(n, ev.module) for n in names]
+        held = torch.tensor([(n in self.probation or turned[j]) and not (probe is not None and float(probe[j]) < helped)
                              for j, n in enumerate(names)], dtype=torch.bool)
         flags: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # test -> (flagged, z, bound, readmitted)
         st, rows = self._rows(f"norm/{ev.module}", names)
@@ -287,9 +291,10 @@ class VerifiedRule:
             self.direction.learn(ev.module, verdict, ~anomalous)
         corrupt = bad | lied | (verdict.flagged if verdict is not None else torch.zeros_like(bad))
         for j, n in enumerate(names):
+            self.units_corrupt.setdefault(n, {})[ev.module] = bool(corrupt[j]) or turned[j]  # held on: stays held
             t = self.tally.setdefault(n, [0, 0])
             t[0] += 1
-            t[1] += int(bool(corrupt[j]))
+            t[1] += int(bool(corrupt[j]) or turned[j])
         w, per_expert = self._weights(ev, idx, anomalous)
         ref_cos = [self.direction.ref_cosine(ev.module, s) for s in sk] if sk is not None else [None] * len(idx)
         self.direction.follow(ev.module, sk, w)
@@ -303,14 +308,14 @@ class VerifiedRule:
                 for j, n in enumerate(names)})
         return spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
 
-    def _turned(self, name: str) -> bool:
+    def _turned(self, name: str, module: str) -> bool:
         """Within a sync: most of the units judged so far (at least two) left `name` out as corrupt — the rest of
         the sync holds it as probation would. A payload that turned, turned in most units; measured
         (benchmarks/false_positives.py, garbage at eight clusters): a liar let off probation was flagged in the
         three large units of a sync and accepted in the small output layer, where garbage looked like an honest
         site's spike (1 of 14 lying syncs, in about half the runs, by the threads' timing)."""
-        judged, corrupt = self.tally.get(name, (0, 0))
-        return judged >= 2 and 2 * corrupt > judged
+        seen = [c for unit, c in self.units_corrupt.get(name, {}).items() if unit != module]
+        return len(seen) >= 2 and 2 * sum(seen) > len(seen)
 
     # ------------------------------------------------------------------ the tests
     def _misreported(self, ev: Evidence, g: Tensor, idx: list[int]) -> Tensor:
