@@ -157,11 +157,10 @@ class VerifiedRule:
         self.clusters = ClusterRows()
         self.stats: dict[str, EWMAStats] = {}  # "norm/<unit>" -> one row per cluster
         self.direction = DirectionTest(cfg)
-        self.sync = -1  # the sync being decided (from the evidence), and per cluster its tally so far:
-        self.tally: dict[str, list[int]] = {}  # name -> [units judged, units left out as corrupt]
-        # name -> unit -> left out as corrupt, this sync's units so far (a unit decided twice — a sketched SUM's
-        # provisional and final decision — counts once: its last); every unit of a sync is decided within one
-        # step, so no checkpoint falls between them
+        self.sync = -1  # the sync being decided (from the evidence), and per cluster its units so far:
+        # name -> unit -> left out as corrupt (a unit decided twice — a sketched SUM's provisional and final
+        # decision — counts once: its last); every unit of a sync is decided within one step, so a checkpoint
+        # falls between syncs and keeps only the counts (`tally`)
         self.units_corrupt: dict[str, dict[str, bool]] = {}
         self.probation: set[str] = set()  # clusters whose previous sync was mostly corrupt
         self.probe_learned = -1  # the sync whose probe scores the typical scores last learned
@@ -243,7 +242,7 @@ class VerifiedRule:
                               if 2 * corrupt >= judged > 0 or (n in self.probation and corrupt > 0)}
         else:  # a gap (this cluster missed syncs): the others' last sync is not known here
             self.probation = set()
-        self.sync, self.tally, self.units_corrupt = sync, {}, {}
+        self.sync, self.units_corrupt = sync, {}
 
     def decide(self, ev: Evidence) -> Decision:
         self._new_sync(ev)
@@ -292,9 +291,6 @@ class VerifiedRule:
         corrupt = bad | lied | (verdict.flagged if verdict is not None else torch.zeros_like(bad))
         for j, n in enumerate(names):
             self.units_corrupt.setdefault(n, {})[ev.module] = bool(corrupt[j]) or turned[j]  # held on: stays held
-            t = self.tally.setdefault(n, [0, 0])
-            t[0] += 1
-            t[1] += int(bool(corrupt[j]) or turned[j])
         w, per_expert = self._weights(ev, idx, anomalous)
         ref_cos = [self.direction.ref_cosine(ev.module, s) for s in sk] if sk is not None else [None] * len(idx)
         self.direction.follow(ev.module, sk, w)
@@ -307,6 +303,11 @@ class VerifiedRule:
                 **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.evidence[j].items()}}
                 for j, n in enumerate(names)})
         return spread(d, idx, len(ev.names), torch.as_tensor(ev.norms, dtype=torch.float64))
+
+    @property
+    def tally(self) -> dict[str, list[int]]:
+        """Per cluster [units judged, units left out as corrupt] so far this sync (what a checkpoint keeps)."""
+        return {n: [len(u), sum(u.values())] for n, u in self.units_corrupt.items()}
 
     def _turned(self, name: str, module: str) -> bool:
         """Within a sync: most of the units judged so far (at least two) left `name` out as corrupt — the rest of
@@ -385,7 +386,7 @@ class VerifiedRule:
                    for f in EWMAStats.FIELDS}
         tensors.update({f"ref/{m}": r.clone().contiguous() for m, r in self.direction.refs.items()})
         return {"roster": list(self.clusters.names), "sync": self.sync, "probation": sorted(self.probation),
-                "tally": {n: list(t) for n, t in self.tally.items()}, "accused": dict(self.direction.accused)}, tensors
+                "tally": self.tally, "accused": dict(self.direction.accused)}, tensors
 
     def load(self, meta: dict[str, Any], tensors: dict[str, Tensor]) -> None:
         roster = [str(n) for n in meta.get("roster", [])]
@@ -425,7 +426,8 @@ class VerifiedRule:
         self.direction.refs = refs
         self.direction.accused = {str(k): int(v) for k, v in accused.items()}
         self.sync, self.probation = sync, {str(n) for n in probation}
-        self.tally = {str(n): [int(t[0]), int(t[1])] for n, t in tally.items()}
+        # the counts stand for the units they counted (a checkpoint falls between syncs: only the counts matter)
+        self.units_corrupt = {str(n): {f"#{k}": k < int(t[1]) for k in range(int(t[0]))} for n, t in tally.items()}
 
 
 def claimed_tokens(ev: Evidence, idx: list[int]) -> Tensor:
