@@ -384,8 +384,7 @@ def settings(quick: bool, seeds: list[int], clusters: list[int]) -> list[dict[st
         for weighting in weightings:
             tag = "_uniform" if weighting == "uniform" else ""
             out.append({"name": f"{schedule}_1to{ratio}_n{n}_{data}{tag}_s{seed}", "schedule": schedule,
-                        "ratio": ratio, "clusters": n, "data": data, "seed": seed, "weighting": weighting,
-                        "declared": (weighting == "uniform") == (data == "lang") or ratio == 1})
+                        "ratio": ratio, "clusters": n, "data": data, "seed": seed, "weighting": weighting})
     for attack, n in itertools.product(ATTACKS, [2, 4, 8] if not quick else [4]):
         if attack == "probe" and n == 2:
             continue  # one evaluator per update decides nothing (evidence.probe_judgement)
@@ -401,7 +400,7 @@ def _acted(r: dict[str, Any]) -> bool:
 def declared(r: dict[str, Any]) -> bool:
     """Is run `r` at the weighting its federation should declare (README): `uniform` for sites with their own task,
     `tokens` where the task is shared; at equal speeds the two are one."""
-    return r.get("declared", (r.get("weighting", "tokens") == "uniform") == (r["data"] == "lang") or r["ratio"] == 1)
+    return (r.get("weighting", "tokens") == "uniform") == (r["data"] == "lang") or r["ratio"] == 1
 
 
 def fp_counts(rows: list[dict[str, Any]]) -> dict[str, int]:
